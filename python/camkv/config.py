@@ -1,0 +1,111 @@
+"""CaMConfig: every knob of ALGORITHM.md section 1, validated before any state changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+MERGE_MODES = ("sim_weighted", "mean", "window", "drop")
+SCORING_MODES = ("key", "query")
+PREFILL_MODES = ("exact", "chunk")
+BACKENDS = ("auto", "reference", "ext", "metal", "cuda")
+UINT32_MAX = 2**32 - 1
+
+
+def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    # bool is an int subclass; a True budget is a bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"CaMConfig.{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"CaMConfig.{name} must be {allowed}, got {value!r}")
+
+
+def _check_choice(name: str, value, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"CaMConfig.{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+        )
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"CaMConfig.{name} must be True or False, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CaMConfig:
+    """Configuration of one CaM cache (one transformer layer).
+
+    Fields (defaults in brackets):
+
+    - budget [512]: most tokens a row (batch element, KV head) keeps.
+    - n_sink [4]: the first positions, never evicted (attention sinks).
+    - recent [32]: the newest positions, never evicted (p - recent < position).
+    - merge ["sim_weighted"]: what happens to an evicted token:
+      "sim_weighted" blends it into its most similar survivor with weight
+      clamp(cos, 0, 1); "mean" blends with weight 0.5; "window" spreads it over
+      the `window` survivors that follow it (the paper's form); "drop" discards it (H2O).
+    - merge_keys [False]: blend keys as well as values (not with "window").
+    - window [4]: survivors a token is spread over in "window" mode.
+    - gate [True]: merge only with probability clamp(s_e / s_target, 0, 1) (CaM Eq. 14).
+    - seed [0]: uint32 seed of the gate's deterministic draws; each layer adds its index.
+    - scoring ["key"]: "key" scores with the new key as a stand-in query; "query"
+      uses the model's own queries (needs the attention hook of camkv.apply).
+    - prefill ["chunk"]: "exact" runs a multi-token call one token at a time;
+      "chunk" scores the whole block at once and evicts once (fast prompts).
+    - backend ["auto"]: "auto", "reference", "ext", "metal" or "cuda".
+
+    Requires n_sink + recent < budget. Invalid values raise ValueError naming the
+    field, the bad value and what is allowed.
+    """
+
+    budget: int = 512
+    n_sink: int = 4
+    recent: int = 32
+    merge: str = "sim_weighted"
+    merge_keys: bool = False
+    window: int = 4
+    gate: bool = True
+    seed: int = 0
+    scoring: str = "key"
+    prefill: str = "chunk"
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_int("budget", self.budget, 1)
+        _check_int("n_sink", self.n_sink, 0)
+        _check_int("recent", self.recent, 1)
+        _check_int("window", self.window, 1)
+        _check_int("seed", self.seed, 0, UINT32_MAX)
+        _check_choice("merge", self.merge, MERGE_MODES)
+        _check_choice("scoring", self.scoring, SCORING_MODES)
+        _check_choice("prefill", self.prefill, PREFILL_MODES)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_bool("merge_keys", self.merge_keys)
+        _check_bool("gate", self.gate)
+        if self.merge_keys and self.merge == "window":
+            raise ValueError(
+                "CaMConfig.merge_keys=True is not allowed with merge='window' "
+                "(window mode never changes keys); use merge_keys=False"
+            )
+        if self.n_sink + self.recent >= self.budget:
+            raise ValueError(
+                f"CaMConfig.budget must exceed n_sink + recent = {self.n_sink} + "
+                f"{self.recent} = {self.n_sink + self.recent}, got budget={self.budget}"
+            )
+
+    def replace(self, **changes) -> "CaMConfig":
+        """A copy with some fields changed (validated like a new config)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"CaMConfig has no field(s) {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CaMConfig":
+        return cls(**json.loads(text))

@@ -1,0 +1,299 @@
+"""The pure-MLX reference of ALGORITHM.md: the oracle every kernel is checked against.
+
+A literal transcription, vectorised over rows (r = b * H + h): no Python loop over
+batch or heads. Exact mode loops over the tokens of a call; chunk mode loops over
+its losers (each merge must see the state the previous one left). Everything is
+float32 arithmetic; keys and values are rounded to the storage dtype once per merge.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from .config import CaMConfig
+
+_GOLDEN = 0x9E3779B9
+_MIX_MUL_1 = 0x7FEB352D
+_MIX_MUL_2 = 0x846CA68B
+_INF = float("inf")
+
+
+class RowState(NamedTuple):
+    """Stored tokens of every row, oldest first. R = B * H rows, n tokens each."""
+
+    keys: mx.array  # [R, n, Dk], storage dtype
+    values: mx.array  # [R, n, Dv], storage dtype
+    scores: mx.array  # [R, n] float32, accumulated attention mass
+    positions: mx.array  # [R, n] int32, absolute positions, ascending
+
+    @classmethod
+    def empty(cls, rows: int, k_dim: int, v_dim: int, dtype) -> "RowState":
+        return cls(
+            mx.zeros((rows, 0, k_dim), dtype),
+            mx.zeros((rows, 0, v_dim), dtype),
+            mx.zeros((rows, 0), mx.float32),
+            mx.zeros((rows, 0), mx.int32),
+        )
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[1]
+
+
+# ----------------------------------------------------------------------------
+# Section 6: deterministic draws
+
+
+def _mix(x: mx.array) -> mx.array:
+    x = x ^ (x >> 16)
+    x = x * mx.array(_MIX_MUL_1, mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(_MIX_MUL_2, mx.uint32)
+    return x ^ (x >> 16)
+
+
+def gate_hash(seed, row, position) -> mx.array:
+    """h = mix(mix(mix(p ^ 0x9e3779b9) ^ r) ^ seed) on uint32 with wrap-around."""
+    p = mx.array(position).astype(mx.uint32)
+    r = mx.array(row).astype(mx.uint32)
+    s = mx.array(seed).astype(mx.uint32)
+    return _mix(_mix(_mix(p ^ mx.array(_GOLDEN, mx.uint32)) ^ r) ^ s)
+
+
+def uniform(seed, row, position) -> mx.array:
+    """The gate's draw in [0, 1): (h >> 8) * 2^-24 as float32."""
+    return (gate_hash(seed, row, position) >> 8).astype(mx.float32) * (2.0**-24)
+
+
+# ----------------------------------------------------------------------------
+# Small vectorised helpers (all over a row axis 0)
+
+
+def _first_argmin(x: mx.array) -> mx.array:
+    """Index of the smallest entry of each row; ties go to the smaller index."""
+    idx = mx.arange(x.shape[-1])
+    lowest = mx.min(x, axis=-1, keepdims=True)
+    return mx.min(mx.where(x == lowest, idx, x.shape[-1]), axis=-1)
+
+
+def _first_argmax(x: mx.array) -> mx.array:
+    return _first_argmin(-x)
+
+
+def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
+    """x[r, idx[r]] for x [R, N] or [R, N, D]; idx [R]."""
+    if x.ndim == 2:
+        return mx.take_along_axis(x, idx[:, None], axis=1)[:, 0]
+    return mx.take_along_axis(x, idx[:, None, None], axis=1)[:, 0, :]
+
+
+def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible) -> mx.array:
+    """Section 2: softmax weights of each query over keys, summed over queries / G.
+
+    queries [R, S, G, Dk] float32, keys [R, N, Dk] float32, visible [S, N] bool or None.
+    Returns [R, N] float32.
+    """
+    rows, s_len, groups, k_dim = queries.shape
+    q = queries.reshape(rows, s_len * groups, k_dim)
+    logits = scale * (q @ keys.transpose(0, 2, 1))  # [R, S*G, N]
+    logits = logits.reshape(rows, s_len, groups, -1)
+    if visible is not None:
+        logits = mx.where(visible[None, :, None, :], logits, -_INF)
+    weights = mx.softmax(logits, axis=-1, precise=True)
+    return weights.sum(axis=(1, 2)) / groups
+
+
+# ----------------------------------------------------------------------------
+# Sections 4.1-4.4: one merge of loser e into the survivors, for every row
+
+
+def _blend_rows(rows: mx.array, target_mask: mx.array, source: mx.array, weight, do: mx.array):
+    """rows [R, N, D] storage dtype; replace each masked row by (1 - w) row + w source."""
+    f = rows.astype(mx.float32)
+    w = weight[:, None, None] if isinstance(weight, mx.array) else weight
+    blended = ((1.0 - w) * f + w * source[:, None, :]).astype(rows.dtype)
+    return mx.where((target_mask & do[:, None])[:, :, None], blended, rows)
+
+
+def _merge_one(
+    keys, values, scores, positions, survivor, e, row_ids, cfg: CaMConfig
+):
+    """Merge loser e (index [R]) into the survivors, returning updated arrays and the gate outcome.
+
+    keys [R, N, Dk], values [R, N, Dv], scores [R, N] f32, positions [R, N] i32,
+    survivor [R, N] bool (rows that may receive mass; excludes e).
+    """
+    idx = mx.arange(keys.shape[1])[None, :]
+    s_e = _take_rows(scores, e)
+    v_e = _take_rows(values, e).astype(mx.float32)
+    if cfg.merge == "window":
+        after = survivor & (idx > e[:, None])
+        in_window = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
+        width = in_window.sum(axis=1).astype(mx.float32)
+        s_target = mx.where(in_window, scores, 0.0).sum(axis=1) / width
+    else:
+        k_e = _take_rows(keys, e).astype(mx.float32)
+        k_f = keys.astype(mx.float32)
+        dots = (k_f @ k_e[:, :, None])[:, :, 0]
+        norms = mx.sqrt((k_f * k_f).sum(axis=-1)) * mx.sqrt((k_e * k_e).sum(axis=-1))[:, None]
+        cos = dots / mx.maximum(norms, 1e-12)
+        eligible = survivor & (positions >= cfg.n_sink)
+        t = _first_argmax(mx.where(eligible, cos, -_INF))
+        s_target = _take_rows(scores, t)
+        in_window = idx == t[:, None]
+
+    do = _gate(s_e, s_target, row_ids, _take_rows(positions, e), cfg)
+
+    if cfg.merge == "window":
+        share = (v_e / width[:, None])[:, None, :]
+        summed = (values.astype(mx.float32) + share).astype(values.dtype)
+        values = mx.where((in_window & do[:, None])[:, :, None], summed, values)
+        scores = scores + mx.where(in_window & do[:, None], (s_e / width)[:, None], 0.0)
+    else:
+        weight = mx.clip(_take_rows(cos, t), 0.0, 1.0) if cfg.merge == "sim_weighted" else 0.5
+        values = _blend_rows(values, in_window, v_e, weight, do)
+        if cfg.merge_keys:
+            keys = _blend_rows(keys, in_window, k_e, weight, do)
+        scores = scores + mx.where(in_window & do[:, None], s_e[:, None], 0.0)
+    return keys, values, scores, do
+
+
+def _gate(s_e, s_target, row_ids, p_e, cfg: CaMConfig) -> mx.array:
+    """Section 4.3: merge or not, per row."""
+    rows = s_e.shape[0]
+    if cfg.merge == "drop":
+        return mx.zeros((rows,), mx.bool_)
+    if not cfg.gate:
+        return mx.ones((rows,), mx.bool_)
+    ratio = mx.clip(s_e / mx.where(s_target > 0, s_target, 1.0), 0.0, 1.0)
+    fallback = mx.where(s_e > 0, 1.0, 0.0)
+    probability = mx.where(s_target > 0, ratio, fallback)
+    return uniform(cfg.seed, row_ids, p_e) < probability
+
+
+# ----------------------------------------------------------------------------
+# Section 7: one call
+
+
+def _key_queries(new_keys: mx.array) -> mx.array:
+    """Key scoring: each new key is the one query of its own token (G = 1)."""
+    return new_keys[:, :, None, :]
+
+
+def _prepare(new_keys, queries, scale):
+    if queries is None:
+        return _key_queries(new_keys).astype(mx.float32), 1.0 / math.sqrt(new_keys.shape[-1])
+    if scale is None:
+        raise ValueError("query scoring needs the model's attention scale")
+    return queries.astype(mx.float32), float(scale)
+
+
+def update(
+    state: RowState,
+    new_keys: mx.array,
+    new_values: mx.array,
+    offset: int,
+    cfg: CaMConfig,
+    row_ids: mx.array,
+    queries: mx.array | None = None,
+    scale: float | None = None,
+) -> tuple[RowState, mx.array]:
+    """Absorb S new tokens per row (ALGORITHM.md sections 2 to 7).
+
+    new_keys [R, S, Dk], new_values [R, S, Dv] in the storage dtype; offset is the
+    absolute position of the first new token; row_ids [R] uint32 are the rows'
+    global indices for the gate's draws; queries [R, S, G, Dk] (query scoring) or
+    None (key scoring, scale 1/sqrt(Dk)). Returns the new state and the number of
+    merges per row [R] int32.
+    """
+    q, s = _prepare(new_keys, queries, scale)
+    if cfg.prefill == "chunk":
+        return _update_chunk(state, new_keys, new_values, offset, cfg, row_ids, q, s)
+    merges = mx.zeros((new_keys.shape[0],), mx.int32)
+    for t in range(new_keys.shape[1]):
+        state, did = _update_one(
+            state, new_keys[:, t], new_values[:, t], offset + t, cfg, row_ids, q[:, t], s
+        )
+        merges = merges + did.astype(mx.int32)
+    return state, merges
+
+
+def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
+    """Exact mode, one token at position p: k [R, Dk], v [R, Dv], q [R, G, Dk]."""
+    rows, n = k.shape[0], state.length
+    keys = mx.concatenate([state.keys, k[:, None, :]], axis=1)
+    values = mx.concatenate([state.values, v[:, None, :]], axis=1)
+    mass = _attention_mass(q[:, None], keys.astype(mx.float32), scale, None)
+    scores = mx.concatenate([state.scores, mx.zeros((rows, 1), mx.float32)], axis=1) + mass
+    positions = mx.concatenate(
+        [state.positions, mx.full((rows, 1), p, mx.int32)], axis=1
+    )
+    if n < cfg.budget:
+        return RowState(keys, values, scores, positions), mx.zeros((rows,), mx.bool_)
+
+    protected = (positions < cfg.n_sink) | (positions > p - cfg.recent)
+    e = _first_argmin(mx.where(protected, _INF, scores))
+    idx = mx.arange(n + 1)[None, :]
+    survivor = idx != e[:, None]
+    keys, values, scores, did = _merge_one(
+        keys, values, scores, positions, survivor, e, row_ids, cfg
+    )
+    keep = mx.arange(n)[None, :] + (mx.arange(n)[None, :] >= e[:, None])
+    return _gather(RowState(keys, values, scores, positions), keep), did
+
+
+def _gather(state: RowState, idx: mx.array) -> RowState:
+    """The rows idx [R, m] of every array, in that order."""
+    return RowState(
+        mx.take_along_axis(state.keys, idx[:, :, None], axis=1),
+        mx.take_along_axis(state.values, idx[:, :, None], axis=1),
+        mx.take_along_axis(state.scores, idx, axis=1),
+        mx.take_along_axis(state.positions, idx, axis=1),
+    )
+
+
+def _chunk_losers(scores, positions, p_last, n_losers, cfg) -> mx.array:
+    """The n_losers lowest-scoring candidates of each row ([R, N] bool); ties to smaller position."""
+    protected = (positions < cfg.n_sink) | (positions > p_last - cfg.recent)
+    ranked = mx.where(protected, _INF, scores)
+    idx = mx.arange(scores.shape[1])
+    before = (ranked[:, None, :] < ranked[:, :, None]) | (
+        (ranked[:, None, :] == ranked[:, :, None]) & (idx[None, :] < idx[:, None])[None]
+    )
+    rank = before.sum(axis=2)
+    return (rank < n_losers) & ~protected
+
+
+def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q, scale):
+    """Chunk mode: score all S tokens at once, then evict and merge once."""
+    rows, s_len = new_keys.shape[:2]
+    n = state.length
+    total = n + s_len
+    keys = mx.concatenate([state.keys, new_keys], axis=1)
+    values = mx.concatenate([state.values, new_values], axis=1)
+    # Chunk token i (absolute index n + i) sees every stored row and chunk tokens <= i.
+    visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
+    mass = _attention_mass(q, keys.astype(mx.float32), scale, visible)
+    scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
+    new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
+    positions = mx.concatenate([state.positions, new_positions], axis=1)
+    merges = mx.zeros((rows,), mx.int32)
+    if total <= cfg.budget:
+        return RowState(keys, values, scores, positions), merges
+
+    n_losers = total - cfg.budget
+    loser = _chunk_losers(scores, positions, offset + s_len - 1, n_losers, cfg)
+    idx = mx.arange(total)[None, :]
+    # Loser indices in ascending position, then the survivors in position order.
+    order = mx.argsort(mx.where(loser, idx, idx + total), axis=1)
+    loser_idx, keep_idx = order[:, :n_losers], mx.sort(order[:, n_losers:], axis=1)
+    survivor = ~loser
+    for j in range(n_losers):
+        keys, values, scores, did = _merge_one(
+            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, cfg
+        )
+        merges = merges + did.astype(mx.int32)
+    return _gather(RowState(keys, values, scores, positions), keep_idx), merges
