@@ -1,0 +1,705 @@
+// camkv portable kernel core: ALGORITHM.md sections 2 to 7 for ONE row (one
+// batch element and KV head), executed by one work group whose threads cooperate
+// over the stored rows.
+//
+// Written once in the common subset of C++, Metal and CUDA: no lambdas, no
+// recursion, no dynamic allocation, templates only for the storage dtype, every
+// pointer qualified through an address-space macro. A prelude included before
+// this file supplies:
+//   CAMKV_DEVICE, CAMKV_CONSTANT, CAMKV_SHARED   address-space qualifiers
+//   CAMKV_INLINE                                  function qualifier
+//   camkv_u32                                     32-bit unsigned integer
+//   CamGroup                                      {tid, size, shared scratch}
+//   camkv_barrier(g)                              group barrier
+//   camkv_group_sum(g, x), camkv_group_max(g, x)  float reductions
+//   camkv_group_argmin(g, v, i)                   smallest v, ties to smaller i
+//   camkv_exp(x), camkv_sqrt(x), CAMKV_INF        float32 math
+// All arithmetic is float32; keys and values are rounded to the storage dtype
+// once per merge, exactly as the reference does.
+//
+// Control flow that contains a barrier or a group reduction depends only on
+// values every thread of the group agrees on (loop counts, reduced results).
+
+#ifndef CAMKV_CORE_H
+#define CAMKV_CORE_H
+
+#define CAMKV_MERGE_SIM_WEIGHTED 0
+#define CAMKV_MERGE_MEAN 1
+#define CAMKV_MERGE_WINDOW 2
+#define CAMKV_MERGE_DROP 3
+
+// Largest head dimension the core accepts (the hosts reject larger ones).
+#define CAMKV_MAX_HEAD_DIM 256
+
+// Everything a launch needs besides the buffers. Plain ints so the layout is the
+// same on every host and device (camkv_u32 is 32 bits everywhere).
+struct CamParams {
+  int rows;         // R = B * H
+  int n;            // stored tokens per row before the call
+  int S;            // new tokens per row in this call
+  int Dk;           // key (and query) dimension
+  int Dv;           // value dimension
+  int G;            // queries per token (1 for key scoring)
+  int n_out;        // stored tokens after the call: min(n + S, budget)
+  int budget;
+  int n_sink;
+  int recent;
+  int window;
+  int merge;        // CAMKV_MERGE_*
+  int merge_keys;   // 1: blend keys too (nearest modes)
+  int gate;         // 1: Bernoulli gate of section 4.3
+  int chunk;        // 1: prefill "chunk" (a call with S == 1 runs exact)
+  int key_scoring;  // 1: each new key is its token's one query
+  int in_place;     // 1: out state buffers already hold the stored rows
+  int offset;       // absolute position of the first new token
+  camkv_u32 seed;
+  float scale;      // attention scale of the logits
+  int f32_stride;   // floats of scratch per row
+  int i32_stride;   // ints of scratch per row
+  int store_stride; // storage-dtype elements of scratch per row
+};
+
+// ----------------------------------------------------------------------------
+// Scratch layout (one definition for every host): per row, f32 scratch holds
+// [logits | mass | norms | work scores], i32 scratch [work positions | losers |
+// index list], storage scratch the pending token (exact) or the work rows (chunk).
+
+CAMKV_INLINE int camkv_runs_chunk(int chunk, int S) { return chunk != 0 && S > 1; }
+
+// Rows the per-row arrays must hold: every row a softmax or a merge can see.
+CAMKV_INLINE int camkv_capacity(int chunk, int n, int S, int n_out) {
+  return camkv_runs_chunk(chunk, S) ? n + S : n_out + 1;
+}
+
+CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out) {
+  return 4 * camkv_capacity(chunk, n, S, n_out);
+}
+
+CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
+  return 3 * camkv_capacity(chunk, n, S, n_out);
+}
+
+CAMKV_INLINE int camkv_store_stride(int chunk, int n, int S, int n_out, int Dk, int Dv) {
+  if (camkv_runs_chunk(chunk, S)) {
+    return (n + S) * (Dk + Dv);
+  }
+  return Dk + Dv;
+}
+
+// ----------------------------------------------------------------------------
+// Section 6: deterministic draws
+
+CAMKV_INLINE camkv_u32 camkv_mix(camkv_u32 x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+CAMKV_INLINE float camkv_uniform(camkv_u32 seed, camkv_u32 row, int position) {
+  camkv_u32 h = camkv_mix(camkv_mix(camkv_mix(((camkv_u32)position) ^ 0x9e3779b9u) ^ row) ^ seed);
+  return (float)(h >> 8) * 5.9604644775390625e-08f;  // 2^-24
+}
+
+// ----------------------------------------------------------------------------
+// Small float32 helpers, one thread each
+
+// Four partial sums: lets a CPU compiler vectorise without reassociating, and
+// every backend only has to match the reference within section 8's tolerance.
+template <typename A, typename B>
+CAMKV_INLINE float camkv_dot(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
+  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+  int d = 0;
+  for (; d + 4 <= len; d += 4) {
+    s0 += (float)a[d] * (float)b[d];
+    s1 += (float)a[d + 1] * (float)b[d + 1];
+    s2 += (float)a[d + 2] * (float)b[d + 2];
+    s3 += (float)a[d + 3] * (float)b[d + 3];
+  }
+  for (; d < len; ++d) {
+    s0 += (float)a[d] * (float)b[d];
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
+template <typename T>
+CAMKV_INLINE float camkv_norm(const CAMKV_DEVICE T* a, int len) {
+  return camkv_sqrt(camkv_dot(a, a, len));
+}
+
+// Copy one row of len elements, the group's threads striding over columns.
+template <typename T>
+CAMKV_INLINE void camkv_copy_row(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src, int len, CamGroup g) {
+  for (int d = (int)g.tid; d < len; d += (int)g.size) {
+    dst[d] = src[d];
+  }
+}
+
+// ----------------------------------------------------------------------------
+// A row view: the arrays one merge works on. In exact mode the token being
+// absorbed is a "pending" row at index `count` that lives in scratch; in chunk
+// mode every row is in the work arrays and `loser` marks rows that receive nothing.
+
+template <typename T>
+struct CamRows {
+  CAMKV_DEVICE T* keys;        // [count, Dk]
+  CAMKV_DEVICE T* values;      // [count, Dv]
+  CAMKV_DEVICE float* scores;  // [count]
+  CAMKV_DEVICE int* positions; // [count]
+  CAMKV_DEVICE float* norms;   // [count (+1 pending)] key norms for cosine search
+  int count;
+  int has_pending;
+  CAMKV_DEVICE T* pend_key;
+  CAMKV_DEVICE T* pend_value;
+  CAMKV_DEVICE float* pend_score;
+  int pend_position;
+  CAMKV_DEVICE int* loser;     // null in exact mode
+  CAMKV_DEVICE int* list;      // scratch index list (window members)
+  int Dk;
+  int Dv;
+};
+
+template <typename T>
+CAMKV_INLINE CAMKV_DEVICE T* camkv_key(CamRows<T> r, int j) {
+  return j == r.count ? r.pend_key : r.keys + (long)j * r.Dk;
+}
+
+template <typename T>
+CAMKV_INLINE CAMKV_DEVICE T* camkv_value(CamRows<T> r, int j) {
+  return j == r.count ? r.pend_value : r.values + (long)j * r.Dv;
+}
+
+template <typename T>
+CAMKV_INLINE CAMKV_DEVICE float* camkv_score(CamRows<T> r, int j) {
+  return j == r.count ? r.pend_score : r.scores + j;
+}
+
+template <typename T>
+CAMKV_INLINE int camkv_position(CamRows<T> r, int j) {
+  return j == r.count ? r.pend_position : r.positions[j];
+}
+
+// Rows that may receive a merged token: everything but the loser itself and
+// (chunk mode) the other losers.
+template <typename T>
+CAMKV_INLINE bool camkv_is_survivor(CamRows<T> r, int j, int e) {
+  if (j == e) {
+    return false;
+  }
+  return r.loser == 0 || j == r.count || r.loser[j] == 0;
+}
+
+// ----------------------------------------------------------------------------
+// Section 2: attention mass of one query over rows [0, visible)
+
+// Adds softmax(scale * q . K_j) into mass[j]; logits is scratch of `visible` floats.
+template <typename T, typename Q>
+CAMKV_INLINE void camkv_add_attention(
+    CamRows<T> r, const CAMKV_DEVICE Q* q, int visible, float scale,
+    CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
+  float local_max = -CAMKV_INF;
+  for (int j = (int)g.tid; j < visible; j += (int)g.size) {
+    float l = scale * camkv_dot(q, camkv_key(r, j), r.Dk);
+    logits[j] = l;
+    local_max = l > local_max ? l : local_max;
+  }
+  float row_max = camkv_group_max(g, local_max);
+  float local_sum = 0.0f;
+  for (int j = (int)g.tid; j < visible; j += (int)g.size) {
+    float w = camkv_exp(logits[j] - row_max);
+    logits[j] = w;
+    local_sum += w;
+  }
+  float total = camkv_group_sum(g, local_sum);
+  for (int j = (int)g.tid; j < visible; j += (int)g.size) {
+    mass[j] += logits[j] / total;
+  }
+  camkv_barrier(g);
+}
+
+template <typename T>
+CAMKV_INLINE void camkv_zero(CAMKV_DEVICE T* a, int len, CamGroup g) {
+  for (int j = (int)g.tid; j < len; j += (int)g.size) {
+    a[j] = (T)0;
+  }
+  camkv_barrier(g);
+}
+
+template <typename T>
+CAMKV_INLINE void camkv_compute_norms(CamRows<T> r, int from, int to, CamGroup g) {
+  for (int j = from + (int)g.tid; j < to; j += (int)g.size) {
+    r.norms[j] = camkv_norm(camkv_key(r, j), r.Dk);
+  }
+  camkv_barrier(g);
+}
+
+// ----------------------------------------------------------------------------
+// Section 4: merge loser e into the survivors. Returns 1 if it merged (the same
+// value on every thread), 0 if the gate closed or merge is "drop".
+
+// Section 4.3, P = clamp(s_e / s_T, 0, 1) if s_T > 0 else (1 if s_e > 0 else 0).
+CAMKV_INLINE int camkv_gate_open(float s_e, float s_target, camkv_u32 seed, camkv_u32 row, int p_e) {
+  float probability;
+  if (s_target > 0.0f) {
+    float ratio = s_e / s_target;
+    probability = ratio < 0.0f ? 0.0f : (ratio > 1.0f ? 1.0f : ratio);
+  } else {
+    probability = s_e > 0.0f ? 1.0f : 0.0f;
+  }
+  return camkv_uniform(seed, row, p_e) < probability ? 1 : 0;
+}
+
+// cos(K_e, K_j) with denominator max(|K_j| |K_e|, 1e-12), as the reference orders it.
+template <typename T>
+CAMKV_INLINE float camkv_cosine(CamRows<T> r, int e, int j) {
+  float dot = camkv_dot(camkv_key(r, e), camkv_key(r, j), r.Dk);
+  float denom = r.norms[j] * r.norms[e];
+  return dot / (denom > 1e-12f ? denom : 1e-12f);
+}
+
+// Section 4.1: the non-sink survivor most similar to e; ties to the smaller index.
+template <typename T>
+CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
+  int total = r.count + r.has_pending;
+  float best = CAMKV_INF;  // argmin of -cos
+  int best_j = total;
+  for (int j = (int)g.tid; j < total; j += (int)g.size) {
+    if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
+      float neg = -camkv_cosine(r, e, j);
+      if (neg < best) {
+        best = neg;
+        best_j = j;
+      }
+    }
+  }
+  return camkv_group_argmin(g, best, best_j);
+}
+
+// Section 4.2: the first `window` survivors after e, written to r.list[1..|W|] with
+// |W| in r.list[0] so every thread reads it after the barrier; returns |W|.
+template <typename T>
+CAMKV_INLINE int camkv_collect_window(CamRows<T> r, int e, int window, CamGroup g) {
+  if (g.tid == 0) {
+    int width = 0;
+    int total = r.count + r.has_pending;
+    for (int j = e + 1; j < total && width < window; ++j) {
+      if (camkv_is_survivor(r, j, e)) {
+        width += 1;
+        r.list[width] = j;
+      }
+    }
+    r.list[0] = width;
+  }
+  camkv_barrier(g);
+  return r.list[0];
+}
+
+template <typename T>
+CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* source, float w, int len, CamGroup g) {
+  for (int d = (int)g.tid; d < len; d += (int)g.size) {
+    target[d] = (T)((1.0f - w) * (float)target[d] + w * (float)source[d]);
+  }
+}
+
+template <typename T>
+CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  int t = camkv_nearest(r, e, p->n_sink, g);
+  float s_e = *camkv_score(r, e);
+  int open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, t), p->seed, row_id, camkv_position(r, e)) : 1;
+  if (open == 0) {
+    return 0;
+  }
+  float w = 0.5f;
+  if (p->merge == CAMKV_MERGE_SIM_WEIGHTED) {
+    float c = camkv_cosine(r, e, t);
+    w = c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c);
+  }
+  camkv_blend_row(camkv_value(r, t), camkv_value(r, e), w, r.Dv, g);
+  if (p->merge_keys) {
+    camkv_blend_row(camkv_key(r, t), camkv_key(r, e), w, r.Dk, g);
+  }
+  camkv_barrier(g);
+  if (g.tid == 0) {
+    *camkv_score(r, t) += s_e;
+    if (p->merge_keys) {
+      r.norms[t] = camkv_norm(camkv_key(r, t), r.Dk);
+    }
+  }
+  camkv_barrier(g);
+  return 1;
+}
+
+template <typename T>
+CAMKV_INLINE int camkv_merge_window(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  int width = camkv_collect_window(r, e, p->window, g);
+  float s_e = *camkv_score(r, e);
+  float target_sum = 0.0f;
+  for (int i = 1; i <= width; ++i) {
+    target_sum += *camkv_score(r, r.list[i]);
+  }
+  float s_target = target_sum / (float)width;
+  int open = p->gate ? camkv_gate_open(s_e, s_target, p->seed, row_id, camkv_position(r, e)) : 1;
+  // Every thread must have read r.list before the next merge rewrites it.
+  camkv_barrier(g);
+  if (open == 0) {
+    return 0;
+  }
+  const CAMKV_DEVICE T* v_e = camkv_value(r, e);
+  for (int i = 1; i <= width; ++i) {
+    CAMKV_DEVICE T* v_j = camkv_value(r, r.list[i]);
+    for (int d = (int)g.tid; d < r.Dv; d += (int)g.size) {
+      v_j[d] = (T)((float)v_j[d] + (float)v_e[d] / (float)width);
+    }
+  }
+  camkv_barrier(g);
+  if (g.tid == 0) {
+    for (int i = 1; i <= width; ++i) {
+      *camkv_score(r, r.list[i]) += s_e / (float)width;
+    }
+  }
+  camkv_barrier(g);
+  return 1;
+}
+
+template <typename T>
+CAMKV_INLINE int camkv_merge(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  if (p->merge == CAMKV_MERGE_DROP) {
+    return 0;
+  }
+  if (p->merge == CAMKV_MERGE_WINDOW) {
+    return camkv_merge_window(r, e, p, row_id, g);
+  }
+  return camkv_merge_nearest(r, e, p, row_id, g);
+}
+
+CAMKV_INLINE bool camkv_protected(int position, int n_sink, int recent, int p_last) {
+  return position < n_sink || position > p_last - recent;
+}
+
+CAMKV_INLINE bool camkv_needs_norms(CAMKV_CONSTANT const CamParams* p) {
+  return p->merge == CAMKV_MERGE_SIM_WEIGHTED || p->merge == CAMKV_MERGE_MEAN;
+}
+
+// ----------------------------------------------------------------------------
+// Exact mode (section 7, "exact"): the S tokens one at a time, in the out arrays.
+
+// Scores the pending token against rows [0, count] (itself included).
+template <typename T>
+CAMKV_INLINE void camkv_score_pending(
+    CamRows<T> r, int t, CAMKV_CONSTANT const CamParams* p, const CAMKV_DEVICE float* queries,
+    CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
+  int visible = r.count + 1;
+  camkv_zero(mass, visible, g);
+  if (p->key_scoring) {
+    camkv_add_attention(r, (const CAMKV_DEVICE T*)r.pend_key, visible, p->scale, logits, mass, g);
+  } else {
+    for (int q = 0; q < p->G; ++q) {
+      const CAMKV_DEVICE float* query = queries + ((long)t * p->G + q) * p->Dk;
+      camkv_add_attention(r, query, visible, p->scale, logits, mass, g);
+    }
+  }
+  float groups = (float)p->G;
+  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+    r.scores[j] += mass[j] / groups;
+  }
+  if (g.tid == 0) {
+    *r.pend_score = mass[r.count] / groups;
+  }
+  camkv_barrier(g);
+}
+
+// Stores the pending token at row `slot` of the arrays.
+template <typename T>
+CAMKV_INLINE void camkv_store_pending(CamRows<T> r, int slot, CamGroup g) {
+  camkv_copy_row(r.keys + (long)slot * r.Dk, (const CAMKV_DEVICE T*)r.pend_key, r.Dk, g);
+  camkv_copy_row(r.values + (long)slot * r.Dv, (const CAMKV_DEVICE T*)r.pend_value, r.Dv, g);
+  if (g.tid == 0) {
+    r.scores[slot] = *r.pend_score;
+    r.positions[slot] = r.pend_position;
+    r.norms[slot] = r.norms[r.count];
+  }
+  camkv_barrier(g);
+}
+
+// Section 5: remove row e, shift the later rows down, append the pending token.
+// Each thread owns whole columns and walks rows upward, so no barrier is needed
+// between rows.
+template <typename T>
+CAMKV_INLINE void camkv_remove_and_append(CamRows<T> r, int e, CamGroup g) {
+  for (int j = e; j + 1 < r.count; ++j) {
+    camkv_copy_row(r.keys + (long)j * r.Dk, (const CAMKV_DEVICE T*)(r.keys + (long)(j + 1) * r.Dk), r.Dk, g);
+    camkv_copy_row(r.values + (long)j * r.Dv, (const CAMKV_DEVICE T*)(r.values + (long)(j + 1) * r.Dv), r.Dv, g);
+  }
+  if (g.tid == 0) {
+    for (int j = e; j + 1 < r.count; ++j) {
+      r.scores[j] = r.scores[j + 1];
+      r.positions[j] = r.positions[j + 1];
+      r.norms[j] = r.norms[j + 1];
+    }
+  }
+  camkv_barrier(g);
+  camkv_store_pending(r, r.count - 1, g);
+}
+
+// Section 3: the unprotected stored row with the smallest score (ties: smaller index).
+template <typename T>
+CAMKV_INLINE int camkv_pick_evicted(CamRows<T> r, int p_now, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
+  float best = CAMKV_INF;
+  int best_j = r.count;
+  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+    if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_now) && r.scores[j] < best) {
+      best = r.scores[j];
+      best_j = j;
+    }
+  }
+  return camkv_group_argmin(g, best, best_j);
+}
+
+template <typename T>
+CAMKV_INLINE void camkv_copy_state_in(
+    CAMKV_DEVICE T* keys, CAMKV_DEVICE T* values, CAMKV_DEVICE float* scores, CAMKV_DEVICE int* positions,
+    const CAMKV_DEVICE T* in_keys, const CAMKV_DEVICE T* in_values, const CAMKV_DEVICE float* in_scores,
+    const CAMKV_DEVICE int* in_positions, int n, int Dk, int Dv, CamGroup g) {
+  for (int j = 0; j < n; ++j) {
+    camkv_copy_row(keys + (long)j * Dk, in_keys + (long)j * Dk, Dk, g);
+    camkv_copy_row(values + (long)j * Dv, in_values + (long)j * Dv, Dv, g);
+  }
+  for (int j = (int)g.tid; j < n; j += (int)g.size) {
+    scores[j] = in_scores[j];
+    positions[j] = in_positions[j];
+  }
+  camkv_barrier(g);
+}
+
+// Per-row pointers of a launch (row r's slice of every buffer).
+template <typename T>
+struct CamRowBuffers {
+  const CAMKV_DEVICE T* in_keys;
+  const CAMKV_DEVICE T* in_values;
+  const CAMKV_DEVICE float* in_scores;
+  const CAMKV_DEVICE int* in_positions;
+  const CAMKV_DEVICE T* new_keys;
+  const CAMKV_DEVICE T* new_values;
+  const CAMKV_DEVICE float* queries;  // [S, G, Dk]; unused with key scoring
+  CAMKV_DEVICE T* out_keys;
+  CAMKV_DEVICE T* out_values;
+  CAMKV_DEVICE float* out_scores;
+  CAMKV_DEVICE int* out_positions;
+  CAMKV_DEVICE float* f32;            // f32_stride floats
+  CAMKV_DEVICE int* i32;              // i32_stride ints
+  CAMKV_DEVICE T* store;              // store_stride elements
+};
+
+template <typename T>
+CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  int cap = camkv_capacity(0, p->n, p->S, p->n_out);
+  CamRows<T> r;
+  r.keys = b.out_keys;
+  r.values = b.out_values;
+  r.scores = b.out_scores;
+  r.positions = b.out_positions;
+  r.norms = b.f32 + 2 * cap;
+  r.count = p->n;
+  r.has_pending = 1;
+  r.pend_key = b.store;
+  r.pend_value = b.store + p->Dk;
+  r.pend_score = b.f32 + 3 * cap;
+  r.pend_position = 0;
+  r.loser = 0;
+  r.list = b.i32;
+  r.Dk = p->Dk;
+  r.Dv = p->Dv;
+  CAMKV_DEVICE float* logits = b.f32;
+  CAMKV_DEVICE float* mass = b.f32 + cap;
+
+  if (p->in_place == 0) {
+    camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
+                        b.in_positions, p->n, p->Dk, p->Dv, g);
+  }
+  // Norms are only read by cosine searches, which only happen once the row is full.
+  bool want_norms = camkv_needs_norms(p) && p->n + p->S > p->budget;
+  if (want_norms) {
+    camkv_compute_norms(r, 0, r.count, g);
+  }
+  int merges = 0;
+  for (int t = 0; t < p->S; ++t) {
+    camkv_copy_row(r.pend_key, b.new_keys + (long)t * p->Dk, p->Dk, g);
+    camkv_copy_row(r.pend_value, b.new_values + (long)t * p->Dv, p->Dv, g);
+    r.pend_position = p->offset + t;
+    camkv_barrier(g);
+    if (want_norms) {
+      camkv_compute_norms(r, r.count, r.count + 1, g);
+    }
+    camkv_score_pending(r, t, p, b.queries, logits, mass, g);
+    if (r.count < p->budget) {
+      camkv_store_pending(r, r.count, g);
+      r.count += 1;
+    } else {
+      int e = camkv_pick_evicted(r, r.pend_position, p, g);
+      merges += camkv_merge(r, e, p, row_id, g);
+      camkv_remove_and_append(r, e, g);
+    }
+  }
+  return merges;
+}
+
+// ----------------------------------------------------------------------------
+// Chunk mode (section 7, "chunk"): score the whole block causally, evict once.
+
+// Every chunk token i queries rows [0, n + i]; the weights are summed, then / G.
+template <typename T>
+CAMKV_INLINE void camkv_score_chunk(CamRows<T> r, CAMKV_CONSTANT const CamParams* p, const CAMKV_DEVICE float* queries,
+                                    CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
+  camkv_zero(mass, r.count, g);
+  for (int i = 0; i < p->S; ++i) {
+    int visible = p->n + i + 1;
+    if (p->key_scoring) {
+      camkv_add_attention(r, (const CAMKV_DEVICE T*)(r.keys + (long)(p->n + i) * p->Dk), visible, p->scale, logits, mass, g);
+    } else {
+      for (int q = 0; q < p->G; ++q) {
+        const CAMKV_DEVICE float* query = queries + ((long)i * p->G + q) * p->Dk;
+        camkv_add_attention(r, query, visible, p->scale, logits, mass, g);
+      }
+    }
+  }
+  float groups = (float)p->G;
+  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+    r.scores[j] += mass[j] / groups;
+  }
+  camkv_barrier(g);
+}
+
+// The k lowest-scoring unprotected rows (ties to the smaller index) get loser = 1.
+template <typename T>
+CAMKV_INLINE void camkv_mark_losers(CamRows<T> r, int k, int p_last, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
+  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+    int is_loser = 0;
+    if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_last)) {
+      float s = r.scores[j];
+      int rank = 0;
+      for (int i = 0; i < r.count && rank < k; ++i) {
+        if (i != j && !camkv_protected(r.positions[i], p->n_sink, p->recent, p_last)) {
+          float s_i = r.scores[i];
+          if (s_i < s || (s_i == s && i < j)) {
+            rank += 1;
+          }
+        }
+      }
+      is_loser = rank < k ? 1 : 0;
+    }
+    r.loser[j] = is_loser;
+  }
+  camkv_barrier(g);
+}
+
+// Survivors, in position order, from the work arrays to the out arrays.
+template <typename T>
+CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamGroup g) {
+  int dst = 0;
+  for (int j = 0; j < r.count; ++j) {
+    if (r.loser[j] == 0) {
+      camkv_copy_row(b.out_keys + (long)dst * r.Dk, (const CAMKV_DEVICE T*)(r.keys + (long)j * r.Dk), r.Dk, g);
+      camkv_copy_row(b.out_values + (long)dst * r.Dv, (const CAMKV_DEVICE T*)(r.values + (long)j * r.Dv), r.Dv, g);
+      if (g.tid == 0) {
+        b.out_scores[dst] = r.scores[j];
+        b.out_positions[dst] = r.positions[j];
+      }
+      dst += 1;
+    }
+  }
+  camkv_barrier(g);
+}
+
+template <typename T>
+CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  int total = p->n + p->S;
+  bool evicts = total > p->budget;
+  CamRows<T> r;
+  // Without eviction the out arrays are the work arrays; with it, scratch is.
+  r.keys = evicts ? b.store : b.out_keys;
+  r.values = evicts ? b.store + (long)total * p->Dk : b.out_values;
+  r.scores = evicts ? b.f32 + 3 * total : b.out_scores;
+  r.positions = evicts ? b.i32 : b.out_positions;
+  r.norms = b.f32 + 2 * total;
+  r.count = total;
+  r.has_pending = 0;
+  r.pend_key = 0;
+  r.pend_value = 0;
+  r.pend_score = 0;
+  r.pend_position = 0;
+  r.loser = b.i32 + total;
+  r.list = b.i32 + 2 * total;
+  r.Dk = p->Dk;
+  r.Dv = p->Dv;
+
+  camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
+                      b.in_positions, p->n, p->Dk, p->Dv, g);
+  for (int i = 0; i < p->S; ++i) {
+    camkv_copy_row(r.keys + (long)(p->n + i) * p->Dk, b.new_keys + (long)i * p->Dk, p->Dk, g);
+    camkv_copy_row(r.values + (long)(p->n + i) * p->Dv, b.new_values + (long)i * p->Dv, p->Dv, g);
+  }
+  for (int i = (int)g.tid; i < p->S; i += (int)g.size) {
+    r.scores[p->n + i] = 0.0f;
+    r.positions[p->n + i] = p->offset + i;
+  }
+  camkv_barrier(g);
+  camkv_score_chunk(r, p, b.queries, b.f32, b.f32 + total, g);
+  if (!evicts) {
+    return 0;
+  }
+  camkv_mark_losers(r, total - p->budget, p->offset + p->S - 1, p, g);
+  if (camkv_needs_norms(p)) {
+    camkv_compute_norms(r, 0, total, g);
+  }
+  int merges = 0;
+  for (int e = 0; e < total; ++e) {
+    if (r.loser[e] != 0) {
+      merges += camkv_merge(r, e, p, row_id, g);
+    }
+  }
+  camkv_compact_survivors(r, b, g);
+  return merges;
+}
+
+// ----------------------------------------------------------------------------
+// The one entry every prelude calls: row `row` of a launch. Returns the merges.
+
+template <typename T>
+CAMKV_INLINE int camkv_update_row(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  if (camkv_runs_chunk(p->chunk, p->S)) {
+    return camkv_update_chunk(b, p, row_id, g);
+  }
+  return camkv_update_exact(b, p, row_id, g);
+}
+
+// Row `row`'s slices of the launch buffers (all row-major, contiguous).
+template <typename T>
+CAMKV_INLINE CamRowBuffers<T> camkv_row_buffers(
+    int row, CAMKV_CONSTANT const CamParams* p,
+    const CAMKV_DEVICE T* in_keys, const CAMKV_DEVICE T* in_values, const CAMKV_DEVICE float* in_scores,
+    const CAMKV_DEVICE int* in_positions, const CAMKV_DEVICE T* new_keys, const CAMKV_DEVICE T* new_values,
+    const CAMKV_DEVICE float* queries, CAMKV_DEVICE T* out_keys, CAMKV_DEVICE T* out_values,
+    CAMKV_DEVICE float* out_scores, CAMKV_DEVICE int* out_positions, CAMKV_DEVICE float* f32,
+    CAMKV_DEVICE int* i32, CAMKV_DEVICE T* store) {
+  long r = (long)row;
+  CamRowBuffers<T> b;
+  b.in_keys = in_keys + r * p->n * p->Dk;
+  b.in_values = in_values + r * p->n * p->Dv;
+  b.in_scores = in_scores + r * p->n;
+  b.in_positions = in_positions + r * p->n;
+  b.new_keys = new_keys + r * p->S * p->Dk;
+  b.new_values = new_values + r * p->S * p->Dv;
+  b.queries = queries + (p->key_scoring ? 0 : r * p->S * p->G * p->Dk);
+  b.out_keys = out_keys + r * p->n_out * p->Dk;
+  b.out_values = out_values + r * p->n_out * p->Dv;
+  b.out_scores = out_scores + r * p->n_out;
+  b.out_positions = out_positions + r * p->n_out;
+  b.f32 = f32 + r * p->f32_stride;
+  b.i32 = i32 + r * p->i32_stride;
+  b.store = store + r * p->store_stride;
+  return b;
+}
+
+#endif  // CAMKV_CORE_H

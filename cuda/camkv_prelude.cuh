@@ -1,0 +1,102 @@
+// CUDA prelude of the camkv kernel core: one thread block per row; reductions
+// go through warp shuffles, then through shared memory across the warps (at most
+// 32 of them, so 32 slots suffice). Empty address-space qualifiers.
+
+#ifndef CAMKV_PRELUDE_CUDA_H
+#define CAMKV_PRELUDE_CUDA_H
+
+#define CAMKV_DEVICE
+#define CAMKV_CONSTANT
+#define CAMKV_SHARED
+#define CAMKV_INLINE __device__ __forceinline__
+#define CAMKV_INF __int_as_float(0x7f800000)
+#define CAMKV_WARP 32
+#define CAMKV_INT_MAX 2147483647
+
+typedef unsigned int camkv_u32;
+
+struct CamGroup {
+  unsigned tid;
+  unsigned size;
+  float* red_f;  // CAMKV_WARP floats of __shared__ memory
+  int* red_i;    // CAMKV_WARP ints of __shared__ memory
+};
+
+__device__ __forceinline__ void camkv_barrier(CamGroup) { __syncthreads(); }
+__device__ __forceinline__ float camkv_exp(float x) { return expf(x); }
+__device__ __forceinline__ float camkv_sqrt(float x) { return sqrtf(x); }
+
+__device__ __forceinline__ float camkv_warp_sum(float x) {
+  for (int offset = CAMKV_WARP / 2; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+__device__ __forceinline__ float camkv_warp_max(float x) {
+  for (int offset = CAMKV_WARP / 2; offset > 0; offset /= 2) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  }
+  return x;
+}
+
+__device__ __forceinline__ int camkv_warp_min_int(int x) {
+  for (int offset = CAMKV_WARP / 2; offset > 0; offset /= 2) {
+    x = min(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  }
+  return x;
+}
+
+// Each warp reduces in registers; lane 0 parks its result; warp 0 reduces the
+// parked results and parks the total in slot 0. Block size: a multiple of 32.
+__device__ __forceinline__ float camkv_group_sum(CamGroup g, float x) {
+  unsigned lane = g.tid % CAMKV_WARP;
+  unsigned warp = g.tid / CAMKV_WARP;
+  unsigned n_warps = (g.size + CAMKV_WARP - 1) / CAMKV_WARP;
+  float part = camkv_warp_sum(x);
+  __syncthreads();
+  if (lane == 0) g.red_f[warp] = part;
+  __syncthreads();
+  if (warp == 0) {
+    float total = camkv_warp_sum(lane < n_warps ? g.red_f[lane] : 0.0f);
+    if (lane == 0) g.red_f[0] = total;
+  }
+  __syncthreads();
+  return g.red_f[0];
+}
+
+__device__ __forceinline__ float camkv_group_max(CamGroup g, float x) {
+  unsigned lane = g.tid % CAMKV_WARP;
+  unsigned warp = g.tid / CAMKV_WARP;
+  unsigned n_warps = (g.size + CAMKV_WARP - 1) / CAMKV_WARP;
+  float part = camkv_warp_max(x);
+  __syncthreads();
+  if (lane == 0) g.red_f[warp] = part;
+  __syncthreads();
+  if (warp == 0) {
+    float total = camkv_warp_max(lane < n_warps ? g.red_f[lane] : -CAMKV_INF);
+    if (lane == 0) g.red_f[0] = total;
+  }
+  __syncthreads();
+  return g.red_f[0];
+}
+
+// Smallest value, ties to the smaller index.
+__device__ __forceinline__ int camkv_group_argmin(CamGroup g, float value, int index) {
+  float lowest = -camkv_group_max(g, -value);
+  unsigned lane = g.tid % CAMKV_WARP;
+  unsigned warp = g.tid / CAMKV_WARP;
+  unsigned n_warps = (g.size + CAMKV_WARP - 1) / CAMKV_WARP;
+  int part = camkv_warp_min_int(value == lowest ? index : CAMKV_INT_MAX);
+  __syncthreads();
+  if (lane == 0) g.red_i[warp] = part;
+  __syncthreads();
+  if (warp == 0) {
+    int total = camkv_warp_min_int(lane < n_warps ? g.red_i[lane] : CAMKV_INT_MAX);
+    if (lane == 0) g.red_i[0] = total;
+  }
+  __syncthreads();
+  return g.red_i[0];
+}
+
+#endif  // CAMKV_PRELUDE_CUDA_H
