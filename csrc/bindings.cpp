@@ -1,0 +1,48 @@
+// nanobind bindings of camkv._ext. Built against the nanobind ABI of the
+// installed mlx (pinned in pyproject.toml) and in MLX's nanobind domain, so
+// mx.array objects pass straight through.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "camkv_primitive.h"
+#include "camkv_prelude_cpu.h"
+#include "camkv_core.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+namespace {
+
+std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array> update_py(
+    const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
+    const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
+    const std::optional<mx::array>& queries, int offset, float scale, int budget, int n_sink, int recent,
+    int window, int merge, bool merge_keys, bool gate, bool chunk, uint32_t seed, mx::StreamOrDevice stream) {
+  camkv::UpdateOptions options{budget, n_sink, recent, window, merge, merge_keys, gate, chunk, seed};
+  std::vector<mx::array> out = camkv::update(keys, values, scores, positions, new_keys, new_values, row_ids,
+                                             queries, offset, scale, options, stream);
+  return {out[0], out[1], out[2], out[3], out[4]};
+}
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "camkv fused CaM cache update: one MLX primitive per layer per call";
+  // The mlx version this binary was compiled against; it only works with that one.
+  m.attr("MLX_VERSION") = CAMKV_MLX_VERSION;
+  m.attr("MAX_HEAD_DIM") = CAMKV_MAX_HEAD_DIM;
+  m.attr("MERGE_CODES") = nb::make_tuple("sim_weighted", "mean", "window", "drop");
+  m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
+        "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "offset"_a, "scale"_a, "budget"_a, "n_sink"_a,
+        "recent"_a, "window"_a, "merge"_a, "merge_keys"_a, "gate"_a, "chunk"_a, "seed"_a,
+        "stream"_a = nb::none(),
+        R"(Absorb S new tokens per row: score, evict, merge and compact in one launch.
+
+Returns (keys, values, scores, positions, merges); merge is an index into MERGE_CODES.
+Raises ValueError naming any argument with a bad shape, dtype or value.)");
+}

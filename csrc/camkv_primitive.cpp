@@ -1,0 +1,491 @@
+// camkv._ext: the MLX Primitive around the portable kernel core. eval_cpu runs
+// the core under the CPU prelude, rows in parallel; eval_gpu dispatches the
+// Metal entry points from camkv.metallib (macOS builds only).
+
+#include "camkv_primitive.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+#include "camkv_prelude_cpu.h"
+#include "camkv_core.h"
+
+#ifdef _METAL_
+#include <dlfcn.h>
+#include <filesystem>
+#include "mlx/backend/metal/device.h"
+#include "mlx/backend/metal/utils.h"
+#endif
+
+namespace camkv {
+
+// ----------------------------------------------------------------------------
+// Input validation: every message names the argument, its bad value and what is allowed.
+
+namespace {
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream out;
+  out << "(";
+  for (int i = 0; i < a.ndim(); ++i) {
+    out << (i ? ", " : "") << a.shape(i);
+  }
+  out << (a.ndim() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+[[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }
+
+void check_ndim(const char* name, const mx::array& a, int ndim, const char* layout) {
+  if (a.ndim() != ndim) {
+    bad(std::string(name) + " must be " + layout + ", got shape " + shape_str(a));
+  }
+}
+
+void check_dim(const char* name, const mx::array& a, int axis, int expected, const char* what) {
+  if (a.shape(axis) != expected) {
+    std::ostringstream out;
+    out << name << " has " << a.shape(axis) << " " << what << " (axis " << axis << ") but " << expected
+        << " were expected; shape " << shape_str(a);
+    bad(out.str());
+  }
+}
+
+void check_dtype(const char* name, const mx::array& a, mx::Dtype expected, const char* allowed) {
+  if (a.dtype() != expected) {
+    std::ostringstream out;
+    out << name << " must have dtype " << allowed << ", got " << a.dtype();
+    bad(out.str());
+  }
+}
+
+void check_head_dim(const char* name, int dim) {
+  if (dim < 1 || dim > CAMKV_MAX_HEAD_DIM) {
+    std::ostringstream out;
+    out << name << " = " << dim << " is not supported: head dimensions must be in [1, " << CAMKV_MAX_HEAD_DIM << "]";
+    bad(out.str());
+  }
+}
+
+void check_storage_dtype(const mx::array& keys) {
+  auto d = keys.dtype();
+  if (d != mx::float16 && d != mx::bfloat16 && d != mx::float32) {
+    std::ostringstream out;
+    out << "keys must have dtype float16, bfloat16 or float32, got " << d;
+    bad(out.str());
+  }
+}
+
+void check_options(const UpdateOptions& o, int n) {
+  if (o.budget < 1 || o.n_sink < 0 || o.recent < 1 || o.window < 1 || o.n_sink + o.recent >= o.budget) {
+    std::ostringstream out;
+    out << "invalid cache options: budget=" << o.budget << ", n_sink=" << o.n_sink << ", recent=" << o.recent
+        << ", window=" << o.window << " (need budget > n_sink + recent, n_sink >= 0, recent >= 1, window >= 1)";
+    bad(out.str());
+  }
+  if (o.merge < CAMKV_MERGE_SIM_WEIGHTED || o.merge > CAMKV_MERGE_DROP) {
+    bad("merge code " + std::to_string(o.merge) + " is not one of 0 (sim_weighted), 1 (mean), 2 (window), 3 (drop)");
+  }
+  if (n > o.budget) {
+    bad("the state holds n=" + std::to_string(n) + " tokens, more than budget=" + std::to_string(o.budget));
+  }
+}
+
+}  // namespace
+
+std::vector<mx::array> update(
+    const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
+    const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
+    const std::optional<mx::array>& queries, int offset, float scale, const UpdateOptions& options,
+    mx::StreamOrDevice s) {
+  check_ndim("keys", keys, 3, "[R, n, Dk]");
+  check_ndim("values", values, 3, "[R, n, Dv]");
+  check_ndim("scores", scores, 2, "[R, n]");
+  check_ndim("positions", positions, 2, "[R, n]");
+  check_ndim("new_keys", new_keys, 3, "[R, S, Dk]");
+  check_ndim("new_values", new_values, 3, "[R, S, Dv]");
+  check_ndim("row_ids", row_ids, 1, "[R]");
+  int rows = keys.shape(0), n = keys.shape(1), k_dim = keys.shape(2), v_dim = values.shape(2);
+  int s_len = new_keys.shape(1);
+  check_storage_dtype(keys);
+  check_head_dim("Dk", k_dim);
+  check_head_dim("Dv", v_dim);
+  for (const mx::array* a : {&values, &new_keys, &new_values}) {
+    check_dtype(a == &values ? "values" : (a == &new_keys ? "new_keys" : "new_values"), *a, keys.dtype(),
+                "equal to the keys' dtype");
+  }
+  check_dtype("scores", scores, mx::float32, "float32");
+  check_dtype("positions", positions, mx::int32, "int32");
+  check_dtype("row_ids", row_ids, mx::uint32, "uint32");
+  check_dim("values", values, 0, rows, "rows");
+  check_dim("values", values, 1, n, "tokens");
+  check_dim("scores", scores, 0, rows, "rows");
+  check_dim("scores", scores, 1, n, "tokens");
+  check_dim("positions", positions, 0, rows, "rows");
+  check_dim("positions", positions, 1, n, "tokens");
+  check_dim("new_keys", new_keys, 0, rows, "rows");
+  check_dim("new_keys", new_keys, 2, k_dim, "key features");
+  check_dim("new_values", new_values, 0, rows, "rows");
+  check_dim("new_values", new_values, 1, s_len, "tokens");
+  check_dim("new_values", new_values, 2, v_dim, "value features");
+  check_dim("row_ids", row_ids, 0, rows, "rows");
+  check_options(options, n);
+  if (offset < 0) {
+    bad("offset must be >= 0, got " + std::to_string(offset));
+  }
+
+  bool key_scoring = !queries.has_value();
+  int groups = 1;
+  mx::array query_block = mx::array(0.0f);  // a placeholder the kernel never reads
+  if (!key_scoring) {
+    const mx::array& q = *queries;
+    check_ndim("queries", q, 4, "[R, S, G, Dk]");
+    check_dtype("queries", q, mx::float32, "float32");
+    check_dim("queries", q, 0, rows, "rows");
+    check_dim("queries", q, 1, s_len, "tokens");
+    check_dim("queries", q, 3, k_dim, "key features");
+    groups = q.shape(2);
+    if (groups < 1) {
+      bad("queries must hold at least one query per token (G >= 1), got shape " + shape_str(q));
+    }
+    query_block = q;
+  }
+  int n_out = std::min(n + s_len, options.budget);
+  int chunk = options.chunk ? 1 : 0;
+  int f32_stride = camkv_f32_stride(chunk, n, s_len, n_out);
+  int i32_stride = camkv_i32_stride(chunk, n, s_len, n_out);
+  int store_stride = camkv_store_stride(chunk, n, s_len, n_out, k_dim, v_dim);
+  (void)groups;
+
+  auto stream = mx::to_stream(s);
+  return mx::array::make_arrays(
+      {{rows, n_out, k_dim}, {rows, n_out, v_dim}, {rows, n_out}, {rows, n_out}, {rows},
+       {rows, f32_stride}, {rows, i32_stride}, {rows, store_stride}},
+      {keys.dtype(), keys.dtype(), mx::float32, mx::int32, mx::int32, mx::float32, mx::int32, keys.dtype()},
+      std::make_shared<CamUpdate>(stream, options, offset, scale, key_scoring),
+      {keys, values, scores, positions, new_keys, new_values, query_block, row_ids});
+}
+
+bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
+  const CamUpdate& o = static_cast<const CamUpdate&>(other);
+  const UpdateOptions& a = options_;
+  const UpdateOptions& b = o.options_;
+  return a.budget == b.budget && a.n_sink == b.n_sink && a.recent == b.recent && a.window == b.window &&
+         a.merge == b.merge && a.merge_keys == b.merge_keys && a.gate == b.gate && a.chunk == b.chunk &&
+         a.seed == b.seed && offset_ == o.offset_ && scale_ == o.scale_ && key_scoring_ == o.key_scoring_;
+}
+
+// ----------------------------------------------------------------------------
+// Shared by eval_cpu and eval_gpu
+
+namespace {
+
+enum Input { IN_KEYS, IN_VALUES, IN_SCORES, IN_POSITIONS, NEW_KEYS, NEW_VALUES, QUERIES, ROW_IDS };
+enum Output { OUT_KEYS, OUT_VALUES, OUT_SCORES, OUT_POSITIONS, MERGES, SCRATCH_F32, SCRATCH_I32, SCRATCH_STORE };
+
+CamParams make_params(const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs,
+                      const UpdateOptions& o, int offset, float scale, bool key_scoring, bool in_place) {
+  CamParams p;
+  p.rows = inputs[IN_KEYS].shape(0);
+  p.n = inputs[IN_KEYS].shape(1);
+  p.S = inputs[NEW_KEYS].shape(1);
+  p.Dk = inputs[IN_KEYS].shape(2);
+  p.Dv = inputs[IN_VALUES].shape(2);
+  p.G = key_scoring ? 1 : inputs[QUERIES].shape(2);
+  p.n_out = outputs[OUT_KEYS].shape(1);
+  p.budget = o.budget;
+  p.n_sink = o.n_sink;
+  p.recent = o.recent;
+  p.window = o.window;
+  p.merge = o.merge;
+  p.merge_keys = o.merge_keys ? 1 : 0;
+  p.gate = o.gate ? 1 : 0;
+  p.chunk = o.chunk ? 1 : 0;
+  p.key_scoring = key_scoring ? 1 : 0;
+  p.in_place = in_place ? 1 : 0;
+  p.offset = offset;
+  p.seed = o.seed;
+  p.scale = scale;
+  p.f32_stride = outputs[SCRATCH_F32].shape(1);
+  p.i32_stride = outputs[SCRATCH_I32].shape(1);
+  p.store_stride = outputs[SCRATCH_STORE].shape(1);
+  return p;
+}
+
+// The exact path can work inside the stored buffers when the row count does not
+// change and nothing else holds them: a full decode step then reads the stored
+// keys and writes little, instead of copying the whole state.
+bool can_update_in_place(const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs,
+                         const UpdateOptions& o) {
+  int n = inputs[IN_KEYS].shape(1);
+  int s_len = inputs[NEW_KEYS].shape(1);
+  if (camkv_runs_chunk(o.chunk ? 1 : 0, s_len) || outputs[OUT_KEYS].shape(1) != n || n == 0) {
+    return false;
+  }
+  for (int i = IN_KEYS; i <= IN_POSITIONS; ++i) {
+    const mx::array& in = inputs[i];
+    if (!in.is_donatable() || !in.flags().row_contiguous || in.data_size() != in.size()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void allocate_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, bool in_place) {
+  for (int i = 0; i < (int)outputs.size(); ++i) {
+    if (in_place && i <= OUT_POSITIONS) {
+      outputs[i].copy_shared_buffer(inputs[i]);
+    } else {
+      outputs[i].set_data(mx::allocator::malloc(std::max<size_t>(outputs[i].nbytes(), 1)));
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------
+// CPU execution
+
+// Row-major copy of any strided array, for the rare non-contiguous input.
+std::vector<char> contiguous_bytes(const mx::array& a) {
+  size_t item = a.itemsize();
+  std::vector<char> out(a.size() * item);
+  const char* base = a.data<char>();
+  std::vector<int> index(a.ndim(), 0);
+  for (size_t flat = 0; flat < a.size(); ++flat) {
+    int64_t loc = 0;
+    for (int d = 0; d < a.ndim(); ++d) {
+      loc += (int64_t)index[d] * a.strides()[d];
+    }
+    std::memcpy(out.data() + flat * item, base + loc * (int64_t)item, item);
+    for (int d = a.ndim() - 1; d >= 0; --d) {
+      if (++index[d] < a.shape(d)) {
+        break;
+      }
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
+// A fixed pool of worker threads that run the rows of one launch; the calling
+// thread works too. Rows are claimed from an atomic counter.
+class RowPool {
+ public:
+  static RowPool& instance() {
+    static RowPool pool;
+    return pool;
+  }
+
+  void run(int rows, int threads, const std::function<void(int)>& body) {
+    threads = std::min({threads, rows, (int)workers_.size() + 1});
+    if (threads <= 1) {
+      for (int r = 0; r < rows; ++r) body(r);
+      return;
+    }
+    std::unique_lock<std::mutex> launch(launch_mutex_);  // one launch at a time
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      body_ = &body;
+      rows_ = rows;
+      next_.store(0);
+      helpers_wanted_ = threads - 1;
+      helpers_done_ = 0;
+      generation_ += 1;
+    }
+    wake_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return helpers_done_ == helpers_wanted_; });
+    body_ = nullptr;
+  }
+
+  int size() const { return (int)workers_.size() + 1; }
+
+ private:
+  RowPool() {
+    unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned i = 1; i < hw; ++i) {
+      workers_.emplace_back([this, i] { work(i); });
+    }
+  }
+
+  ~RowPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+
+  void drain() {
+    for (int r = next_.fetch_add(1); r < rows_; r = next_.fetch_add(1)) {
+      (*body_)(r);
+    }
+  }
+
+  void work(unsigned id) {
+    uint64_t seen = 0;
+    while (true) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return stop_ || (generation_ != seen && (int)id <= helpers_wanted_); });
+      if (stop_) return;
+      seen = generation_;
+      lock.unlock();
+      drain();
+      lock.lock();
+      helpers_done_ += 1;
+      if (helpers_done_ == helpers_wanted_) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> workers_;
+  std::mutex launch_mutex_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  const std::function<void(int)>* body_ = nullptr;
+  std::atomic<int> next_{0};
+  int rows_ = 0;
+  int helpers_wanted_ = 0;
+  int helpers_done_ = 0;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+// Waking helper threads costs tens of microseconds; only worth it for real work.
+int threads_for(const CamParams& p) {
+  double work = (double)p.rows * (double)(p.n + p.S) * (double)(p.Dk + p.Dv) * (double)std::max(p.S, 1);
+  return work < 2.0e6 ? 1 : RowPool::instance().size();
+}
+
+template <typename T>
+void run_cpu(const CamParams p, const T* in_keys, const T* in_values, const float* in_scores,
+             const int* in_positions, const T* new_keys, const T* new_values, const float* queries,
+             const uint32_t* row_ids, T* out_keys, T* out_values, float* out_scores, int* out_positions,
+             int* merges, float* f32, int* i32, T* store) {
+  std::function<void(int)> body = [&](int row) {
+    CamRowBuffers<T> b = camkv_row_buffers<T>(row, &p, in_keys, in_values, in_scores, in_positions, new_keys,
+                                              new_values, queries, out_keys, out_values, out_scores,
+                                              out_positions, f32, i32, store);
+    merges[row] = camkv_update_row<T>(b, &p, row_ids[row], camkv_single_thread_group());
+  };
+  RowPool::instance().run(p.rows, threads_for(p), body);
+}
+
+template <typename T>
+void dispatch_cpu(const CamParams& p, const std::vector<const void*>& in, std::vector<mx::array>& outputs) {
+  run_cpu<T>(p, (const T*)in[IN_KEYS], (const T*)in[IN_VALUES], (const float*)in[IN_SCORES],
+             (const int*)in[IN_POSITIONS], (const T*)in[NEW_KEYS], (const T*)in[NEW_VALUES],
+             (const float*)in[QUERIES], (const uint32_t*)in[ROW_IDS], outputs[OUT_KEYS].data<T>(),
+             outputs[OUT_VALUES].data<T>(), outputs[OUT_SCORES].data<float>(),
+             outputs[OUT_POSITIONS].data<int>(), outputs[MERGES].data<int>(),
+             outputs[SCRATCH_F32].data<float>(), outputs[SCRATCH_I32].data<int>(),
+             outputs[SCRATCH_STORE].data<T>());
+}
+
+}  // namespace
+
+void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  bool in_place = can_update_in_place(inputs, outputs, options_);
+  allocate_outputs(inputs, outputs, in_place);
+  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place);
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  for (auto& a : outputs) encoder.set_output_array(a);
+  // The task owns references to every array it touches until it has run.
+  encoder.dispatch([inputs, outputs, params]() mutable {
+    std::vector<std::vector<char>> copies;
+    std::vector<const void*> in(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const mx::array& a = inputs[i];
+      bool plain = a.flags().row_contiguous && a.data_size() == a.size();
+      if (plain || (params.in_place && i <= IN_POSITIONS)) {
+        in[i] = a.data<void>();
+      } else {
+        copies.push_back(contiguous_bytes(a));
+        in[i] = copies.back().data();
+      }
+    }
+    mx::Dtype dtype = inputs[IN_KEYS].dtype();
+    if (dtype == mx::float32) {
+      dispatch_cpu<float>(params, in, outputs);
+    } else if (dtype == mx::float16) {
+      dispatch_cpu<mx::float16_t>(params, in, outputs);
+    } else {
+      dispatch_cpu<mx::bfloat16_t>(params, in, outputs);
+    }
+  });
+}
+
+// ----------------------------------------------------------------------------
+// GPU execution
+
+#ifdef _METAL_
+
+namespace {
+
+std::string binary_dir() {
+  Dl_info info;
+  if (!dladdr(reinterpret_cast<void*>(&binary_dir), &info)) {
+    throw std::runtime_error("camkv._ext: cannot locate its own binary to find camkv.metallib");
+  }
+  return std::filesystem::path(info.dli_fname).parent_path().string();
+}
+
+const char* kernel_suffix(mx::Dtype d) {
+  return d == mx::float32 ? "float32" : (d == mx::float16 ? "float16" : "bfloat16");
+}
+
+}  // namespace
+
+void CamUpdate::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (int i = 0; i < (int)inputs.size(); ++i) {
+    if (!inputs[i].flags().row_contiguous) {
+      throw std::invalid_argument(
+          "camkv._ext on the GPU needs row-contiguous inputs; input " + std::to_string(i) + " is strided");
+    }
+  }
+  bool in_place = can_update_in_place(inputs, outputs, options_);
+  allocate_outputs(inputs, outputs, in_place);
+  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place);
+
+  auto& s = stream();
+  auto& d = mx::metal::device(s.device);
+  auto lib = d.get_library("camkv", binary_dir());
+  auto kernel = d.get_kernel(std::string("camkv_update_") + kernel_suffix(inputs[IN_KEYS].dtype()), lib);
+  auto& encoder = mx::metal::get_command_encoder(s);
+  encoder.set_compute_pipeline_state(kernel);
+  for (int i = 0; i < (int)inputs.size(); ++i) {
+    encoder.set_input_array(inputs[i], i);
+  }
+  for (int i = 0; i < (int)outputs.size(); ++i) {
+    encoder.set_output_array(outputs[i], (int)inputs.size() + i);
+  }
+  encoder.set_bytes(params, (int)(inputs.size() + outputs.size()));
+  size_t threads = std::min<size_t>(256, kernel->maxTotalThreadsPerThreadgroup());
+  encoder.dispatch_threadgroups(MTL::Size(params.rows, 1, 1), MTL::Size(threads, 1, 1));
+}
+
+#else
+
+void CamUpdate::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "camkv._ext has no GPU path in this build: the Metal library is only built on macOS. "
+      "Run the update on the CPU (stream=mx.cpu) or use the 'reference' backend.");
+}
+
+#endif
+
+}  // namespace camkv
