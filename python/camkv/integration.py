@@ -6,6 +6,7 @@ from contextlib import contextmanager
 
 from mlx_lm.models.cache import KVCache
 
+from . import hook
 from .cache import CaMKVCache
 from .config import UINT32_MAX, CaMConfig, resolve_config
 
@@ -26,9 +27,12 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
     """The model's cache list with each plain full-attention KVCache replaced by a CaMKVCache.
 
     Layer i gets seed = base seed + i (mod 2^32). Other cache kinds (rotating,
-    arrays / SSM, chunked) are kept as the model makes them.
+    arrays / SSM, chunked) are kept as the model makes them. With scoring="query"
+    the attention hook is installed in the model's modules (camkv.remove undoes it).
     """
     base = resolve_config(config, fields)
+    if base.scoring == "query":
+        hook.install(model)
     caches = _model_default_cache(model)
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     for i, cache in enumerate(caches):
@@ -52,7 +56,8 @@ def apply(model, config: CaMConfig | None = None, **fields):
 
 
 def remove(model) -> None:
-    """Undo apply: the model makes its own caches again."""
+    """Undo apply (and the attention hook): the model makes its own caches again."""
+    hook.uninstall(model)
     if not hasattr(model, _ORIGINAL):
         return
     original = getattr(model, _ORIGINAL)
