@@ -35,6 +35,11 @@ NB_MODULE(_ext, m) {
   m.doc() = "camkv fused CaM cache update: one MLX primitive per layer per call";
   // The mlx version this binary was compiled against; it only works with that one.
   m.attr("MLX_VERSION") = CAMKV_MLX_VERSION;
+#ifdef _METAL_
+  m.attr("HAS_METAL") = true;  // eval_gpu dispatches camkv.metallib
+#else
+  m.attr("HAS_METAL") = false;
+#endif
   m.attr("MAX_HEAD_DIM") = CAMKV_MAX_HEAD_DIM;
   m.attr("MERGE_CODES") = nb::make_tuple("sim_weighted", "mean", "window", "drop");
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,

@@ -10,10 +10,14 @@
 //   CAMKV_INLINE                                  function qualifier
 //   camkv_u32                                     32-bit unsigned integer
 //   CamGroup                                      {tid, size, shared scratch}
+//   camkv_tid(g), camkv_gsize(g)                  thread index and group size (int)
 //   camkv_barrier(g)                              group barrier
 //   camkv_group_sum(g, x), camkv_group_max(g, x)  float reductions
 //   camkv_group_argmin(g, v, i)                   smallest v, ties to smaller i
 //   camkv_exp(x), camkv_sqrt(x), CAMKV_INF        float32 math
+//   camkv_float(x)                                storage dtype -> float32
+//   CAMKV_THREAD                                  qualifier of thread-local arrays
+//   CAMKV_DOT_ROWS                                rows one thread dots at once
 // All arithmetic is float32; keys and values are rounded to the storage dtype
 // once per merge, exactly as the reference does.
 //
@@ -61,8 +65,9 @@ struct CamParams {
 
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
-// [logits | mass | norms | work scores], i32 scratch [work positions | losers |
-// index list], storage scratch the pending token (exact) or the work rows (chunk).
+// [logits | mass | scores (the pending token's, or the chunk's work scores)], i32
+// scratch [work positions | losers | index list], storage scratch the pending token
+// (exact) or the work rows (chunk).
 
 CAMKV_INLINE int camkv_runs_chunk(int chunk, int S) { return chunk != 0 && S > 1; }
 
@@ -72,7 +77,7 @@ CAMKV_INLINE int camkv_capacity(int chunk, int n, int S, int n_out) {
 }
 
 CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out) {
-  return 4 * camkv_capacity(chunk, n, S, n_out);
+  return 3 * camkv_capacity(chunk, n, S, n_out);
 }
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
@@ -106,33 +111,22 @@ CAMKV_INLINE float camkv_uniform(camkv_u32 seed, camkv_u32 row, int position) {
 // ----------------------------------------------------------------------------
 // Small float32 helpers, one thread each
 
-// Four partial sums: lets a CPU compiler vectorise without reassociating, and
-// every backend only has to match the reference within section 8's tolerance.
+// Sequential float32 sums in feature order: the order the reference's own
+// reductions use on the CPU, so dot products (and the cosines and blend weights
+// built from them) come out bit-identical there.
 template <typename A, typename B>
 CAMKV_INLINE float camkv_dot(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
-  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-  int d = 0;
-  for (; d + 4 <= len; d += 4) {
-    s0 += (float)a[d] * (float)b[d];
-    s1 += (float)a[d + 1] * (float)b[d + 1];
-    s2 += (float)a[d + 2] * (float)b[d + 2];
-    s3 += (float)a[d + 3] * (float)b[d + 3];
+  float sum = 0.0f;
+  for (int d = 0; d < len; ++d) {
+    sum += camkv_float(a[d]) * camkv_float(b[d]);
   }
-  for (; d < len; ++d) {
-    s0 += (float)a[d] * (float)b[d];
-  }
-  return (s0 + s1) + (s2 + s3);
-}
-
-template <typename T>
-CAMKV_INLINE float camkv_norm(const CAMKV_DEVICE T* a, int len) {
-  return camkv_sqrt(camkv_dot(a, a, len));
+  return sum;
 }
 
 // Copy one row of len elements, the group's threads striding over columns.
 template <typename T>
 CAMKV_INLINE void camkv_copy_row(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src, int len, CamGroup g) {
-  for (int d = (int)g.tid; d < len; d += (int)g.size) {
+  for (int d = camkv_tid(g); d < len; d += camkv_gsize(g)) {
     dst[d] = src[d];
   }
 }
@@ -148,7 +142,6 @@ struct CamRows {
   CAMKV_DEVICE T* values;      // [count, Dv]
   CAMKV_DEVICE float* scores;  // [count]
   CAMKV_DEVICE int* positions; // [count]
-  CAMKV_DEVICE float* norms;   // [count (+1 pending)] key norms for cosine search
   int count;
   int has_pending;
   CAMKV_DEVICE T* pend_key;
@@ -191,6 +184,46 @@ CAMKV_INLINE bool camkv_is_survivor(CamRows<T> r, int j, int e) {
   return r.loser == 0 || j == r.count || r.loser[j] == 0;
 }
 
+// Dots of q with the keys of rows j0 .. j0 + CAMKV_DOT_ROWS - 1 (rows at or past
+// `end` repeat row j0; their results are ignored). Each sum is sequential in
+// feature order, exactly camkv_dot; several independent rows per thread keep a
+// CPU's floating-point units busy instead of waiting on one chain of additions.
+template <typename T, typename Q>
+CAMKV_INLINE void camkv_dot_rows(CamRows<T> r, const CAMKV_DEVICE Q* q, int j0, int end,
+                                 CAMKV_THREAD float* dots) {
+  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
+  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+    rows[i] = camkv_key(r, j0 + i < end ? j0 + i : j0);
+    dots[i] = 0.0f;
+  }
+  for (int d = 0; d < r.Dk; ++d) {
+    float qd = camkv_float(q[d]);
+    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+      dots[i] += qd * camkv_float(rows[i][d]);
+    }
+  }
+}
+
+// As camkv_dot_rows with q = K_e, plus each row's squared norm (for its cosine).
+template <typename T>
+CAMKV_INLINE void camkv_dot_rows_with_norms(CamRows<T> r, const CAMKV_DEVICE T* k_e, int j0, int end,
+                                            CAMKV_THREAD float* dots, CAMKV_THREAD float* squares) {
+  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
+  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+    rows[i] = camkv_key(r, j0 + i < end ? j0 + i : j0);
+    dots[i] = 0.0f;
+    squares[i] = 0.0f;
+  }
+  for (int d = 0; d < r.Dk; ++d) {
+    float ed = camkv_float(k_e[d]);
+    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+      float kd = camkv_float(rows[i][d]);
+      dots[i] += ed * kd;
+      squares[i] += kd * kd;
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------
 // Section 2: attention mass of one query over rows [0, visible)
 
@@ -200,20 +233,25 @@ CAMKV_INLINE void camkv_add_attention(
     CamRows<T> r, const CAMKV_DEVICE Q* q, int visible, float scale,
     CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
   float local_max = -CAMKV_INF;
-  for (int j = (int)g.tid; j < visible; j += (int)g.size) {
-    float l = scale * camkv_dot(q, camkv_key(r, j), r.Dk);
-    logits[j] = l;
-    local_max = l > local_max ? l : local_max;
+  float dots[CAMKV_DOT_ROWS];
+  int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
+  for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < visible; j0 += step) {
+    camkv_dot_rows(r, q, j0, visible, dots);
+    for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < visible; ++i) {
+      float l = scale * dots[i];
+      logits[j0 + i] = l;
+      local_max = l > local_max ? l : local_max;
+    }
   }
   float row_max = camkv_group_max(g, local_max);
   float local_sum = 0.0f;
-  for (int j = (int)g.tid; j < visible; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
     float w = camkv_exp(logits[j] - row_max);
     logits[j] = w;
     local_sum += w;
   }
   float total = camkv_group_sum(g, local_sum);
-  for (int j = (int)g.tid; j < visible; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
     mass[j] += logits[j] / total;
   }
   camkv_barrier(g);
@@ -221,16 +259,8 @@ CAMKV_INLINE void camkv_add_attention(
 
 template <typename T>
 CAMKV_INLINE void camkv_zero(CAMKV_DEVICE T* a, int len, CamGroup g) {
-  for (int j = (int)g.tid; j < len; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < len; j += camkv_gsize(g)) {
     a[j] = (T)0;
-  }
-  camkv_barrier(g);
-}
-
-template <typename T>
-CAMKV_INLINE void camkv_compute_norms(CamRows<T> r, int from, int to, CamGroup g) {
-  for (int j = from + (int)g.tid; j < to; j += (int)g.size) {
-    r.norms[j] = camkv_norm(camkv_key(r, j), r.Dk);
   }
   camkv_barrier(g);
 }
@@ -251,26 +281,41 @@ CAMKV_INLINE int camkv_gate_open(float s_e, float s_target, camkv_u32 seed, camk
   return camkv_uniform(seed, row, p_e) < probability ? 1 : 0;
 }
 
-// cos(K_e, K_j) with denominator max(|K_j| |K_e|, 1e-12), as the reference orders it.
+// cos(K_e, K_j) = (K_e . K_j) / max(|K_j| |K_e|, 1e-12), as the reference orders it.
+CAMKV_INLINE float camkv_cosine_of(float dot, float square_j, float norm_e) {
+  float denom = camkv_sqrt(square_j) * norm_e;
+  return dot / (denom > 1e-12f ? denom : 1e-12f);
+}
+
 template <typename T>
 CAMKV_INLINE float camkv_cosine(CamRows<T> r, int e, int j) {
-  float dot = camkv_dot(camkv_key(r, e), camkv_key(r, j), r.Dk);
-  float denom = r.norms[j] * r.norms[e];
-  return dot / (denom > 1e-12f ? denom : 1e-12f);
+  const CAMKV_DEVICE T* k_e = camkv_key(r, e);
+  const CAMKV_DEVICE T* k_j = camkv_key(r, j);
+  float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
+  return camkv_cosine_of(camkv_dot(k_e, k_j, r.Dk), camkv_dot(k_j, k_j, r.Dk), norm_e);
 }
 
 // Section 4.1: the non-sink survivor most similar to e; ties to the smaller index.
 template <typename T>
 CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   int total = r.count + r.has_pending;
+  const CAMKV_DEVICE T* k_e = camkv_key(r, e);
+  float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
   float best = CAMKV_INF;  // argmin of -cos
   int best_j = total;
-  for (int j = (int)g.tid; j < total; j += (int)g.size) {
-    if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
-      float neg = -camkv_cosine(r, e, j);
-      if (neg < best) {
-        best = neg;
-        best_j = j;
+  float dots[CAMKV_DOT_ROWS];
+  float squares[CAMKV_DOT_ROWS];
+  int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
+  for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < total; j0 += step) {
+    camkv_dot_rows_with_norms(r, k_e, j0, total, dots, squares);
+    for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < total; ++i) {
+      int j = j0 + i;
+      if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
+        float neg = -camkv_cosine_of(dots[i], squares[i], norm_e);
+        if (neg < best) {
+          best = neg;
+          best_j = j;
+        }
       }
     }
   }
@@ -281,7 +326,7 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
 // |W| in r.list[0] so every thread reads it after the barrier; returns |W|.
 template <typename T>
 CAMKV_INLINE int camkv_collect_window(CamRows<T> r, int e, int window, CamGroup g) {
-  if (g.tid == 0) {
+  if (camkv_tid(g) == 0) {
     int width = 0;
     int total = r.count + r.has_pending;
     for (int j = e + 1; j < total && width < window; ++j) {
@@ -298,8 +343,8 @@ CAMKV_INLINE int camkv_collect_window(CamRows<T> r, int e, int window, CamGroup 
 
 template <typename T>
 CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* source, float w, int len, CamGroup g) {
-  for (int d = (int)g.tid; d < len; d += (int)g.size) {
-    target[d] = (T)((1.0f - w) * (float)target[d] + w * (float)source[d]);
+  for (int d = camkv_tid(g); d < len; d += camkv_gsize(g)) {
+    target[d] = (T)((1.0f - w) * camkv_float(target[d]) + w * camkv_float(source[d]));
   }
 }
 
@@ -321,11 +366,8 @@ CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const C
     camkv_blend_row(camkv_key(r, t), camkv_key(r, e), w, r.Dk, g);
   }
   camkv_barrier(g);
-  if (g.tid == 0) {
+  if (camkv_tid(g) == 0) {
     *camkv_score(r, t) += s_e;
-    if (p->merge_keys) {
-      r.norms[t] = camkv_norm(camkv_key(r, t), r.Dk);
-    }
   }
   camkv_barrier(g);
   return 1;
@@ -349,12 +391,12 @@ CAMKV_INLINE int camkv_merge_window(CamRows<T> r, int e, CAMKV_CONSTANT const Ca
   const CAMKV_DEVICE T* v_e = camkv_value(r, e);
   for (int i = 1; i <= width; ++i) {
     CAMKV_DEVICE T* v_j = camkv_value(r, r.list[i]);
-    for (int d = (int)g.tid; d < r.Dv; d += (int)g.size) {
-      v_j[d] = (T)((float)v_j[d] + (float)v_e[d] / (float)width);
+    for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
+      v_j[d] = (T)(camkv_float(v_j[d]) + camkv_float(v_e[d]) / (float)width);
     }
   }
   camkv_barrier(g);
-  if (g.tid == 0) {
+  if (camkv_tid(g) == 0) {
     for (int i = 1; i <= width; ++i) {
       *camkv_score(r, r.list[i]) += s_e / (float)width;
     }
@@ -378,9 +420,6 @@ CAMKV_INLINE bool camkv_protected(int position, int n_sink, int recent, int p_la
   return position < n_sink || position > p_last - recent;
 }
 
-CAMKV_INLINE bool camkv_needs_norms(CAMKV_CONSTANT const CamParams* p) {
-  return p->merge == CAMKV_MERGE_SIM_WEIGHTED || p->merge == CAMKV_MERGE_MEAN;
-}
 
 // ----------------------------------------------------------------------------
 // Exact mode (section 7, "exact"): the S tokens one at a time, in the out arrays.
@@ -401,10 +440,10 @@ CAMKV_INLINE void camkv_score_pending(
     }
   }
   float groups = (float)p->G;
-  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     r.scores[j] += mass[j] / groups;
   }
-  if (g.tid == 0) {
+  if (camkv_tid(g) == 0) {
     *r.pend_score = mass[r.count] / groups;
   }
   camkv_barrier(g);
@@ -415,10 +454,9 @@ template <typename T>
 CAMKV_INLINE void camkv_store_pending(CamRows<T> r, int slot, CamGroup g) {
   camkv_copy_row(r.keys + (long)slot * r.Dk, (const CAMKV_DEVICE T*)r.pend_key, r.Dk, g);
   camkv_copy_row(r.values + (long)slot * r.Dv, (const CAMKV_DEVICE T*)r.pend_value, r.Dv, g);
-  if (g.tid == 0) {
+  if (camkv_tid(g) == 0) {
     r.scores[slot] = *r.pend_score;
     r.positions[slot] = r.pend_position;
-    r.norms[slot] = r.norms[r.count];
   }
   camkv_barrier(g);
 }
@@ -432,11 +470,10 @@ CAMKV_INLINE void camkv_remove_and_append(CamRows<T> r, int e, CamGroup g) {
     camkv_copy_row(r.keys + (long)j * r.Dk, (const CAMKV_DEVICE T*)(r.keys + (long)(j + 1) * r.Dk), r.Dk, g);
     camkv_copy_row(r.values + (long)j * r.Dv, (const CAMKV_DEVICE T*)(r.values + (long)(j + 1) * r.Dv), r.Dv, g);
   }
-  if (g.tid == 0) {
+  if (camkv_tid(g) == 0) {
     for (int j = e; j + 1 < r.count; ++j) {
       r.scores[j] = r.scores[j + 1];
       r.positions[j] = r.positions[j + 1];
-      r.norms[j] = r.norms[j + 1];
     }
   }
   camkv_barrier(g);
@@ -448,7 +485,7 @@ template <typename T>
 CAMKV_INLINE int camkv_pick_evicted(CamRows<T> r, int p_now, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
   float best = CAMKV_INF;
   int best_j = r.count;
-  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_now) && r.scores[j] < best) {
       best = r.scores[j];
       best_j = j;
@@ -466,7 +503,7 @@ CAMKV_INLINE void camkv_copy_state_in(
     camkv_copy_row(keys + (long)j * Dk, in_keys + (long)j * Dk, Dk, g);
     camkv_copy_row(values + (long)j * Dv, in_values + (long)j * Dv, Dv, g);
   }
-  for (int j = (int)g.tid; j < n; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < n; j += camkv_gsize(g)) {
     scores[j] = in_scores[j];
     positions[j] = in_positions[j];
   }
@@ -500,12 +537,11 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.values = b.out_values;
   r.scores = b.out_scores;
   r.positions = b.out_positions;
-  r.norms = b.f32 + 2 * cap;
   r.count = p->n;
   r.has_pending = 1;
   r.pend_key = b.store;
   r.pend_value = b.store + p->Dk;
-  r.pend_score = b.f32 + 3 * cap;
+  r.pend_score = b.f32 + 2 * cap;
   r.pend_position = 0;
   r.loser = 0;
   r.list = b.i32;
@@ -518,20 +554,12 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
                         b.in_positions, p->n, p->Dk, p->Dv, g);
   }
-  // Norms are only read by cosine searches, which only happen once the row is full.
-  bool want_norms = camkv_needs_norms(p) && p->n + p->S > p->budget;
-  if (want_norms) {
-    camkv_compute_norms(r, 0, r.count, g);
-  }
   int merges = 0;
   for (int t = 0; t < p->S; ++t) {
     camkv_copy_row(r.pend_key, b.new_keys + (long)t * p->Dk, p->Dk, g);
     camkv_copy_row(r.pend_value, b.new_values + (long)t * p->Dv, p->Dv, g);
     r.pend_position = p->offset + t;
     camkv_barrier(g);
-    if (want_norms) {
-      camkv_compute_norms(r, r.count, r.count + 1, g);
-    }
     camkv_score_pending(r, t, p, b.queries, logits, mass, g);
     if (r.count < p->budget) {
       camkv_store_pending(r, r.count, g);
@@ -565,7 +593,7 @@ CAMKV_INLINE void camkv_score_chunk(CamRows<T> r, CAMKV_CONSTANT const CamParams
     }
   }
   float groups = (float)p->G;
-  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     r.scores[j] += mass[j] / groups;
   }
   camkv_barrier(g);
@@ -574,7 +602,7 @@ CAMKV_INLINE void camkv_score_chunk(CamRows<T> r, CAMKV_CONSTANT const CamParams
 // The k lowest-scoring unprotected rows (ties to the smaller index) get loser = 1.
 template <typename T>
 CAMKV_INLINE void camkv_mark_losers(CamRows<T> r, int k, int p_last, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
-  for (int j = (int)g.tid; j < r.count; j += (int)g.size) {
+  for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     int is_loser = 0;
     if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_last)) {
       float s = r.scores[j];
@@ -602,7 +630,7 @@ CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamG
     if (r.loser[j] == 0) {
       camkv_copy_row(b.out_keys + (long)dst * r.Dk, (const CAMKV_DEVICE T*)(r.keys + (long)j * r.Dk), r.Dk, g);
       camkv_copy_row(b.out_values + (long)dst * r.Dv, (const CAMKV_DEVICE T*)(r.values + (long)j * r.Dv), r.Dv, g);
-      if (g.tid == 0) {
+      if (camkv_tid(g) == 0) {
         b.out_scores[dst] = r.scores[j];
         b.out_positions[dst] = r.positions[j];
       }
@@ -620,9 +648,8 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   // Without eviction the out arrays are the work arrays; with it, scratch is.
   r.keys = evicts ? b.store : b.out_keys;
   r.values = evicts ? b.store + (long)total * p->Dk : b.out_values;
-  r.scores = evicts ? b.f32 + 3 * total : b.out_scores;
+  r.scores = evicts ? b.f32 + 2 * total : b.out_scores;
   r.positions = evicts ? b.i32 : b.out_positions;
-  r.norms = b.f32 + 2 * total;
   r.count = total;
   r.has_pending = 0;
   r.pend_key = 0;
@@ -640,7 +667,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     camkv_copy_row(r.keys + (long)(p->n + i) * p->Dk, b.new_keys + (long)i * p->Dk, p->Dk, g);
     camkv_copy_row(r.values + (long)(p->n + i) * p->Dv, b.new_values + (long)i * p->Dv, p->Dv, g);
   }
-  for (int i = (int)g.tid; i < p->S; i += (int)g.size) {
+  for (int i = camkv_tid(g); i < p->S; i += camkv_gsize(g)) {
     r.scores[p->n + i] = 0.0f;
     r.positions[p->n + i] = p->offset + i;
   }
@@ -650,9 +677,6 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     return 0;
   }
   camkv_mark_losers(r, total - p->budget, p->offset + p->S - 1, p, g);
-  if (camkv_needs_norms(p)) {
-    camkv_compute_norms(r, 0, total, g);
-  }
   int merges = 0;
   for (int e = 0; e < total; ++e) {
     if (r.loser[e] != 0) {

@@ -19,6 +19,34 @@
 #include "mlx/ops.h"
 
 #include "camkv_prelude_cpu.h"
+
+// float16 -> float32 through a table: MLX's portable float16 converts with
+// branches and bit tricks, which would dominate the kernel's dot products on CPUs
+// without native half support. Exact: every entry is MLX's own conversion.
+// (With native half arithmetic, as on Apple silicon, the cast is already cheap.)
+#ifndef __ARM_FEATURE_FP16_SCALAR_ARITHMETIC
+namespace camkv_cpu {
+struct HalfTable {
+  float value[65536];
+  HalfTable() {
+    for (uint32_t bits = 0; bits < 65536; ++bits) {
+      uint16_t b = (uint16_t)bits;
+      mlx::core::float16_t h;
+      std::memcpy(&h, &b, sizeof(b));
+      value[bits] = static_cast<float>(h);
+    }
+  }
+};
+const HalfTable half_table;
+}  // namespace camkv_cpu
+
+inline float camkv_float(mlx::core::float16_t x) {
+  uint16_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return camkv_cpu::half_table.value[bits];
+}
+#endif
+
 #include "camkv_core.h"
 
 #ifdef _METAL_
@@ -366,7 +394,7 @@ class RowPool {
 // Waking helper threads costs tens of microseconds; only worth it for real work.
 int threads_for(const CamParams& p) {
   double work = (double)p.rows * (double)(p.n + p.S) * (double)(p.Dk + p.Dv) * (double)std::max(p.S, 1);
-  return work < 2.0e6 ? 1 : RowPool::instance().size();
+  return work < 2.0e5 ? 1 : RowPool::instance().size();
 }
 
 template <typename T>

@@ -12,6 +12,8 @@
 #define CAMKV_INF __int_as_float(0x7f800000)
 #define CAMKV_WARP 32
 #define CAMKV_INT_MAX 2147483647
+#define CAMKV_THREAD
+#define CAMKV_DOT_ROWS 1
 
 typedef unsigned int camkv_u32;
 
@@ -22,9 +24,16 @@ struct CamGroup {
   int* red_i;    // CAMKV_WARP ints of __shared__ memory
 };
 
+__device__ __forceinline__ int camkv_tid(CamGroup g) { return (int)g.tid; }
+__device__ __forceinline__ int camkv_gsize(CamGroup g) { return (int)g.size; }
 __device__ __forceinline__ void camkv_barrier(CamGroup) { __syncthreads(); }
 __device__ __forceinline__ float camkv_exp(float x) { return expf(x); }
 __device__ __forceinline__ float camkv_sqrt(float x) { return sqrtf(x); }
+
+template <typename T>
+__device__ __forceinline__ float camkv_float(T x) {
+  return static_cast<float>(x);
+}
 
 __device__ __forceinline__ float camkv_warp_sum(float x) {
   for (int offset = CAMKV_WARP / 2; offset > 0; offset /= 2) {

@@ -14,6 +14,8 @@ using namespace metal;
 #define CAMKV_INLINE inline
 #define CAMKV_INF INFINITY
 #define CAMKV_SIMD_WIDTH 32
+#define CAMKV_THREAD thread
+#define CAMKV_DOT_ROWS 1
 
 typedef uint camkv_u32;
 
@@ -24,12 +26,20 @@ struct CamGroup {
   threadgroup int* red_i;    // CAMKV_SIMD_WIDTH ints
 };
 
+inline int camkv_tid(CamGroup g) { return (int)g.tid; }
+inline int camkv_gsize(CamGroup g) { return (int)g.size; }
+
 inline void camkv_barrier(CamGroup g) {
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
 }
 
 inline float camkv_exp(float x) { return precise::exp(x); }
 inline float camkv_sqrt(float x) { return precise::sqrt(x); }
+
+template <typename T>
+inline float camkv_float(T x) {
+  return float(x);
+}
 
 // Each simdgroup reduces in registers; lane 0 parks its result; the first
 // simdgroup reduces the parked results and parks the total in slot 0.

@@ -1,0 +1,109 @@
+"""Backend "ext": the fused update of the compiled extension camkv._ext.
+
+One MLX primitive per layer per call (scoring, eviction, merge, compaction). It runs
+on the CPU everywhere and on Apple GPUs through the Metal library built on macOS.
+Same signature and results (ALGORITHM.md section 8) as camkv.reference.update.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from ..config import CaMConfig, MERGE_MODES
+from ..reference import RowState
+
+try:  # the package works without the extension (reference backend)
+    from .. import _ext
+except ImportError as error:  # pragma: no cover - exercised where the build is absent
+    _ext = None
+    _IMPORT_ERROR = f"camkv._ext is not built or failed to load ({error})"
+else:
+    _IMPORT_ERROR = None
+
+_STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def unavailable_reason() -> str | None:
+    """None when the extension is importable and matches the running mlx, else why not."""
+    if _ext is None:
+        return _IMPORT_ERROR
+    if _ext.MLX_VERSION != mx.__version__:
+        return (
+            f"camkv._ext was compiled against mlx {_ext.MLX_VERSION} but mlx {mx.__version__} "
+            "is installed; reinstall camkv to rebuild it"
+        )
+    return None
+
+
+def _check_inputs(state: RowState, new_keys: mx.array, queries, scale) -> None:
+    if new_keys.dtype not in _STORAGE_DTYPES:
+        raise ValueError(
+            f"new_keys must be float16, bfloat16 or float32 for the ext backend, got {new_keys.dtype}"
+        )
+    if queries is not None and scale is None:
+        raise ValueError("query scoring needs the model's attention scale, got scale=None")
+    for name, dim in (("Dk", new_keys.shape[-1]), ("Dv", state.values.shape[-1])):
+        if dim > _ext.MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} = {dim} exceeds the ext backend's limit of {_ext.MAX_HEAD_DIM}; "
+                "use backend='reference'"
+            )
+
+
+def update(
+    state: RowState,
+    new_keys: mx.array,
+    new_values: mx.array,
+    offset: int,
+    cfg: CaMConfig,
+    row_ids: mx.array,
+    queries: mx.array | None = None,
+    scale: float | None = None,
+    stream=None,
+) -> tuple[RowState, mx.array]:
+    """Absorb S new tokens per row in one launch; see camkv.reference.update.
+
+    On a CPU stream, when nothing else holds the stored arrays (the caller dropped
+    its references before evaluation) and the row count does not change, the
+    update runs inside the stored buffers instead of copying them.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"backend 'ext' is not usable here: {reason}")
+    _check_inputs(state, new_keys, queries, scale)
+    if queries is None:
+        scale = 1.0 / math.sqrt(new_keys.shape[-1])
+    else:
+        queries = queries.astype(mx.float32)
+    if state.keys.dtype != new_keys.dtype:
+        # The first call's empty state may carry a default dtype; adopt the tokens'.
+        if state.length:
+            raise ValueError(
+                f"new_keys dtype {new_keys.dtype} differs from the stored keys' {state.keys.dtype}"
+            )
+        state = RowState.empty(state.keys.shape[0], state.keys.shape[-1], state.values.shape[-1], new_keys.dtype)
+    keys, values, scores, positions, merges = _ext.update(
+        state.keys,
+        state.values,
+        state.scores,
+        state.positions,
+        new_keys,
+        new_values,
+        row_ids if row_ids.dtype == mx.uint32 else row_ids.astype(mx.uint32),
+        queries,
+        offset=int(offset),
+        scale=float(scale),
+        budget=cfg.budget,
+        n_sink=cfg.n_sink,
+        recent=cfg.recent,
+        window=cfg.window,
+        merge=MERGE_MODES.index(cfg.merge),
+        merge_keys=cfg.merge_keys,
+        gate=cfg.gate,
+        chunk=cfg.prefill == "chunk",
+        seed=cfg.seed,
+        stream=stream,
+    )
+    return RowState(keys, values, scores, positions), merges
