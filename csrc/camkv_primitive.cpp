@@ -251,6 +251,25 @@ CamParams make_params(const std::vector<mx::array>& inputs, const std::vector<mx
   return p;
 }
 
+// Every output of a multi-output primitive holds its own copy of the input list,
+// so while the siblings keep theirs no input is ever is_donatable(). MLX drops
+// these lists right after evaluation anyway (array::detach); dropping the
+// siblings' copies a moment earlier lets an unshared stored state be donated.
+// `inputs` is the evaluated output's own list, which MLX still reads, so it stays.
+// Tracers (inside transforms) keep everything, as MLX itself does.
+void release_sibling_inputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (const auto& out : outputs) {
+    if (out.is_tracer()) {
+      return;
+    }
+  }
+  for (auto& out : outputs) {
+    if (&out.inputs() != &inputs) {
+      out.inputs().clear();
+    }
+  }
+}
+
 // The exact path can work inside the stored buffers when the row count does not
 // change and nothing else holds them: a full decode step then reads the stored
 // keys and writes little, instead of copying the whole state.
@@ -425,6 +444,7 @@ void dispatch_cpu(const CamParams& p, const std::vector<const void*>& in, std::v
 }  // namespace
 
 void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  release_sibling_inputs(inputs, outputs);
   bool in_place = can_update_in_place(inputs, outputs, options_);
   allocate_outputs(inputs, outputs, in_place);
   CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place);
@@ -485,6 +505,7 @@ void CamUpdate::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
           "camkv._ext on the GPU needs row-contiguous inputs; input " + std::to_string(i) + " is strided");
     }
   }
+  release_sibling_inputs(inputs, outputs);
   bool in_place = can_update_in_place(inputs, outputs, options_);
   allocate_outputs(inputs, outputs, in_place);
   CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place);

@@ -184,8 +184,11 @@ def test_fuzz_matches_reference(backend):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         print_blob=True,
     )
+    examples = []
+
     @given(fuzz_cases())
     def run(case):
+        examples.append(case)
         cfg, sizes, shape = case
         if shape["queries_per_kv"]:
             cfg = cfg.replace(scoring="query")
@@ -193,3 +196,4 @@ def test_fuzz_matches_reference(backend):
         check_backend(backend, cfg, sizes, **shape)
 
     run()
+    assert len(examples) >= FUZZ_EXAMPLES, f"hypothesis ran only {len(examples)} examples"

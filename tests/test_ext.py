@@ -1,0 +1,158 @@
+"""camkv._ext called directly with real mx.arrays: results, in-place updates, bad input."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from camkv import CaMConfig, backends, reference
+from camkv.backends import ext
+from camkv.reference import RowState
+
+pytestmark = pytest.mark.skipif(ext.unavailable_reason() is not None, reason=str(ext.unavailable_reason()))
+
+
+def _full_state(rows, n, k_dim, v_dim, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    keys = mx.array(rng.standard_normal((rows, n, k_dim)).astype(np.float32)).astype(dtype)
+    values = mx.array(rng.standard_normal((rows, n, v_dim)).astype(np.float32)).astype(dtype)
+    scores = mx.array(rng.uniform(0.0, 2.0, (rows, n)).astype(np.float32))
+    positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n)) + 0
+    state = RowState(keys, values, scores, positions)
+    mx.eval(state)
+    return state
+
+
+def _call(state, new_keys, new_values, **overrides):
+    args = dict(offset=state.length, scale=0.25, budget=8, n_sink=1, recent=2, window=2, merge=0,
+                merge_keys=False, gate=True, chunk=True, seed=0)
+    args.update(overrides)
+    rows = state.keys.shape[0]
+    return ext._ext.update(state.keys, state.values, state.scores, state.positions, new_keys, new_values,
+                           mx.arange(rows).astype(mx.uint32), **args)
+
+
+def test_extension_runs_on_mx_arrays_and_matches_reference():
+    state = _full_state(3, 8, 16, 12, mx.float16)
+    new_keys = mx.random.normal((3, 1, 16), key=mx.random.key(1)).astype(mx.float16)
+    new_values = mx.random.normal((3, 1, 12), key=mx.random.key(2)).astype(mx.float16)
+    keys, values, scores, positions, merges = _call(state, new_keys, new_values, scale=1 / math.sqrt(16))
+    mx.eval(keys, values, scores, positions, merges)
+    assert keys.shape == (3, 8, 16) and values.shape == (3, 8, 12) and merges.dtype == mx.int32
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, window=2)
+    want, want_merges = reference.update(state, new_keys, new_values, 8, cfg, mx.arange(3).astype(mx.uint32))
+    np.testing.assert_array_equal(np.array(positions), np.array(want.positions))
+    np.testing.assert_array_equal(np.array(merges), np.array(want_merges))
+    np.testing.assert_allclose(np.array(scores), np.array(want.scores), rtol=1e-4, atol=1e-6)
+
+
+def _address(a: mx.array) -> int:
+    """Where a's data lives (the numpy view is dropped at once so it holds nothing)."""
+    view = np.asarray(a)
+    address = view.__array_interface__["data"][0]
+    del view
+    return address
+
+
+def _decode(state, keep_old: bool, steps: int = 6):
+    """Full-budget decode steps; keep_old holds the previous state so it cannot be donated.
+
+    Returns the final state, the held states and, per step after the first, whether
+    the new keys live where the previous ones did (the update ran in place).
+    """
+    cfg = CaMConfig(budget=state.length, n_sink=1, recent=2, prefill="exact")
+    rows, k_dim = state.keys.shape[0], state.keys.shape[2]
+    rng = np.random.default_rng(3)
+    held, reused = [], []
+    for step in range(steps):
+        before = _address(state.keys)
+        k = mx.array(rng.standard_normal((rows, 1, k_dim)).astype(np.float32))
+        v = mx.array(rng.standard_normal((rows, 1, state.values.shape[2])).astype(np.float32))
+        if keep_old:
+            held.append(state)
+        state, _ = ext.update(state, k, v, cfg.budget + step, cfg, mx.arange(rows).astype(mx.uint32))
+        mx.eval(state)
+        reused.append(_address(state.keys) == before)
+    return state, held, reused[1:]
+
+
+def test_donated_state_is_updated_in_place_and_matches_a_copy():
+    copied, held, copied_reused = _decode(_full_state(2, 16, 8, 8, mx.float32, seed=4), keep_old=True)
+    in_place, _, in_place_reused = _decode(_full_state(2, 16, 8, 8, mx.float32, seed=4), keep_old=False)
+    assert all(in_place_reused), "an unshared full state should be updated inside its own buffers"
+    assert not any(copied_reused), "a state someone still holds must be copied, not overwritten"
+    for a, b in zip(in_place, copied):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    # The held states were not clobbered by the copies made for them.
+    first = _full_state(2, 16, 8, 8, mx.float32, seed=4)
+    for a, b in zip(held[0], first):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(merge=7), "merge code 7"),
+        (dict(budget=3), "budget=3"),
+        (dict(offset=-1), "offset must be >= 0"),
+    ],
+)
+def test_bad_options_raise_value_error(change, message):
+    state = _full_state(2, 4, 8, 8, mx.float32)
+    keys = mx.zeros((2, 1, 8))
+    with pytest.raises(ValueError, match=message):
+        _call(state, keys, keys, **change)
+
+
+def test_bad_shapes_and_dtypes_raise_value_error():
+    state = _full_state(2, 4, 8, 8, mx.float32)
+    with pytest.raises(ValueError, match="new_keys has 5 key features"):
+        _call(state, mx.zeros((2, 1, 5)), mx.zeros((2, 1, 8)))
+    with pytest.raises(ValueError, match="new_values must have dtype equal to the keys' dtype"):
+        _call(state, mx.zeros((2, 1, 8)), mx.zeros((2, 1, 8), mx.float16))
+    with pytest.raises(ValueError, match="scores must be"):
+        ext._ext.update(state.keys, state.values, state.scores[0], state.positions, mx.zeros((2, 1, 8)),
+                        mx.zeros((2, 1, 8)), mx.arange(2).astype(mx.uint32), offset=4, scale=1.0, budget=8,
+                        n_sink=1, recent=2, window=2, merge=0, merge_keys=False, gate=True, chunk=True, seed=0)
+
+
+def test_head_dimension_above_256_is_a_clear_error():
+    state = RowState.empty(1, 257, 8, mx.float32)
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2)
+    with pytest.raises(ValueError, match="Dk = 257 exceeds"):
+        ext.update(state, mx.zeros((1, 1, 257)), mx.zeros((1, 1, 8)), 0, cfg, mx.arange(1).astype(mx.uint32))
+    with pytest.raises(ValueError, match=r"Dv = 300 is not supported.*\[1, 256\]"):
+        _call(RowState.empty(1, 8, 300, mx.float32), mx.zeros((1, 1, 8)), mx.zeros((1, 1, 300)), offset=0)
+
+
+def test_strided_inputs_give_the_same_result_as_contiguous_ones():
+    state = _full_state(2, 8, 8, 8, mx.float32)
+    block = mx.random.normal((2, 8, 3), key=mx.random.key(5))
+    strided = block.transpose(0, 2, 1)  # [2, 3, 8], not row-contiguous
+    contiguous = mx.array(np.array(strided))
+    a = _call(state, strided, strided)
+    b = _call(state, contiguous, contiguous)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(ext, "unavailable_reason", lambda: "camkv._ext is not built (test)")
+    monkeypatch.setattr(backends, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="camkv._ext is not built"):
+        assert backends.resolve("auto") is reference
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.resolve("auto") is reference  # no second warning
+    with pytest.raises(RuntimeError, match="backend 'ext' is not usable here"):
+        backends.resolve("ext")
+
+
+def test_auto_picks_ext_on_the_cpu():
+    with mx.stream(mx.cpu):
+        if mx.default_device() == mx.cpu:
+            assert backends.resolve("auto") is ext
