@@ -176,6 +176,7 @@ def fuzz_cases(draw):
 def test_fuzz_matches_reference(backend):
     if backend == "reference":
         pytest.skip("the reference is the oracle itself")
+    examples = []
 
     @settings(
         max_examples=FUZZ_EXAMPLES,
@@ -184,8 +185,6 @@ def test_fuzz_matches_reference(backend):
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         print_blob=True,
     )
-    examples = []
-
     @given(fuzz_cases())
     def run(case):
         examples.append(case)
