@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import mlx.core as mx
@@ -156,3 +157,31 @@ def test_auto_picks_ext_on_the_cpu():
     with mx.stream(mx.cpu):
         if mx.default_device() == mx.cpu:
             assert backends.resolve("auto") is ext
+
+
+def _metal_ready() -> bool:
+    return bool(ext._ext.HAS_METAL) and mx.metal.is_available()
+
+
+@pytest.mark.skipif(
+    not _metal_ready() and os.environ.get("CAMKV_REQUIRE_METAL") != "1",
+    reason="camkv._ext was built without Metal or no Apple GPU is present",
+)
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+def test_ext_on_the_apple_gpu_matches_the_cpu_kernel(prefill):
+    assert _metal_ready(), "CAMKV_REQUIRE_METAL=1 but the Metal build or GPU is missing"
+    rng = np.random.default_rng(0)
+    cfg = CaMConfig(budget=16, n_sink=2, recent=4, prefill=prefill, merge_keys=True)
+    rows = mx.arange(4).astype(mx.uint32)
+    gpu = cpu = RowState.empty(4, 32, 24, mx.float16)
+    offset = 0
+    for s_len in (20, 1, 1, 9, 1):
+        k = mx.array(rng.standard_normal((4, s_len, 32)).astype(np.float32)).astype(mx.float16)
+        v = mx.array(rng.standard_normal((4, s_len, 24)).astype(np.float32)).astype(mx.float16)
+        gpu, gpu_merges = ext.update(gpu, k, v, offset, cfg, rows, stream=mx.gpu)
+        cpu, cpu_merges = ext.update(cpu, k, v, offset, cfg, rows, stream=mx.cpu)
+        mx.eval(gpu, cpu, gpu_merges, cpu_merges)
+        np.testing.assert_array_equal(np.array(gpu.positions), np.array(cpu.positions))
+        np.testing.assert_array_equal(np.array(gpu_merges), np.array(cpu_merges))
+        np.testing.assert_allclose(np.array(gpu.scores), np.array(cpu.scores), rtol=1e-4, atol=1e-6)
+        offset += s_len
