@@ -66,7 +66,7 @@ struct CamParams {
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
 // [logits | mass | scores (the pending token's, or the chunk's work scores)], i32
-// scratch [work positions | losers | index list], storage scratch the pending token
+// scratch [work positions | losers | index list | survivors], storage scratch the pending token
 // (exact) or the work rows (chunk).
 
 CAMKV_INLINE int camkv_runs_chunk(int chunk, int S) { return chunk != 0 && S > 1; }
@@ -81,7 +81,7 @@ CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out) {
 }
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
-  return 3 * camkv_capacity(chunk, n, S, n_out);
+  return 4 * camkv_capacity(chunk, n, S, n_out);
 }
 
 CAMKV_INLINE int camkv_store_stride(int chunk, int n, int S, int n_out, int Dk, int Dv) {
@@ -150,6 +150,8 @@ struct CamRows {
   int pend_position;
   CAMKV_DEVICE int* loser;     // null in exact mode
   CAMKV_DEVICE int* list;      // scratch index list (window members)
+  CAMKV_DEVICE int* survivors; // chunk mode: the rows that are not losers, ascending
+  int n_survivors;
   int Dk;
   int Dv;
 };
@@ -200,26 +202,6 @@ CAMKV_INLINE void camkv_dot_rows(CamRows<T> r, const CAMKV_DEVICE Q* q, int j0, 
     float qd = camkv_float(q[d]);
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
       dots[i] += qd * camkv_float(rows[i][d]);
-    }
-  }
-}
-
-// As camkv_dot_rows with q = K_e, plus each row's squared norm (for its cosine).
-template <typename T>
-CAMKV_INLINE void camkv_dot_rows_with_norms(CamRows<T> r, const CAMKV_DEVICE T* k_e, int j0, int end,
-                                            CAMKV_THREAD float* dots, CAMKV_THREAD float* squares) {
-  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
-  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-    rows[i] = camkv_key(r, j0 + i < end ? j0 + i : j0);
-    dots[i] = 0.0f;
-    squares[i] = 0.0f;
-  }
-  for (int d = 0; d < r.Dk; ++d) {
-    float ed = camkv_float(k_e[d]);
-    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-      float kd = camkv_float(rows[i][d]);
-      dots[i] += ed * kd;
-      squares[i] += kd * kd;
     }
   }
 }
@@ -295,10 +277,39 @@ CAMKV_INLINE float camkv_cosine(CamRows<T> r, int e, int j) {
   return camkv_cosine_of(camkv_dot(k_e, k_j, r.Dk), camkv_dot(k_j, k_j, r.Dk), norm_e);
 }
 
-// Section 4.1: the non-sink survivor most similar to e; ties to the smaller index.
+// The j-th row a nearest-survivor search visits: every row (exact mode, where the
+// survivors are all rows but e) or the j-th survivor (chunk mode, so the losers'
+// keys, most of a long prompt, are never read).
+template <typename T>
+CAMKV_INLINE int camkv_search_row(CamRows<T> r, int j) {
+  return r.survivors == 0 ? j : r.survivors[j];
+}
+
+// Dots of K_e with the rows the search visits at slots j0 .. j0 + CAMKV_DOT_ROWS - 1.
+template <typename T>
+CAMKV_INLINE void camkv_search_dots(CamRows<T> r, const CAMKV_DEVICE T* k_e, int j0, int end,
+                                    CAMKV_THREAD float* dots, CAMKV_THREAD float* squares) {
+  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
+  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+    rows[i] = camkv_key(r, camkv_search_row(r, j0 + i < end ? j0 + i : j0));
+    dots[i] = 0.0f;
+    squares[i] = 0.0f;
+  }
+  for (int d = 0; d < r.Dk; ++d) {
+    float ed = camkv_float(k_e[d]);
+    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+      float kd = camkv_float(rows[i][d]);
+      dots[i] += ed * kd;
+      squares[i] += kd * kd;
+    }
+  }
+}
+
+// Section 4.1: the non-sink survivor most similar to e; ties to the smaller index
+// (the search visits rows in ascending order, so the smaller slot is the smaller row).
 template <typename T>
 CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
-  int total = r.count + r.has_pending;
+  int total = r.survivors == 0 ? r.count + r.has_pending : r.n_survivors;
   const CAMKV_DEVICE T* k_e = camkv_key(r, e);
   float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
   float best = CAMKV_INF;  // argmin of -cos
@@ -307,9 +318,9 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   float squares[CAMKV_DOT_ROWS];
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < total; j0 += step) {
-    camkv_dot_rows_with_norms(r, k_e, j0, total, dots, squares);
+    camkv_search_dots(r, k_e, j0, total, dots, squares);
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < total; ++i) {
-      int j = j0 + i;
+      int j = camkv_search_row(r, j0 + i);
       if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
         float neg = -camkv_cosine_of(dots[i], squares[i], norm_e);
         if (neg < best) {
@@ -545,6 +556,8 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.pend_position = 0;
   r.loser = 0;
   r.list = b.i32;
+  r.survivors = 0;
+  r.n_survivors = 0;
   r.Dk = p->Dk;
   r.Dv = p->Dv;
   CAMKV_DEVICE float* logits = b.f32;
@@ -622,6 +635,26 @@ CAMKV_INLINE void camkv_mark_losers(CamRows<T> r, int k, int p_last, CAMKV_CONST
   camkv_barrier(g);
 }
 
+// The rows that are not losers, ascending, into r.survivors; returns how many.
+template <typename T>
+CAMKV_INLINE int camkv_list_survivors(CamRows<T> r, CamGroup g) {
+  if (camkv_tid(g) == 0) {
+    int kept = 0;
+    for (int j = 0; j < r.count; ++j) {
+      if (r.loser[j] == 0) {
+        r.survivors[kept] = j;
+        kept += 1;
+      }
+    }
+  }
+  camkv_barrier(g);
+  int kept = 0;
+  for (int j = 0; j < r.count; ++j) {
+    kept += r.loser[j] == 0 ? 1 : 0;
+  }
+  return kept;
+}
+
 // Survivors, in position order, from the work arrays to the out arrays.
 template <typename T>
 CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamGroup g) {
@@ -658,6 +691,8 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.pend_position = 0;
   r.loser = b.i32 + total;
   r.list = b.i32 + 2 * total;
+  r.survivors = 0;
+  r.n_survivors = 0;
   r.Dk = p->Dk;
   r.Dv = p->Dv;
 
@@ -677,6 +712,8 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     return 0;
   }
   camkv_mark_losers(r, total - p->budget, p->offset + p->S - 1, p, g);
+  r.survivors = b.i32 + 3 * total;
+  r.n_survivors = camkv_list_survivors(r, g);
   int merges = 0;
   for (int e = 0; e < total; ++e) {
     if (r.loser[e] != 0) {
