@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -359,8 +360,15 @@ class RowPool {
   int size() const { return (int)workers_.size() + 1; }
 
  private:
+  // CAMKV_THREADS caps the pool (default: every hardware thread).
   RowPool() {
     unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+    if (const char* cap = std::getenv("CAMKV_THREADS")) {
+      int wanted = std::atoi(cap);
+      if (wanted >= 1) {
+        hw = std::min(hw, (unsigned)wanted);
+      }
+    }
     for (unsigned i = 1; i < hw; ++i) {
       workers_.emplace_back([this, i] { work(i); });
     }
