@@ -65,7 +65,8 @@ struct CamParams {
 
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
-// [logits | mass | scores (the pending token's, or the chunk's work scores)], i32
+// [logits | mass | scores (the pending token's, or the chunk's work scores) |
+// key shadow], i32
 // scratch [work positions | losers | index list | survivors], storage scratch the pending token
 // (exact) or the work rows (chunk).
 
@@ -76,8 +77,14 @@ CAMKV_INLINE int camkv_capacity(int chunk, int n, int S, int n_out) {
   return camkv_runs_chunk(chunk, S) ? n + S : n_out + 1;
 }
 
-CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out) {
-  return 3 * camkv_capacity(chunk, n, S, n_out);
+// Columns of the transposed key shadow: the capacity rounded up, plus room for a
+// last block of 8 rows read past the end (ignored), whatever CAMKV_DOT_ROWS is.
+CAMKV_INLINE int camkv_shadow_columns(int chunk, int n, int S, int n_out) {
+  return (camkv_capacity(chunk, n, S, n_out) + 7) / 8 * 8 + 8;
+}
+
+CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
+  return 3 * camkv_capacity(chunk, n, S, n_out) + Dk * camkv_shadow_columns(chunk, n, S, n_out);
 }
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
@@ -152,6 +159,12 @@ struct CamRows {
   CAMKV_DEVICE int* list;      // scratch index list (window members)
   CAMKV_DEVICE int* survivors; // chunk mode: the rows that are not losers, ascending
   int n_survivors;
+  // Float32 copy of the keys, transposed: shadow[d * columns + c] is feature d of
+  // column c (row c, or in a chunk's merge phase the c-th survivor). Dots then read
+  // consecutive columns: SIMD lanes on a CPU, coalesced threads on a GPU, and no
+  // storage-dtype conversion in the inner loops.
+  CAMKV_DEVICE float* shadow;
+  int columns;
   int Dk;
   int Dv;
 };
@@ -186,22 +199,61 @@ CAMKV_INLINE bool camkv_is_survivor(CamRows<T> r, int j, int e) {
   return r.loser == 0 || j == r.count || r.loser[j] == 0;
 }
 
-// Dots of q with the keys of rows j0 .. j0 + CAMKV_DOT_ROWS - 1 (rows at or past
-// `end` repeat row j0; their results are ignored). Each sum is sequential in
-// feature order, exactly camkv_dot; several independent rows per thread keep a
-// CPU's floating-point units busy instead of waiting on one chain of additions.
-template <typename T, typename Q>
-CAMKV_INLINE void camkv_dot_rows(CamRows<T> r, const CAMKV_DEVICE Q* q, int j0, int end,
-                                 CAMKV_THREAD float* dots) {
-  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
+// Column c of the shadow := the key of row `row`.
+template <typename T>
+CAMKV_INLINE void camkv_shadow_store(CamRows<T> r, int c, int row, CamGroup g) {
+  const CAMKV_DEVICE T* key = camkv_key(r, row);
+  for (int d = camkv_tid(g); d < r.Dk; d += camkv_gsize(g)) {
+    r.shadow[(long)d * r.columns + c] = camkv_float(key[d]);
+  }
+}
+
+// Columns [0, count) from rows [0, count), one row per thread at a time.
+template <typename T>
+CAMKV_INLINE void camkv_shadow_build(CamRows<T> r, int count, CamGroup g) {
+  for (int j = camkv_tid(g); j < count; j += camkv_gsize(g)) {
+    const CAMKV_DEVICE T* key = camkv_key(r, j);
+    for (int d = 0; d < r.Dk; ++d) {
+      r.shadow[(long)d * r.columns + j] = camkv_float(key[d]);
+    }
+  }
+  camkv_barrier(g);
+}
+
+// Dots of q with shadow columns c0 .. c0 + CAMKV_DOT_ROWS - 1. Each sum runs over
+// the features in order, exactly camkv_dot; the block of columns is what a CPU
+// vectorises (columns past the end hold anything; their results are ignored).
+template <typename Q>
+CAMKV_INLINE void camkv_dot_columns(const CAMKV_DEVICE float* shadow, int columns, const CAMKV_DEVICE Q* q,
+                                    int Dk, int c0, CAMKV_THREAD float* dots) {
   for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-    rows[i] = camkv_key(r, j0 + i < end ? j0 + i : j0);
     dots[i] = 0.0f;
   }
-  for (int d = 0; d < r.Dk; ++d) {
+  for (int d = 0; d < Dk; ++d) {
     float qd = camkv_float(q[d]);
+    const CAMKV_DEVICE float* column = shadow + (long)d * columns + c0;
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-      dots[i] += qd * camkv_float(rows[i][d]);
+      dots[i] += qd * column[i];
+    }
+  }
+}
+
+// As camkv_dot_columns, plus each column's squared norm (for its cosine).
+template <typename T>
+CAMKV_INLINE void camkv_dot_columns_with_norms(const CAMKV_DEVICE float* shadow, int columns,
+                                               const CAMKV_DEVICE T* k_e, int Dk, int c0,
+                                               CAMKV_THREAD float* dots, CAMKV_THREAD float* squares) {
+  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+    dots[i] = 0.0f;
+    squares[i] = 0.0f;
+  }
+  for (int d = 0; d < Dk; ++d) {
+    float ed = camkv_float(k_e[d]);
+    const CAMKV_DEVICE float* column = shadow + (long)d * columns + c0;
+    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+      float kd = column[i];
+      dots[i] += ed * kd;
+      squares[i] += kd * kd;
     }
   }
 }
@@ -218,7 +270,7 @@ CAMKV_INLINE void camkv_add_attention(
   float dots[CAMKV_DOT_ROWS];
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < visible; j0 += step) {
-    camkv_dot_rows(r, q, j0, visible, dots);
+    camkv_dot_columns(r.shadow, r.columns, q, r.Dk, j0, dots);
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < visible; ++i) {
       float l = scale * dots[i];
       logits[j0 + i] = l;
@@ -277,32 +329,12 @@ CAMKV_INLINE float camkv_cosine(CamRows<T> r, int e, int j) {
   return camkv_cosine_of(camkv_dot(k_e, k_j, r.Dk), camkv_dot(k_j, k_j, r.Dk), norm_e);
 }
 
-// The j-th row a nearest-survivor search visits: every row (exact mode, where the
-// survivors are all rows but e) or the j-th survivor (chunk mode, so the losers'
-// keys, most of a long prompt, are never read).
+// The row behind shadow column c: row c (exact mode, where the survivors are all
+// rows but e), or the c-th survivor (chunk mode's merge phase, whose shadow holds
+// only the survivors, so the losers' keys, most of a long prompt, are never read).
 template <typename T>
 CAMKV_INLINE int camkv_search_row(CamRows<T> r, int j) {
   return r.survivors == 0 ? j : r.survivors[j];
-}
-
-// Dots of K_e with the rows the search visits at slots j0 .. j0 + CAMKV_DOT_ROWS - 1.
-template <typename T>
-CAMKV_INLINE void camkv_search_dots(CamRows<T> r, const CAMKV_DEVICE T* k_e, int j0, int end,
-                                    CAMKV_THREAD float* dots, CAMKV_THREAD float* squares) {
-  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
-  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-    rows[i] = camkv_key(r, camkv_search_row(r, j0 + i < end ? j0 + i : j0));
-    dots[i] = 0.0f;
-    squares[i] = 0.0f;
-  }
-  for (int d = 0; d < r.Dk; ++d) {
-    float ed = camkv_float(k_e[d]);
-    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-      float kd = camkv_float(rows[i][d]);
-      dots[i] += ed * kd;
-      squares[i] += kd * kd;
-    }
-  }
 }
 
 // Section 4.1: the non-sink survivor most similar to e; ties to the smaller index
@@ -318,7 +350,7 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   float squares[CAMKV_DOT_ROWS];
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < total; j0 += step) {
-    camkv_search_dots(r, k_e, j0, total, dots, squares);
+    camkv_dot_columns_with_norms(r.shadow, r.columns, k_e, r.Dk, j0, dots, squares);
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < total; ++i) {
       int j = camkv_search_row(r, j0 + i);
       if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
@@ -331,6 +363,24 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
     }
   }
   return camkv_group_argmin(g, best, best_j);
+}
+
+// The shadow column of survivor row t (inverse of camkv_search_row; t is a survivor).
+template <typename T>
+CAMKV_INLINE int camkv_column_of(CamRows<T> r, int t) {
+  if (r.survivors == 0) {
+    return t;
+  }
+  int lo = 0, hi = r.n_survivors - 1;
+  while (lo < hi) {
+    int mid = (lo + hi) / 2;
+    if (r.survivors[mid] < t) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
 }
 
 // Section 4.2: the first `window` survivors after e, written to r.list[1..|W|] with
@@ -375,6 +425,8 @@ CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const C
   camkv_blend_row(camkv_value(r, t), camkv_value(r, e), w, r.Dv, g);
   if (p->merge_keys) {
     camkv_blend_row(camkv_key(r, t), camkv_key(r, e), w, r.Dk, g);
+    camkv_barrier(g);
+    camkv_shadow_store(r, camkv_column_of(r, t), t, g);
   }
   camkv_barrier(g);
   if (camkv_tid(g) == 0) {
@@ -487,6 +539,13 @@ CAMKV_INLINE void camkv_remove_and_append(CamRows<T> r, int e, CamGroup g) {
       r.positions[j] = r.positions[j + 1];
     }
   }
+  // Shadow columns e+1 .. count (the pending token's included) move down by one.
+  for (int d = camkv_tid(g); d < r.Dk; d += camkv_gsize(g)) {
+    CAMKV_DEVICE float* feature = r.shadow + (long)d * r.columns;
+    for (int c = e; c < r.count; ++c) {
+      feature[c] = feature[c + 1];
+    }
+  }
   camkv_barrier(g);
   camkv_store_pending(r, r.count - 1, g);
 }
@@ -558,6 +617,8 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.list = b.i32;
   r.survivors = 0;
   r.n_survivors = 0;
+  r.shadow = b.f32 + 3 * cap;
+  r.columns = camkv_shadow_columns(0, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
   r.Dv = p->Dv;
   CAMKV_DEVICE float* logits = b.f32;
@@ -567,11 +628,14 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
                         b.in_positions, p->n, p->Dk, p->Dv, g);
   }
+  camkv_shadow_build(r, r.count, g);
   int merges = 0;
   for (int t = 0; t < p->S; ++t) {
     camkv_copy_row(r.pend_key, b.new_keys + (long)t * p->Dk, p->Dk, g);
     camkv_copy_row(r.pend_value, b.new_values + (long)t * p->Dv, p->Dv, g);
     r.pend_position = p->offset + t;
+    camkv_barrier(g);
+    camkv_shadow_store(r, r.count, r.count, g);
     camkv_barrier(g);
     camkv_score_pending(r, t, p, b.queries, logits, mass, g);
     if (r.count < p->budget) {
@@ -655,6 +719,19 @@ CAMKV_INLINE int camkv_list_survivors(CamRows<T> r, CamGroup g) {
   return kept;
 }
 
+// Shadow column c := the column of the c-th survivor (c <= survivors[c], and
+// each thread walks its own features upward, so in place is safe).
+template <typename T>
+CAMKV_INLINE void camkv_shadow_keep_survivors(CamRows<T> r, CamGroup g) {
+  for (int d = camkv_tid(g); d < r.Dk; d += camkv_gsize(g)) {
+    CAMKV_DEVICE float* feature = r.shadow + (long)d * r.columns;
+    for (int c = 0; c < r.n_survivors; ++c) {
+      feature[c] = feature[r.survivors[c]];
+    }
+  }
+  camkv_barrier(g);
+}
+
 // Survivors, in position order, from the work arrays to the out arrays.
 template <typename T>
 CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamGroup g) {
@@ -693,6 +770,8 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.list = b.i32 + 2 * total;
   r.survivors = 0;
   r.n_survivors = 0;
+  r.shadow = b.f32 + 3 * total;
+  r.columns = camkv_shadow_columns(1, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
   r.Dv = p->Dv;
 
@@ -707,6 +786,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     r.positions[p->n + i] = p->offset + i;
   }
   camkv_barrier(g);
+  camkv_shadow_build(r, total, g);
   camkv_score_chunk(r, p, b.queries, b.f32, b.f32 + total, g);
   if (!evicts) {
     return 0;
@@ -714,6 +794,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   camkv_mark_losers(r, total - p->budget, p->offset + p->S - 1, p, g);
   r.survivors = b.i32 + 3 * total;
   r.n_survivors = camkv_list_survivors(r, g);
+  camkv_shadow_keep_survivors(r, g);
   int merges = 0;
   for (int e = 0; e < total; ++e) {
     if (r.loser[e] != 0) {

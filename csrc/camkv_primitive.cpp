@@ -192,7 +192,7 @@ std::vector<mx::array> update(
   }
   int n_out = std::min(n + s_len, options.budget);
   int chunk = options.chunk ? 1 : 0;
-  int f32_stride = camkv_f32_stride(chunk, n, s_len, n_out);
+  int f32_stride = camkv_f32_stride(chunk, n, s_len, n_out, k_dim);
   int i32_stride = camkv_i32_stride(chunk, n, s_len, n_out);
   int store_stride = camkv_store_stride(chunk, n, s_len, n_out, k_dim, v_dim);
   (void)groups;
@@ -421,7 +421,7 @@ class RowPool {
 // Waking helper threads costs tens of microseconds; only worth it for real work.
 int threads_for(const CamParams& p) {
   double work = (double)p.rows * (double)(p.n + p.S) * (double)(p.Dk + p.Dv) * (double)std::max(p.S, 1);
-  return work < 2.0e5 ? 1 : RowPool::instance().size();
+  return work < 4.0e6 ? 1 : RowPool::instance().size();
 }
 
 template <typename T>
