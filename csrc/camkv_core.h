@@ -199,6 +199,14 @@ CAMKV_INLINE bool camkv_is_survivor(CamRows<T> r, int j, int e) {
   return r.loser == 0 || j == r.count || r.loser[j] == 0;
 }
 
+// The row behind shadow column c: row c (exact mode, where the survivors are all
+// rows but e), or the c-th survivor (chunk mode's merge phase, whose shadow holds
+// only the survivors, so the losers' keys, most of a long prompt, are never read).
+template <typename T>
+CAMKV_INLINE int camkv_search_row(CamRows<T> r, int j) {
+  return r.survivors == 0 ? j : r.survivors[j];
+}
+
 // Column c of the shadow := the key of row `row`.
 template <typename T>
 CAMKV_INLINE void camkv_shadow_store(CamRows<T> r, int c, int row, CamGroup g) {
@@ -208,16 +216,50 @@ CAMKV_INLINE void camkv_shadow_store(CamRows<T> r, int c, int row, CamGroup g) {
   }
 }
 
-// Columns [0, count) from rows [0, count), one row per thread at a time.
+// Columns [0, count) from rows [0, count), CAMKV_DOT_ROWS rows per thread at a
+// time so each feature's stores are consecutive.
 template <typename T>
 CAMKV_INLINE void camkv_shadow_build(CamRows<T> r, int count, CamGroup g) {
-  for (int j = camkv_tid(g); j < count; j += camkv_gsize(g)) {
-    const CAMKV_DEVICE T* key = camkv_key(r, j);
+  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
+  int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
+  for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < count; j0 += step) {
+    int width = count - j0 < CAMKV_DOT_ROWS ? count - j0 : CAMKV_DOT_ROWS;
+    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+      rows[i] = camkv_key(r, i < width ? j0 + i : j0);
+    }
     for (int d = 0; d < r.Dk; ++d) {
-      r.shadow[(long)d * r.columns + j] = camkv_float(key[d]);
+      CAMKV_DEVICE float* column = r.shadow + (long)d * r.columns + j0;
+      for (int i = 0; i < width; ++i) {
+        column[i] = camkv_float(rows[i][d]);
+      }
     }
   }
   camkv_barrier(g);
+}
+
+// Without a shadow (a single-token call, where building one would cost as much as
+// the one pass that reads it): dots of q with the keys of the rows behind search
+// columns c0 .. c0 + CAMKV_DOT_ROWS - 1 read straight from storage, several rows
+// at a time for independent addition chains. Same sequential order per row.
+template <typename T, typename Q>
+CAMKV_INLINE void camkv_dot_keys(CamRows<T> r, const CAMKV_DEVICE Q* q, int c0, int end,
+                                 CAMKV_THREAD float* dots, CAMKV_THREAD float* squares, bool with_norms) {
+  const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
+  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+    rows[i] = camkv_key(r, camkv_search_row(r, c0 + i < end ? c0 + i : c0));
+    dots[i] = 0.0f;
+    squares[i] = 0.0f;
+  }
+  for (int d = 0; d < r.Dk; ++d) {
+    float qd = camkv_float(q[d]);
+    for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+      float kd = camkv_float(rows[i][d]);
+      dots[i] += qd * kd;
+      if (with_norms) {
+        squares[i] += kd * kd;
+      }
+    }
+  }
 }
 
 // Dots of q with shadow columns c0 .. c0 + CAMKV_DOT_ROWS - 1. Each sum runs over
@@ -268,9 +310,14 @@ CAMKV_INLINE void camkv_add_attention(
     CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
   float local_max = -CAMKV_INF;
   float dots[CAMKV_DOT_ROWS];
+  float unused[CAMKV_DOT_ROWS];
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < visible; j0 += step) {
-    camkv_dot_columns(r.shadow, r.columns, q, r.Dk, j0, dots);
+    if (r.shadow != 0) {
+      camkv_dot_columns(r.shadow, r.columns, q, r.Dk, j0, dots);
+    } else {
+      camkv_dot_keys(r, q, j0, visible, dots, unused, false);
+    }
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < visible; ++i) {
       float l = scale * dots[i];
       logits[j0 + i] = l;
@@ -329,14 +376,6 @@ CAMKV_INLINE float camkv_cosine(CamRows<T> r, int e, int j) {
   return camkv_cosine_of(camkv_dot(k_e, k_j, r.Dk), camkv_dot(k_j, k_j, r.Dk), norm_e);
 }
 
-// The row behind shadow column c: row c (exact mode, where the survivors are all
-// rows but e), or the c-th survivor (chunk mode's merge phase, whose shadow holds
-// only the survivors, so the losers' keys, most of a long prompt, are never read).
-template <typename T>
-CAMKV_INLINE int camkv_search_row(CamRows<T> r, int j) {
-  return r.survivors == 0 ? j : r.survivors[j];
-}
-
 // Section 4.1: the non-sink survivor most similar to e; ties to the smaller index
 // (the search visits rows in ascending order, so the smaller slot is the smaller row).
 template <typename T>
@@ -350,7 +389,11 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   float squares[CAMKV_DOT_ROWS];
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < total; j0 += step) {
-    camkv_dot_columns_with_norms(r.shadow, r.columns, k_e, r.Dk, j0, dots, squares);
+    if (r.shadow != 0) {
+      camkv_dot_columns_with_norms(r.shadow, r.columns, k_e, r.Dk, j0, dots, squares);
+    } else {
+      camkv_dot_keys(r, k_e, j0, total, dots, squares, true);
+    }
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < total; ++i) {
       int j = camkv_search_row(r, j0 + i);
       if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
@@ -426,7 +469,9 @@ CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const C
   if (p->merge_keys) {
     camkv_blend_row(camkv_key(r, t), camkv_key(r, e), w, r.Dk, g);
     camkv_barrier(g);
-    camkv_shadow_store(r, camkv_column_of(r, t), t, g);
+    if (r.shadow != 0) {
+      camkv_shadow_store(r, camkv_column_of(r, t), t, g);
+    }
   }
   camkv_barrier(g);
   if (camkv_tid(g) == 0) {
@@ -540,7 +585,7 @@ CAMKV_INLINE void camkv_remove_and_append(CamRows<T> r, int e, CamGroup g) {
     }
   }
   // Shadow columns e+1 .. count (the pending token's included) move down by one.
-  for (int d = camkv_tid(g); d < r.Dk; d += camkv_gsize(g)) {
+  for (int d = camkv_tid(g); r.shadow != 0 && d < r.Dk; d += camkv_gsize(g)) {
     CAMKV_DEVICE float* feature = r.shadow + (long)d * r.columns;
     for (int c = e; c < r.count; ++c) {
       feature[c] = feature[c + 1];
@@ -617,7 +662,8 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.list = b.i32;
   r.survivors = 0;
   r.n_survivors = 0;
-  r.shadow = b.f32 + 3 * cap;
+  // One token reads every key once: no shadow, whose build would cost as much.
+  r.shadow = p->S > 1 ? b.f32 + 3 * cap : 0;
   r.columns = camkv_shadow_columns(0, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
   r.Dv = p->Dv;
@@ -628,14 +674,18 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
                         b.in_positions, p->n, p->Dk, p->Dv, g);
   }
-  camkv_shadow_build(r, r.count, g);
+  if (r.shadow != 0) {
+    camkv_shadow_build(r, r.count, g);
+  }
   int merges = 0;
   for (int t = 0; t < p->S; ++t) {
     camkv_copy_row(r.pend_key, b.new_keys + (long)t * p->Dk, p->Dk, g);
     camkv_copy_row(r.pend_value, b.new_values + (long)t * p->Dv, p->Dv, g);
     r.pend_position = p->offset + t;
-    camkv_barrier(g);
-    camkv_shadow_store(r, r.count, r.count, g);
+    if (r.shadow != 0) {
+      camkv_barrier(g);
+      camkv_shadow_store(r, r.count, r.count, g);
+    }
     camkv_barrier(g);
     camkv_score_pending(r, t, p, b.queries, logits, mass, g);
     if (r.count < p->budget) {
