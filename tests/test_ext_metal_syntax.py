@@ -40,3 +40,12 @@ def test_the_check_catches_a_typo(tmp_path):
     copy.write_text(broken)
     result = _syntax_check(copy)
     assert result.returncode != 0
+
+
+def test_kernel_sources_ship_with_the_package():
+    from camkv.backends.sources import KERNEL_FILES, kernel_source
+
+    for name in KERNEL_FILES:
+        text = kernel_source(name)
+        assert "camkv" in text, name
+    assert "camkv_update_row" in kernel_source("camkv_core.h")
