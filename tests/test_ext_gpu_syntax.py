@@ -1,6 +1,7 @@
-"""The Metal path, checked on machines without Metal: the Metal prelude + kernel core +
-entry points must parse as C++ against the minimal Metal stdlib stub in
-tests/metal_stub, so a typo in the Metal-only code fails CI on Linux too."""
+"""The GPU paths, checked on machines without Metal or nvcc: the Metal prelude + kernel
+core + entry points must parse as C++ against the minimal Metal stdlib stub in
+tests/metal_stub, and the CUDA prelude + core against tests/cuda_stub, so a typo in
+GPU-only code fails CI on Linux too."""
 
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ def test_the_check_catches_a_typo(tmp_path):
     copy.write_text(broken)
     result = _syntax_check(copy)
     assert result.returncode != 0
+
+
+def test_cuda_prelude_and_core_parse_against_the_stub():
+    command = [
+        COMPILER, "-std=c++17", "-fsyntax-only", "-x", "c++", "-Wall", "-Werror",
+        f"-I{ROOT / 'tests' / 'cuda_stub'}", f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'cuda'}",
+        str(ROOT / "tests" / "cuda_stub" / "check.cu"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def test_kernel_sources_ship_with_the_package():
