@@ -78,13 +78,19 @@ CAMKV_INLINE int camkv_capacity(int chunk, int n, int S, int n_out) {
 }
 
 // Columns of the transposed key shadow: the capacity rounded up, plus room for a
-// last block of 8 rows read past the end (ignored), whatever CAMKV_DOT_ROWS is.
+// last block of up to 8 rows read past the end (ignored).
+#if CAMKV_DOT_ROWS > 8
+#error "CAMKV_DOT_ROWS must be at most 8: the shadow pads for blocks of 8 columns"
+#endif
 CAMKV_INLINE int camkv_shadow_columns(int chunk, int n, int S, int n_out) {
   return (camkv_capacity(chunk, n, S, n_out) + 7) / 8 * 8 + 8;
 }
 
+// A call of one token reads every key once and builds no shadow (see
+// camkv_update_exact), so its scratch has none.
 CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
-  return 3 * camkv_capacity(chunk, n, S, n_out) + Dk * camkv_shadow_columns(chunk, n, S, n_out);
+  int shadow = S > 1 ? Dk * camkv_shadow_columns(chunk, n, S, n_out) : 0;
+  return 3 * camkv_capacity(chunk, n, S, n_out) + shadow;
 }
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
