@@ -2,7 +2,8 @@
 pure-MLX reference, on the CPU, in one process (warm-up, then medians).
 
 Cases (B=1, H=8 KV heads, D=128):
-  decode    one token into a full state (budget 512 and 2048)
+  decode    one token into a full state (budget 512 and 2048), the state made by
+            a prompt of `budget` random tokens (so the loser is where H2O finds it)
   decode_in_place / decode_copied
             the ext decode step when nothing else holds the state (donated, updated
             inside its buffers) and when the previous state is still held (copied)
@@ -58,11 +59,15 @@ def random_rows(rng, rows, length, dim, dtype) -> mx.array:
 
 
 def full_state(rows, n, dim, dtype, seed=0) -> RowState:
-    """A state already at budget: distinct random keys/values, positive scores, positions 0..n-1."""
+    """A state already at budget, as a real prompt leaves it: n random tokens absorbed
+    in one call (scored causally, nothing evicted yet), so older tokens carry more
+    attention mass and the next evictions fall just outside the recent window."""
     rng = np.random.default_rng(seed)
-    scores = mx.array(rng.uniform(0.01, 2.0, (rows, n)).astype(np.float32))
-    positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n)) + 0
-    state = RowState(random_rows(rng, rows, n, dim, dtype), random_rows(rng, rows, n, dim, dtype), scores, positions)
+    cfg = CaMConfig(budget=n, prefill="chunk")
+    keys, values = random_rows(rng, rows, n, dim, dtype), random_rows(rng, rows, n, dim, dtype)
+    state, _ = ext.update(RowState.empty(rows, dim, dim, dtype), keys, values, 0, cfg,
+                          mx.arange(rows).astype(mx.uint32))
+    state = RowState(*(mx.array(np.array(a)) if a.dtype != mx.bfloat16 else a + 0 for a in state))
     mx.eval(state)
     return state
 
