@@ -124,6 +124,10 @@ class CaMKVCache(_BaseCache):
     def empty(self) -> bool:
         return self._layout is None
 
+    # No `merge` method on purpose: mlx-lm takes its presence to mean "batchable"
+    # (the server would then batch requests), and without it batch generation stops
+    # with mlx-lm's own error naming this class instead of losing the compression.
+
     def is_trimmable(self) -> bool:
         return False
 
@@ -135,13 +139,6 @@ class CaMKVCache(_BaseCache):
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         raise NotImplementedError(
             "CaMKVCache cannot be quantized (kv_bits); use it without kv_bits"
-        )
-
-    @classmethod
-    def merge(cls, caches):
-        raise NotImplementedError(
-            "batched generation is not supported by camkv: merging CaMKVCaches into a "
-            "BatchKVCache would silently drop the compression. Generate one sequence at a time."
         )
 
     @property
