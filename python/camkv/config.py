@@ -109,3 +109,12 @@ class CaMConfig:
     @classmethod
     def from_json(cls, text: str) -> "CaMConfig":
         return cls(**json.loads(text))
+
+
+def resolve_config(config: "CaMConfig | None", fields: dict) -> CaMConfig:
+    """A CaMConfig from an optional base config plus field overrides."""
+    if config is None:
+        return CaMConfig(**fields)
+    if not isinstance(config, CaMConfig):
+        raise ValueError(f"config must be a CaMConfig, got {type(config).__name__}")
+    return config.replace(**fields) if fields else config

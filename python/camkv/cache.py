@@ -1,0 +1,293 @@
+"""CaMKVCache: one layer's bounded KV cache, speaking mlx-lm's cache protocol."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache
+
+from . import backends
+from .config import CaMConfig, resolve_config
+from .reference import RowState
+
+
+class CaMKVCache(_BaseCache):
+    """A KV cache that holds at most `budget` tokens per (batch, KV head) row.
+
+    update_and_fetch returns the rows stored before the call followed by the new
+    tokens (what the model's mask was built for); the eviction and merging of
+    ALGORITHM.md happen in the same call and show from the next call on.
+
+    head_offset and n_heads_global place this cache's heads among the model's
+    heads when they are sharded over processes, so the gate draws what an
+    unsharded run draws (ALGORITHM.md section 1).
+    """
+
+    def __init__(
+        self,
+        config: CaMConfig | None = None,
+        *,
+        head_offset: int = 0,
+        n_heads_global: int | None = None,
+        **fields,
+    ):
+        self._config = resolve_config(config, fields)
+        if head_offset < 0:
+            raise ValueError(f"head_offset must be >= 0, got {head_offset}")
+        self._head_offset = head_offset
+        self._n_heads_global = n_heads_global
+        self._reset()
+
+    def _reset(self) -> None:
+        self._rows: RowState | None = None
+        self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
+        self._pending: tuple | None = None  # (keys, values) waiting for queries ("query" scoring)
+        self._merges = mx.zeros((), mx.int32)
+        self._evictions = 0
+        self.offset = 0
+        self.model_type: str | None = None  # set by the attention hook, for warnings
+        self._bypass_warned = False
+
+    # ------------------------------------------------------------------ config
+    @property
+    def config(self) -> CaMConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: CaMConfig) -> None:
+        if not isinstance(value, CaMConfig):
+            raise ValueError(f"config must be a CaMConfig, got {type(value).__name__}")
+        if not self.empty() and value != self._config:
+            raise ValueError(
+                "cannot change a CaMKVCache's config mid-sequence; make a new cache"
+            )
+        self._config = value
+
+    # ------------------------------------------------------------------ protocol
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store S new tokens per row; return (stored ++ new keys, stored ++ new values)."""
+        self._check_block(keys, values)
+        self._flush_pending_with_keys()
+        fetched = self._fetch(keys, values)
+        start = self.offset
+        if self._config.scoring == "query":
+            self._pending = (keys, values, start)
+        else:
+            self._absorb(keys, values, start, None, None)
+        # The model computed RoPE from offset before this call; it advances now, even
+        # when the update itself waits for the queries.
+        self._layout = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
+        self.offset = start + keys.shape[2]
+        return fetched
+
+    def observe_queries(self, queries: mx.array, scale: float) -> None:
+        """The model's queries [B, Hq, S, Dk] for the pending block ("query" scoring)."""
+        if self._pending is None:
+            return
+        keys, values, start = self._pending
+        B, H, S, _ = keys.shape
+        if queries.ndim != 4 or queries.shape[0] != B or queries.shape[2] != S:
+            raise ValueError(
+                f"queries must be [B={B}, Hq, S={S}, Dk], got {tuple(queries.shape)}"
+            )
+        if queries.shape[1] % H != 0:
+            raise ValueError(
+                f"query heads {queries.shape[1]} are not a multiple of the KV heads {H}"
+            )
+        groups = queries.shape[1] // H
+        # [B, H*G, S, D] -> [B*H, S, G, D]: query head h*G + g belongs to KV head h.
+        q = queries.reshape(B, H, groups, S, -1).transpose(0, 1, 3, 2, 4)
+        self._pending = None
+        self._absorb(keys, values, start, q.reshape(B * H, S, groups, -1), scale)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        self._flush_pending_with_keys()
+        if window_size is not None:
+            raise NotImplementedError(
+                "CaMKVCache serves full-attention layers only; sliding-window layers keep "
+                "mlx-lm's own RotatingKVCache"
+            )
+        if N == 1:
+            return None
+        if return_array:
+            return create_causal_mask(N, self.size())
+        return "causal"
+
+    def size(self) -> int:
+        """Tokens held per row (at most budget), not the absolute position (see offset)."""
+        self._flush_pending_with_keys()
+        return 0 if self._rows is None else self._rows.length
+
+    def empty(self) -> bool:
+        return self._layout is None
+
+    # No `merge` method on purpose: mlx-lm takes its presence to mean "batchable"
+    # (the server would then batch requests), and without it batch generation stops
+    # with mlx-lm's own error naming this class instead of losing the compression.
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        raise NotImplementedError(
+            "CaMKVCache cannot be trimmed: evicted and merged tokens cannot be restored"
+        )
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        raise NotImplementedError(
+            "CaMKVCache cannot be quantized (kv_bits); use it without kv_bits"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes really held: keys, values, scores and positions."""
+        self._flush_pending_with_keys()
+        if self._rows is None:
+            return 0
+        return sum(a.nbytes for a in self._rows)
+
+    # ------------------------------------------------------------------ inspection
+    def stored(self):
+        """(keys [B,H,n,Dk], values [B,H,n,Dv], scores [B,H,n] f32, positions [B,H,n] i32)."""
+        self._flush_pending_with_keys()
+        if self._rows is None:
+            raise ValueError("the cache is empty: nothing stored yet")
+        B, H = self._layout[:2]
+        n = self._rows.length
+        return (
+            self._rows.keys.reshape(B, H, n, -1),
+            self._rows.values.reshape(B, H, n, -1),
+            self._rows.scores.reshape(B, H, n),
+            self._rows.positions.reshape(B, H, n),
+        )
+
+    @property
+    def stats(self) -> dict:
+        """Counters summed over rows: tokens_seen, evictions, merges; plus rows and budget."""
+        self._flush_pending_with_keys()
+        rows = 0 if self._layout is None else self._layout[0] * self._layout[1]
+        return {
+            "tokens_seen": self.offset,
+            "evictions": self._evictions,
+            "merges": int(self._merges.item()),
+            "rows": rows,
+            "stored": self.size(),
+            "budget": self._config.budget,
+        }
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self):
+        self._flush_pending_with_keys()
+        meta = {
+            "offset": self.offset,
+            "config": json.loads(self._config.to_json()),
+            "head_offset": self._head_offset,
+            "n_heads_global": self._n_heads_global,
+            "evictions": self._evictions,
+        }
+        if self._rows is None:
+            return (None, None, None, None, self._merges, json.dumps(meta))
+        keys, values, scores, positions = self.stored()
+        return (keys, values, scores, positions, self._merges, json.dumps(meta))
+
+    @state.setter
+    def state(self, v) -> None:
+        keys, values, scores, positions, merges, meta_json = v
+        meta = json.loads(meta_json)
+        self._config = CaMConfig(**meta["config"])
+        self._head_offset = meta["head_offset"]
+        self._n_heads_global = meta["n_heads_global"]
+        self._reset()
+        self.offset = meta["offset"]
+        self._evictions = meta["evictions"]
+        self._merges = mx.array(merges, mx.int32)
+        if keys is None:
+            return
+        B, H, n, Dk = keys.shape
+        self._layout = (B, H, Dk, values.shape[3], keys.dtype)
+        self._rows = RowState(
+            keys.reshape(B * H, n, Dk),
+            values.reshape(B * H, n, -1),
+            scores.reshape(B * H, n).astype(mx.float32),
+            positions.reshape(B * H, n).astype(mx.int32),
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _check_block(self, keys, values) -> None:
+        """Reject bad input before anything changes."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise ValueError("keys and values must be mx.array")
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(
+                f"keys and values must be 4-D [B, H, S, D], got {keys.ndim}-D and {values.ndim}-D"
+            )
+        if keys.shape[:3] != values.shape[:3]:
+            raise ValueError(
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in B, H or S"
+            )
+        if keys.shape[2] == 0:
+            raise ValueError("update_and_fetch needs at least one token (S >= 1)")
+        if keys.dtype != values.dtype:
+            raise ValueError(f"keys are {keys.dtype} but values are {values.dtype}")
+        if self._layout is not None:
+            B, H, Dk, Dv, dtype = self._layout
+            got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+            if got != self._layout:
+                raise ValueError(
+                    f"(B, H, Dk, Dv, dtype) changed mid-sequence: the cache holds "
+                    f"{(B, H, Dk, Dv, dtype)}, the call has {got}"
+                )
+
+    def _fetch(self, keys, values):
+        if self._rows is None:
+            return keys, values
+        stored_k, stored_v = self.stored()[:2]
+        return (
+            mx.concatenate([stored_k, keys], axis=2),
+            mx.concatenate([stored_v, values], axis=2),
+        )
+
+    def _row_ids(self, B: int, H: int) -> mx.array:
+        heads = self._n_heads_global or H
+        b = mx.arange(B, dtype=mx.uint32)[:, None]
+        h = mx.arange(H, dtype=mx.uint32)[None, :] + self._head_offset
+        return (b * heads + h).reshape(-1)
+
+    def _absorb(self, keys, values, start, queries, scale) -> None:
+        """Run the backend's fused update on the block at positions start..; keys/values [B, H, S, D]."""
+        B, H, S, Dk = keys.shape
+        rows = self._rows or RowState.empty(B * H, Dk, values.shape[3], keys.dtype)
+        backend = backends.resolve(self._config.backend)
+        self._rows, merges = backend.update(
+            rows,
+            keys.reshape(B * H, S, Dk),
+            values.reshape(B * H, S, -1),
+            start,
+            self._config,
+            self._row_ids(B, H),
+            queries,
+            scale,
+        )
+        self._merges = self._merges + merges.sum()
+        self._evictions += max(0, rows.length + S - self._config.budget) * B * H
+
+    def _flush_pending_with_keys(self) -> None:
+        """A block the model never showed its queries for: score it with its keys, warn once."""
+        if self._pending is None:
+            return
+        if not self._bypass_warned:
+            warnings.warn(
+                f"camkv: model {self.model_type or '(unknown type)'} computed attention without "
+                "passing its queries to the cache (it bypasses mlx-lm's "
+                "scaled_dot_product_attention); scoring that block with keys instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._bypass_warned = True
+        keys, values, start = self._pending
+        self._pending = None
+        self._absorb(keys, values, start, None, None)

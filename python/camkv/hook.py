@@ -1,0 +1,70 @@
+"""The attention hook of scoring="query": hands the model's own queries to its camkv caches.
+
+Almost every mlx-lm model calls `scaled_dot_product_attention(queries, keys, values,
+cache=cache, scale=..., mask=...)`, imported from mlx_lm.models.base, right after
+`cache.update_and_fetch`. We rebind that name in the model's own modules to a
+wrapper that first shows the queries (after RoPE) and the scale to the cache, then
+calls the original. A model that bypasses it is caught by the cache itself (it
+scores the block with keys and warns once).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from mlx_lm.models import base
+
+from .cache import CaMKVCache
+
+_NAME = "scaled_dot_product_attention"
+_ORIGINAL = base.scaled_dot_product_attention
+_HOOKED = "_camkv_hooked_modules"
+# module name -> number of models that asked for the hook there
+_users: dict[str, int] = {}
+# module name -> the function it held before the hook, put back by the last uninstall
+_saved: dict[str, object] = {}
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
+    """mlx-lm's attention, after handing the queries to a camkv cache that waits for them."""
+    if isinstance(cache, CaMKVCache):
+        cache.observe_queries(queries, scale)
+    return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+
+def _model_modules(model) -> set[str]:
+    """Python modules defining the model's layers that use mlx-lm's attention function."""
+    names = {type(model).__module__}
+    for _, child in model.named_modules() if hasattr(model, "named_modules") else []:
+        names.add(type(child).__module__)
+    return {n for n in names if getattr(sys.modules.get(n), _NAME, None) in (_ORIGINAL, scaled_dot_product_attention)}
+
+
+def install(model) -> None:
+    """Route the model's attention calls through the hook (idempotent per model)."""
+    if getattr(model, _HOOKED, None) is not None:
+        return
+    modules = _model_modules(model)
+    for name in modules:
+        if name not in _users:
+            _saved[name] = getattr(sys.modules[name], _NAME)
+        setattr(sys.modules[name], _NAME, scaled_dot_product_attention)
+        _users[name] = _users.get(name, 0) + 1
+    object.__setattr__(model, _HOOKED, modules)
+
+
+def uninstall(model) -> None:
+    """Undo install: once no hooked model uses a module, its original function comes back."""
+    modules = getattr(model, _HOOKED, None)
+    if modules is None:
+        return
+    for name in modules:
+        _users[name] -= 1
+        if _users[name] == 0:
+            del _users[name]
+            setattr(sys.modules[name], _NAME, _saved.pop(name))
+    object.__delattr__(model, _HOOKED)
+
+
+def is_installed(model) -> bool:
+    return getattr(model, _HOOKED, None) is not None

@@ -1,0 +1,79 @@
+"""Hand camkv to mlx-lm: build a model's cache list, or make the model build it itself."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from mlx_lm.models.cache import KVCache
+
+from . import hook
+from .cache import CaMKVCache
+from .config import UINT32_MAX, CaMConfig, resolve_config
+
+_ORIGINAL = "_camkv_original_make_cache"
+
+
+def _model_default_cache(model) -> list:
+    """The caches the model makes without camkv (its own make_cache, else one KVCache a layer)."""
+    maker = getattr(model, _ORIGINAL, None)
+    if maker is None and hasattr(model, "make_cache"):
+        maker = model.make_cache
+    if maker is not None:
+        return maker()
+    return [KVCache() for _ in model.layers]
+
+
+def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
+    """The model's cache list with each plain full-attention KVCache replaced by a CaMKVCache.
+
+    Layer i gets seed = base seed + i (mod 2^32). Other cache kinds (rotating,
+    arrays / SSM, chunked) are kept as the model makes them. With scoring="query"
+    the attention hook is installed in the model's modules (camkv.remove undoes it).
+    """
+    base = resolve_config(config, fields)
+    if base.scoring == "query":
+        hook.install(model)
+    caches = _model_default_cache(model)
+    model_type = getattr(getattr(model, "args", None), "model_type", None)
+    for i, cache in enumerate(caches):
+        if type(cache) is KVCache:
+            caches[i] = CaMKVCache(base.replace(seed=(base.seed + i) & UINT32_MAX))
+            caches[i].model_type = model_type
+    return caches
+
+
+def apply(model, config: CaMConfig | None = None, **fields):
+    """Make `model.make_cache` build camkv caches, so mlx_lm.generate and friends use them.
+
+    Returns the model. Undo with `camkv.remove(model)`, or use `camkv.applied(...)`
+    as a context manager.
+    """
+    base = resolve_config(config, fields)
+    if not hasattr(model, _ORIGINAL):
+        object.__setattr__(model, _ORIGINAL, getattr(model, "make_cache", None))
+    object.__setattr__(model, "make_cache", lambda: make_prompt_cache(model, base))
+    return model
+
+
+def remove(model) -> None:
+    """Undo apply (and the attention hook): the model makes its own caches again."""
+    hook.uninstall(model)
+    if not hasattr(model, _ORIGINAL):
+        return
+    original = getattr(model, _ORIGINAL)
+    object.__delattr__(model, "make_cache")
+    object.__delattr__(model, _ORIGINAL)
+    # A make_cache the class defines comes back by itself; one set on the
+    # instance before apply is put back.
+    if original is not None and getattr(model, "make_cache", None) != original:
+        object.__setattr__(model, "make_cache", original)
+
+
+@contextmanager
+def applied(model, config: CaMConfig | None = None, **fields):
+    """Context manager form of apply / remove."""
+    apply(model, config, **fields)
+    try:
+        yield model
+    finally:
+        remove(model)

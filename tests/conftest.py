@@ -1,0 +1,50 @@
+"""Shared fixtures: the backends to check, random inputs without float near-ties."""
+
+from __future__ import annotations
+
+import numpy as np
+import mlx.core as mx
+import pytest
+
+from camkv import backends
+from camkv.reference import RowState
+
+
+def _backend_params():
+    params = []
+    for name, reason in backends.available().items():
+        marks = [] if reason is None else [pytest.mark.skip(reason=f"{name}: {reason}")]
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
+@pytest.fixture(params=_backend_params())
+def backend(request) -> str:
+    """Each backend name usable here; the others are reported as skipped with the reason."""
+    return request.param
+
+
+def random_block(rng: np.random.Generator, rows: int, s_len: int, k_dim: int, v_dim: int, dtype):
+    """Distinct random keys and values [rows, s_len, D] (ties have probability ~0)."""
+    keys = rng.standard_normal((rows, s_len, k_dim)).astype(np.float32)
+    values = rng.standard_normal((rows, s_len, v_dim)).astype(np.float32)
+    return mx.array(keys).astype(dtype), mx.array(values).astype(dtype)
+
+
+def run_calls(update, cfg, sizes, *, rows=3, k_dim=8, v_dim=6, dtype=mx.float32, seed=0, queries_per_kv=0):
+    """Feed calls of the given sizes through a backend's update; return (state, merges per call)."""
+    rng = np.random.default_rng(seed)
+    state = RowState.empty(rows, k_dim, v_dim, dtype)
+    row_ids = mx.arange(rows).astype(mx.uint32)
+    offset, merges = 0, []
+    for s_len in sizes:
+        keys, values = random_block(rng, rows, s_len, k_dim, v_dim, dtype)
+        queries, scale = None, None
+        if queries_per_kv:
+            queries = mx.array(rng.standard_normal((rows, s_len, queries_per_kv, k_dim)).astype(np.float32))
+            scale = 0.3
+        state, merged = update(state, keys, values, offset, cfg, row_ids, queries, scale)
+        merges.append(merged)
+        offset += s_len
+    mx.eval(state, merges)
+    return state, merges

@@ -1,0 +1,177 @@
+"""CaMKVCache: mlx-lm's cache protocol, inspection, state round trip, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import mlx.core as mx
+import pytest
+
+from camkv import CaMConfig, CaMKVCache
+
+
+def _block(rng, B=2, H=3, S=4, Dk=8, Dv=6, dtype=mx.float16):
+    k = mx.array(rng.standard_normal((B, H, S, Dk)).astype(np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((B, H, S, Dv)).astype(np.float32)).astype(dtype)
+    return k, v
+
+
+def _snapshot(cache: CaMKVCache):
+    return (cache.offset, cache.size(), cache.empty(), cache.stats,
+            [np.array(a.astype(mx.float32)) for a in cache.stored()] if not cache.empty() else None)
+
+
+def _same(a, b):
+    assert a[:4] == b[:4]
+    if a[4] is None:
+        assert b[4] is None
+    else:
+        for x, y in zip(a[4], b[4]):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_update_and_fetch_returns_stored_rows_then_the_new_tokens():
+    rng = np.random.default_rng(0)
+    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    k1, v1 = _block(rng, S=7)
+    keys, values = cache.update_and_fetch(k1, v1)
+    assert mx.array_equal(keys, k1).item() and mx.array_equal(values, v1).item()
+    k2, v2 = _block(rng, S=6)
+    stored_k, stored_v = cache.stored()[:2]
+    keys, values = cache.update_and_fetch(k2, v2)
+    assert keys.shape == (2, 3, 13, 8)
+    assert mx.array_equal(keys[:, :, 7:], k2).item()
+    # The rows stored before the call (nothing of this call evicted yet).
+    assert mx.array_equal(keys[:, :, :7], stored_k).item()
+    assert mx.array_equal(values[:, :, :7], stored_v).item()
+    assert cache.size() == 10 and cache.offset == 13
+
+
+def test_offset_is_the_absolute_position_not_the_row_count():
+    rng = np.random.default_rng(1)
+    cache = CaMKVCache(budget=6, n_sink=1, recent=2)
+    for s_len in (5, 1, 1, 9, 1):
+        cache.update_and_fetch(*_block(rng, S=s_len))
+    assert cache.offset == 17 and cache.size() == 6
+    assert cache.stats["tokens_seen"] == 17
+    assert cache.stats["evictions"] == (17 - 6) * 6
+
+
+def test_make_mask_is_none_for_one_query_and_causal_otherwise():
+    rng = np.random.default_rng(2)
+    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    assert cache.make_mask(1) is None
+    assert cache.make_mask(5) == "causal"
+    cache.update_and_fetch(*_block(rng, S=12))
+    mask = cache.make_mask(3, return_array=True)
+    # 10 stored rows then 3 new: bottom-right causal over 13 keys.
+    expected = np.tril(np.ones((3, 13), bool), k=10)
+    np.testing.assert_array_equal(np.array(mask), expected)
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        cache.make_mask(3, window_size=4)
+
+
+def test_stored_shapes_dtypes_and_stats():
+    rng = np.random.default_rng(3)
+    cache = CaMKVCache(budget=9, n_sink=1, recent=2, gate=False)
+    cache.update_and_fetch(*_block(rng, S=20, dtype=mx.bfloat16))
+    keys, values, scores, positions = cache.stored()
+    assert keys.shape == (2, 3, 9, 8) and keys.dtype == mx.bfloat16
+    assert values.shape == (2, 3, 9, 6) and values.dtype == mx.bfloat16
+    assert scores.shape == (2, 3, 9) and scores.dtype == mx.float32
+    assert positions.shape == (2, 3, 9) and positions.dtype == mx.int32
+    stats = cache.stats
+    assert stats["evictions"] == 11 * 6 and stats["merges"] == 11 * 6  # gate off: every loser merges
+    assert cache.nbytes == keys.nbytes + values.nbytes + scores.nbytes + positions.nbytes
+
+
+def test_empty_cache_protocol():
+    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    assert cache.empty() and cache.size() == 0 and cache.nbytes == 0 and cache.offset == 0
+    assert not cache.is_trimmable()
+    with pytest.raises(ValueError, match="empty"):
+        cache.stored()
+
+
+def test_state_round_trip_restores_an_identical_cache_and_continues_identically():
+    rng = np.random.default_rng(4)
+    cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge="window", window=2, seed=5)
+    cache = CaMKVCache(cfg)
+    for s_len in (8, 1, 6):
+        cache.update_and_fetch(*_block(rng, S=s_len))
+    clone = CaMKVCache.from_state(cache.state)
+    assert clone.config == cfg
+    _same(_snapshot(clone), _snapshot(cache))
+    nxt = _block(rng, S=3)
+    cache.update_and_fetch(*nxt)
+    clone.update_and_fetch(*nxt)
+    _same(_snapshot(clone), _snapshot(cache))
+    empty = CaMKVCache.from_state(CaMKVCache(cfg).state)
+    assert empty.empty() and empty.config == cfg
+
+
+def test_trim_and_quantize_raise_clear_errors_and_batching_is_refused():
+    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    with pytest.raises(NotImplementedError, match="trimmed"):
+        cache.trim(1)
+    # mlx-lm batches (server, BatchGenerator) only caches that have `merge`.
+    assert not hasattr(cache, "merge")
+    with pytest.raises(NotImplementedError, match="quantized"):
+        cache.to_quantized()
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda k, v: (k[0], v[0]), "4-D"),
+        (lambda k, v: (k, v[:, :, :1]), "differ"),
+        (lambda k, v: (k[:1], v[:1]), "changed mid-sequence"),
+        (lambda k, v: (k[:, :2], v[:, :2]), "changed mid-sequence"),
+        (lambda k, v: (k[..., :4], v), "changed mid-sequence"),
+        (lambda k, v: (k.astype(mx.float32), v.astype(mx.float32)), "changed mid-sequence"),
+        (lambda k, v: (k, v.astype(mx.float32)), "values are"),
+        (lambda k, v: (k[:, :, :0], v[:, :, :0]), "at least one token"),
+        (lambda k, v: (np.array(k), v), "mx.array"),
+    ],
+)
+def test_bad_input_raises_and_leaves_the_cache_unchanged(bad, match):
+    rng = np.random.default_rng(5)
+    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    cache.update_and_fetch(*_block(rng, S=12))
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match=match):
+        cache.update_and_fetch(*bad(*_block(rng, S=2)))
+    _same(_snapshot(cache), before)
+
+
+def test_config_cannot_change_mid_sequence():
+    rng = np.random.default_rng(6)
+    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    cache.config = CaMConfig(budget=12, n_sink=1, recent=2)  # allowed while empty
+    cache.update_and_fetch(*_block(rng, S=3))
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match="mid-sequence"):
+        cache.config = CaMConfig(budget=20, n_sink=1, recent=2)
+    assert cache.config.budget == 12
+    _same(_snapshot(cache), before)
+
+
+def test_bad_config_raises_before_any_state_exists():
+    with pytest.raises(ValueError, match="recent"):
+        CaMKVCache(budget=10, recent=0)
+    with pytest.raises(ValueError, match="head_offset"):
+        CaMKVCache(budget=10, n_sink=1, recent=2, head_offset=-1)
+
+
+def test_global_head_placement_changes_the_draws():
+    """Row r = b * H_global + h_global: a cache of heads 2..3 of 4 draws like those heads."""
+    rng = np.random.default_rng(7)
+    k, v = _block(rng, B=1, H=4, S=30, dtype=mx.float32)
+    full = CaMKVCache(budget=8, n_sink=1, recent=2)
+    full.update_and_fetch(k, v)
+    half = CaMKVCache(budget=8, n_sink=1, recent=2, head_offset=2, n_heads_global=4)
+    half.update_and_fetch(k[:, 2:], v[:, 2:])
+    for a, b in zip(full.stored(), half.stored()):
+        assert mx.array_equal(a[:, 2:], b).item()
+    wrong = CaMKVCache(budget=8, n_sink=1, recent=2)
+    wrong.update_and_fetch(k[:, 2:], v[:, 2:])
+    assert not all(mx.array_equal(a[:, 2:], b).item() for a, b in zip(full.stored(), wrong.stored()))

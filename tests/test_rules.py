@@ -1,0 +1,290 @@
+"""ALGORITHM.md made executable: one test (or a few) per rule, on every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import mlx.core as mx
+import pytest
+
+import oracle
+from camkv import CaMConfig, backends, reference
+from camkv.reference import RowState
+from conftest import random_block, run_calls
+
+MERGES = ["sim_weighted", "mean", "window", "drop"]
+
+
+def _update(backend):
+    return backends.resolve(backend).update
+
+
+def _cfg(backend, **fields):
+    base = dict(budget=8, n_sink=2, recent=3, backend=backend)
+    base.update(fields)
+    return CaMConfig(**base)
+
+
+def _np(state: RowState):
+    return [np.array(a.astype(mx.float32)) if a.dtype != mx.int32 else np.array(a) for a in state]
+
+
+# ---------------------------------------------------------------- sections 1, 5, 7: storage
+
+
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+def test_storage_is_rectangular_and_holds_min_tokens_budget(backend, prefill):
+    cfg = _cfg(backend, prefill=prefill)
+    sizes, seen = [3, 1, 5, 1, 1, 9, 2], 0
+    rng = np.random.default_rng(1)
+    state = RowState.empty(4, 8, 6, mx.float32)
+    rows = mx.arange(4).astype(mx.uint32)
+    for s_len in sizes:
+        k, v = random_block(rng, 4, s_len, 8, 6, mx.float32)
+        state, _ = _update(backend)(state, k, v, seen, cfg, rows)
+        seen += s_len
+        assert state.keys.shape == (4, min(seen, cfg.budget), 8)
+        assert state.values.shape == (4, min(seen, cfg.budget), 6)
+        assert state.scores.shape == state.positions.shape == (4, min(seen, cfg.budget))
+
+
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+@pytest.mark.parametrize("merge", MERGES)
+def test_sinks_and_recent_window_are_never_evicted(backend, prefill, merge):
+    cfg = _cfg(backend, prefill=prefill, merge=merge, budget=10, n_sink=3, recent=4)
+    rng = np.random.default_rng(2)
+    state = RowState.empty(3, 8, 8, mx.float16)
+    rows = mx.arange(3).astype(mx.uint32)
+    seen = 0
+    for s_len in [4, 1, 1, 7, 1, 1, 1, 5, 1]:
+        k, v = random_block(rng, 3, s_len, 8, 8, mx.float16)
+        state, _ = _update(backend)(state, k, v, seen, cfg, rows)
+        seen += s_len
+        positions = np.array(state.positions)
+        for row in positions:
+            assert set(range(cfg.n_sink)) <= set(row.tolist())
+            assert set(range(seen - cfg.recent, seen)) <= set(row.tolist())
+
+
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+def test_positions_ascend_and_are_absolute(backend, prefill):
+    cfg = _cfg(backend, prefill=prefill)
+    state, _ = run_calls(_update(backend), cfg, [5, 1, 1, 6, 1, 4])
+    positions = np.array(state.positions)
+    assert (np.diff(positions, axis=1) > 0).all()
+    assert positions.max() == 17 and positions.min() == 0
+
+
+# ---------------------------------------------------------------- section 2: scoring
+
+
+def test_first_token_scores_one_and_mass_is_one_per_token(backend):
+    cfg = _cfg(backend, budget=32)
+    state, _ = run_calls(_update(backend), cfg, [1])
+    assert np.array(state.scores).tolist() == [[1.0]] * 3
+    state, _ = run_calls(_update(backend), cfg, [4, 1, 3, 1])
+    # Nothing evicted yet: every token added exactly mass 1 to each row.
+    np.testing.assert_allclose(np.array(state.scores).sum(axis=1), 9.0, rtol=1e-5)
+
+
+def test_scores_are_the_softmax_mass_of_each_key_query(backend):
+    """Exact mode below budget: every score against the loop-by-loop NumPy oracle."""
+    cfg = _cfg(backend, budget=32, prefill="exact")
+    state, _ = run_calls(_update(backend), cfg, [6, 1], seed=5)
+    rng = np.random.default_rng(5)
+    keys = np.concatenate([np.array(random_block(rng, 3, s, 8, 6, mx.float32)[0]) for s in (6, 1)], axis=1)
+    for r in range(3):
+        K, S = np.zeros((0, 8), np.float32), np.zeros(0, np.float32)
+        for t in range(7):
+            K, _, S, _, _ = oracle.step(
+                K, np.zeros((t, 1), np.float32), S, np.arange(t), keys[r, t], np.zeros(1, np.float32),
+                t, keys[r, t][None], 1 / np.sqrt(8), cfg, r,
+            )
+        np.testing.assert_allclose(np.array(state.scores[r]), S, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- sections 3-5 against the oracle
+
+
+@pytest.mark.parametrize(
+    "merge,merge_keys", [(m, False) for m in MERGES] + [("sim_weighted", True), ("mean", True)]
+)
+@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("queries_per_kv", [0, 2])
+def test_exact_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, queries_per_kv):
+    cfg = _cfg(backend, merge=merge, gate=gate, merge_keys=merge_keys, prefill="exact", seed=7)
+    rows, k_dim, v_dim = 4, 8, 6
+    rng = np.random.default_rng(11)
+    state = RowState.empty(rows, k_dim, v_dim, mx.float32)
+    row_ids = mx.arange(rows).astype(mx.uint32) + 5
+    mirror = [[np.zeros((0, k_dim), np.float32), np.zeros((0, v_dim), np.float32),
+               np.zeros(0, np.float32), np.zeros(0, np.int64)] for _ in range(rows)]
+    merged_total = np.zeros(rows, int)
+    for p in range(20):
+        k, v = random_block(rng, rows, 1, k_dim, v_dim, mx.float32)
+        q = mx.array(rng.standard_normal((rows, 1, queries_per_kv, k_dim)).astype(np.float32)) if queries_per_kv else None
+        scale = 0.4 if queries_per_kv else None
+        state, merges = _update(backend)(state, k, v, p, cfg, row_ids, q, scale)
+        for r in range(rows):
+            qr = np.array(q[r, 0]) if q is not None else np.array(k[r, 0])[None]
+            sc = 0.4 if q is not None else 1 / np.sqrt(k_dim)
+            *mirror[r], did = oracle.step(*mirror[r], np.array(k[r, 0]), np.array(v[r, 0]), p, qr, sc, cfg, r + 5)
+            merged_total[r] += did
+        K, V, S, P = _np(state)
+        for r in range(rows):
+            np.testing.assert_array_equal(P[r], mirror[r][3], err_msg=f"row {r} step {p}")
+            np.testing.assert_allclose(S[r], mirror[r][2], rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(V[r], mirror[r][1], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(K[r], mirror[r][0], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- section 7: calls
+
+
+@pytest.mark.parametrize("merge", MERGES)
+def test_exact_mode_over_s_tokens_equals_s_single_calls(backend, merge):
+    cfg = _cfg(backend, merge=merge, prefill="exact")
+    rng = np.random.default_rng(3)
+    keys, values = random_block(rng, 3, 21, 8, 6, mx.float16)
+    rows = mx.arange(3).astype(mx.uint32)
+    a = b = RowState.empty(3, 8, 6, mx.float16)
+    start = 0
+    for s_len in [7, 9, 1, 4]:
+        a, _ = _update(backend)(a, keys[:, start:start + s_len], values[:, start:start + s_len], start, cfg, rows)
+        start += s_len
+    for t in range(21):
+        b, _ = _update(backend)(b, keys[:, t:t + 1], values[:, t:t + 1], t, cfg, rows)
+    for x, y in zip(a, b):
+        assert mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_chunk_mode_with_one_token_equals_exact(backend, merge, dtype):
+    kwargs = dict(merge=merge, gate=True, seed=3)
+    a, ma = run_calls(_update(backend), _cfg(backend, prefill="chunk", **kwargs), [1] * 25, dtype=dtype)
+    b, mb = run_calls(_update(backend), _cfg(backend, prefill="exact", **kwargs), [1] * 25, dtype=dtype)
+    for x, y in zip(a, b):
+        assert mx.array_equal(x, y).item()
+    assert sum(m.sum().item() for m in ma) == sum(m.sum().item() for m in mb)
+
+
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+def test_chunk_prefill_evicts_down_to_budget_in_one_call(backend, prefill):
+    cfg = _cfg(backend, prefill=prefill, budget=12, n_sink=2, recent=3)
+    state, merges = run_calls(_update(backend), cfg, [40])
+    assert state.keys.shape[1] == 12
+    assert sum(m.sum().item() for m in merges) > 0
+
+
+# ---------------------------------------------------------------- sections 4.3 and 6: the gate
+
+
+def test_same_seed_gives_bit_identical_state(backend):
+    cfg = _cfg(backend, seed=42)
+    a, ma = run_calls(_update(backend), cfg, [5, 1, 1, 8, 1, 1, 1])
+    b, mb = run_calls(_update(backend), cfg, [5, 1, 1, 8, 1, 1, 1])
+    for x, y in zip(list(a) + ma, list(b) + mb):
+        assert mx.array_equal(x, y).item()
+
+
+def test_seed_is_irrelevant_without_the_gate(backend):
+    a, _ = run_calls(_update(backend), _cfg(backend, gate=False, seed=1), [5, 1, 9, 1, 1])
+    b, _ = run_calls(_update(backend), _cfg(backend, gate=False, seed=2), [5, 1, 9, 1, 1])
+    for x, y in zip(a, b):
+        assert mx.array_equal(x, y).item()
+
+
+def test_a_different_seed_changes_only_the_gated_merges(backend):
+    """From one full state, one eviction step: same loser and target, only the merge differs."""
+    base, _ = run_calls(_update(backend), _cfg(backend, gate=False), [8], rows=64)
+    rng = np.random.default_rng(9)
+    k, v = random_block(rng, 64, 1, 8, 6, mx.float32)
+    rows = mx.arange(64).astype(mx.uint32)
+    out = {}
+    for seed in (1, 2):
+        out[seed] = _update(backend)(base, k, v, 8, _cfg(backend, seed=seed), rows)
+    (a, ma), (b, mb) = out[1], out[2]
+    assert mx.array_equal(a.positions, b.positions).item()
+    same_gate = np.array(ma == mb)
+    assert not same_gate.all(), "two seeds drew the same gate outcome on all 64 rows"
+    # Rows whose gate agreed are identical; rows whose gate differed differ in values.
+    for x, y in zip(a, b):
+        x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+        np.testing.assert_array_equal(x[same_gate], y[same_gate])
+    assert not np.array_equal(np.array(a.values)[~same_gate], np.array(b.values)[~same_gate])
+
+
+def test_drop_equals_a_gate_that_never_opens(monkeypatch):
+    """H2O is CaM with the gate always closed: same kept set, scores, keys, values."""
+    monkeypatch.setattr(reference, "uniform", lambda seed, row, p: mx.ones(mx.array(row).shape))
+    closed, mc = run_calls(reference.update, _cfg("reference", merge="sim_weighted", merge_keys=True), [6, 1, 9, 1, 1, 1])
+    dropped, md = run_calls(reference.update, _cfg("reference", merge="drop"), [6, 1, 9, 1, 1, 1])
+    for x, y in zip(closed, dropped):
+        assert mx.array_equal(x, y).item()
+    assert sum(m.sum().item() for m in mc) == 0
+
+
+@pytest.mark.parametrize("merge", ["sim_weighted", "mean", "window"])
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+def test_gate_merges_at_a_rate_strictly_between_zero_and_one(backend, merge, prefill):
+    """The defect ALGORITHM.md fixes (newest token always evicted, gate never open) stays fixed."""
+    cfg = CaMConfig(budget=16, n_sink=2, recent=4, merge=merge, prefill=prefill, backend=backend)
+    state, merges = run_calls(_update(backend), cfg, [1] * 120, rows=4, k_dim=16, v_dim=16)
+    evictions = 4 * (120 - 16)
+    rate = sum(m.sum().item() for m in merges) / evictions
+    assert 0 < rate < 1, rate
+    # The cache does not freeze on its first tokens: middle positions keep moving.
+    middle = np.array(state.positions)[:, cfg.n_sink:-cfg.recent]
+    assert (middle >= cfg.budget).any()
+
+
+# Values of section 6 computed by hand (Python integers, the formula as written).
+HASH_TABLE = [
+    # seed, row, position, h
+    (0, 0, 0, oracle.mix(oracle.mix(oracle.mix(0x9E3779B9)))),
+    (0, 1, 0, oracle.mix(oracle.mix(oracle.mix(0x9E3779B9) ^ 1))),
+    (7, 3, 100, oracle.mix(oracle.mix(oracle.mix(100 ^ 0x9E3779B9) ^ 3) ^ 7)),
+    (2**32 - 1, 65535, 2**31 - 1, oracle.mix(oracle.mix(oracle.mix((2**31 - 1) ^ 0x9E3779B9) ^ 65535) ^ (2**32 - 1))),
+]
+
+
+def test_hash_matches_the_formula_computed_by_hand():
+    for seed, row, position, h in HASH_TABLE:
+        assert reference.gate_hash(seed, row, position).item() == h
+        assert reference.uniform(seed, row, position).item() == (h >> 8) * 2.0**-24
+    # Literal values pin the formula itself, not just two transcriptions of it.
+    assert [reference.gate_hash(s, r, p).item() for s, r, p, _ in HASH_TABLE] == [
+        2488251732, 3330041933, 818846169, 427457005,
+    ]
+
+
+def test_uniform_is_in_unit_interval_and_roughly_uniform():
+    u = np.array(reference.uniform(5, mx.arange(4096) % 7, mx.arange(4096)))
+    assert (u >= 0).all() and (u < 1).all()
+    assert abs(u.mean() - 0.5) < 0.02
+
+
+# ---------------------------------------------------------------- section 4.4: merge specifics
+
+
+def test_window_merge_conserves_mass_and_never_changes_keys(backend):
+    cfg = _cfg(backend, merge="window", window=3, gate=False, prefill="exact")
+    rng = np.random.default_rng(4)
+    keys, values = random_block(rng, 3, 30, 8, 6, mx.float32)
+    state, _ = _update(backend)(RowState.empty(3, 8, 6, mx.float32), keys, values, 0, cfg, mx.arange(3).astype(mx.uint32))
+    np.testing.assert_allclose(np.array(state.scores).sum(axis=1), 30.0, rtol=1e-4)
+    kept = np.array(state.positions)
+    for r in range(3):
+        np.testing.assert_array_equal(np.array(state.keys[r]), np.array(keys[r])[kept[r]])
+
+
+def test_nearest_merge_without_merge_keys_keeps_keys(backend):
+    cfg = _cfg(backend, merge="sim_weighted", gate=False)
+    rng = np.random.default_rng(6)
+    keys, values = random_block(rng, 3, 30, 8, 6, mx.float32)
+    state, merges = _update(backend)(RowState.empty(3, 8, 6, mx.float32), keys, values, 0, cfg, mx.arange(3).astype(mx.uint32))
+    kept = np.array(state.positions)
+    assert merges.sum().item() == 3 * 22
+    for r in range(3):
+        np.testing.assert_array_equal(np.array(state.keys[r]), np.array(keys[r])[kept[r]])
+        assert not np.array_equal(np.array(state.values[r]), np.array(values[r])[kept[r]])

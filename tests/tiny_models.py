@@ -1,0 +1,59 @@
+"""Tiny random-weight mlx-lm models for tests (no downloads)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import llama
+
+
+def tiny_llama(
+    *, heads: int = 4, kv_heads: int = 2, layers: int = 2, hidden: int = 64, vocab: int = 128,
+    seed: int = 0,
+):
+    """A random llama with GQA (heads query heads on kv_heads KV heads), float32."""
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_qwen3(*, layers: int = 2, seed: int = 0):
+    """A random qwen3 (q/k norms, GQA 4 on 2, head dim 16), float32."""
+    from mlx_lm.models import qwen3
+
+    args = qwen3.ModelArgs(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=128,
+        max_position_embeddings=4096, rope_theta=10000.0, head_dim=16, tie_word_embeddings=True,
+    )
+    mx.random.seed(seed)
+    model = qwen3.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_gemma3(*, layers: int = 4, seed: int = 0):
+    """A random gemma3 text model: sliding-window layers (RotatingKVCache) and global layers."""
+    from mlx_lm.models import gemma3_text
+
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=128, sliding_window=32, sliding_window_pattern=2,
+    )
+    mx.random.seed(seed)
+    model = gemma3_text.Model(args)
+    mx.eval(model.parameters())
+    return model
