@@ -273,7 +273,10 @@ def convert_gguf_weights(weights: dict, config: dict, dtype: str):
             tensors = {k: unpermute_rope_rows(v, heads_of[kind]) for k, v in tensors.items()}
         if stem in quantized and dtype != "quantized":
             q = quantized[stem]
-            dense = mx.dequantize(tensors["weight"], tensors["scales"], tensors["biases"],
+            # float32 scales and biases: dequantizing with GGUF's float16 ones would
+            # round every weight to float16 on the way.
+            dense = mx.dequantize(tensors["weight"], tensors["scales"].astype(mx.float32),
+                                  tensors["biases"].astype(mx.float32),
                                   group_size=q["group_size"], bits=q["bits"])
             tensors = {"weight": dense}
         elif stem in quantized:
@@ -345,21 +348,30 @@ def tokenizer_from_gguf_metadata(metadata: dict):
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = DEFAULT_DTYPE) -> Path:
-    """Convert a llama GGUF file into an mlx-lm model folder at out_dir.
+    """Convert a llama GGUF file into an mlx-lm model folder at out_dir."""
+    import mlx.core as mx
+
+    _say(f"converting {Path(gguf_path).name} to an mlx-lm model ({dtype} weights) in {out_dir}")
+    weights, metadata = mx.load(str(gguf_path), return_metadata=True)
+    return write_mlx_model(weights, metadata, out_dir, dtype, source=str(gguf_path))
+
+
+def write_mlx_model(weights: dict, metadata: dict, out_dir: Path, dtype: str = DEFAULT_DTYPE,
+                    source: str = "GGUF tensors") -> Path:
+    """Write GGUF tensors and metadata (as mx.load returns them) as an mlx-lm model folder.
 
     The folder is written beside out_dir and renamed into place at the end, so an
     interrupted conversion never leaves a half-written model that later loads fail on.
     """
     import mlx.core as mx
 
-    _say(f"converting {gguf_path.name} to an mlx-lm model ({dtype} weights) in {out_dir}")
-    weights, metadata = mx.load(str(gguf_path), return_metadata=True)
     config = config_from_gguf_metadata(metadata)
     mlx_weights, quantization = convert_gguf_weights(weights, config, dtype)
     if quantization is not None:
         config["quantization"] = quantization
     tokenizer = tokenizer_from_gguf_metadata(metadata)
 
+    out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
@@ -368,7 +380,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = DEFAULT_DTYPE) -> 
                             metadata={"format": "mlx"})
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(staging))
-        (staging / "SOURCE").write_text(f"converted by camkv.models from {gguf_path}\n")
+        (staging / "SOURCE").write_text(f"converted by camkv.models from {source}\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)  # a stale folder from an older conversion
         os.replace(staging, out_dir)
