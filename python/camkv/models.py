@@ -408,7 +408,13 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
             convert_gguf(default_gguf_path(), out_dir, dtype)
         return str(out_dir)
     path = Path(model).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
+    looks_like_path = path.suffix == ".gguf" or model.startswith(("/", ".", "~"))
+    if looks_like_path and not path.exists():
+        # Caught here: mlx_lm.load would take it for a hub id and fail obscurely.
+        raise FileNotFoundError(
+            f"no model at {path}; --model takes '{DEFAULT_MODEL}', a .gguf file, an mlx-lm "
+            f"model folder or a Hugging Face id")
+    if path.suffix == ".gguf":
         stat = path.stat()
         # Keyed by size and mtime so a replaced file is converted again.
         key = f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}"
