@@ -90,6 +90,7 @@ def test_demo_with_the_full_cache_holds_everything(capsys):
     (["--kv-backend", "tpu"], ["--kv-backend", "'tpu'", "'reference'"]),
     (["--kv-seed", "-1"], ["--kv-seed", "-1"]),
     (["--kv-budget", "many"], ["--kv-budget", "'many'"]),
+    (["--max-tokens", "0"], ["--max-tokens", ">= 1", "0"]),
 ])
 @pytest.mark.parametrize("command", ["demo", "generate"])
 def test_bad_values_exit_2_naming_value_and_allowed(capsys, command, argv, named):
@@ -98,6 +99,20 @@ def test_bad_values_exit_2_naming_value_and_allowed(capsys, command, argv, named
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"camkv {command}: error:" in err
+    for word in named:
+        assert word in err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--temp", "-1"], ["--temp", ">= 0", "-1"]),
+    (["--top-p", "1.5"], ["--top-p", "(0, 1]", "1.5"]),
+    (["--chat-template", "maybe"], ["--chat-template", "'maybe'", "'auto', 'on', 'off'"]),
+])
+def test_bad_sampling_values_exit_2(capsys, argv, named):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
     for word in named:
         assert word in err
 

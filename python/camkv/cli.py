@@ -237,6 +237,17 @@ def _check_kv_flags(parser, args) -> None:
         parser.error(_flag_message(str(err)))
 
 
+def _check_generation_flags(parser, args) -> None:
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if getattr(args, "temp", 0.0) < 0:
+        parser.error(f"--temp must be >= 0, got {args.temp}")
+    if not 0 < getattr(args, "top_p", 1.0) <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if getattr(args, "prompt_tokens", 1) < 1:
+        parser.error(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+
+
 def _flag_message(message: str) -> str:
     # CaMConfig names fields ("CaMConfig.merge"); the user typed flags (--kv-merge).
     for flag, field in sorted(_KV_FLAGS.items(), key=lambda kv: -len(kv[1])):
@@ -323,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         reexec_with_openblas()
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_generation_flags(args.command_parser, args)
     _check_kv_flags(args.command_parser, args)
     try:
         return args.run(args)
