@@ -167,3 +167,17 @@ def test_batch_generate_refuses_camkv_instead_of_silently_dropping_it(tiny_model
     with camkv.applied(model, budget=24, n_sink=2, recent=4):
         with pytest.raises(ValueError, match="CaMKVCache.*does not yet support batching"):
             batch_generate(model, tokenizer, prompts, max_tokens=4)
+
+
+def test_full_cache_bytes_are_what_mlx_lm_kvcache_holds():
+    # camkv's "full cache" figure must match a real KVCache fed the same tokens.
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    for tokens in (1, 100, 256, 300):
+        keys = mx.random.normal((1, 2, tokens, 16))
+        values = mx.random.normal((1, 2, tokens, 8))
+        full, cam = KVCache(), camkv.CaMKVCache(budget=512)
+        full.update_and_fetch(keys, values)
+        cam.update_and_fetch(keys, values)
+        assert cli.full_cache_bytes(cam) == full.nbytes, tokens

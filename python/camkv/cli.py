@@ -159,11 +159,14 @@ def make_cache(model, args: argparse.Namespace) -> list:
 
 
 def full_cache_bytes(cache) -> int:
-    """Bytes a full KVCache would hold for the tokens this layer's cache has seen.
+    """Bytes mlx-lm's full KVCache would hold for the tokens this layer's cache has seen.
 
-    Exact keys + values for tokens_seen tokens (mlx-lm's KVCache also rounds its
-    buffer up to a multiple of 256 tokens, so it really holds a little more).
+    KVCache allocates its buffer in steps of KVCache.step (256) tokens, so that is
+    what it really holds: keys + values for the tokens seen, rounded up to a step.
+    Layers that are not camkv's are counted as they are.
     """
+    from mlx_lm.models.cache import KVCache
+
     from .cache import CaMKVCache
 
     if not isinstance(cache, CaMKVCache):
@@ -173,7 +176,8 @@ def full_cache_bytes(cache) -> int:
     keys, values = cache.stored()[:2]
     B, H = keys.shape[:2]
     per_token = B * H * (keys.shape[3] * keys.dtype.size + values.shape[3] * values.dtype.size)
-    return cache.stats["tokens_seen"] * per_token
+    allocated = -(-cache.stats["tokens_seen"] // KVCache.step) * KVCache.step
+    return allocated * per_token
 
 
 def kv_summary(prompt_cache: list) -> dict:
