@@ -224,11 +224,6 @@ def _mlx_name(gguf_name: str) -> str:
     return f"{_GLOBAL_TENSOR_NAMES[stem]}.{leaf}"
 
 
-def _quantized_stems(weights: dict) -> list[str]:
-    """Tensor stems stored as (weight, scales, biases) triplets by mx.load."""
-    return sorted(name[: -len(".scales")] for name in weights if name.endswith(".scales"))
-
-
 # mx.load maps GGUF's Q4_0/Q4_1/Q8_0 blocks (32 weights each) to MLX affine
 # quantization with group size 32.
 GGUF_GROUP_SIZE = 32
@@ -244,6 +239,36 @@ def _infer_quantization(weights: dict, stem: str) -> dict:
     return {"bits": packed.shape[-1] * 32 // in_features, "group_size": GGUF_GROUP_SIZE}
 
 
+def _tensor_groups(weights: dict):
+    """(stem, {leaf: tensor}) per GGUF tensor; a quantized one brings its scales and biases."""
+    for name in sorted(weights):
+        stem, leaf = name.rsplit(".", 1)
+        if leaf in ("scales", "biases"):
+            continue  # they travel with their weight
+        group = {leaf: weights[name]}
+        if f"{stem}.scales" in weights:
+            group.update(scales=weights[f"{stem}.scales"], biases=weights[f"{stem}.biases"])
+        yield stem, group
+
+
+def _dequantize(group: dict, quant: dict):
+    import mlx.core as mx
+
+    # float32 scales and biases: dequantizing with GGUF's float16 ones would round
+    # every weight to float16 on the way.
+    return mx.dequantize(group["weight"], group["scales"].astype(mx.float32),
+                         group["biases"].astype(mx.float32), **quant)
+
+
+def _cast_floats(group: dict, dtype: str) -> dict:
+    """Float tensors to dtype ("quantized": float32 for norms, scales, biases); packed ints stay."""
+    import mlx.core as mx
+
+    target = mx.float32 if dtype == "quantized" else getattr(mx, dtype)
+    return {leaf: t.astype(target) if mx.issubdtype(t.dtype, mx.floating) else t
+            for leaf, t in group.items()}
+
+
 def convert_gguf_weights(weights: dict, config: dict, dtype: str):
     """GGUF tensors -> (mlx-lm llama weights, quantization config or None).
 
@@ -257,37 +282,23 @@ def convert_gguf_weights(weights: dict, config: dict, dtype: str):
 
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
-    quantized = {stem: _infer_quantization(weights, stem) for stem in _quantized_stems(weights)}
     heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out, quant_config = {}, {}
-    for name in tqdm(sorted(weights), desc="converting tensors", unit="tensor",
-                     file=sys.stderr, leave=False):
-        stem, leaf = name.rsplit(".", 1)
-        if stem in quantized and leaf != "weight":
-            continue  # scales and biases travel with their weight below
-        tensors = {leaf: weights[name]}
-        if stem in quantized:
-            tensors.update(scales=weights[f"{stem}.scales"], biases=weights[f"{stem}.biases"])
-        kind = stem.split(".")[-1]
+    groups = list(_tensor_groups(weights))
+    for stem, group in tqdm(groups, desc="converting tensors", unit="tensor", file=sys.stderr,
+                            leave=False):
+        kind = stem.rsplit(".", 1)[-1]
         if kind in heads_of:
-            tensors = {k: unpermute_rope_rows(v, heads_of[kind]) for k, v in tensors.items()}
-        if stem in quantized and dtype != "quantized":
-            q = quantized[stem]
-            # float32 scales and biases: dequantizing with GGUF's float16 ones would
-            # round every weight to float16 on the way.
-            dense = mx.dequantize(tensors["weight"], tensors["scales"].astype(mx.float32),
-                                  tensors["biases"].astype(mx.float32),
-                                  group_size=q["group_size"], bits=q["bits"])
-            tensors = {"weight": dense}
-        elif stem in quantized:
-            quant_config[_mlx_name(f"{stem}.weight").rsplit(".", 1)[0]] = quantized[stem]
-        for leaf_name, tensor in tensors.items():
-            if dtype != "quantized" or tensor.dtype in (mx.float16, mx.bfloat16, mx.float32):
-                # Scales and biases follow the chosen float type too (float16 in GGUF).
-                target = mx.float32 if dtype == "quantized" else getattr(mx, dtype)
-                tensor = tensor.astype(target)
-            out[_mlx_name(f"{stem}.{leaf_name}")] = tensor
-        mx.eval(list(out.values())[-len(tensors):])
+            group = {leaf: unpermute_rope_rows(t, heads_of[kind]) for leaf, t in group.items()}
+        if "scales" in group:
+            quant = _infer_quantization(weights, stem)
+            if dtype == "quantized":
+                quant_config[_mlx_name(f"{stem}.weight").rsplit(".", 1)[0]] = quant
+            else:
+                group = {"weight": _dequantize(group, quant)}
+        group = _cast_floats(group, dtype)
+        mx.eval(list(group.values()))  # one tensor at a time keeps peak memory low
+        out.update({_mlx_name(f"{stem}.{leaf}"): t for leaf, t in group.items()})
     if "lm_head.weight" in out:
         config["tie_word_embeddings"] = False
     return out, (_quantization_block(quant_config) if quant_config else None)
