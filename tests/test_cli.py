@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import subprocess
 import sys
@@ -60,10 +61,9 @@ def test_every_flag_of_every_command_has_help():
 
 
 def test_python_dash_m_camkv_help_lists_the_commands():
+    env = dict(os.environ, PYTHONPATH="python", CAMKV_BLAS="0")
     result = subprocess.run([sys.executable, "-m", "camkv", "--help"], capture_output=True,
-                            text=True, env={"PYTHONPATH": "python", "CAMKV_BLAS": "0",
-                                            "PATH": "/usr/bin:/bin"},
-                            cwd=Path(__file__).resolve().parents[1])
+                            text=True, env=env, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr
     assert "generate" in result.stdout and "demo" in result.stdout
 
@@ -151,6 +151,26 @@ def test_generate_chat_template_and_prompt_sources(capsys, monkeypatch, tmp_path
     assert prompt_tokens("--prompt", "-", "--chat-template", "off") == raw
 
 
+def test_generate_saves_and_continues_a_prompt_cache(capsys, tmp_path, tiny_model_dir):
+    saved = tmp_path / "story.safetensors"
+    base = ["generate", "--model", tiny_model_dir, "--chat-template", "off", "--max-tokens", "4"]
+    assert cli.main([*base, *SMALL_KV, "--prompt", "hello world " * 20,
+                     "--save-prompt-cache", str(saved)]) == 0
+    first = _summary(capsys.readouterr().err)
+    assert cli.main([*base, "--prompt", " world", "--prompt-cache-file", str(saved)]) == 0
+    captured = capsys.readouterr()
+    second = _summary(captured.err)
+    assert second["prompt"] == 1  # only the new text is processed
+    assert second["evictions"] > first["evictions"]  # the loaded counters carry on
+    # The text is what mlx-lm generates from the same loaded cache.
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(tiny_model_dir)
+    expected = generate(model, tokenizer, " world", max_tokens=4,
+                        prompt_cache=camkv.load_prompt_cache(str(saved)))
+    assert captured.out == expected + "\n"
+
+
 def test_generate_with_a_missing_model_is_a_clear_error(capsys, tmp_path):
     for missing in (tmp_path / "nowhere.gguf", tmp_path / "no-folder"):
         assert cli.main(["generate", "--model", str(missing), "--prompt", "x"]) == 2
@@ -181,3 +201,20 @@ def test_full_cache_bytes_are_what_mlx_lm_kvcache_holds():
         full.update_and_fetch(keys, values)
         cam.update_and_fetch(keys, values)
         assert cli.full_cache_bytes(cam) == full.nbytes, tokens
+
+
+def test_openblas_choice_follows_camkv_blas(monkeypatch, tmp_path):
+    from camkv import _blas
+
+    fake = tmp_path / "libopenblas.so.0"
+    fake.write_bytes(b"")
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setenv("CAMKV_BLAS", "0")
+    assert _blas.find_openblas() is None
+    monkeypatch.setenv("CAMKV_BLAS", str(fake))
+    assert _blas.find_openblas() == str(fake)
+    monkeypatch.setenv("CAMKV_BLAS", str(tmp_path / "missing.so"))
+    assert _blas.find_openblas() is None
+    # mlx is imported in this process: too late to swap its BLAS in place.
+    monkeypatch.setenv("CAMKV_BLAS", str(fake))
+    assert _blas.preload() is None

@@ -104,6 +104,13 @@ def _add_generate_parser(subparsers) -> None:
                         "probability reaches this (default: %(default)s, off)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sampler's random draws (default: %(default)s)")
+    p.add_argument("--prompt-cache-file", default=None, metavar="PATH",
+                   help="continue from a prompt cache saved with --save-prompt-cache (or "
+                        "camkv.save_prompt_cache); its camkv settings replace the --kv-* flags, "
+                        "and the prompt is what comes after the cached text")
+    p.add_argument("--save-prompt-cache", default=None, metavar="PATH",
+                   help="after generating, save the prompt cache (mlx-lm's .safetensors format; "
+                        "load it with camkv.load_prompt_cache, not mlx-lm's)")
     _add_kv_flags(p)
     p.set_defaults(run=cmd_generate, command_parser=p)
 
@@ -271,7 +278,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     model, tokenizer = models.load(args.model, dtype=args.dtype)
     prompt = format_prompt(tokenizer, read_prompt(args), args.chat_template, args.system_prompt)
-    prompt_cache = make_cache(model, args)
+    if args.prompt_cache_file is not None:
+        import camkv
+
+        prompt_cache = camkv.load_prompt_cache(args.prompt_cache_file)
+    else:
+        prompt_cache = make_cache(model, args)
     mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     response = None
@@ -279,6 +291,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                      sampler=sampler, prompt_cache=prompt_cache):
         print(response.text, end="", flush=True)
     print(flush=True)
+    if args.save_prompt_cache is not None:
+        import camkv
+
+        camkv.save_prompt_cache(args.save_prompt_cache, prompt_cache, metadata={"model": args.model})
     if response is None:
         return 0
     print(summary_line((response.prompt_tokens, response.prompt_tps),
