@@ -47,7 +47,7 @@ def _subparsers(parser):
 def test_every_flag_of_every_command_has_help():
     parser = cli.build_parser()
     commands = _subparsers(parser)
-    assert set(commands) == {"generate", "demo"}
+    assert set(commands) == {"generate", "demo", "serve"}
     for name, sub in [("camkv", parser), *commands.items()]:
         for action in sub._actions:  # noqa: SLF001
             if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
@@ -58,6 +58,13 @@ def test_every_flag_of_every_command_has_help():
                  "--seed", "--chat-template", "--kv-budget", "--kv-sinks", "--kv-recent",
                  "--kv-merge", "--kv-gate", "--no-kv-gate", "--kv-prefill", "--kv-backend"):
         assert flag in flags
+
+
+def test_unknown_flags_are_refused_except_for_serve(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--port", "8080"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --port 8080" in capsys.readouterr().err
 
 
 def test_python_dash_m_camkv_help_lists_the_commands():

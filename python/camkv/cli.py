@@ -2,6 +2,7 @@
 
     camkv generate --prompt "Tell me a story" --kv-budget 256
     camkv demo                      # a small random-weight llama: no download
+    camkv serve --port 8080         # mlx-lm's server with camkv caches
 
 Generated text goes to stdout; progress and the summary line go to stderr.
 """
@@ -132,6 +133,22 @@ def _add_demo_parser(subparsers) -> None:
     p.set_defaults(run=cmd_demo, command_parser=p)
 
 
+def _add_serve_parser(subparsers) -> None:
+    from .models import DEFAULT_MODEL
+
+    p = subparsers.add_parser(
+        "serve", help="mlx-lm's OpenAI-compatible server with camkv caches",
+        description="Run mlx_lm.server with every request's cache built by camkv. Flags other "
+                    "than these (--host, --port, ...) go to mlx_lm.server unchanged: see "
+                    "`mlx_lm.server --help`. Requests are served one at a time (no batching).")
+    p.add_argument("--model", default=None,
+                   help=f"the model to serve: '{DEFAULT_MODEL}' or a .gguf file (converted "
+                        "first, as in generate), or any path or hub id mlx_lm.server accepts "
+                        "(default: mlx_lm.server's)")
+    _add_kv_flags(p)
+    p.set_defaults(run=cmd_serve, command_parser=p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="camkv",
@@ -143,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     _add_generate_parser(subparsers)
     _add_demo_parser(subparsers)
+    _add_serve_parser(subparsers)
     return parser
 
 
@@ -249,7 +267,7 @@ def _check_kv_flags(parser, args) -> None:
 
 
 def _check_generation_flags(parser, args) -> None:
-    if args.max_tokens < 1:
+    if getattr(args, "max_tokens", 1) < 1:
         parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if getattr(args, "temp", 0.0) < 0:
         parser.error(f"--temp must be >= 0, got {args.temp}")
@@ -343,6 +361,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from . import models
+    from .server import serve
+
+    server_argv = list(args.server_argv)
+    if args.model is not None:
+        server_argv = ["--model", models.resolve(args.model), *server_argv]
+    serve(server_argv, CaMConfig(**kv_fields(args)))
+    return 0
+
+
 # --------------------------------------------------------------------------- entry
 
 
@@ -353,7 +382,11 @@ def main(argv: list[str] | None = None) -> int:
 
         reexec_with_openblas()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Unknown flags are mlx_lm.server's, for `serve` only.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.run is not cmd_serve:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.server_argv = extra
     _check_generation_flags(args.command_parser, args)
     _check_kv_flags(args.command_parser, args)
     try:
