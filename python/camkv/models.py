@@ -116,7 +116,7 @@ def extract_member(archive: Path, member: str, dest: Path) -> Path:
     from tqdm import tqdm
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_name(dest.name + ".partial")
+    partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")  # concurrent first uses
     with zipfile.ZipFile(archive) as zf:
         size = zf.getinfo(member).file_size
         with zf.open(member) as src, open(partial, "wb") as out, tqdm(
