@@ -343,12 +343,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     model = tiny_random_llama(args.seed)
     prompt = mx.random.randint(0, model.args.vocab_size, (args.prompt_tokens,), key=mx.random.key(args.seed))
     prompt_cache = make_cache(model, args)
+    # Sampled, not greedy: a random model's greedy output is one token over and over.
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(args.seed)
+    sampler = make_sampler(temp=1.0)
     mx.reset_peak_memory()
     print(f"camkv demo: random llama ({len(model.layers)} layers, {model.args.num_attention_heads} "
           f"query heads on {model.args.num_key_value_heads} KV heads), prompt of "
           f"{args.prompt_tokens} tokens, {'full cache' if args.full_cache else f'budget {args.kv_budget}'}")
     start = time.perf_counter()
-    steps = generate_step(prompt, model, max_tokens=args.max_tokens, prompt_cache=prompt_cache)
+    steps = generate_step(prompt, model, max_tokens=args.max_tokens, sampler=sampler,
+                          prompt_cache=prompt_cache)
     first = next(steps)  # the prompt is processed before the first token comes out
     prompt_seconds = time.perf_counter() - start
     tokens = [first[0]] + [token for token, _ in steps]
