@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import backends
+from . import backends, models
 from .cache import CaMKVCache
 from .config import CaMConfig
 from .integration import make_prompt_cache
@@ -193,36 +193,10 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-RANDOM_LLAMAS = {
-    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
-    "random-tiny": (64, 2, 4, 2, 128, 256),
-    "random-1b": (2048, 16, 16, 8, 5632, 32000),  # ~1B parameters, 8 KV heads of dim 128
-}
-
-
-def random_llama(name: str, dtype=mx.bfloat16):
-    """A llama of random weights (no download) with the shape named in RANDOM_LLAMAS."""
-    from mlx_lm.models import llama
-
-    hidden, layers, heads, kv_heads, inter, vocab = RANDOM_LLAMAS[name]
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
-        vocab_size=vocab, rope_theta=500000.0, tie_word_embeddings=False,
-    )
-    mx.random.seed(0)
-    model = llama.Model(args)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
 def load_model(name: str):
     """A random llama by preset name, else the CLI's model loader (default model, path or hub id)."""
-    if name in RANDOM_LLAMAS:
-        return random_llama(name)
-    from . import models
-
+    if name in models.RANDOM_LLAMAS:
+        return models.random_llama(name)
     return models.load(name)[0]
 
 
@@ -279,9 +253,9 @@ def _device_name() -> str:
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="camkv bench", description=__doc__)
-    parser.add_argument("--model", default="random-tiny",
+    parser.add_argument("--model", default=models.DEFAULT_MODEL,
                         help="a random llama preset (%s), the default model name, a path or a hub id"
-                        % ", ".join(RANDOM_LLAMAS))
+                        % ", ".join(models.RANDOM_LLAMAS))
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                         help="prompt lengths in tokens (random token ids)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per trial")
@@ -304,6 +278,11 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     for name, values in (("--prompt-lengths", args.prompt_lengths), ("--budgets", args.budgets)):
         if any(v < 1 for v in values):
             raise SystemExit(f"camkv bench: {name} must be positive integers, got {values}")
+    for budget in args.budgets:
+        try:
+            CaMConfig(budget=budget, backend=args.backend)
+        except ValueError as err:
+            raise SystemExit(f"camkv bench: --budgets {budget}: {err}") from None
     model = load_model(args.model)
     arms = default_arms(args.budgets)
     device = _device_name()

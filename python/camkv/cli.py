@@ -149,6 +149,16 @@ def _add_serve_parser(subparsers) -> None:
     p.set_defaults(run=cmd_serve, command_parser=p)
 
 
+def _add_bench_parser(subparsers) -> None:
+    from .benchmarks import __doc__ as bench_doc, build_parser as add_bench_flags
+
+    p = subparsers.add_parser(
+        "bench", help="end-to-end speed and memory: camkv against mlx-lm's own caches",
+        description=bench_doc)
+    add_bench_flags(p)
+    p.set_defaults(run=cmd_bench, command_parser=p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="camkv",
@@ -161,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(subparsers)
     _add_demo_parser(subparsers)
     _add_serve_parser(subparsers)
+    _add_bench_parser(subparsers)
     return parser
 
 
@@ -258,7 +269,7 @@ def format_prompt(tokenizer, prompt: str, mode: str, system: str | None):
 
 def _check_kv_flags(parser, args) -> None:
     """Build the CaMConfig once up front so bad flag values fail before any model loads."""
-    if args.full_cache:
+    if getattr(args, "full_cache", True):  # no camkv flags (bench), or mlx-lm's own cache
         return
     try:
         CaMConfig(**kv_fields(args))
@@ -321,26 +332,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def tiny_random_llama(seed: int, *, layers=4, hidden=256, heads=8, kv_heads=2, vocab=1024):
-    """A small random-weight llama (GQA 8 on 2, head dim 32, float32) for the demo."""
-    import mlx.core as mx
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
-        intermediate_size=2 * hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0, tie_word_embeddings=True)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    model = tiny_random_llama(args.seed)
+    from .models import random_llama
+
+    model = random_llama("random-demo", mx.float32, seed=args.seed)
     prompt = mx.random.randint(0, model.args.vocab_size, (args.prompt_tokens,), key=mx.random.key(args.seed))
     prompt_cache = make_cache(model, args)
     # Sampled, not greedy: a random model's greedy output is one token over and over.
@@ -375,6 +373,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None:
         server_argv = ["--model", models.resolve(args.model), *server_argv]
     serve(server_argv, CaMConfig(**kv_fields(args)))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmarks import main as bench_main
+
+    bench_main(args=args)
     return 0
 
 

@@ -441,3 +441,34 @@ def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, **load_kwargs):
     import mlx_lm
 
     return mlx_lm.load(resolve(model, dtype), **load_kwargs)
+
+
+RANDOM_LLAMAS = {
+    # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "random-tiny": (64, 2, 4, 2, 128, 256),
+    "random-demo": (256, 4, 8, 2, 512, 1024),  # camkv demo: GQA 8 on 2, head dim 32
+    "random-1b": (2048, 16, 16, 8, 5632, 32000),  # ~1B parameters, 8 KV heads of dim 128
+}
+
+
+def random_llama(name: str, dtype=None, seed: int = 0):
+    """A llama of random weights (no download) with the shape named in RANDOM_LLAMAS.
+
+    dtype None: float32 on the CPU (far faster there), bfloat16 on a GPU.
+    """
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    if dtype is None:
+        dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
+    hidden, layers, heads, kv_heads, inter, vocab = RANDOM_LLAMAS[name]
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+        vocab_size=vocab, rope_theta=500000.0, tie_word_embeddings=False,
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
