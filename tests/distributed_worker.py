@@ -1,0 +1,180 @@
+"""One rank of the distributed tests: run with `mlx.launch --backend ring -n 2 -- python THIS OUT_DIR`.
+
+Every rank builds the same tiny random models (same seeds), runs them unsharded as
+the reference, then sharded over the launch's group with camkv caches:
+
+- tensor parallel: a llama with 4 KV heads after model.shard(group), 2 heads a rank;
+- pipeline: a qwen2 (mlx-lm's PipelineMixin) after model.model.pipeline(group), 2 layers a rank.
+
+Each scenario runs twice: once through mlx-lm's generate_step (generation completes,
+KV bytes), once teacher-forced over a fixed token sequence with the same call sizes
+as the reference, so the caches see the same keys as the reference's caches:
+
+- tensor parallel, first layer only: its keys come straight from the sharded k_proj
+  (a slice of the same weights on the same embeddings, no all-reduce before it), so
+  they are the reference's keys bit for bit; later layers follow an all-reduce whose
+  summation order changes float bits, so they are not compared.
+- pipeline, every layer: the hidden state travels by send/recv, unchanged.
+
+The worker writes what it saw to OUT_DIR/rank<r>.json; tests/test_distributed.py
+asserts on it. --fail-on-rank R makes rank R raise after joining the group, while the
+other ranks wait in a collective: the launcher must end the job, not hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+
+import camkv
+from camkv.distributed import gather_kv_bytes, kv_bytes, report_kv_bytes, shard_info
+from tiny_models import tiny_llama
+
+# Small budget against a longer sequence, gate on: evictions, merges and gate draws
+# all shape the kept positions, so a wrong head or layer index shows in them.
+# merge_keys: a merge changes the survivor's key, hence later scores and evictions.
+CAM = dict(budget=24, n_sink=2, recent=4, merge="sim_weighted", merge_keys=True, gate=True,
+           seed=5)
+PROMPT = [(7 * i + 3) % 120 for i in range(70)]
+FORCED = PROMPT + [(11 * i + 5) % 120 for i in range(20)]
+CALL_SIZES = [32, 32, 6] + [1] * 20  # chunked prompt, then one token a step
+MAX_TOKENS = 12
+
+
+def tiny_qwen2(*, layers: int = 4, seed: int = 1):
+    """A random qwen2 (PipelineMixin: model.model.pipeline(group)), GQA 4 on 2, float32."""
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(
+        model_type="qwen2", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=128,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    )
+    mx.random.seed(seed)
+    model = qwen2.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def generate(model, caches) -> list[int]:
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=MAX_TOKENS, prompt_cache=caches,
+                          prefill_step_size=32)
+    return [int(token) for token, _ in steps]
+
+
+def forced(model, caches) -> None:
+    """Feed FORCED through the model in CALL_SIZES calls (the same on every run)."""
+    tokens = mx.array(FORCED)
+    start = 0
+    for size in CALL_SIZES:
+        logits = model(tokens[None, start:start + size], cache=caches)
+        mx.eval(logits, [c.state for c in caches])
+        start += size
+    assert start == len(FORCED)
+
+
+def stored(cache) -> dict:
+    keys, _, scores, positions = cache.stored()
+    return {"positions": np.array(positions[0]).tolist(), "keys": np.array(keys[0]),
+            "scores": np.array(scores[0])}
+
+
+def tensor_parallel(group) -> dict:
+    reference = tiny_llama(heads=8, kv_heads=4, layers=2)
+    reference_gen = camkv.make_prompt_cache(reference, **CAM)
+    generate(reference, reference_gen)
+    reference_forced = camkv.make_prompt_cache(reference, **CAM)
+    forced(reference, reference_forced)
+
+    model = tiny_llama(heads=8, kv_heads=4, layers=2)
+    model.shard(group)
+    caches_gen = camkv.make_prompt_cache(model, **CAM)
+    tokens = generate(model, caches_gen)
+    caches_forced = camkv.make_prompt_cache(model, **CAM)
+    forced(model, caches_forced)
+    # Control: the same sharded run with every cache placed at heads 0.. of its own
+    # count, as if camkv ignored the sharding; its draws differ on rank 1.
+    unplaced = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, **CAM)]
+    forced(model, unplaced)
+
+    mine, ref = stored(caches_forced[0]), stored(reference_forced[0])
+    heads = mine["keys"].shape[0]
+    offset = caches_forced[0]._head_offset
+    return {
+        "generated": tokens,
+        "local_kv_heads": [c.stored()[0].shape[1] for c in caches_gen],
+        "reference_kv_heads": [c.stored()[0].shape[1] for c in reference_gen],
+        "head_offsets": [c._head_offset for c in caches_gen],
+        "n_heads_global": [c._n_heads_global for c in caches_gen],
+        "kv_bytes": kv_bytes(caches_gen),
+        "reference_kv_bytes": kv_bytes(reference_gen),
+        "gathered_kv_bytes": gather_kv_bytes(caches_gen, group),
+        "layer0_positions": mine["positions"],
+        "reference_layer0_positions": [ref["positions"][h] for h in range(offset, offset + heads)],
+        # With merge_keys the stored keys and scores carry every merge: equal only
+        # when the inputs and every gate outcome were the reference's.
+        "layer0_keys_identical": bool(np.array_equal(mine["keys"], ref["keys"][offset:offset + heads])),
+        "layer0_scores_identical": bool(np.array_equal(mine["scores"], ref["scores"][offset:offset + heads])),
+        "unplaced_layer0_positions": stored(unplaced[0])["positions"],
+        "layer0_merges": caches_forced[0].stats["merges"],
+        "layer0_evictions": caches_forced[0].stats["evictions"],
+    }
+
+
+def pipeline(group) -> dict:
+    reference = tiny_qwen2()
+    reference_gen = camkv.make_prompt_cache(reference, **CAM)
+    generate(reference, reference_gen)
+    reference_forced = camkv.make_prompt_cache(reference, **CAM)
+    forced(reference, reference_forced)
+
+    model = tiny_qwen2()
+    model.model.pipeline(group)
+    first = shard_info(model).layer_offset
+    caches_gen = camkv.make_prompt_cache(model, **CAM)
+    tokens = generate(model, caches_gen)
+    caches_forced = camkv.make_prompt_cache(model, **CAM)
+    forced(model, caches_forced)
+
+    layers = list(range(first, first + len(caches_forced)))
+    mine = [stored(c) for c in caches_forced]
+    ref = [stored(reference_forced[i]) for i in layers]
+    return {
+        "generated": tokens,
+        "layers": layers,
+        "seeds": [c.config.seed for c in caches_gen],
+        "reference_seeds": [reference_gen[i].config.seed for i in layers],
+        "kv_bytes": kv_bytes(caches_gen),
+        "reference_layer_kv_bytes": [reference_gen[i].nbytes for i in layers],
+        "reference_kv_bytes": kv_bytes(reference_gen),
+        "positions": [m["positions"] for m in mine],
+        "reference_positions": [r["positions"] for r in ref],
+        "keys_identical": [bool(np.array_equal(m["keys"], r["keys"])) for m, r in zip(mine, ref)],
+        "report": report_kv_bytes(caches_gen, group),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--fail-on-rank", type=int, default=None)
+    args = parser.parse_args()
+
+    group = mx.distributed.init(strict=True, backend="ring")
+    rank = group.rank()
+    if rank == args.fail_on_rank:
+        raise RuntimeError(f"rank {rank}: deliberate failure (--fail-on-rank {rank})")
+    result = {"rank": rank, "size": group.size(), "tensor": tensor_parallel(group),
+              "pipeline": pipeline(group)}
+    (args.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    print(f"rank {rank}: done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
