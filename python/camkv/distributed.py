@@ -109,7 +109,10 @@ def report_kv_bytes(caches, group: mx.distributed.Group | None = None, file=None
 def _tensor_group(model):
     """The group the model's attention heads are sharded over, or None when they are not."""
     for layer in getattr(model, "layers", []):
-        for _, module in _attention(layer).named_modules():
+        attention = _attention(layer)
+        if not isinstance(attention, nn.Module):
+            continue  # not an mlx module (a stand-in): nothing of it can be sharded
+        for _, module in attention.named_modules():
             if isinstance(module, _HEAD_SHARDING_LAYERS):
                 return module.group if module.group.size() > 1 else None
     return None
