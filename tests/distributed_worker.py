@@ -1,4 +1,4 @@
-"""One rank of the distributed tests: run with `mlx.launch --backend ring -n 2 -- python THIS OUT_DIR`.
+"""One rank of the distributed tests: `mlx.launch --backend ring -n 2 -- python THIS OUT_DIR`.
 
 Every rank builds the same tiny random models (same seeds), runs them unsharded as
 the reference, then sharded over the launch's group with camkv caches:
@@ -10,10 +10,11 @@ Each scenario runs twice: once through mlx-lm's generate_step (generation comple
 KV bytes), once teacher-forced over a fixed token sequence with the same call sizes
 as the reference, so the caches see the same keys as the reference's caches:
 
-- tensor parallel, first layer only: its keys come straight from the sharded k_proj
-  (a slice of the same weights on the same embeddings, no all-reduce before it), so
-  they are the reference's keys bit for bit; later layers follow an all-reduce whose
-  summation order changes float bits, so they are not compared.
+- tensor parallel, first layer only, with scoring "key" and "query": its keys (and
+  queries) come straight from the sharded k_proj (q_proj), a slice of the same
+  weights applied to the same embeddings with no all-reduce before it, so they are
+  the reference's bit for bit; later layers follow an all-reduce whose summation
+  order changes float bits, so they are not compared.
 - pipeline, every layer: the hidden state travels by send/recv, unchanged.
 
 The worker writes what it saw to OUT_DIR/rank<r>.json; tests/test_distributed.py
@@ -33,7 +34,9 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 import camkv
-from camkv.distributed import gather_kv_bytes, kv_bytes, report_kv_bytes, shard_info
+from camkv.distributed import (
+    gather_kv_bytes, kv_bytes, report_kv_bytes, shard_info, wait_for_generation,
+)
 from tiny_models import tiny_llama
 
 # Small budget against a longer sequence, gate on: evictions, merges and gate draws
@@ -65,6 +68,8 @@ def tiny_qwen2(*, layers: int = 4, seed: int = 1):
 def generate(model, caches) -> list[int]:
     steps = generate_step(mx.array(PROMPT), model, max_tokens=MAX_TOKENS, prompt_cache=caches,
                           prefill_step_size=32)
+    # generate_step leaves its last step in flight, collectives included: the next
+    # collective must wait_for_generation (gather_kv_bytes does).
     return [int(token) for token, _ in steps]
 
 
@@ -85,45 +90,58 @@ def stored(cache) -> dict:
             "scores": np.array(scores[0])}
 
 
+def first_layer_against_reference(reference, model, config: dict) -> dict:
+    """Teacher-forced runs of both models; this rank's first-layer heads next to the reference's."""
+    reference_caches = camkv.make_prompt_cache(reference, **config)
+    forced(reference, reference_caches)
+    caches = camkv.make_prompt_cache(model, **config)
+    forced(model, caches)
+    camkv.remove(reference)  # the attention hook of scoring="query"
+    camkv.remove(model)
+    mine, ref = stored(caches[0]), stored(reference_caches[0])
+    offset = caches[0]._head_offset
+    heads = slice(offset, offset + mine["keys"].shape[0])
+    return {
+        "positions": mine["positions"],
+        "reference_positions": ref["positions"][heads],
+        # With merge_keys the stored keys and scores carry every merge: equal only
+        # when the inputs and every gate outcome were the reference's.
+        "keys_identical": bool(np.array_equal(mine["keys"], ref["keys"][heads])),
+        "scores_identical": bool(np.array_equal(mine["scores"], ref["scores"][heads])),
+        "merges": caches[0].stats["merges"],
+        "evictions": caches[0].stats["evictions"],
+    }
+
+
+def unplaced_first_layer(model) -> list:
+    """Control: the sharded run with its caches drawing as heads 0.. (sharding ignored)."""
+    caches = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, **CAM)]
+    forced(model, caches)
+    return stored(caches[0])["positions"]
+
+
 def tensor_parallel(group) -> dict:
     reference = tiny_llama(heads=8, kv_heads=4, layers=2)
-    reference_gen = camkv.make_prompt_cache(reference, **CAM)
-    generate(reference, reference_gen)
-    reference_forced = camkv.make_prompt_cache(reference, **CAM)
-    forced(reference, reference_forced)
+    reference_caches = camkv.make_prompt_cache(reference, **CAM)
+    generate(reference, reference_caches)
 
     model = tiny_llama(heads=8, kv_heads=4, layers=2)
     model.shard(group)
-    caches_gen = camkv.make_prompt_cache(model, **CAM)
-    tokens = generate(model, caches_gen)
-    caches_forced = camkv.make_prompt_cache(model, **CAM)
-    forced(model, caches_forced)
-    # Control: the same sharded run with every cache placed at heads 0.. of its own
-    # count, as if camkv ignored the sharding; its draws differ on rank 1.
-    unplaced = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, **CAM)]
-    forced(model, unplaced)
-
-    mine, ref = stored(caches_forced[0]), stored(reference_forced[0])
-    heads = mine["keys"].shape[0]
-    offset = caches_forced[0]._head_offset
+    caches = camkv.make_prompt_cache(model, **CAM)
+    tokens = generate(model, caches)
+    gathered = gather_kv_bytes(caches, group)  # right after generation: it must wait
     return {
         "generated": tokens,
-        "local_kv_heads": [c.stored()[0].shape[1] for c in caches_gen],
-        "reference_kv_heads": [c.stored()[0].shape[1] for c in reference_gen],
-        "head_offsets": [c._head_offset for c in caches_gen],
-        "n_heads_global": [c._n_heads_global for c in caches_gen],
-        "kv_bytes": kv_bytes(caches_gen),
-        "reference_kv_bytes": kv_bytes(reference_gen),
-        "gathered_kv_bytes": gather_kv_bytes(caches_gen, group),
-        "layer0_positions": mine["positions"],
-        "reference_layer0_positions": [ref["positions"][h] for h in range(offset, offset + heads)],
-        # With merge_keys the stored keys and scores carry every merge: equal only
-        # when the inputs and every gate outcome were the reference's.
-        "layer0_keys_identical": bool(np.array_equal(mine["keys"], ref["keys"][offset:offset + heads])),
-        "layer0_scores_identical": bool(np.array_equal(mine["scores"], ref["scores"][offset:offset + heads])),
-        "unplaced_layer0_positions": stored(unplaced[0])["positions"],
-        "layer0_merges": caches_forced[0].stats["merges"],
-        "layer0_evictions": caches_forced[0].stats["evictions"],
+        "local_kv_heads": [c.stored()[0].shape[1] for c in caches],
+        "reference_kv_heads": [c.stored()[0].shape[1] for c in reference_caches],
+        "head_offsets": [c._head_offset for c in caches],
+        "n_heads_global": [c._n_heads_global for c in caches],
+        "kv_bytes": kv_bytes(caches),
+        "reference_kv_bytes": kv_bytes(reference_caches),
+        "gathered_kv_bytes": gathered,
+        "layer0": {scoring: first_layer_against_reference(reference, model, dict(CAM, scoring=scoring))
+                   for scoring in ("key", "query")},
+        "unplaced_layer0_positions": unplaced_first_layer(model),
     }
 
 
@@ -139,6 +157,7 @@ def pipeline(group) -> dict:
     first = shard_info(model).layer_offset
     caches_gen = camkv.make_prompt_cache(model, **CAM)
     tokens = generate(model, caches_gen)
+    wait_for_generation()
     caches_forced = camkv.make_prompt_cache(model, **CAM)
     forced(model, caches_forced)
 

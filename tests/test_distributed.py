@@ -30,7 +30,7 @@ from distributed_worker import MAX_TOKENS, tiny_qwen2
 from tiny_models import tiny_llama
 
 TESTS = Path(__file__).resolve().parent
-LAUNCH_TIMEOUT_S = 90  # a job that outlives this is hung: its process group is killed
+LAUNCH_TIMEOUT_S = 120  # a job that outlives this is hung: its process group is killed
 
 
 class FakeGroup:
@@ -153,10 +153,27 @@ def _free_port_pair() -> int:
     raise RuntimeError("no two consecutive free ports on 127.0.0.1")
 
 
-def _launch(out_dir: Path, *worker_args: str) -> str:
-    """Run the worker on two ring ranks; return the job's output. Kills and fails when hung."""
-    command = [_launcher(), "--backend", "ring", "-n", "2", "-p", str(_free_port_pair()), "--",
-               sys.executable, str(TESTS / "distributed_worker.py"), str(out_dir), *worker_args]
+def _ring_on_loopback(port: int) -> list[str]:
+    """mlx.launch arguments: two ranks on this machine."""
+    return ["--backend", "ring", "-n", "2", "-p", str(port)]
+
+
+def _hostfile_on_loopback(directory: Path, port: int) -> list[str]:
+    """mlx.launch arguments: a two-host hostfile whose hosts are both this machine.
+
+    The form docs/distributed.md gives for several Macs; a host named 127.0.0.1 is
+    started without ssh.
+    """
+    host = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
+    hostfile = directory / "hosts.json"
+    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [host, host]}))
+    return ["--hostfile", str(hostfile), "-p", str(port)]
+
+
+def _launch(launcher_args: list[str], out_dir: Path, *worker_args: str) -> str:
+    """Run the worker under mlx.launch; return the job's output. Kills and fails when hung."""
+    command = [_launcher(), *launcher_args, "--", sys.executable,
+               str(TESTS / "distributed_worker.py"), str(out_dir), *worker_args]
     # The ranks import camkv from where this process did (source tree or installed).
     package_root = str(Path(camkv.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (package_root, str(TESTS), os.environ.get("PYTHONPATH")) if p)
@@ -176,7 +193,7 @@ def _launch(out_dir: Path, *worker_args: str) -> str:
 def two_ranks(tmp_path_factory):
     """(each rank's results, the job's output) of one two-rank run of the worker."""
     out_dir = tmp_path_factory.mktemp("ranks")
-    output = _launch(out_dir)
+    output = _launch(_hostfile_on_loopback(out_dir, _free_port_pair()), out_dir)
     # mlx.launch exits 0 even when a rank fails, so a rank's result file is the proof.
     missing = [r for r in (0, 1) if not (out_dir / f"rank{r}.json").exists()]
     assert not missing, f"ranks {missing} wrote no result; the job's output:\n{output}"
@@ -205,20 +222,21 @@ def test_tensor_parallel_ranks_hold_half_the_heads_and_half_the_bytes(two_ranks)
         assert tensor["n_heads_global"] == [4, 4]
         assert tensor["kv_bytes"] > 0 and 2 * tensor["kv_bytes"] == tensor["reference_kv_bytes"]
     gathered = [r["tensor"]["kv_bytes"] for r in results]
-    assert all(r["tensor"]["gathered_kv_bytes"] == gathered for r in results)
+    assert [r["tensor"]["gathered_kv_bytes"] for r in results] == [gathered, gathered]
 
 
 @needs_launcher
-def test_tensor_parallel_first_layer_keeps_the_unsharded_positions(two_ranks):
+@pytest.mark.parametrize("scoring", ["key", "query"])
+def test_tensor_parallel_first_layer_keeps_the_unsharded_positions(two_ranks, scoring):
     results, _ = two_ranks
     for rank, result in enumerate(results):
-        tensor = result["tensor"]
-        assert 0 < tensor["layer0_merges"] < tensor["layer0_evictions"]  # the gate chose
-        assert tensor["layer0_positions"] == tensor["reference_layer0_positions"], f"rank {rank}"
-        assert tensor["layer0_keys_identical"] and tensor["layer0_scores_identical"], f"rank {rank}"
+        layer0 = result["tensor"]["layer0"][scoring]
+        assert 0 < layer0["merges"] < layer0["evictions"]  # the gate chose
+        assert layer0["positions"] == layer0["reference_positions"], f"rank {rank}"
+        assert layer0["keys_identical"] and layer0["scores_identical"], f"rank {rank}"
     # The comparison can fail: rank 1's heads drawn as heads 0..1 keep other positions.
     rank1 = results[1]["tensor"]
-    assert rank1["unplaced_layer0_positions"] != rank1["reference_layer0_positions"]
+    assert rank1["unplaced_layer0_positions"] != rank1["layer0"]["key"]["reference_positions"]
 
 
 @needs_launcher
@@ -243,7 +261,8 @@ def test_pipeline_ranks_hold_their_layers_with_the_unsharded_state(two_ranks):
 
 @needs_launcher
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
-    output = _launch(tmp_path, "--fail-on-rank", "1")  # fails the test if the job hangs
+    # _launch fails the test if the job hangs.
+    output = _launch(_ring_on_loopback(_free_port_pair()), tmp_path, "--fail-on-rank", "1")
     assert "RuntimeError: rank 1: deliberate failure" in output
     assert "Node with rank 1 exited with code 1" in output
     # Rank 0 waited in a collective for rank 1; the launcher stopped it.

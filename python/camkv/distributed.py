@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generation_stream
 
 # The sharded projections mlx-lm's shard() methods build (mlx.nn.layers.distributed).
 _HEAD_SHARDING_LAYERS = (nn.AllToShardedLinear, nn.QuantizedAllToShardedLinear)
@@ -82,9 +83,22 @@ def kv_bytes(caches) -> int:
     return sum(cache.nbytes for cache in caches)
 
 
+def wait_for_generation() -> None:
+    """Wait until the work mlx-lm's generate loop left in flight is done.
+
+    generate_step evaluates one step ahead, asynchronously, on its own stream; that
+    step's collectives (a sharded model's all-reduces) share the connections with
+    any collective issued next on another stream, and interleaved they exchange
+    garbage. Call this before a collective that follows a generation.
+    """
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
 def gather_kv_bytes(caches, group: mx.distributed.Group | None = None) -> list[int]:
     """Every rank's KV bytes, in rank order, on every rank (a collective: all ranks call it)."""
     group = group or mx.distributed.init()
+    wait_for_generation()
     mine = mx.array([kv_bytes(caches)], dtype=mx.int64)
     # On the CPU stream: the ring backend's collectives run there on every device.
     every = mx.distributed.all_gather(mine, group=group, stream=mx.cpu)
@@ -99,10 +113,12 @@ def report_kv_bytes(caches, group: mx.distributed.Group | None = None, file=None
     group = group or mx.distributed.init()
     per_rank = gather_kv_bytes(caches, group)
     if group.rank() == 0:
+        lines = [f"rank {rank}: KV cache {nbytes} bytes" for rank, nbytes in enumerate(per_rank)]
+        lines.append(f"all {len(per_rank)} ranks: KV cache {sum(per_rank)} bytes")
         out = file or sys.stdout
-        for rank, nbytes in enumerate(per_rank):
-            print(f"rank {rank}: KV cache {nbytes} bytes", file=out)
-        print(f"all {len(per_rank)} ranks: KV cache {sum(per_rank)} bytes", file=out)
+        # One write, flushed: the launcher interleaves the ranks' output by chunks.
+        out.write("\n".join(lines) + "\n")
+        out.flush()
     return per_rank
 
 
