@@ -17,6 +17,10 @@ as the reference, so the caches see the same keys as the reference's caches:
   order changes float bits, so they are not compared.
 - pipeline, every layer: the hidden state travels by send/recv, unchanged.
 
+With --repo (a save_tiny_repo folder) it also runs docs/distributed.md's script,
+the path a CLI takes: mlx_lm.utils.sharded_load (tensor, then pipeline) and
+mlx_lm.stream_generate with camkv caches.
+
 The worker writes what it saw to OUT_DIR/rank<r>.json; tests/test_distributed.py
 asserts on it. --fail-on-rank R makes rank R raise after joining the group, while the
 other ranks wait in a collective: the launcher must end the job, not hang.
@@ -63,6 +67,24 @@ def tiny_qwen2(*, layers: int = 4, seed: int = 1):
     model = qwen2.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+def save_tiny_repo(directory: Path) -> Path:
+    """tiny_qwen2 saved as an mlx-lm model folder (weights, config, a word-level
+    tokenizer), for mlx_lm.utils.sharded_load."""
+    from mlx_lm.utils import save_config, save_model
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_qwen2()
+    save_model(directory, model)  # also writes the weight index a pipeline load reads
+    save_config(dict(vars(model.args)), directory / "config.json")
+    vocab = {f"w{i}": i for i in range(127)} | {"<unk>": 127}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                            eos_token="<unk>").save_pretrained(directory)
+    return directory
 
 
 def generate(model, caches) -> list[int]:
@@ -179,10 +201,36 @@ def pipeline(group) -> dict:
     }
 
 
+def sharded_load_recipe(repo: Path, group) -> dict:
+    """docs/distributed.md's script (the path a CLI takes): sharded_load, then
+    stream_generate with camkv caches, for both kinds of sharding."""
+    from mlx_lm import stream_generate
+    from mlx_lm.utils import sharded_load
+
+    result = {}
+    for kind in ("tensor", "pipeline"):
+        model, tokenizer = sharded_load(str(repo), **{f"{kind}_group": group})
+        caches = camkv.make_prompt_cache(model, **CAM)
+        responses = stream_generate(model, tokenizer, PROMPT, max_tokens=MAX_TOKENS,
+                                    prompt_cache=caches)
+        responses = list(responses)
+        result[kind] = {
+            "tokens": [r.token for r in responses],
+            "text": "".join(r.text for r in responses),
+            "kv_heads": [c.stored()[0].shape[1] for c in caches],
+            "head_offsets": [c._head_offset for c in caches],
+            "seeds": [c.config.seed for c in caches],
+            "kv_bytes": gather_kv_bytes(caches, group),
+        }
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--fail-on-rank", type=int, default=None)
+    parser.add_argument("--repo", type=Path, default=None,
+                        help="a save_tiny_repo folder: also run the sharded_load recipe")
     args = parser.parse_args()
 
     group = mx.distributed.init(strict=True, backend="ring")
@@ -191,6 +239,8 @@ def main() -> None:
         raise RuntimeError(f"rank {rank}: deliberate failure (--fail-on-rank {rank})")
     result = {"rank": rank, "size": group.size(), "tensor": tensor_parallel(group),
               "pipeline": pipeline(group)}
+    if args.repo is not None:
+        result["sharded_load"] = sharded_load_recipe(args.repo, group)
     (args.out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     print(f"rank {rank}: done", flush=True)
 

@@ -26,7 +26,7 @@ from camkv import CaMKVCache
 from camkv.distributed import (
     ShardInfo, gather_kv_bytes, kv_bytes, local_kv_heads, report_kv_bytes, shard_info,
 )
-from distributed_worker import MAX_TOKENS, tiny_qwen2
+from distributed_worker import MAX_TOKENS, save_tiny_repo, tiny_qwen2
 from tiny_models import tiny_llama
 
 TESTS = Path(__file__).resolve().parent
@@ -193,7 +193,9 @@ def _launch(launcher_args: list[str], out_dir: Path, *worker_args: str) -> str:
 def two_ranks(tmp_path_factory):
     """(each rank's results, the job's output) of one two-rank run of the worker."""
     out_dir = tmp_path_factory.mktemp("ranks")
-    output = _launch(_hostfile_on_loopback(out_dir, _free_port_pair()), out_dir)
+    repo = save_tiny_repo(tmp_path_factory.mktemp("tiny_qwen2"))
+    output = _launch(_hostfile_on_loopback(out_dir, _free_port_pair()), out_dir,
+                     "--repo", str(repo))
     # mlx.launch exits 0 even when a rank fails, so a rank's result file is the proof.
     missing = [r for r in (0, 1) if not (out_dir / f"rank{r}.json").exists()]
     assert not missing, f"ranks {missing} wrote no result; the job's output:\n{output}"
@@ -257,6 +259,25 @@ def test_pipeline_ranks_hold_their_layers_with_the_unsharded_state(two_ranks):
     for rank, nbytes in enumerate(per_rank):
         assert output.count(f"rank {rank}: KV cache {nbytes} bytes\n") == 1
     assert output.count(f"all 2 ranks: KV cache {sum(per_rank)} bytes\n") == 1
+
+
+@needs_launcher
+def test_sharded_load_and_stream_generate_run_with_camkv(two_ranks):
+    """docs/distributed.md's script, the path a CLI takes, on a saved tiny qwen2
+    (2 KV heads, 4 layers)."""
+    results, _ = two_ranks
+    recipes = [r["sharded_load"] for r in results]
+    for kind in ("tensor", "pipeline"):
+        assert len(recipes[0][kind]["tokens"]) == MAX_TOKENS, kind
+        assert recipes[0][kind]["tokens"] == recipes[1][kind]["tokens"], kind
+        assert recipes[0][kind]["text"] == recipes[1][kind]["text"], kind
+        assert recipes[0][kind]["kv_bytes"] == recipes[1][kind]["kv_bytes"], kind
+    assert [r["tensor"]["kv_heads"] for r in recipes] == [[1] * 4, [1] * 4]
+    assert [r["tensor"]["head_offsets"] for r in recipes] == [[0] * 4, [1] * 4]
+    assert [r["pipeline"]["kv_heads"] for r in recipes] == [[2] * 2, [2] * 2]
+    assert [r["pipeline"]["seeds"] for r in recipes] == [[7, 8], [5, 6]]  # base seed 5
+    tensor_bytes, pipeline_bytes = (recipes[0][k]["kv_bytes"] for k in ("tensor", "pipeline"))
+    assert sum(tensor_bytes) == sum(pipeline_bytes) > 0  # the same KV, split two ways
 
 
 @needs_launcher
