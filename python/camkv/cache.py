@@ -169,10 +169,12 @@ class CaMKVCache(_BaseCache):
     @keys.setter
     def keys(self, value) -> None:
         current = self.keys
-        if current is None or value is None or value.shape != current.shape:
+        if current is None:
+            raise ValueError("CaMKVCache.keys cannot be set while the cache is empty")
+        if not isinstance(value, mx.array) or value.shape != current.shape:
             raise ValueError(
                 "CaMKVCache.keys can only be replaced by an array of the stored keys' shape "
-                f"{None if current is None else tuple(current.shape)}"
+                f"{tuple(current.shape)}"
             )
         self._rows = self._rows._replace(keys=value.reshape(self._rows.keys.shape))
 

@@ -60,7 +60,7 @@ def local_kv_heads(model, layer_index: int) -> int:
     """KV heads this process computes in layer `layer_index` of model.layers (its own layers).
 
     mlx-lm's shard() divides the attention's head count by the group size, so
-    the attention module holds the local count; model.args holds the global one.
+    after sharding the attention module holds this process's count.
     """
     layers = model.layers
     if not 0 <= layer_index < len(layers):
@@ -100,7 +100,8 @@ def gather_kv_bytes(caches, group: mx.distributed.Group | None = None) -> list[i
     group = group or mx.distributed.init()
     wait_for_generation()
     mine = mx.array([kv_bytes(caches)], dtype=mx.int64)
-    # On the CPU stream: the ring backend's collectives run there on every device.
+    # On the CPU stream, like mlx-lm's own synchronising all_sum in sharded_load:
+    # a few bytes, and every distributed backend implements its collectives there.
     every = mx.distributed.all_gather(mine, group=group, stream=mx.cpu)
     return [int(b) for b in every.tolist()]
 
