@@ -48,10 +48,10 @@ from tiny_models import tiny_llama
 # merge_keys: a merge changes the survivor's key, hence later scores and evictions.
 CAM = dict(budget=24, n_sink=2, recent=4, merge="sim_weighted", merge_keys=True, gate=True,
            seed=5)
-PROMPT = [(7 * i + 3) % 120 for i in range(70)]
-FORCED = PROMPT + [(11 * i + 5) % 120 for i in range(20)]
-CALL_SIZES = [32, 32, 6] + [1] * 20  # chunked prompt, then one token a step
-MAX_TOKENS = 12
+PROMPT = [(7 * i + 3) % 120 for i in range(48)]
+FORCED = PROMPT + [(11 * i + 5) % 120 for i in range(12)]
+CALL_SIZES = [32, 16] + [1] * 12  # chunked prompt, then one token a step
+MAX_TOKENS = 8
 
 
 def tiny_qwen2(*, layers: int = 4, seed: int = 1):
