@@ -60,7 +60,7 @@ def tiny_qwen2(*, layers: int = 4, seed: int = 1):
 
     args = qwen2.ModelArgs(
         model_type="qwen2", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=258,
         rope_theta=10000.0, tie_word_embeddings=True,
     )
     mx.random.seed(seed)
@@ -70,20 +70,16 @@ def tiny_qwen2(*, layers: int = 4, seed: int = 1):
 
 
 def save_tiny_repo(directory: Path) -> Path:
-    """tiny_qwen2 saved as an mlx-lm model folder (weights, config, a word-level
+    """tiny_qwen2 saved as an mlx-lm model folder (weights, config, a byte-level
     tokenizer), for mlx_lm.utils.sharded_load."""
     from mlx_lm.utils import save_config, save_model
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+
+    from tiny_models import byte_tokenizer
 
     model = tiny_qwen2()
     save_model(directory, model)  # also writes the weight index a pipeline load reads
     save_config(dict(vars(model.args)), directory / "config.json")
-    vocab = {f"w{i}": i for i in range(127)} | {"<unk>": 127}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
-                            eos_token="<unk>").save_pretrained(directory)
+    byte_tokenizer().save_pretrained(directory)
     return directory
 
 

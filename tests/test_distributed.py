@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,7 +28,7 @@ from camkv.distributed import (
     ShardInfo, gather_kv_bytes, kv_bytes, local_kv_heads, report_kv_bytes, shard_info,
 )
 from distributed_worker import MAX_TOKENS, save_tiny_repo, tiny_qwen2
-from tiny_models import tiny_llama
+from tiny_models import save_tiny_model_dir, tiny_llama
 
 TESTS = Path(__file__).resolve().parent
 LAUNCH_TIMEOUT_S = 120  # a job that outlives this is hung: its process group is killed
@@ -288,3 +289,26 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     assert "Node with rank 1 exited with code 1" in output
     # Rank 0 waited in a collective for rank 1; the launcher stopped it.
     assert not list(tmp_path.glob("rank*.json"))
+
+
+@needs_launcher
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_camkv_generate_runs_under_mlx_launch(tmp_path, sharding):
+    """The README's command: every rank generates, rank 0 prints the text and every rank's KV bytes."""
+    if sharding == "pipeline":
+        model_dir = save_tiny_repo(tmp_path / "qwen2")  # llama has no pipeline() in mlx-lm
+        extra = ["--pipeline"]
+    else:
+        model_dir = save_tiny_model_dir(tmp_path / "llama")
+        extra = []
+    command = [_launcher(), *_ring_on_loopback(_free_port_pair()), "--", sys.executable, "-m", "camkv",
+               "generate", "--model", str(model_dir), "--prompt", "the quick brown fox " * 10, "--max-tokens", "6",
+               "--chat-template", "off", "--kv-budget", "48", "--kv-recent", "8", *extra]
+    package_root = str(Path(camkv.__file__).resolve().parent.parent)
+    job = subprocess.run(command, env={**os.environ, "PYTHONPATH": package_root, "CAMKV_BLAS": "0"},
+                         text=True, capture_output=True, timeout=LAUNCH_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    output = job.stdout + job.stderr
+    held = re.findall(r"rank (\d): KV cache (\d+) bytes", output)
+    assert [rank for rank, _ in held] == ["0", "1"], output
+    assert all(int(nbytes) > 0 for _, nbytes in held), output
+    assert "all 2 ranks: KV cache" in output and output.count("evictions:") == 1, output

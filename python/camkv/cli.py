@@ -112,6 +112,10 @@ def _add_generate_parser(subparsers) -> None:
     p.add_argument("--save-prompt-cache", default=None, metavar="PATH",
                    help="after generating, save the prompt cache (mlx-lm's .safetensors format; "
                         "load it with camkv.load_prompt_cache, not mlx-lm's)")
+    p.add_argument("--pipeline", action="store_true",
+                   help="under mlx.launch, shard the model's layers across the ranks (pipeline) "
+                        "instead of its heads (tensor parallel, the default); each rank's camkv "
+                        "caches hold its own heads or layers")
     _add_kv_flags(p)
     p.set_defaults(run=cmd_generate, command_parser=p)
 
@@ -304,8 +308,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     from . import models
+    from .distributed import report_kv_bytes
 
-    model, tokenizer = models.load(args.model, dtype=args.dtype)
+    # A group of one without mlx.launch; under it every rank generates, rank 0 prints.
+    group = mx.distributed.init()
+    speaks = group.rank() == 0
+    model, tokenizer = models.load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
     prompt = format_prompt(tokenizer, read_prompt(args), args.chat_template, args.system_prompt)
     if args.prompt_cache_file is not None:
         import camkv
@@ -318,13 +326,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     response = None
     for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                      sampler=sampler, prompt_cache=prompt_cache):
-        print(response.text, end="", flush=True)
-    print(flush=True)
+        if speaks:
+            print(response.text, end="", flush=True)
+    if speaks:
+        print(flush=True)
     if args.save_prompt_cache is not None:
         import camkv
 
         camkv.save_prompt_cache(args.save_prompt_cache, prompt_cache, metadata={"model": args.model})
-    if response is None:
+    if group.size() > 1:
+        report_kv_bytes(prompt_cache, group)
+    if response is None or not speaks:
         return 0
     print(summary_line((response.prompt_tokens, response.prompt_tps),
                        (response.generation_tokens, response.generation_tps),

@@ -436,11 +436,22 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
     return model
 
 
-def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, **load_kwargs):
-    """(model, tokenizer) like mlx_lm.load, accepting camkv's default model and .gguf files."""
+def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, group=None, pipeline: bool = False,
+         **load_kwargs):
+    """(model, tokenizer) like mlx_lm.load, accepting camkv's default model and .gguf files.
+
+    With a distributed group of several ranks (mlx.launch), the model is sharded by
+    mlx-lm's sharded_load: its heads (tensor parallel) or, with pipeline=True, its layers.
+    """
     import mlx_lm
 
-    return mlx_lm.load(resolve(model, dtype), **load_kwargs)
+    path = resolve(model, dtype)
+    if group is not None and group.size() > 1:
+        from mlx_lm.utils import sharded_load
+
+        return sharded_load(path, pipeline_group=group if pipeline else None,
+                            tensor_group=None if pipeline else group)
+    return mlx_lm.load(path, **load_kwargs)
 
 
 RANDOM_LLAMAS = {
