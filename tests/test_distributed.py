@@ -162,7 +162,7 @@ def _ring_on_loopback(port: int) -> list[str]:
 def _hostfile_on_loopback(directory: Path, port: int) -> list[str]:
     """mlx.launch arguments: a two-host hostfile whose hosts are both this machine.
 
-    The form docs/distributed.md gives for several Macs; a host named 127.0.0.1 is
+    The form the README's distributed section gives for several Macs; a host named 127.0.0.1 is
     started without ssh.
     """
     host = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
@@ -264,7 +264,7 @@ def test_pipeline_ranks_hold_their_layers_with_the_unsharded_state(two_ranks):
 
 @needs_launcher
 def test_sharded_load_and_stream_generate_run_with_camkv(two_ranks):
-    """docs/distributed.md's script, the path a CLI takes, on a saved tiny qwen2
+    """the README's distributed section's script, the path a CLI takes, on a saved tiny qwen2
     (2 KV heads, 4 layers)."""
     results, _ = two_ranks
     recipes = [r["sharded_load"] for r in results]
