@@ -86,3 +86,14 @@ def test_apply_twice_and_remove_restore_the_models_own_make_cache():
     assert m.make_cache()[0].config.budget == 64
     camkv.remove(m)
     assert type(m.make_cache()[0]) is KVCache
+
+
+def test_batch_generation_refuses_camkv_instead_of_dropping_the_compression(model):
+    from mlx_lm.generate import BatchGenerator
+
+    with camkv.applied(model, budget=48, recent=8):
+        generator = BatchGenerator(model, max_tokens=4)
+        generator.insert([[1, 2, 3, 4], [5, 6, 7]])
+        with pytest.raises(ValueError, match="CaMKVCache.*does not yet support batching"):
+            while generator.next():
+                pass

@@ -57,3 +57,45 @@ def tiny_gemma3(*, layers: int = 4, seed: int = 0):
     model = gemma3_text.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def byte_tokenizer(vocab: int = 256 + 2):
+    """A byte-level tokenizer (one token per byte, plus <s> and </s>) with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_map = pre_tokenizers.ByteLevel.alphabet()
+    tokens = {ch: i for i, ch in enumerate(sorted(byte_map))}
+    tokens["<s>"], tokens["</s>"] = 256, 257
+    core = Tokenizer(models.BPE(vocab=tokens, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", chat_template=CHAT_TEMPLATE
+    )
+
+
+def save_tiny_model_dir(path):
+    """An mlx-lm model folder (config, weights, tokenizer) of a tiny random llama; mlx_lm.load reads it."""
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_llama(vocab=258)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    args = model.args
+    config = {k: getattr(args, k) for k in (
+        "model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+        "num_key_value_heads", "rms_norm_eps", "vocab_size", "rope_theta", "tie_word_embeddings")}
+    (path / "config.json").write_text(json.dumps(config))
+    byte_tokenizer().save_pretrained(str(path))
+    return path

@@ -3,6 +3,10 @@
 from .cache import CaMKVCache
 from .config import CaMConfig
 from .integration import applied, apply, make_prompt_cache, remove
+from .prompt_cache import load_prompt_cache, save_prompt_cache
 
-__all__ = ["CaMConfig", "CaMKVCache", "apply", "applied", "make_prompt_cache", "remove"]
+__all__ = [
+    "CaMConfig", "CaMKVCache", "apply", "applied", "load_prompt_cache", "make_prompt_cache",
+    "remove", "save_prompt_cache",
+]
 __version__ = "0.1.0"

@@ -37,6 +37,10 @@ class CaMKVCache(_BaseCache):
         self._config = resolve_config(config, fields)
         if head_offset < 0:
             raise ValueError(f"head_offset must be >= 0, got {head_offset}")
+        if n_heads_global is not None and n_heads_global <= head_offset:
+            raise ValueError(
+                f"n_heads_global ({n_heads_global}) must exceed head_offset ({head_offset})"
+            )
         self._head_offset = head_offset
         self._n_heads_global = n_heads_global
         self._reset()
@@ -124,6 +128,10 @@ class CaMKVCache(_BaseCache):
     def empty(self) -> bool:
         return self._layout is None
 
+    # No `merge` method on purpose: mlx-lm takes its presence to mean "batchable"
+    # (the server would then batch requests), and without it batch generation stops
+    # with mlx-lm's own error naming this class instead of losing the compression.
+
     def is_trimmable(self) -> bool:
         return False
 
@@ -137,13 +145,6 @@ class CaMKVCache(_BaseCache):
             "CaMKVCache cannot be quantized (kv_bits); use it without kv_bits"
         )
 
-    @classmethod
-    def merge(cls, caches):
-        raise NotImplementedError(
-            "batched generation is not supported by camkv: merging CaMKVCaches into a "
-            "BatchKVCache would silently drop the compression. Generate one sequence at a time."
-        )
-
     @property
     def nbytes(self) -> int:
         """Bytes really held: keys, values, scores and positions."""
@@ -151,6 +152,28 @@ class CaMKVCache(_BaseCache):
         if self._rows is None:
             return 0
         return sum(a.nbytes for a in self._rows)
+
+    @property
+    def keys(self):
+        """Stored keys [B, H, n, Dk] (None while empty), as mlx-lm's KVCache.keys.
+
+        Settable (same shape) because mlx-lm's pipelined models attach their send to
+        the last layer's state with `cache[-1].keys = mx.depends(cache[-1].keys, h)`,
+        so evaluating the cache states also sends to the next rank.
+        """
+        return None if self.empty() else self.stored()[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        current = self.keys
+        if current is None:
+            raise ValueError("CaMKVCache.keys cannot be set while the cache is empty")
+        if not isinstance(value, mx.array) or value.shape != current.shape:
+            raise ValueError(
+                "CaMKVCache.keys can only be replaced by an array of the stored keys' shape "
+                f"{tuple(current.shape)}"
+            )
+        self._rows = self._rows._replace(keys=value.reshape(self._rows.keys.shape))
 
     # ------------------------------------------------------------------ inspection
     def stored(self):
@@ -236,6 +259,12 @@ class CaMKVCache(_BaseCache):
             raise ValueError("update_and_fetch needs at least one token (S >= 1)")
         if keys.dtype != values.dtype:
             raise ValueError(f"keys are {keys.dtype} but values are {values.dtype}")
+        heads_end = self._head_offset + keys.shape[1]
+        if self._n_heads_global is not None and heads_end > self._n_heads_global:
+            raise ValueError(
+                f"this cache's heads {self._head_offset}..{heads_end - 1} do not fit in "
+                f"the model's {self._n_heads_global} heads (head_offset, n_heads_global)"
+            )
         if self._layout is not None:
             B, H, Dk, Dv, dtype = self._layout
             got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache
 from . import hook
 from .cache import CaMKVCache
 from .config import UINT32_MAX, CaMConfig, resolve_config
+from .distributed import ShardInfo, local_kv_heads, shard_info
 
 _ORIGINAL = "_camkv_original_make_cache"
 
@@ -26,8 +27,10 @@ def _model_default_cache(model) -> list:
 def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
     """The model's cache list with each plain full-attention KVCache replaced by a CaMKVCache.
 
-    Layer i gets seed = base seed + i (mod 2^32). Other cache kinds (rotating,
-    arrays / SSM, chunked) are kept as the model makes them. With scoring="query"
+    Layer i gets seed = base seed + i (mod 2^32). On a model sharded over processes
+    (model.shard(group), or a pipeline) i and the gate's head indices are global, so
+    every rank draws what an unsharded run draws (camkv.distributed). Other cache
+    kinds (rotating, arrays / SSM, chunked) are kept as the model makes them. With scoring="query"
     the attention hook is installed in the model's modules (camkv.remove undoes it).
     """
     base = resolve_config(config, fields)
@@ -35,11 +38,23 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
         hook.install(model)
     caches = _model_default_cache(model)
     model_type = getattr(getattr(model, "args", None), "model_type", None)
+    shards = shard_info(model)
     for i, cache in enumerate(caches):
         if type(cache) is KVCache:
-            caches[i] = CaMKVCache(base.replace(seed=(base.seed + i) & UINT32_MAX))
+            caches[i] = _camkv_cache(model, i, base, shards)
             caches[i].model_type = model_type
     return caches
+
+
+def _camkv_cache(model, i: int, base: CaMConfig, shards: ShardInfo) -> CaMKVCache:
+    """Layer i of this process's layers, placed among the whole model's layers and heads."""
+    seed = (base.seed + shards.layer_offset + i) & UINT32_MAX
+    if shards.tensor_size == 1:
+        return CaMKVCache(base.replace(seed=seed))
+    head_offset, n_heads_global = shards.head_placement(local_kv_heads(model, i))
+    return CaMKVCache(
+        base.replace(seed=seed), head_offset=head_offset, n_heads_global=n_heads_global
+    )
 
 
 def apply(model, config: CaMConfig | None = None, **fields):

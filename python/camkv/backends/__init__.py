@@ -54,3 +54,9 @@ def resolve(name: str):
     if reasons[name] is not None:
         raise RuntimeError(f"backend {name!r} is not usable here: {reasons[name]}")
     return _modules()[name]
+
+
+def resolve_name(name: str) -> str:
+    """The backend name 'auto' (or a forced name) resolves to here."""
+    module = resolve(name)
+    return module.__name__.rsplit(".", 1)[-1]

@@ -1,0 +1,7 @@
+"""`python -m camkv` runs the camkv command (see camkv.cli)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

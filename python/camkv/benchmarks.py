@@ -1,0 +1,319 @@
+"""End-to-end speed and memory of generation: camkv against mlx-lm's own caches.
+
+One run measures every arm on the same model, machine and prompts: mlx-lm's KVCache
+(full), RotatingKVCache(max_size=budget, keep=4) (StreamingLLM) and camkv at each
+budget with the default settings on the best backend here. `camkv bench` and
+bench/e2e.py are front ends of `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from . import backends, models
+from .cache import CaMKVCache
+from .config import CaMConfig
+from .integration import make_prompt_cache
+
+
+@dataclass
+class Arm:
+    """One way of caching: a name and a function making the cache list for a model."""
+
+    name: str
+    kind: str  # "full", "rotating" or "camkv"
+    budget: int | None = None
+
+    def make(self, model, backend: str = "auto") -> list:
+        if self.kind == "full":
+            return [KVCache() for _ in model.layers]
+        if self.kind == "rotating":
+            return [RotatingKVCache(max_size=self.budget, keep=4) for _ in model.layers]
+        return make_prompt_cache(model, budget=self.budget, backend=backend)
+
+
+def default_arms(budgets: list[int]) -> list[Arm]:
+    arms = [Arm("full", "full")]
+    arms += [Arm(f"rotating-{b}", "rotating", b) for b in budgets]
+    arms += [Arm(f"camkv-{b}", "camkv", b) for b in budgets]
+    return arms
+
+
+@dataclass
+class Trial:
+    prompt_s: float
+    step_s: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+    kv_bytes: int = 0
+
+
+def kv_bytes(cache: list) -> int:
+    return sum(c.nbytes for c in cache if c.nbytes is not None)
+
+
+def run_trial(model, arm: Arm, prompt: mx.array, gen_tokens: int, prefill_step: int, backend: str) -> Trial:
+    """Prefill the prompt in chunks, then generate greedily, timing each part."""
+    cache = arm.make(model, backend)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for first in range(0, prompt.size - 1, prefill_step):
+        chunk = prompt[first : min(first + prefill_step, prompt.size - 1)]
+        model(chunk[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    logits = model(prompt[-1:][None], cache=cache)
+    token = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(token)
+    trial = Trial(prompt_s=time.perf_counter() - start)
+    for _ in range(gen_tokens):
+        tick = time.perf_counter()
+        logits = model(token[None], cache=cache)
+        token = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(token)
+        trial.step_s.append(time.perf_counter() - tick)
+    trial.peak_bytes = mx.get_peak_memory()
+    trial.kv_bytes = kv_bytes(cache)
+    return trial
+
+
+def cache_update_seconds(model, budget: int, backend: str, repeats: int = 20) -> float:
+    """Median time of one decode-step update of every layer's camkv cache at a full budget."""
+    layer = model.layers[0].self_attn
+    heads = layer.n_kv_heads
+    head_dim = layer.k_proj.weight.shape[0] // heads
+    dtype = model.layers[0].self_attn.k_proj.weight.dtype
+    dtype = mx.float16 if dtype not in (mx.float16, mx.bfloat16, mx.float32) else dtype
+    cache = CaMKVCache(CaMConfig(budget=budget, backend=backend))
+    fill = mx.random.normal((1, heads, budget, head_dim)).astype(dtype)
+    cache.update_and_fetch(fill, fill)
+    times = []
+    for _ in range(repeats):
+        step = mx.random.normal((1, heads, 1, head_dim)).astype(dtype)
+        mx.eval(step)
+        tick = time.perf_counter()
+        cache.update_and_fetch(step, step)
+        mx.eval(cache.state[:4])
+        times.append(time.perf_counter() - tick)
+    return statistics.median(times) * len(model.layers)
+
+
+def summarize(trials: list[Trial], prompt_len: int) -> dict:
+    """Medians and spreads over trials."""
+    steps = [statistics.median(t.step_s) for t in trials]
+    prompts = [t.prompt_s for t in trials]
+    return {
+        "prompt_tokens_per_s": prompt_len / statistics.median(prompts),
+        "prompt_s": {"median": statistics.median(prompts), "min": min(prompts), "max": max(prompts)},
+        "gen_tokens_per_s": 1.0 / statistics.median(steps),
+        "step_ms": {"median": 1e3 * statistics.median(steps), "min": 1e3 * min(steps), "max": 1e3 * max(steps)},
+        "peak_bytes": max(t.peak_bytes for t in trials),
+        "kv_bytes": trials[-1].kv_bytes,
+    }
+
+
+def weights_bytes(model) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def run(model, arms, prompt_lengths, gen_tokens, trials, prefill_step, backend, progress=None, vocab=None) -> dict:
+    """Every arm at every prompt length; returns the JSON-able results."""
+    vocab = vocab or model.args.vocab_size
+    results = {"rows": []}
+    for length in prompt_lengths:
+        prompt = mx.random.randint(0, vocab, (length,), key=mx.random.key(length))
+        for arm in arms:
+            run_trial(model, arm, prompt[: min(length, 256)], 2, prefill_step, backend)  # warm-up
+            measured = [run_trial(model, arm, prompt, gen_tokens, prefill_step, backend) for _ in range(trials)]
+            row = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "prompt_len": length}
+            row.update(summarize(measured, length))
+            if arm.kind == "camkv":
+                update_s = cache_update_seconds(model, arm.budget, backend)
+                row["cache_update_ms"] = 1e3 * update_s
+                row["model_ms"] = row["step_ms"]["median"] - row["cache_update_ms"]
+            results["rows"].append(row)
+            if progress:
+                progress.update(1)
+    return results
+
+
+def ratios(results: dict) -> list[dict]:
+    """Each camkv arm against the full cache at the same prompt length."""
+    full = {r["prompt_len"]: r for r in results["rows"] if r["kind"] == "full"}
+    out = []
+    for row in results["rows"]:
+        if row["kind"] != "camkv" or row["prompt_len"] not in full:
+            continue
+        base = full[row["prompt_len"]]
+        out.append({
+            "arm": row["arm"],
+            "prompt_len": row["prompt_len"],
+            "gen_speed_vs_full": row["gen_tokens_per_s"] / base["gen_tokens_per_s"],
+            "prefill_time_vs_full": row["prompt_s"]["median"] / base["prompt_s"]["median"],
+            "peak_above_weights_vs_full": (row["peak_bytes"] - results["weights_bytes"])
+            / max(1, base["peak_bytes"] - results["weights_bytes"]),
+            "kv_bytes_vs_full": row["kv_bytes"] / base["kv_bytes"],
+        })
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for arm in dict.fromkeys(r["arm"] for r in results["rows"]):
+        rows = [r for r in results["rows"] if r["arm"] == arm]
+        lengths = [r["prompt_len"] for r in rows]
+        axes[0].plot(lengths, [r["gen_tokens_per_s"] for r in rows], marker="o", label=arm)
+        axes[1].plot(lengths, [r["prompt_tokens_per_s"] for r in rows], marker="o", label=arm)
+        axes[2].plot(lengths, [r["peak_bytes"] / 2**20 for r in rows], marker="o", label=arm)
+    titles = ["generation tokens/s", "prompt tokens/s", "peak memory (MiB)"]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"camkv end to end: {results['model']} on {results['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def load_model(name: str):
+    """A random llama by preset name, else the CLI's model loader (default model, path or hub id)."""
+    if name in models.RANDOM_LLAMAS:
+        return models.random_llama(name)
+    return models.load(name)[0]
+
+
+def soak(model, budget: int, tokens: int, every: int, backend: str, progress=None) -> dict:
+    """Generate `tokens` tokens with camkv; sample KV bytes and peak memory as it goes."""
+    cache = make_prompt_cache(model, budget=budget, backend=backend)
+    token = mx.array([1])
+    samples = []
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for step in range(1, tokens + 1):
+        logits = model(token[None], cache=cache)
+        token = mx.argmax(logits[:, -1], axis=-1)
+        mx.eval(token)
+        if step % every == 0 or step == tokens:
+            samples.append({
+                "tokens": step, "kv_bytes": kv_bytes(cache), "peak_bytes": mx.get_peak_memory(),
+                "active_bytes": mx.get_active_memory(), "seconds": time.perf_counter() - start,
+            })
+        if progress:
+            progress.update(1)
+    return {"budget": budget, "samples": samples}
+
+
+def plot_soak(soak_result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = soak_result["samples"]
+    x = [s["tokens"] for s in samples]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("kv_bytes", "peak_bytes", "active_bytes"):
+        ax.plot(x, [s[key] / 2**20 for s in samples], label=key.replace("_", " "))
+    ax.set_xlabel("tokens generated")
+    ax.set_ylabel("MiB")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _device_name() -> str:
+    device = mx.default_device()
+    if device.type == mx.gpu and mx.cuda.is_available():
+        return "cuda-gpu"
+    if device.type == mx.gpu:
+        return "metal-gpu"
+    return f"cpu ({platform.machine()})"
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="camkv bench", description=__doc__)
+    parser.add_argument("--model", default=models.DEFAULT_MODEL,
+                        help="a random llama preset (%s), the default model name, a path or a hub id"
+                        % ", ".join(models.RANDOM_LLAMAS))
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                        help="prompt lengths in tokens (random token ids)")
+    parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per trial")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048],
+                        help="camkv and rotating-cache budgets")
+    parser.add_argument("--trials", type=int, default=3, help="measured trials per arm (after a warm-up)")
+    parser.add_argument("--prefill-step", type=int, default=2048, help="prompt chunk size, as mlx-lm's prefill_step_size")
+    parser.add_argument("--backend", default="auto", help="camkv backend (auto picks the best here)")
+    parser.add_argument("--soak", type=int, default=0, metavar="TOKENS",
+                        help="also generate this many tokens with camkv at the first budget, sampling memory")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for JSON and PNG")
+    parser.add_argument("--tag", default=None, help="file name stem (default: e2e-<device>-<model>)")
+    return parser
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> dict:
+    from tqdm import tqdm
+
+    args = args or build_parser().parse_args(argv)
+    for name, values in (("--prompt-lengths", args.prompt_lengths), ("--budgets", args.budgets)):
+        if any(v < 1 for v in values):
+            raise SystemExit(f"camkv bench: {name} must be positive integers, got {values}")
+    for budget in args.budgets:
+        try:
+            CaMConfig(budget=budget, backend=args.backend)
+        except ValueError as err:
+            raise SystemExit(f"camkv bench: --budgets {budget}: {err}") from None
+    model = load_model(args.model)
+    arms = default_arms(args.budgets)
+    device = _device_name()
+    results = {
+        "model": args.model, "device": device, "backend": backends.resolve_name(args.backend),
+        "weights_bytes": weights_bytes(model), "gen_tokens": args.gen_tokens, "trials": args.trials,
+        "prefill_step": args.prefill_step,
+    }
+    with tqdm(total=len(arms) * len(args.prompt_lengths), desc="bench arms") as bar:
+        results.update(run(model, arms, args.prompt_lengths, args.gen_tokens, args.trials,
+                           args.prefill_step, args.backend, bar))
+    results["ratios"] = ratios(results)
+    stem = args.tag or f"e2e-{device.split()[0]}-{args.model.replace('/', '_')}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.soak:
+        with tqdm(total=args.soak, desc="soak") as bar:
+            results["soak"] = soak(model, args.budgets[0], args.soak, max(1, args.soak // 100), args.backend, bar)
+        plot_soak(results["soak"], args.out / f"{stem}-soak.png",
+                  f"{args.soak} generated tokens, camkv budget {args.budgets[0]}")
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / f"{stem}.png")
+    print_table(results)
+    return results
+
+
+def print_table(results: dict) -> None:
+    print(f"{'arm':<16}{'prompt':>8}{'prompt tok/s':>14}{'gen tok/s':>11}{'peak MiB':>10}{'KV MiB':>9}")
+    for r in results["rows"]:
+        print(f"{r['arm']:<16}{r['prompt_len']:>8}{r['prompt_tokens_per_s']:>14.1f}"
+              f"{r['gen_tokens_per_s']:>11.1f}{r['peak_bytes'] / 2**20:>10.1f}{r['kv_bytes'] / 2**20:>9.2f}")
+    for q in results["ratios"]:
+        print(f"{q['arm']} @ {q['prompt_len']}: generation {q['gen_speed_vs_full']:.2f}x full, "
+              f"prefill time {q['prefill_time_vs_full']:.2f}x, peak above weights "
+              f"{q['peak_above_weights_vs_full']:.2f}x, KV bytes {q['kv_bytes_vs_full']:.3f}x")

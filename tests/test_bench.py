@@ -1,0 +1,37 @@
+"""`camkv bench` end to end on a tiny random llama: figures, files, and the KV bytes it reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from camkv import benchmarks
+
+
+def test_bench_writes_json_and_plots_with_budget_rows_held(tmp_path, capsys):
+    results = benchmarks.main([
+        "--model", "random-tiny", "--prompt-lengths", "40", "120", "--budgets", "64",
+        "--gen-tokens", "4", "--trials", "1", "--prefill-step", "32", "--soak", "30",
+        "--backend", "reference", "--out", str(tmp_path), "--tag", "t",
+    ])
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert saved["rows"] == results["rows"]
+    assert (tmp_path / "t.png").stat().st_size > 0 and (tmp_path / "t-soak.png").stat().st_size > 0
+    arms = {(r["arm"], r["prompt_len"]): r for r in saved["rows"]}
+    assert set(arms) == {(a, n) for a in ("full", "rotating-64", "camkv-64") for n in (40, 120)}
+    # random-tiny: 2 layers, 2 KV heads of dim 16, float32; camkv also holds scores and positions.
+    per_row = 64 * (16 + 16) * 4 + 64 * 4 + 64 * 4
+    assert arms[("camkv-64", 120)]["kv_bytes"] == 2 * 2 * per_row
+    assert arms[("camkv-64", 40)]["kv_bytes"] < arms[("camkv-64", 120)]["kv_bytes"]
+    for row in saved["rows"]:
+        assert row["gen_tokens_per_s"] > 0 and row["prompt_tokens_per_s"] > 0
+    assert {q["prompt_len"] for q in saved["ratios"]} == {40, 120}
+    samples = saved["soak"]["samples"]
+    assert samples[-1]["tokens"] == 30 and samples[-1]["kv_bytes"] <= 2 * 2 * per_row
+    assert "camkv-64 @ 120" in capsys.readouterr().out
+
+
+def test_bench_rejects_a_budget_the_config_cannot_hold(tmp_path):
+    with pytest.raises(SystemExit, match="--budgets 30.*n_sink \\+ recent"):
+        benchmarks.main(["--model", "random-tiny", "--budgets", "30", "--out", str(tmp_path)])
