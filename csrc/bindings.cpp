@@ -41,6 +41,11 @@ NB_MODULE(_ext, m) {
   m.attr("HAS_METAL") = false;
 #endif
   m.attr("MAX_HEAD_DIM") = CAMKV_MAX_HEAD_DIM;
+  m.def("scratch_strides", [](bool chunk, int n, int S, int n_out, int Dk, int Dv) {
+        return nb::make_tuple(camkv_f32_stride(chunk, n, S, n_out, Dk), camkv_i32_stride(chunk, n, S, n_out),
+                              camkv_store_stride(chunk, n, S, n_out, Dk, Dv));
+      }, "chunk"_a, "n"_a, "S"_a, "n_out"_a, "Dk"_a, "Dv"_a,
+        "Per-row scratch sizes (floats, ints, storage elements) the kernel core needs for a call.");
   m.attr("MERGE_CODES") = nb::make_tuple("sim_weighted", "mean", "window", "drop");
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
         "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "offset"_a, "scale"_a, "budget"_a, "n_sink"_a,

@@ -9,7 +9,12 @@
 using namespace metal;
 
 #define CAMKV_DEVICE device
+// The metallib's entry points take their parameters in constant memory; the
+// mx.fast.metal_kernel entry (camkv.backends.jit) gets them as a device buffer and
+// defines CAMKV_CONSTANT as device before including this file.
+#ifndef CAMKV_CONSTANT
 #define CAMKV_CONSTANT constant
+#endif
 #define CAMKV_SHARED threadgroup
 #define CAMKV_INLINE inline
 #define CAMKV_INF INFINITY

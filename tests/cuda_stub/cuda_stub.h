@@ -8,6 +8,14 @@
 #define __device__
 #define __forceinline__ inline
 #define __global__
+#define __shared__
+
+struct dim3_stub {
+  unsigned x, y, z;
+};
+extern dim3_stub threadIdx, blockIdx, blockDim;
+typedef int int32_t;
+typedef unsigned int uint32_t;
 
 void __syncthreads();
 float __shfl_xor_sync(unsigned mask, float value, int lane_mask);

@@ -1,4 +1,10 @@
-"""Backend registry: every backend exposes update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale)."""
+"""Backend registry: every backend exposes update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale).
+
+"reference" (pure MLX, any device), "ext" (the compiled extension: CPU, and Apple
+GPUs when built with Metal), "metal" and "cuda" (the same kernel core compiled at
+run time by mx.fast). "auto" picks metal on an Apple GPU, cuda on an NVIDIA GPU,
+ext on the CPU, and the reference (with one warning naming what is missing) otherwise.
+"""
 
 from __future__ import annotations
 
@@ -7,37 +13,44 @@ import warnings
 import mlx.core as mx
 
 from .. import reference
-from . import ext
+from . import ext, jit
 
 _warned: set[str] = set()
 
 
 def available() -> dict[str, str | None]:
     """Each backend name mapped to None when usable here, else the reason it is not."""
-    return {"reference": None, "ext": ext.unavailable_reason()}
+    return {
+        "reference": None,
+        "ext": ext.unavailable_reason(),
+        "metal": jit.metal.unavailable_reason(),
+        "cuda": jit.cuda.unavailable_reason(),
+    }
 
 
 def _modules():
-    return {"reference": reference, "ext": ext}
+    return {"reference": reference, "ext": ext, "metal": jit.metal, "cuda": jit.cuda}
 
 
-def _ext_serves_default_device() -> bool:
-    """ext runs on the CPU everywhere, and on an Apple GPU only when built with Metal."""
+def _preferred() -> str:
+    """The backend made for the default device."""
     if mx.default_device() == mx.cpu:
-        return True
-    return bool(getattr(ext._ext, "HAS_METAL", False)) and mx.metal.is_available()
+        return "ext"
+    if mx.metal.is_available():
+        return "metal"
+    return "cuda"
 
 
 def _auto():
-    reason = ext.unavailable_reason()
-    if reason is None and _ext_serves_default_device():
-        return ext
+    name = _preferred()
+    reason = available()[name]
     if reason is None:
-        reason = f"camkv._ext has no kernel for the default device {mx.default_device()}"
+        return _modules()[name]
     if "auto" not in _warned:
         _warned.add("auto")
         warnings.warn(
-            f"camkv: using the slow pure-MLX reference backend because {reason}",
+            f"camkv: using the slow pure-MLX reference backend because backend {name!r} "
+            f"is not usable: {reason}",
             RuntimeWarning,
             stacklevel=3,
         )

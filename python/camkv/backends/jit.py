@@ -1,0 +1,193 @@
+"""Backends "metal" and "cuda": the kernel core compiled at run time by MLX.
+
+mx.fast.metal_kernel (Apple GPUs) and mx.fast.cuda_kernel (NVIDIA GPUs through
+MLX's CUDA backend) both take a header and a kernel body. The header is the
+target's prelude plus the one kernel core (the files camkv._ext compiles for the
+CPU); the body only maps the launch onto the core's entry, camkv_update_row. One
+launch per layer per call: one work group of THREADS threads per row.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import mlx.core as mx
+
+from ..config import MERGE_MODES, CaMConfig
+from ..reference import RowState
+from .sources import kernel_source
+
+THREADS = 256  # per row: a multiple of the 32-wide SIMD group on both targets
+MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
+_STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+_INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
+           "queries", "row_ids", "params"]
+_OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
+            "scratch_f32", "scratch_i32", "scratch_store"]
+
+# The shared body: row buffers, the core's entry, the merge count. Each target
+# supplies its group (thread index, size, shared reduction slots) before it.
+_BODY = """
+  CamRowBuffers<T> b = camkv_row_buffers<T>(
+      row, p, in_keys, in_values, in_scores, in_positions, new_keys, new_values, queries,
+      out_keys, out_values, out_scores, out_positions, scratch_f32, scratch_i32, scratch_store);
+  int merged = camkv_update_row<T>(b, p, row_ids[row], g);
+  if (g.tid == 0) {
+    merges[row] = merged;
+  }
+"""
+
+_TARGETS = {
+    "metal": {
+        "header": "#define CAMKV_CONSTANT device\n" + "{prelude}\n{core}\n",
+        "prelude": "camkv_prelude.h",
+        "group": """
+  threadgroup float red_f[32];
+  threadgroup int red_i[32];
+  CamGroup g;
+  g.tid = thread_position_in_threadgroup.x;
+  g.size = threads_per_threadgroup.x;
+  g.red_f = red_f;
+  g.red_i = red_i;
+  int row = (int)threadgroup_position_in_grid.x;
+  const device CamParams* p = (const device CamParams*)params;
+""",
+    },
+    "cuda": {
+        "header": "{prelude}\n{core}\n",
+        "prelude": "camkv_prelude.cuh",
+        "group": """
+  __shared__ float red_f[32];
+  __shared__ int red_i[32];
+  CamGroup g;
+  g.tid = threadIdx.x;
+  g.size = blockDim.x;
+  g.red_f = red_f;
+  g.red_i = red_i;
+  int row = (int)blockIdx.x;
+  const CamParams* p = (const CamParams*)params;
+""",
+    },
+}
+
+_kernels: dict[str, object] = {}
+
+
+def target_source(target: str) -> tuple[str, str]:
+    """(header, body) of the run-time kernel for 'metal' or 'cuda'."""
+    spec = _TARGETS[target]
+    header = spec["header"].format(prelude=kernel_source(spec["prelude"]), core=kernel_source("camkv_core.h"))
+    # The preludes and the core include each other by name in a build; here they are inlined.
+    header = "\n".join(line for line in header.splitlines() if not line.startswith('#include "camkv'))
+    return header, spec["group"] + _BODY
+
+
+def unavailable_reason(target: str) -> str | None:
+    """None when this MLX can run the target's kernels here, else why not."""
+    if target == "metal":
+        return None if mx.metal.is_available() else "no Apple GPU (Metal) on this machine"
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return "no NVIDIA GPU (MLX's CUDA backend) on this machine"
+    return None
+
+
+def _kernel(target: str):
+    """The compiled kernel, built once per process and target (MLX caches per template)."""
+    if target not in _kernels:
+        header, body = target_source(target)
+        make = mx.fast.metal_kernel if target == "metal" else mx.fast.cuda_kernel
+        _kernels[target] = make(name="camkv_update", input_names=_INPUTS, output_names=_OUTPUTS,
+                                source=body, header=header)
+    return _kernels[target]
+
+
+def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_dim: int) -> tuple[int, int, int]:
+    """Per-row scratch (floats, ints, storage elements): camkv_*_stride of the core, in Python.
+
+    The device kernels read the strides from their parameters, so these only size the
+    buffers; tests check them against the core's own (camkv._ext.scratch_strides).
+    """
+    runs_chunk = chunk and s_len > 1
+    capacity = n + s_len if runs_chunk else n_out + 1
+    shadow_columns = (capacity + 7) // 8 * 8 + 8
+    shadow = k_dim * shadow_columns if s_len > 1 else 0
+    store = (n + s_len) * (k_dim + v_dim) if runs_chunk else k_dim + v_dim
+    return 3 * capacity + shadow, 4 * capacity, store
+
+
+def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
+                key_scoring, strides) -> mx.array:
+    """struct CamParams (camkv_core.h) as int32 words: 20 ints, uint32 seed, float scale, 3 ints."""
+    head = [rows, n, s_len, k_dim, v_dim, groups, n_out, cfg.budget, cfg.n_sink, cfg.recent,
+            cfg.window, MERGE_MODES.index(cfg.merge), int(cfg.merge_keys), int(cfg.gate),
+            int(cfg.prefill == "chunk"), int(key_scoring), 0, offset]
+    packed = struct.pack(f"<{len(head)}iIf3i", *head, cfg.seed, scale, *strides)
+    return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
+
+
+def _check_inputs(state: RowState, new_keys, queries, scale) -> None:
+    if new_keys.dtype not in _STORAGE_DTYPES:
+        raise ValueError(f"new_keys must be float16, bfloat16 or float32, got {new_keys.dtype}")
+    if queries is not None and scale is None:
+        raise ValueError("query scoring needs the model's attention scale, got scale=None")
+    for name, dim in (("Dk", new_keys.shape[-1]), ("Dv", state.values.shape[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name} = {dim} exceeds the GPU kernels' limit of {MAX_HEAD_DIM}; "
+                             "use backend='reference'")
+
+
+def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
+           queries=None, scale=None, *, target: str) -> tuple[RowState, mx.array]:
+    """Absorb S new tokens per row in one kernel launch; see camkv.reference.update."""
+    reason = unavailable_reason(target)
+    if reason is not None:
+        raise RuntimeError(f"backend {target!r} is not usable here: {reason}")
+    _check_inputs(state, new_keys, queries, scale)
+    rows, s_len, k_dim = new_keys.shape
+    v_dim, n = new_values.shape[-1], state.length
+    if n == 0 and state.keys.dtype != new_keys.dtype:
+        state = RowState.empty(rows, k_dim, v_dim, new_keys.dtype)
+    n_out = min(n + s_len, cfg.budget)
+    key_scoring = queries is None
+    if key_scoring:
+        scale, groups = 1.0 / math.sqrt(k_dim), 1
+        queries = mx.zeros((1,), mx.float32)  # unused by the core
+    else:
+        groups = queries.shape[2]
+        queries = queries.astype(mx.float32)
+    strides = scratch_strides(cfg.prefill == "chunk", n, s_len, n_out, k_dim, v_dim)
+    params = pack_params(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, int(offset), float(scale),
+                         key_scoring, strides)
+    # A zero-length stored state still needs a buffer to point at.
+    stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state]
+    dtype = new_keys.dtype
+    outputs = _kernel(target)(
+        inputs=[*stored, new_keys, new_values, queries, row_ids.astype(mx.uint32), params],
+        template=[("T", dtype)],
+        grid=(rows * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, n_out, k_dim), (rows, n_out, v_dim), (rows, n_out), (rows, n_out), (rows,),
+                       (rows, strides[0]), (rows, strides[1]), (rows, strides[2])],
+        output_dtypes=[dtype, dtype, mx.float32, mx.int32, mx.int32, mx.float32, mx.int32, dtype],
+    )
+    keys, values, scores, positions, merges = outputs[:5]
+    return RowState(keys, values, scores, positions), merges
+
+
+class _Target:
+    """A backend module-like object for one target (what camkv.backends.resolve returns)."""
+
+    def __init__(self, target: str):
+        self.__name__ = f"camkv.backends.{target}"
+        self.target = target
+
+    def update(self, state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
+        return update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, target=self.target)
+
+    def unavailable_reason(self):
+        return unavailable_reason(self.target)
+
+
+metal = _Target("metal")
+cuda = _Target("cuda")

@@ -1,0 +1,111 @@
+"""The run-time kernels (backends "metal" and "cuda"): their sources parse on Linux,
+their host-side layout (parameters, scratch sizes) agrees with the kernel core.
+Their results are checked against the reference by tests/test_equivalence.py and
+tests/test_rules.py wherever the GPU exists."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from camkv import CaMConfig
+from camkv.backends import jit
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+# What MLX generates around a body, reduced to the parameters the body uses.
+_SIGNATURES = {
+    "metal": (
+        "template <typename T>\n[[kernel]] void camkv_update(\n"
+        "  const device T* in_keys, const device T* in_values, const device float* in_scores,\n"
+        "  const device int32_t* in_positions, const device T* new_keys, const device T* new_values,\n"
+        "  const device float* queries, const device uint32_t* row_ids, const device int32_t* params,\n"
+        "  device T* out_keys, device T* out_values, device float* out_scores, device int32_t* out_positions,\n"
+        "  device int32_t* merges, device float* scratch_f32, device int32_t* scratch_i32, device T* scratch_store,\n"
+        "  uint3 thread_position_in_threadgroup, uint3 threads_per_threadgroup,\n"
+        "  uint3 threadgroup_position_in_grid) {{\n{body}\n}}\n"
+        "template void camkv_update<float>(METAL_ARGS(float));\n"
+    ),
+    "cuda": (
+        "template <typename T>\n__global__ void camkv_update(\n"
+        "  const T* in_keys, const T* in_values, const float* in_scores, const int32_t* in_positions,\n"
+        "  const T* new_keys, const T* new_values, const float* queries, const uint32_t* row_ids,\n"
+        "  const int32_t* params, T* out_keys, T* out_values, float* out_scores, int32_t* out_positions,\n"
+        "  int32_t* merges, float* scratch_f32, int32_t* scratch_i32, T* scratch_store) {{\n{body}\n}}\n"
+        "template void camkv_update<float>(CUDA_ARGS(float));\n"
+    ),
+}
+_ARGS = {
+    "metal": "#define METAL_ARGS(T) const device T*, const device T*, const device float*, const device int32_t*, "
+             "const device T*, const device T*, const device float*, const device uint32_t*, const device int32_t*, "
+             "device T*, device T*, device float*, device int32_t*, device int32_t*, device float*, device int32_t*, "
+             "device T*, uint3, uint3, uint3\n",
+    "cuda": "#define CUDA_ARGS(T) const T*, const T*, const float*, const int32_t*, const T*, const T*, const float*, "
+            "const uint32_t*, const int32_t*, T*, T*, float*, int32_t*, int32_t*, float*, int32_t*, T*\n",
+}
+_STUB = {"metal": "#include <metal_stdlib>\n", "cuda": '#include "cuda_stub.h"\n'}
+
+
+def _generated(target: str) -> str:
+    header, body = jit.target_source(target)
+    return _STUB[target] + _ARGS[target] + header + "\n" + _SIGNATURES[target].format(body=body)
+
+
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
+@pytest.mark.parametrize("target", ["metal", "cuda"])
+def test_run_time_kernel_source_parses_against_the_stub(tmp_path, target):
+    source = tmp_path / f"camkv_jit_{target}.cpp"
+    source.write_text(_generated(target))
+    stub = ROOT / "tests" / ("metal_stub" if target == "metal" else "cuda_stub")
+    result = subprocess.run(
+        [COMPILER, "-std=c++17", "-fsyntax-only", "-x", "c++", "-Wall", "-Werror", "-Wno-unused-variable",
+         "-Wno-attributes", f"-I{stub}", str(source)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_header_inlines_prelude_and_core_without_local_includes():
+    for target in ("metal", "cuda"):
+        header, body = jit.target_source(target)
+        assert "camkv_update_row" in header and "camkv_update_row" in body
+        assert '#include "camkv' not in header
+
+
+@settings(max_examples=60, deadline=None)
+@given(chunk=st.booleans(), n=st.integers(0, 300), s_len=st.integers(1, 300), budget=st.integers(8, 300),
+       k_dim=st.integers(1, 256), v_dim=st.integers(1, 256))
+def test_scratch_sizes_equal_the_cores(chunk, n, s_len, budget, k_dim, v_dim):
+    ext = pytest.importorskip("camkv._ext")
+    n = min(n, budget)
+    n_out = min(n + s_len, budget)
+    assert jit.scratch_strides(chunk, n, s_len, n_out, k_dim, v_dim) == tuple(
+        ext.scratch_strides(chunk, n, s_len, n_out, k_dim, v_dim))
+
+
+def test_parameters_pack_in_the_cores_field_order():
+    cfg = CaMConfig(budget=64, n_sink=3, recent=5, merge="window", window=2, gate=False, seed=2**32 - 2,
+                    prefill="exact")
+    words = jit.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9)).tolist()
+    assert len(words) == 23  # sizeof(CamParams) / 4
+    assert words[:18] == [6, 10, 1, 32, 16, 2, 11, 64, 3, 5, 2, 2, 0, 0, 0, 0, 0, 77]
+    assert struct.unpack("<I", struct.pack("<i", words[18]))[0] == 2**32 - 2
+    assert struct.unpack("<f", struct.pack("<i", words[19]))[0] == 0.125
+    assert words[20:] == [7, 8, 9]
+
+
+def test_forcing_an_absent_gpu_backend_is_a_clear_error():
+    from camkv import backends
+
+    for target in ("metal", "cuda"):
+        reason = backends.available()[target]
+        if reason is None:
+            continue
+        with pytest.raises(RuntimeError, match=f"backend '{target}' is not usable here: no "):
+            backends.resolve(target)
