@@ -44,24 +44,26 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from . import hook, texts
 from .integration import make_prompt_cache as camkv_prompt_cache
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # camkv.models' name for SmolLM2-135M-Instruct
 TINY_MODEL = "tiny-random"
 ALL_BUDGETS = "10%,20%,50%,256,512"
 
 PRESETS = {
-    # Finishes in seconds on a laptop CPU: a tiny random llama on the built-in text.
-    "smoke": dict(model=TINY_MODEL, texts="builtin", tasks="stream,passkey", methods="all",
-                  budgets=ALL_BUDGETS, stream_tokens=128, stream_prefill=64, stream_samples=1,
-                  chunk=64, passkey_lengths="320,512", passkey_placements=2, answer_tokens=6,
+    # CI-sized: a tiny random llama on the built-in text, a few arms; seconds on a CPU.
+    "smoke": dict(model=TINY_MODEL, texts="builtin", tasks="stream,passkey",
+                  methods="full,streamingllm,h2o,sim_weighted,window-nogate,sim_weighted-query",
+                  budgets="20%,50%", stream_tokens=96, stream_prefill=48, stream_samples=1,
+                  chunk=48, passkey_lengths="320", passkey_placements=2, answer_tokens=6,
                   n_sink=2, recent=4),
-    # A real model on the CPU: one window, 1k-token passkeys (minutes with OpenBLAS).
-    "cpu": dict(model=DEFAULT_MODEL, texts="austen", tasks="stream,passkey", methods="key",
-                budgets=ALL_BUDGETS, stream_tokens=1024, stream_prefill=512, stream_samples=1,
+    # The real model on a CPU (use OpenBLAS, see the README): one window, 1k-token passkeys.
+    "cpu": dict(model=DEFAULT_MODEL, texts="austen", tasks="stream,passkey", methods="core",
+                budgets=ALL_BUDGETS, stream_tokens=1024, stream_prefill=768, stream_samples=1,
                 chunk=256, passkey_lengths="1024", passkey_placements=20, answer_tokens=8,
                 n_sink=4, recent=32),
-    # The full sweep for a GPU machine; resumable, cut into runs with --time-budget.
+    # The full sweep for a GPU machine: 4k-token windows (3.5k prefilled, 512 one-token
+    # steps), passkeys up to 8k. Resumable; cut it into runs with --time-budget.
     "gpu": dict(model=DEFAULT_MODEL, texts="sotu,austen,kjv", tasks="stream,passkey",
-                methods="all", budgets=ALL_BUDGETS, stream_tokens=4096, stream_prefill=2048,
+                methods="all", budgets=ALL_BUDGETS, stream_tokens=4096, stream_prefill=3584,
                 stream_samples=2, chunk=512, passkey_lengths="1024,2048,4096,8192",
                 passkey_placements=20, answer_tokens=8, n_sink=4, recent=32),
 }
@@ -375,7 +377,7 @@ PASSKEY_INTRO = (
 )
 PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
-SENTENCE_SEARCH = 64  # tokens to look ahead for a sentence end to hide the key after
+SENTENCE_SEARCH = 64  # most tokens to look ahead for a sentence end to hide the key after
 
 
 @dataclass(frozen=True)
@@ -392,8 +394,12 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
 
 
 def _sentence_end_at_or_after(tokenizer, filler: list[int], index: int) -> int:
-    """The first split point at or after index that follows a sentence end (else index)."""
-    for k in range(max(1, index), min(len(filler), index + SENTENCE_SEARCH)):
+    """The first split point at or after index that follows a sentence end (else index).
+
+    The look-ahead is at most 5% of the filler, so the key's depth moves by <= 0.05.
+    """
+    reach = min(SENTENCE_SEARCH, len(filler) // 20)
+    for k in range(max(1, index), min(len(filler), index + reach + 1)):
         if tokenizer.decode([filler[k - 1]]).rstrip().endswith((".", "!", "?", '"')):
             return k
     return index
@@ -684,7 +690,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--preset", choices=sorted(PRESETS), default="smoke",
       help="defaults for every flag below: smoke (tiny random model, seconds), cpu (the real "
       "model, one window, 1k passkeys), gpu (the full sweep); default smoke")
-    a("--model", help="tiny-random, the default SmolLM2-135M-Instruct, or an mlx-lm path / id")
+    a("--model", help=f"{TINY_MODEL} (smoke), {DEFAULT_MODEL} (SmolLM2-135M-Instruct, loaded by "
+      "camkv.models; cpu and gpu presets), or an mlx-lm model folder / Hugging Face id")
     a("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
       help="weights' dtype; auto = float32 on the CPU (far faster there), as loaded elsewhere")
     a("--texts", help="comma-separated text sources: builtin, sotu, austen, kjv, or file / "
