@@ -760,8 +760,18 @@ def run_config(opts) -> dict:
     return {k: getattr(opts, k) for k in keys}
 
 
+class _NoProgress:
+    def update(self, n=1): ...
+    def set_postfix_str(self, text): ...
+    def close(self): ...
+
+
 def _progress_bar(total: int, done: int, disable: bool):
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print("camkv eval: tqdm is not installed: no progress bar", file=sys.stderr)
+        return _NoProgress()
 
     return tqdm(total=total, initial=min(done, total), desc="camkv eval", unit="arm",
                 disable=disable, dynamic_ncols=True)

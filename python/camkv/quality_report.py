@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -265,6 +266,13 @@ def write_report(out_dir: Path, complete: bool | None = None, notes=()) -> dict:
     summary["notes"] = list(notes)
     previous.write_text(json.dumps(summary, indent=1))
     (out_dir / "table.md").write_text(markdown_tables(summary) + "\n")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        # A bare machine still keeps every number; `--report-only` elsewhere draws them.
+        print("camkv eval: matplotlib is not installed: no plots (rerun with --report-only "
+              "where it is)", file=sys.stderr)
+        return summary
     plot_stream(summary, out_dir / "stream_vs_budget.png")
     plot_passkey(summary, out_dir / "passkey_heatmap.png", out_dir / "passkey_bars.png")
     return summary
