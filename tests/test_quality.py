@@ -153,13 +153,16 @@ def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_resuming_into_a_folder_of_another_run_is_refused(tmp_path):
+def test_a_folder_takes_more_arms_but_refuses_records_of_another_setup(tmp_path):
     out = tmp_path / "run"
     args = ["--preset", "smoke", "--out", str(out), "--no-progress", "--tasks", "passkey",
-            "--methods", "h2o", "--budgets", "50%", "--passkey-placements", "1"]
-    assert quality.main(args) == 0
-    assert quality.main(args[:-1] + ["2"]) == 2  # different placements, same folder
-    assert quality.main(args[:-1] + ["2", "--fresh"]) == 0
+            "--budgets", "50%", "--passkey-placements", "1"]
+    assert quality.main(args + ["--methods", "h2o"]) == 0
+    assert quality.main(args + ["--methods", "h2o,streamingllm"]) == 0  # adds one arm
+    methods = [json.loads(line)["method"] for line in (out / "records.jsonl").open()]
+    assert methods == ["full", "h2o", "streamingllm"]
+    assert quality.main(args + ["--methods", "h2o", "--chunk", "16"]) == 2  # another setup
+    assert quality.main(args + ["--methods", "h2o", "--chunk", "16", "--fresh"]) == 0
 
 
 @pytest.mark.parametrize("flag,value,message", [

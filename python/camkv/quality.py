@@ -429,7 +429,8 @@ def build_passkey(tokenizer, source: str, docs, length: int, depth: float, place
                                   seed=rng.randrange(2**31))[0]
     split = _sentence_end_at_or_after(tokenizer, window.tokens, round(depth * filler_len))
     tokens = intro + window.tokens[:split] + needle + window.tokens[split:] + question
-    sample_id = f"L{length}:p{placement}:{window.sample_id}"
+    # Unique whatever --passkey-placements is, so runs with different counts can share a folder.
+    sample_id = f"L{length}:d{depth:.3f}:k{key}:{window.sample_id}"
     return PasskeyPrompt(sample_id, length, split / filler_len, key, tokens)
 
 
@@ -478,8 +479,7 @@ class RecordStore:
         if not (self.records_path.exists() and self.config_path.exists()):
             return
         before = json.loads(self.config_path.read_text())
-        differ = sorted(k for k in set(before) | set(run_config)
-                        if k not in ("time_budget",) and before.get(k) != run_config.get(k))
+        differ = [k for k in IDENTITY_KEYS if before.get(k) != run_config.get(k)]
         if differ:
             details = ", ".join(f"{k}: {before.get(k)!r} -> {run_config.get(k)!r}" for k in differ)
             raise ValueError(
@@ -752,12 +752,18 @@ def resolve_options(argv) -> argparse.Namespace:
     return opts
 
 
+# Flags that change what a record means: a folder's records must all share them.
+IDENTITY_KEYS = ("model", "dtype", "stream_tokens", "stream_prefill", "chunk", "answer_tokens",
+                 "n_sink", "recent", "window", "seed", "backend")
+# Flags that only pick which records to make: they may change between runs into one
+# folder (e.g. --methods core first, then --methods all adds the other arms).
+SELECTION_KEYS = ("texts", "tasks", "methods", "budgets", "stream_samples", "passkey_lengths",
+                  "passkey_placements")
+
+
 def run_config(opts) -> dict:
-    """What makes two runs' records comparable (checked when resuming into the same --out)."""
-    keys = ("model", "dtype", "texts", "tasks", "methods", "budgets", "stream_tokens",
-            "stream_prefill", "stream_samples", "chunk", "passkey_lengths", "passkey_placements",
-            "answer_tokens", "n_sink", "recent", "window", "seed", "backend")
-    return {k: getattr(opts, k) for k in keys}
+    """The options a run writes to OUT/run.json."""
+    return {k: getattr(opts, k) for k in IDENTITY_KEYS + SELECTION_KEYS}
 
 
 class _NoProgress:

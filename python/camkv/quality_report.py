@@ -17,8 +17,12 @@ from .quality import RecordStore, method_catalog, parse_budgets
 SUBSETS = ("decode", "all")
 
 
-def _label_order(config: dict) -> list[str]:
-    return [b.label for b in parse_budgets(config["budgets"])]
+def _label_order(config: dict, records: list[dict]) -> list[str]:
+    """This run's budget labels, then any others earlier runs into the folder used."""
+    labels = [b.label for b in parse_budgets(config["budgets"])]
+    for r in records:
+        labels += [lb for lb in r["labels"] if lb not in labels]
+    return labels
 
 
 def _method_order(records: list[dict]) -> list[str]:
@@ -89,7 +93,7 @@ def _plain(tree):
 def summarize(records: list[dict], config: dict) -> dict:
     return {
         "config": config,
-        "budget_labels": _label_order(config),
+        "budget_labels": _label_order(config, records),
         "methods": _method_order(records),
         "passkey_lengths": sorted({r["length"] for r in records if r["task"] == "passkey"}),
         "stream": {subset: summarize_stream(records, subset) for subset in SUBSETS},
@@ -101,11 +105,17 @@ def summarize(records: list[dict], config: dict) -> dict:
 # ---------------------------------------------------------------------------- tables
 
 
+def _labels_with_data(table: dict, labels: list[str]) -> list[str]:
+    """The budget labels some method has a value for (a budget skipped everywhere is no column)."""
+    return [lb for lb in labels if any(lb in cells for cells in table.values())]
+
+
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
 def _metric_table(title: str, table: dict, methods, labels, fmt) -> list[str]:
+    labels = _labels_with_data(table, labels)
     rows = [f"**{title}**", "", _row(["method"] + labels), _row(["---"] * (len(labels) + 1))]
     for method in methods:
         if method in table:
@@ -162,7 +172,8 @@ def plot_stream(summary: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table, labels = summary["stream"]["decode"], summary["budget_labels"]
+    table = summary["stream"]["decode"]
+    labels = _labels_with_data(table, summary["budget_labels"])
     if not table:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
@@ -197,7 +208,8 @@ def plot_passkey(summary: dict, heatmap_path: Path, bars_path: Path) -> bool:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    by_length, labels = summary["passkey"]["by_length"], summary["budget_labels"]
+    by_length = summary["passkey"]["by_length"]
+    labels = _labels_with_data(summary["passkey"]["overall"], summary["budget_labels"])
     lengths = [str(n) for n in summary["passkey_lengths"]]
     methods = [m for m in summary["methods"] if m in by_length]
     if not methods:
