@@ -55,9 +55,9 @@ PRESETS = {
                   budgets="20%,50%", stream_tokens=96, stream_prefill=48, stream_samples=1,
                   chunk=48, passkey_lengths="320", passkey_placements=2, answer_tokens=6,
                   n_sink=2, recent=4),
-    # The real model on a CPU (use OpenBLAS, see the README): one window, 1k-token passkeys.
+    # The real model on a CPU (with OpenBLAS): one 512-token window, 1k-token passkeys.
     "cpu": dict(model=DEFAULT_MODEL, texts="austen", tasks="stream,passkey", methods="core",
-                budgets=ALL_BUDGETS, stream_tokens=1024, stream_prefill=768, stream_samples=1,
+                budgets=ALL_BUDGETS, stream_tokens=512, stream_prefill=384, stream_samples=1,
                 chunk=256, passkey_lengths="1024", passkey_placements=20, answer_tokens=8,
                 n_sink=4, recent=32),
     # The full sweep for a GPU machine: 4k-token windows (3.5k prefilled, 512 one-token
