@@ -322,9 +322,11 @@ def full_reference(model, tokens: list[int], prefill_len: int, chunk: int, start
     blocks = []
     for first, logits in feed(model, make_prompt_cache(model), inputs, prefill_len, chunk):
         keep = max(0, start - first)
-        if keep < logits.shape[0]:
-            blocks.append(_logprobs(logits[keep:]))
-            mx.eval(blocks[-1])
+        if keep >= logits.shape[0]:
+            mx.eval(logits)  # before the first scored position; still bound the lazy graph
+            continue
+        blocks.append(_logprobs(logits[keep:]))
+        mx.eval(blocks[-1])
     logprobs = mx.concatenate(blocks)
     positions = mx.arange(start, len(inputs))
     nll = -mx.take_along_axis(logprobs, targets[positions][:, None], axis=-1)[:, 0]
