@@ -60,11 +60,11 @@ PRESETS = {
                 budgets=ALL_BUDGETS, stream_tokens=512, stream_prefill=384, stream_samples=1,
                 chunk=256, passkey_lengths="1024", passkey_placements=20, answer_tokens=8,
                 n_sink=4, recent=32),
-    # The full sweep for a GPU machine: 4k-token windows (3.5k prefilled, 512 one-token
-    # steps), passkeys up to 8k. Resumable; cut it into runs with --time-budget.
+    # The full sweep for a GPU machine: a 4k-token window per source (3840 prefilled, 255
+    # one-token steps), passkeys up to 8k. Resumable; cut it into runs with --time-budget.
     "gpu": dict(model=DEFAULT_MODEL, texts="sotu,austen,kjv", tasks="stream,passkey",
-                methods="all", budgets=ALL_BUDGETS, stream_tokens=4096, stream_prefill=3584,
-                stream_samples=2, chunk=512, passkey_lengths="1024,2048,4096,8192",
+                methods="all", budgets=ALL_BUDGETS, stream_tokens=4096, stream_prefill=3840,
+                stream_samples=1, chunk=512, passkey_lengths="1024,2048,4096,8192",
                 passkey_placements=20, answer_tokens=8, n_sink=4, recent=32),
 }
 
@@ -656,6 +656,29 @@ def plan_rounds(opts, documents, tokenizer) -> list[tuple[list, list]]:
             for r in range(rounds)]
 
 
+def describe_plan(opts, methods, budgets, settings) -> str:
+    """How much work the options ask for, before any model or text is loaded."""
+    arms = len(methods) - 1
+    lines = [f"{len(methods)} arms: {', '.join(m.name for m in methods)}"]
+    if "stream" in opts.tasks:
+        per_window = budgets_for(opts.stream_tokens, budgets, settings, set())
+        windows = len(opts.texts) * opts.stream_samples
+        lines.append(
+            f"stream: {windows} windows of {opts.stream_tokens} tokens x (1 full + {arms} arms x "
+            f"{len(per_window)} budgets {sorted(per_window)}) = {windows * (1 + arms * len(per_window))} "
+            f"runs, each {opts.stream_prefill} tokens prefilled in chunks of {opts.chunk} then "
+            f"{opts.stream_tokens - 1 - opts.stream_prefill} one-token steps")
+    if "passkey" in opts.tasks:
+        total = 0
+        for length in opts.passkey_lengths:
+            per_prompt = 1 + arms * len(budgets_for(length, budgets, settings, set()))
+            total += opts.passkey_placements * per_prompt
+        lines.append(
+            f"passkey: {opts.passkey_placements} placements x lengths {opts.passkey_lengths} = "
+            f"{total} runs, each a chunked prefill and {opts.answer_tokens} greedy steps")
+    return "\n".join(lines)
+
+
 def count_units(rounds, methods, budgets, settings) -> int:
     arms = len(methods) - 1
     total = 0
@@ -723,6 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--time-budget", type=float, help="seconds; stop before a unit of work that would "
       "overrun them (rerun the same command to continue)")
     a("--fresh", action="store_true", help="discard the records already in --out")
+    a("--plan", action="store_true", help="print how many runs the options ask for, then exit")
     a("--report-only", action="store_true", help="only rewrite summary, table and plots from "
       "the records in --out")
     a("--no-progress", action="store_true", help="no progress bars")
@@ -791,13 +815,16 @@ def run(opts) -> dict:
 
     if opts.report_only:
         return quality_report.write_report(opts.out)
+    methods, budgets = parse_methods(opts.methods), parse_budgets(opts.budgets)
+    settings = CacheSettings(opts.n_sink, opts.recent, opts.window, opts.seed, opts.backend)
+    if opts.plan:
+        print(describe_plan(opts, methods, budgets, settings))
+        return {}
     documents = load_documents(opts.texts, opts.offline)
     if opts.fetch_only:
         print(f"camkv eval: texts cached under {texts.cache_root() / 'texts'}: "
               + ", ".join(f"{s} ({len(d)} documents)" for s, d in documents.items()))
         return {}
-    methods, budgets = parse_methods(opts.methods), parse_budgets(opts.budgets)
-    settings = CacheSettings(opts.n_sink, opts.recent, opts.window, opts.seed, opts.backend)
     store = RecordStore(opts.out, run_config(opts), opts.fresh)
     model, tokenizer = load_model(opts.model)
     model = cast_model(model, opts.dtype)
