@@ -55,10 +55,10 @@ PRESETS = {
                   budgets="20%,50%", stream_tokens=96, stream_prefill=48, stream_samples=1,
                   chunk=48, passkey_lengths="320", passkey_placements=2, answer_tokens=6,
                   n_sink=2, recent=4),
-    # The real model on a CPU (with OpenBLAS): one 512-token window, 1k-token passkeys.
+    # The real model on a CPU (with OpenBLAS): one 512-token window, passkeys at 1k, 2k, 4k.
     "cpu": dict(model=DEFAULT_MODEL, texts="austen", tasks="stream,passkey", methods="core",
                 budgets=ALL_BUDGETS, stream_tokens=512, stream_prefill=384, stream_samples=1,
-                chunk=256, passkey_lengths="1024", passkey_placements=20, answer_tokens=8,
+                chunk=256, passkey_lengths="1024,2048,4096", passkey_placements=20, answer_tokens=8,
                 n_sink=4, recent=32),
     # The full sweep for a GPU machine: a 4k-token window per source (3840 prefilled, 255
     # one-token steps), passkeys up to 8k. Resumable; cut it into runs with --time-budget.
