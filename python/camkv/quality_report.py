@@ -155,6 +155,15 @@ def markdown_tables(summary: dict) -> str:
 # ---------------------------------------------------------------------------- plots
 
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _style(method: str) -> dict:
     colors = {"full": "black", "streamingllm": "tab:gray", "h2o": "tab:red",
               "sim_weighted": "tab:blue", "mean": "tab:green", "window": "tab:purple"}
@@ -167,11 +176,8 @@ def _style(method: str) -> dict:
 
 
 def plot_stream(summary: dict, path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """KL, top-1 agreement and perplexity against the budget, one line per method."""
+    plt = _pyplot()
     table = summary["stream"]["decode"]
     labels = _labels_with_data(table, summary["budget_labels"])
     if not table:
@@ -201,13 +207,24 @@ def plot_stream(summary: dict, path: Path) -> bool:
     return True
 
 
-def plot_passkey(summary: dict, heatmap_path: Path, bars_path: Path) -> bool:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _passkey_grid(cells: dict, lengths: list[str], labels: list[str]):
+    """Accuracy [length, budget label] of one method (NaN where not run)."""
     import numpy as np
 
+    grid = np.full((len(lengths), len(labels)), np.nan)
+    for i, length in enumerate(lengths):
+        for j, label in enumerate(labels):
+            cell = cells.get(length, {}).get(label)
+            if cell:
+                grid[i, j] = cell["accuracy"]
+    return grid
+
+
+def plot_passkey_heatmap(summary: dict, path: Path) -> bool:
+    """One panel per method: accuracy by context length (rows) and budget (columns)."""
+    import numpy as np
+
+    plt = _pyplot()
     by_length = summary["passkey"]["by_length"]
     labels = _labels_with_data(summary["passkey"]["overall"], summary["budget_labels"])
     lengths = [str(n) for n in summary["passkey_lengths"]]
@@ -216,15 +233,10 @@ def plot_passkey(summary: dict, heatmap_path: Path, bars_path: Path) -> bool:
         return False
     cols = min(4, len(methods))
     rows = math.ceil(len(methods) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 0.6 * len(lengths) * rows + 1.6 * rows),
-                             squeeze=False)
+    fig, axes = plt.subplots(rows, cols, squeeze=False,
+                             figsize=(3.6 * cols, (0.6 * len(lengths) + 1.6) * rows))
     for ax, method in zip(axes.flat, methods):
-        grid = np.full((len(lengths), len(labels)), np.nan)
-        for i, length in enumerate(lengths):
-            for j, label in enumerate(labels):
-                cell = by_length[method].get(length, {}).get(label)
-                if cell:
-                    grid[i, j] = cell["accuracy"]
+        grid = _passkey_grid(by_length[method], lengths, labels)
         ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         for (i, j), value in np.ndenumerate(grid):
             if not np.isnan(value):
@@ -237,14 +249,25 @@ def plot_passkey(summary: dict, heatmap_path: Path, bars_path: Path) -> bool:
         ax.axis("off")
     fig.suptitle("Passkey exact match (%) by context length (rows) and budget (columns)")
     fig.tight_layout()
-    fig.savefig(heatmap_path, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
+
+def plot_passkey_bars(summary: dict, path: Path) -> bool:
+    """Accuracy over all lengths, one group of bars per method, one bar per budget."""
+    import numpy as np
+
+    plt = _pyplot()
     overall = summary["passkey"]["overall"]
-    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(methods) * len(labels) / 3), 4.5))
+    labels = _labels_with_data(overall, summary["budget_labels"])
+    methods = [m for m in summary["methods"] if m in overall]
+    if not methods:
+        return False
+    fig, ax = plt.subplots(figsize=(max(8, 0.3 * len(methods) * len(labels)), 4.5))
     width = 0.8 / len(labels)
     for j, label in enumerate(labels):
-        values = [overall.get(m, {}).get(label, {}).get("accuracy", np.nan) for m in methods]
+        values = [overall[m].get(label, {}).get("accuracy", np.nan) for m in methods]
         ax.bar(np.arange(len(methods)) + j * width, values, width, label=label)
     ax.set_xticks(np.arange(len(methods)) + 0.4 - width / 2, methods, rotation=45, ha="right",
                   fontsize=8)
@@ -253,7 +276,7 @@ def plot_passkey(summary: dict, heatmap_path: Path, bars_path: Path) -> bool:
     ax.legend(title="budget", fontsize=8)
     ax.set_title("Passkey retrieval per method")
     fig.tight_layout()
-    fig.savefig(bars_path, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
@@ -286,5 +309,6 @@ def write_report(out_dir: Path, complete: bool | None = None, notes=()) -> dict:
               "where it is)", file=sys.stderr)
         return summary
     plot_stream(summary, out_dir / "stream_vs_budget.png")
-    plot_passkey(summary, out_dir / "passkey_heatmap.png", out_dir / "passkey_bars.png")
+    plot_passkey_heatmap(summary, out_dir / "passkey_heatmap.png")
+    plot_passkey_bars(summary, out_dir / "passkey_bars.png")
     return summary
