@@ -180,3 +180,10 @@ def test_bad_values_exit_2_naming_the_flag(tmp_path, capsys, flag, value, messag
 def test_every_flag_has_help():
     for action in quality.build_parser()._actions:
         assert action.help, action.option_strings
+
+
+def test_plan_counts_the_runs_the_smoke_sweep_makes(capsys):
+    assert quality.main(["--preset", "smoke", "--plan"]) == 0
+    out = capsys.readouterr().out
+    # 1 window: the full reference + 5 arms x 2 budgets; 2 prompts x (full + 5 x 2).
+    assert "= 11 runs" in out and "= 22 runs" in out
