@@ -187,3 +187,25 @@ def test_plan_counts_the_runs_the_smoke_sweep_makes(capsys):
     out = capsys.readouterr().out
     # 1 window: the full reference + 5 arms x 2 budgets; 2 prompts x (full + 5 x 2).
     assert "= 11 runs" in out and "= 22 runs" in out
+
+
+def test_a_folder_in_use_is_refused_and_a_stale_lock_is_taken_over(tmp_path, capsys):
+    import os
+    import socket
+
+    args = ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--tasks", "passkey",
+            "--methods", "h2o", "--budgets", "50%", "--passkey-placements", "1"]
+    (tmp_path / "run.lock").write_text(f"{socket.gethostname()}:{os.getpid()}")
+    assert quality.main(args) == 2
+    assert "in use by another camkv eval" in capsys.readouterr().err
+    (tmp_path / "run.lock").write_text(f"{socket.gethostname()}:999999999")
+    assert quality.main(args) == 0
+    assert not (tmp_path / "run.lock").exists()
+
+
+def test_a_redone_arm_counts_once(tmp_path):
+    line = {"task": "passkey", "sample": "s", "method": "h2o", "budget": 5, "correct": False}
+    again = {**line, "correct": True}
+    (tmp_path / "records.jsonl").write_text(
+        json.dumps(line) + "\n" + json.dumps(again) + "\n" + '{"task": "pass')
+    assert quality.RecordStore.read_records(tmp_path) == [again]

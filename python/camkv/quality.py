@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
+import os
 import random
 import re
+import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -494,9 +496,13 @@ class RecordStore:
         path = out_dir / "records.jsonl"
         if not path.exists():
             return []
-        lines = path.read_text().splitlines()
-        # A run killed mid-write leaves at most one torn last line; it is redone.
-        return [json.loads(line) for line in lines if line.strip().endswith("}")]
+        by_key = {}
+        for line in path.read_text().splitlines():
+            # A run killed mid-write leaves at most one torn last line; it is redone.
+            if line.strip().endswith("}"):
+                record = json.loads(line)
+                by_key[RecordStore.key(record)] = record  # a redone arm counts once
+        return list(by_key.values())
 
     @staticmethod
     def key(record: dict) -> tuple:
@@ -510,6 +516,42 @@ class RecordStore:
             f.write(json.dumps(record) + "\n")
         self.records.append(record)
         self._done.add(self.key(record))
+
+
+@contextmanager
+def folder_lock(out_dir: Path):
+    """One run at a time per folder: two would redo each other's work and interleave records."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = out_dir / "run.lock"
+    me = f"{socket.gethostname()}:{os.getpid()}"
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        holder = lock.read_text().strip()
+        if _lock_holder_alive(holder):
+            raise ValueError(f"{out_dir} is in use by another camkv eval ({holder}); wait for "
+                             "it or pass another --out") from None
+        lock.unlink(missing_ok=True)  # left by a run that was killed
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    os.write(fd, me.encode())
+    os.close(fd)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _lock_holder_alive(holder: str) -> bool:
+    host, _, pid = holder.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False  # a lock carried from another machine is stale here
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Clock:
@@ -825,6 +867,14 @@ def run(opts) -> dict:
         print(f"camkv eval: texts cached under {texts.cache_root() / 'texts'}: "
               + ", ".join(f"{s} ({len(d)} documents)" for s, d in documents.items()))
         return {}
+    with folder_lock(opts.out):
+        return _sweep(opts, documents, methods, budgets, settings)
+
+
+def _sweep(opts, documents, methods, budgets, settings) -> dict:
+    """Every arm not yet in OUT's records, under the time budget; then the report."""
+    from . import quality_report
+
     store = RecordStore(opts.out, run_config(opts), opts.fresh)
     model, tokenizer = load_model(opts.model)
     model = cast_model(model, opts.dtype)
