@@ -200,7 +200,8 @@ def plot_stream(summary: dict, path: Path) -> bool:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[-1].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"Streaming vs the full cache: {summary['config']['model']}")
+    model = Path(summary["config"]["model"]).name  # a folder's name, not its whole path
+    fig.suptitle(f"Streaming vs the full cache: {model}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
