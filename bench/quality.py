@@ -1,0 +1,32 @@
+"""Quality sweep of camkv against the full cache, StreamingLLM and H2O: `camkv eval` from a checkout.
+
+    python bench/quality.py --preset smoke            # seconds, tiny random model
+    python bench/quality.py --preset gpu --time-budget 480   # the full sweep, resumable
+
+Every flag: python bench/quality.py --help. The logic lives in camkv.quality.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run from a source checkout without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+
+def main() -> int:
+    try:
+        # On a Linux CPU, re-run with the system OpenBLAS preloaded (30x faster matmuls).
+        from camkv._blas import reexec_with_openblas
+    except ImportError:  # a checkout without camkv._blas: set LD_PRELOAD yourself
+        reexec_with_openblas = None
+    if reexec_with_openblas is not None:
+        reexec_with_openblas()
+    from camkv.quality import main as quality_main
+
+    return quality_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
