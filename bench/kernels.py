@@ -58,15 +58,15 @@ def random_rows(rng, rows, length, dim, dtype) -> mx.array:
     return mx.array(rng.standard_normal((rows, length, dim)).astype(np.float32)).astype(dtype)
 
 
-def full_state(rows, n, dim, dtype, seed=0) -> RowState:
+def full_state(rows, n, dim, dtype, seed=0, update=None) -> RowState:
     """A state already at budget, as a real prompt leaves it: n random tokens absorbed
     in one call (scored causally, nothing evicted yet), so older tokens carry more
     attention mass and the next evictions fall just outside the recent window."""
     rng = np.random.default_rng(seed)
     cfg = CaMConfig(budget=n, prefill="chunk")
     keys, values = random_rows(rng, rows, n, dim, dtype), random_rows(rng, rows, n, dim, dtype)
-    state, _ = ext.update(RowState.empty(rows, dim, dim, dtype), keys, values, 0, cfg,
-                          mx.arange(rows).astype(mx.uint32))
+    state, _ = (update or ext.update)(RowState.empty(rows, dim, dim, dtype), keys, values, 0, cfg,
+                                      mx.arange(rows).astype(mx.uint32))
     state = RowState(*(mx.array(np.array(a)) if a.dtype != mx.bfloat16 else a + 0 for a in state))
     mx.eval(state)
     return state

@@ -47,7 +47,7 @@ def _subparsers(parser):
 def test_every_flag_of_every_command_has_help():
     parser = cli.build_parser()
     commands = _subparsers(parser)
-    assert set(commands) == {"generate", "demo", "serve", "bench"}
+    assert set(commands) == {"generate", "demo", "serve", "bench", "eval"}
     for name, sub in [("camkv", parser), *commands.items()]:
         for action in sub._actions:  # noqa: SLF001
             if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001

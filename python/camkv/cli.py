@@ -163,6 +163,17 @@ def _add_bench_parser(subparsers) -> None:
     p.set_defaults(run=cmd_bench, command_parser=p)
 
 
+def _add_eval_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval", add_help=False,
+        help="quality: CaM against H2O, StreamingLLM and the full cache on real text "
+             "(`camkv eval --help` lists its flags)",
+        description="camkv.quality: streaming KL / top-1 / perplexity and passkey retrieval.")
+    p.add_argument("eval_args", nargs=argparse.REMAINDER,
+                   help="the flags of camkv.quality (see `camkv eval --help`)")
+    # main() hands `camkv eval ...` to camkv.quality before this parser sees it.
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="camkv",
@@ -176,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_parser(subparsers)
     _add_serve_parser(subparsers)
     _add_bench_parser(subparsers)
+    _add_eval_parser(subparsers)
     return parser
 
 
@@ -404,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
         from ._blas import reexec_with_openblas
 
         reexec_with_openblas()
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["eval"]:
+        # camkv.quality parses its own flags (argparse cannot hand a subcommand's
+        # flags through untouched).
+        from .quality import main as quality_main
+
+        return quality_main(words[1:]) or 0
     parser = build_parser()
     # Unknown flags are mlx_lm.server's, for `serve` only.
     args, extra = parser.parse_known_args(argv)
