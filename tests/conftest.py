@@ -48,3 +48,16 @@ def run_calls(update, cfg, sizes, *, rows=3, k_dim=8, v_dim=6, dtype=mx.float32,
         offset += s_len
     mx.eval(state, merges)
     return state, merges
+
+
+def subprocess_env(*extra_paths: str, **variables: str) -> dict:
+    """The environment for a child Python that must import the camkv this process imported
+    (installed or from source), plus whatever was already on PYTHONPATH (e.g. mlx's)."""
+    import os
+    from pathlib import Path
+
+    import camkv
+
+    package_root = str(Path(camkv.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (package_root, *extra_paths, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **variables}

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import subprocess_env
 
 import camkv
 from camkv import cli, models
@@ -68,7 +69,7 @@ def test_unknown_flags_are_refused_except_for_serve(capsys):
 
 
 def test_python_dash_m_camkv_help_lists_the_commands():
-    env = dict(os.environ, PYTHONPATH="python", CAMKV_BLAS="0")
+    env = subprocess_env(CAMKV_BLAS="0")
     result = subprocess.run([sys.executable, "-m", "camkv", "--help"], capture_output=True,
                             text=True, env=env, cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr

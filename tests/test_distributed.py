@@ -27,6 +27,7 @@ from camkv import CaMKVCache
 from camkv.distributed import (
     ShardInfo, gather_kv_bytes, kv_bytes, local_kv_heads, report_kv_bytes, shard_info,
 )
+from conftest import subprocess_env
 from distributed_worker import MAX_TOKENS, save_tiny_repo, tiny_qwen2
 from tiny_models import save_tiny_model_dir, tiny_llama
 
@@ -176,9 +177,7 @@ def _launch(launcher_args: list[str], out_dir: Path, *worker_args: str) -> str:
     command = [_launcher(), *launcher_args, "--", sys.executable,
                str(TESTS / "distributed_worker.py"), str(out_dir), *worker_args]
     # The ranks import camkv from where this process did (source tree or installed).
-    package_root = str(Path(camkv.__file__).resolve().parent.parent)
-    path = os.pathsep.join(p for p in (package_root, str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    job = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": path}, text=True,
+    job = subprocess.Popen(command, env=subprocess_env(str(TESTS)), text=True,
                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -304,8 +303,7 @@ def test_camkv_generate_runs_under_mlx_launch(tmp_path, sharding):
     command = [_launcher(), *_ring_on_loopback(_free_port_pair()), "--", sys.executable, "-m", "camkv",
                "generate", "--model", str(model_dir), "--prompt", "the quick brown fox " * 10, "--max-tokens", "6",
                "--chat-template", "off", "--kv-budget", "48", "--kv-recent", "8", *extra]
-    package_root = str(Path(camkv.__file__).resolve().parent.parent)
-    job = subprocess.run(command, env={**os.environ, "PYTHONPATH": package_root, "CAMKV_BLAS": "0"},
+    job = subprocess.run(command, env=subprocess_env(CAMKV_BLAS="0"),
                          text=True, capture_output=True, timeout=LAUNCH_TIMEOUT_S, stdin=subprocess.DEVNULL)
     output = job.stdout + job.stderr
     held = re.findall(r"rank (\d): KV cache (\d+) bytes", output)

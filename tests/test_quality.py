@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 
-import mlx.core as mx
 import pytest
 
 from camkv import quality, texts

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -11,8 +10,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-import pytest
 
+from conftest import subprocess_env
 from tiny_models import save_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +39,7 @@ def _wait_until_up(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> 
 def test_chat_request_is_answered_with_camkv_caches(tmp_path):
     model_dir = save_tiny_model_dir(tmp_path / "tiny")
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    env = subprocess_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "camkv", "serve", "--kv-budget", "64", "--kv-recent", "8",
          "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)],
