@@ -16,6 +16,9 @@
 //   camkv_group_argmin(g, v, i)                   smallest v, ties to smaller i
 //   camkv_exp(x), camkv_sqrt(x), CAMKV_INF        float32 math
 //   camkv_float(x)                                storage dtype -> float32
+//   camkv_mul(a, b), camkv_madd(acc, a, b)        a * b and acc + a * b, each product and sum
+//                                                 rounded on its own (never fused), so every
+//                                                 target rounds dot products and blends alike
 //   CAMKV_THREAD                                  qualifier of thread-local arrays
 //   CAMKV_DOT_ROWS                                rows one thread dots at once
 // All arithmetic is float32; keys and values are rounded to the storage dtype
@@ -131,7 +134,7 @@ template <typename A, typename B>
 CAMKV_INLINE float camkv_dot(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
   float sum = 0.0f;
   for (int d = 0; d < len; ++d) {
-    sum += camkv_float(a[d]) * camkv_float(b[d]);
+    sum = camkv_madd(sum, camkv_float(a[d]), camkv_float(b[d]));
   }
   return sum;
 }
@@ -260,9 +263,9 @@ CAMKV_INLINE void camkv_dot_keys(CamRows<T> r, const CAMKV_DEVICE Q* q, int c0, 
     float qd = camkv_float(q[d]);
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
       float kd = camkv_float(rows[i][d]);
-      dots[i] += qd * kd;
+      dots[i] = camkv_madd(dots[i], qd, kd);
       if (with_norms) {
-        squares[i] += kd * kd;
+        squares[i] = camkv_madd(squares[i], kd, kd);
       }
     }
   }
@@ -281,7 +284,7 @@ CAMKV_INLINE void camkv_dot_columns(const CAMKV_DEVICE float* shadow, int column
     float qd = camkv_float(q[d]);
     const CAMKV_DEVICE float* column = shadow + (long)d * columns + c0;
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-      dots[i] += qd * column[i];
+      dots[i] = camkv_madd(dots[i], qd, column[i]);
     }
   }
 }
@@ -300,8 +303,8 @@ CAMKV_INLINE void camkv_dot_columns_with_norms(const CAMKV_DEVICE float* shadow,
     const CAMKV_DEVICE float* column = shadow + (long)d * columns + c0;
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
       float kd = column[i];
-      dots[i] += ed * kd;
-      squares[i] += kd * kd;
+      dots[i] = camkv_madd(dots[i], ed, kd);
+      squares[i] = camkv_madd(squares[i], kd, kd);
     }
   }
 }
@@ -454,7 +457,7 @@ CAMKV_INLINE int camkv_collect_window(CamRows<T> r, int e, int window, CamGroup 
 template <typename T>
 CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* source, float w, int len, CamGroup g) {
   for (int d = camkv_tid(g); d < len; d += camkv_gsize(g)) {
-    target[d] = (T)((1.0f - w) * camkv_float(target[d]) + w * camkv_float(source[d]));
+    target[d] = (T)camkv_madd(camkv_mul(1.0f - w, camkv_float(target[d])), w, camkv_float(source[d]));
   }
 }
 

@@ -44,6 +44,9 @@ inline float camkv_sqrt(float x) { return std::sqrt(x); }
 
 // Storage dtype -> float32. Hosts may add faster overloads for their 16-bit types
 // before including the core (csrc/camkv_primitive.cpp does for float16).
+inline float camkv_mul(float a, float b) { return a * b; }
+inline float camkv_madd(float acc, float a, float b) { return acc + a * b; }
+
 template <typename T>
 inline float camkv_float(T x) {
   return static_cast<float>(x);

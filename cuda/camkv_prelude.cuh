@@ -30,6 +30,11 @@ __device__ __forceinline__ void camkv_barrier(CamGroup) { __syncthreads(); }
 __device__ __forceinline__ float camkv_exp(float x) { return expf(x); }
 __device__ __forceinline__ float camkv_sqrt(float x) { return sqrtf(x); }
 
+// Explicitly rounded: nvrtc would otherwise fuse a * b + c into one FMA and round
+// differently from the CPU build.
+__device__ __forceinline__ float camkv_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float camkv_madd(float acc, float a, float b) { return __fadd_rn(acc, __fmul_rn(a, b)); }
+
 template <typename T>
 __device__ __forceinline__ float camkv_float(T x) {
   return static_cast<float>(x);

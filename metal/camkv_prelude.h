@@ -41,6 +41,9 @@ inline void camkv_barrier(CamGroup g) {
 inline float camkv_exp(float x) { return precise::exp(x); }
 inline float camkv_sqrt(float x) { return precise::sqrt(x); }
 
+inline float camkv_mul(float a, float b) { return a * b; }
+inline float camkv_madd(float acc, float a, float b) { return acc + a * b; }
+
 template <typename T>
 inline float camkv_float(T x) {
   return float(x);

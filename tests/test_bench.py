@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from camkv import benchmarks
@@ -20,8 +21,10 @@ def test_bench_writes_json_and_plots_with_budget_rows_held(tmp_path, capsys):
     assert (tmp_path / "t.png").stat().st_size > 0 and (tmp_path / "t-soak.png").stat().st_size > 0
     arms = {(r["arm"], r["prompt_len"]): r for r in saved["rows"]}
     assert set(arms) == {(a, n) for a in ("full", "rotating-64", "camkv-64") for n in (40, 120)}
-    # random-tiny: 2 layers, 2 KV heads of dim 16, float32; camkv also holds scores and positions.
-    per_row = 64 * (16 + 16) * 4 + 64 * 4 + 64 * 4
+    # random-tiny: 2 layers, 2 KV heads of dim 16, float32 on the CPU (bfloat16 on a GPU);
+    # camkv also holds float32 scores and int32 positions.
+    itemsize = 4 if mx.default_device() == mx.cpu else 2
+    per_row = 64 * (16 + 16) * itemsize + 64 * 4 + 64 * 4
     assert arms[("camkv-64", 120)]["kv_bytes"] == 2 * 2 * per_row
     assert arms[("camkv-64", 40)]["kv_bytes"] < arms[("camkv-64", 120)]["kv_bytes"]
     for row in saved["rows"]:

@@ -160,7 +160,7 @@ def test_auto_picks_ext_on_the_cpu():
 
 
 def _metal_ready() -> bool:
-    return bool(ext._ext.HAS_METAL) and mx.metal.is_available()
+    return ext._ext is not None and bool(ext._ext.HAS_METAL) and mx.metal.is_available()
 
 
 @pytest.mark.skipif(
