@@ -166,12 +166,12 @@ def test_global_head_placement_changes_the_draws():
     """Row r = b * H_global + h_global: a cache of heads 2..3 of 4 draws like those heads."""
     rng = np.random.default_rng(7)
     k, v = _block(rng, B=1, H=4, S=30, dtype=mx.float32)
-    full = CaMKVCache(budget=8, n_sink=1, recent=2)
+    full = CaMKVCache(budget=8, n_sink=1, recent=2, gate=True)
     full.update_and_fetch(k, v)
-    half = CaMKVCache(budget=8, n_sink=1, recent=2, head_offset=2, n_heads_global=4)
+    half = CaMKVCache(budget=8, n_sink=1, recent=2, gate=True, head_offset=2, n_heads_global=4)
     half.update_and_fetch(k[:, 2:], v[:, 2:])
     for a, b in zip(full.stored(), half.stored()):
         assert mx.array_equal(a[:, 2:], b).item()
-    wrong = CaMKVCache(budget=8, n_sink=1, recent=2)
+    wrong = CaMKVCache(budget=8, n_sink=1, recent=2, gate=True)
     wrong.update_and_fetch(k[:, 2:], v[:, 2:])
     assert not all(mx.array_equal(a[:, 2:], b).item() for a, b in zip(full.stored(), wrong.stored()))

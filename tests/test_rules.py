@@ -19,7 +19,7 @@ def _update(backend):
 
 
 def _cfg(backend, **fields):
-    base = dict(budget=8, n_sink=2, recent=3, backend=backend)
+    base = dict(budget=8, n_sink=2, recent=3, gate=True, backend=backend)
     base.update(fields)
     return CaMConfig(**base)
 
@@ -228,7 +228,7 @@ def test_drop_equals_a_gate_that_never_opens(monkeypatch):
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_gate_merges_at_a_rate_strictly_between_zero_and_one(backend, merge, prefill):
     """The defect ALGORITHM.md fixes (newest token always evicted, gate never open) stays fixed."""
-    cfg = CaMConfig(budget=16, n_sink=2, recent=4, merge=merge, prefill=prefill, backend=backend)
+    cfg = CaMConfig(budget=16, n_sink=2, recent=4, merge=merge, prefill=prefill, gate=True, backend=backend)
     state, merges = run_calls(_update(backend), cfg, [1] * 120, rows=4, k_dim=16, v_dim=16)
     evictions = 4 * (120 - 16)
     rate = sum(m.sum().item() for m in merges) / evictions
