@@ -1,7 +1,7 @@
 """Perplexity of a model on the opening of Pride and Prejudice: a check that a model loads correctly.
 
 The text comes from Debian's r-cran-janeaustenr package (fetched with
-``apt-get download``, unpacked with ``dpkg -x``, read with bench/rdata.py), so the
+``apt-get download``, unpacked with ``dpkg -x``, read with camkv.rdata), so the
 check needs only a Debian package mirror, no dataset hub. SmolLM2-135M-Instruct
 loaded correctly scores about 16 on the first 512 tokens; a broken load (for
 example Q/K rows left in llama.cpp's order) scores in the thousands.
@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rdata import read_lazyload_variable  # noqa: E402
+from camkv.rdata import read_lazyload_db
 
 JANEAUSTENR_DATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"
 
@@ -40,7 +38,8 @@ def pride_and_prejudice(cache: Path) -> str:
             subprocess.run(["apt-get", "download", "r-cran-janeaustenr"], cwd=tmp, check=True)
             deb = next(Path(tmp).glob("r-cran-janeaustenr_*.deb"))
             subprocess.run(["dpkg", "-x", str(deb), str(unpacked)], check=True)
-    lines = read_lazyload_variable(unpacked / JANEAUSTENR_DATA, "prideprejudice")
+    data = unpacked / JANEAUSTENR_DATA
+    lines = read_lazyload_db(f"{data}.rdx", f"{data}.rdb")["prideprejudice"]
     return "\n".join(line or "" for line in lines)
 
 

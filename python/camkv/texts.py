@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import random
 import re
 import shutil
@@ -73,9 +72,10 @@ class Document:
 
 
 def cache_root() -> Path:
-    """camkv's cache folder: $CAMKV_CACHE_DIR, else ~/.cache/camkv."""
-    configured = os.environ.get("CAMKV_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "camkv"
+    """camkv's cache folder (the one the models live in): see camkv.models.cache_dir."""
+    from .models import cache_dir
+
+    return cache_dir()
 
 
 def _cache_file(source: str) -> Path:
