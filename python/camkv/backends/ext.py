@@ -13,6 +13,7 @@ import mlx.core as mx
 
 from ..config import CaMConfig, MERGE_MODES
 from ..reference import RowState
+from ._common import adopt_dtype, check_kernel_inputs
 
 try:  # the package works without the extension (reference backend)
     from .. import _ext
@@ -21,9 +22,6 @@ except ImportError as error:  # pragma: no cover - exercised where the build is 
     _IMPORT_ERROR = f"camkv._ext is not built or failed to load ({error})"
 else:
     _IMPORT_ERROR = None
-
-_STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-
 
 def unavailable_reason() -> str | None:
     """None when the extension is importable and matches the running mlx, else why not."""
@@ -35,21 +33,6 @@ def unavailable_reason() -> str | None:
             "is installed; reinstall camkv to rebuild it"
         )
     return None
-
-
-def _check_inputs(state: RowState, new_keys: mx.array, queries, scale) -> None:
-    if new_keys.dtype not in _STORAGE_DTYPES:
-        raise ValueError(
-            f"new_keys must be float16, bfloat16 or float32 for the ext backend, got {new_keys.dtype}"
-        )
-    if queries is not None and scale is None:
-        raise ValueError("query scoring needs the model's attention scale, got scale=None")
-    for name, dim in (("Dk", new_keys.shape[-1]), ("Dv", state.values.shape[-1])):
-        if dim > _ext.MAX_HEAD_DIM:
-            raise ValueError(
-                f"{name} = {dim} exceeds the ext backend's limit of {_ext.MAX_HEAD_DIM}; "
-                "use backend='reference'"
-            )
 
 
 def update(
@@ -72,18 +55,12 @@ def update(
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"backend 'ext' is not usable here: {reason}")
-    _check_inputs(state, new_keys, queries, scale)
+    check_kernel_inputs(state, new_keys, queries, scale, _ext.MAX_HEAD_DIM, "the ext backend")
     if queries is None:
         scale = 1.0 / math.sqrt(new_keys.shape[-1])
     else:
         queries = queries.astype(mx.float32)
-    if state.keys.dtype != new_keys.dtype:
-        # The first call's empty state may carry a default dtype; adopt the tokens'.
-        if state.length:
-            raise ValueError(
-                f"new_keys dtype {new_keys.dtype} differs from the stored keys' {state.keys.dtype}"
-            )
-        state = RowState.empty(state.keys.shape[0], state.keys.shape[-1], state.values.shape[-1], new_keys.dtype)
+    state = adopt_dtype(state, new_keys)
     keys, values, scores, positions, merges = _ext.update(
         state.keys,
         state.values,

@@ -16,11 +16,11 @@ import mlx.core as mx
 
 from ..config import MERGE_MODES, CaMConfig
 from ..reference import RowState
+from ._common import adopt_dtype, check_kernel_inputs
 from .sources import kernel_source
 
 THREADS = 256  # per row: a multiple of the 32-wide SIMD group on both targets
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
-_STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
            "queries", "row_ids", "params"]
 _OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
@@ -126,28 +126,16 @@ def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, off
     return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
 
 
-def _check_inputs(state: RowState, new_keys, queries, scale) -> None:
-    if new_keys.dtype not in _STORAGE_DTYPES:
-        raise ValueError(f"new_keys must be float16, bfloat16 or float32, got {new_keys.dtype}")
-    if queries is not None and scale is None:
-        raise ValueError("query scoring needs the model's attention scale, got scale=None")
-    for name, dim in (("Dk", new_keys.shape[-1]), ("Dv", state.values.shape[-1])):
-        if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name} = {dim} exceeds the GPU kernels' limit of {MAX_HEAD_DIM}; "
-                             "use backend='reference'")
-
-
 def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
            queries=None, scale=None, *, target: str) -> tuple[RowState, mx.array]:
     """Absorb S new tokens per row in one kernel launch; see camkv.reference.update."""
     reason = unavailable_reason(target)
     if reason is not None:
         raise RuntimeError(f"backend {target!r} is not usable here: {reason}")
-    _check_inputs(state, new_keys, queries, scale)
+    check_kernel_inputs(state, new_keys, queries, scale, MAX_HEAD_DIM, "the GPU kernels")
     rows, s_len, k_dim = new_keys.shape
     v_dim, n = new_values.shape[-1], state.length
-    if n == 0 and state.keys.dtype != new_keys.dtype:
-        state = RowState.empty(rows, k_dim, v_dim, new_keys.dtype)
+    state = adopt_dtype(state, new_keys)
     n_out = min(n + s_len, cfg.budget)
     key_scoring = queries is None
     if key_scoring:
