@@ -25,8 +25,9 @@ import pytest
 import camkv
 from camkv import CaMKVCache
 from camkv.distributed import (
-    ShardInfo, gather_kv_bytes, kv_bytes, local_kv_heads, report_kv_bytes, shard_info,
+    ShardInfo, gather_kv_bytes, local_kv_heads, report_kv_bytes, shard_info,
 )
+from camkv.integration import kv_bytes
 from conftest import subprocess_env
 from distributed_worker import MAX_TOKENS, save_tiny_repo, tiny_qwen2
 from tiny_models import save_tiny_model_dir, tiny_llama

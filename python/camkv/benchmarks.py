@@ -22,7 +22,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from . import backends, models
 from .cache import CaMKVCache
 from .config import CaMConfig
-from .integration import make_prompt_cache
+from .integration import kv_bytes, make_prompt_cache
 
 
 @dataclass
@@ -54,10 +54,6 @@ class Trial:
     step_s: list[float] = field(default_factory=list)
     peak_bytes: int = 0
     kv_bytes: int = 0
-
-
-def kv_bytes(cache: list) -> int:
-    return sum(c.nbytes for c in cache if c.nbytes is not None)
 
 
 def run_trial(model, arm: Arm, prompt: mx.array, gen_tokens: int, prefill_step: int, backend: str) -> Trial:

@@ -235,10 +235,11 @@ def full_cache_bytes(cache) -> int:
 def kv_summary(prompt_cache: list) -> dict:
     """KV bytes held, a full cache's bytes, evictions and merges over all layers."""
     from .cache import CaMKVCache
+    from .integration import kv_bytes
 
     camkv_layers = [c for c in prompt_cache if isinstance(c, CaMKVCache)]
     return {
-        "held": sum(c.nbytes for c in prompt_cache),
+        "held": kv_bytes(prompt_cache),
         "full": sum(full_cache_bytes(c) for c in prompt_cache),
         "evictions": sum(c.stats["evictions"] for c in camkv_layers),
         "merges": sum(c.stats["merges"] for c in camkv_layers),

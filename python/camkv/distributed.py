@@ -78,11 +78,6 @@ def local_kv_heads(model, layer_index: int) -> int:
     )
 
 
-def kv_bytes(caches) -> int:
-    """Bytes this process's caches really hold (every cache kind mlx-lm makes has nbytes)."""
-    return sum(cache.nbytes for cache in caches)
-
-
 def wait_for_generation() -> None:
     """Wait until the work mlx-lm's generate loop left in flight is done.
 
@@ -99,6 +94,8 @@ def gather_kv_bytes(caches, group: mx.distributed.Group | None = None) -> list[i
     """Every rank's KV bytes, in rank order, on every rank (a collective: all ranks call it)."""
     group = group or mx.distributed.init()
     wait_for_generation()
+    from .integration import kv_bytes  # integration imports this module
+
     mine = mx.array([kv_bytes(caches)], dtype=mx.int64)
     # On the CPU stream, like mlx-lm's own synchronising all_sum in sharded_load:
     # a few bytes, and every distributed backend implements its collectives there.

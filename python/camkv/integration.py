@@ -57,6 +57,11 @@ def _camkv_cache(model, i: int, base: CaMConfig, shards: ShardInfo) -> CaMKVCach
     )
 
 
+def kv_bytes(caches) -> int:
+    """Bytes a model's cache list really holds, all layers and cache kinds (empty ones hold none)."""
+    return sum(cache.nbytes for cache in caches if not cache.empty())
+
+
 def apply(model, config: CaMConfig | None = None, **fields):
     """Make `model.make_cache` build camkv caches, so mlx_lm.generate and friends use them.
 

@@ -44,9 +44,9 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from . import hook, texts
-from .integration import make_prompt_cache as camkv_prompt_cache
+from .integration import kv_bytes, make_prompt_cache as camkv_prompt_cache
+from .models import DEFAULT_MODEL, random_llama
 
-DEFAULT_MODEL = "smollm2-135m-instruct"  # camkv.models' name for SmolLM2-135M-Instruct
 TINY_MODEL = "tiny-random"
 ALL_BUDGETS = "10%,20%,50%,256,512"
 
@@ -87,43 +87,22 @@ class ByteTokenizer:
 
 
 def tiny_random_model(seed: int = 0):
-    """A 2-layer random llama (GQA 4 on 2, float32, vocabulary 256) with the byte tokenizer."""
-    from mlx_lm.models import llama
-
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
-        rope_theta=10000.0, tie_word_embeddings=True,
-    )
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model, ByteTokenizer()
+    """camkv.models' "random-tiny" llama (2 layers, GQA 4 on 2, vocabulary 256, float32)
+    with the byte tokenizer."""
+    return random_llama("random-tiny", mx.float32, seed=seed), ByteTokenizer()
 
 
 def load_model(spec: str):
     """(model, tokenizer) for a --model value: the one place models are loaded.
 
-    "tiny-random" is built here; anything else goes to camkv.models.load when that
-    module exists (it knows the default SmolLM2 GGUF), else to mlx_lm.load (a local
-    path or Hugging Face id).
+    "tiny-random" is built here; anything else goes to camkv.models.load (the default
+    SmolLM2 GGUF, a .gguf file, an mlx-lm folder or a Hugging Face id).
     """
     if spec == TINY_MODEL:
         return tiny_random_model()
-    try:
-        from . import models  # written on the "models" branch
-    except ImportError:
-        models = None
-    if models is not None and hasattr(models, "load"):
-        return models.load(spec)
-    if spec == DEFAULT_MODEL:
-        raise ValueError(
-            f"--model {spec} needs camkv.models (not in this checkout); pass --model with a "
-            "local mlx-lm model folder or a Hugging Face id instead"
-        )
-    import mlx_lm
+    from . import models
 
-    return mlx_lm.load(spec)
+    return models.load(spec)
 
 
 def cast_model(model, dtype_name: str):
@@ -224,7 +203,7 @@ def release_cache(model, method: Method) -> None:
 
 def cache_stats(caches: list) -> dict:
     """KV bytes held (all layers) and camkv's eviction / merge counters."""
-    stats = {"kv_bytes": int(sum(c.nbytes for c in caches if not c.empty()))}
+    stats = {"kv_bytes": int(kv_bytes(caches))}
     camkv_stats = [c.stats for c in caches if hasattr(c, "stats")]
     if camkv_stats:
         stats["evictions"] = sum(s["evictions"] for s in camkv_stats)
