@@ -25,7 +25,7 @@ _SIGNATURES = {
         "template <typename T>\n[[kernel]] void camkv_update(\n"
         "  const device T* in_keys, const device T* in_values, const device float* in_scores,\n"
         "  const device int32_t* in_positions, const device T* new_keys, const device T* new_values,\n"
-        "  const device float* queries, const device uint32_t* row_ids, const device int32_t* params,\n"
+        "  const device float* queries, const device float* chunk_mass, const device uint32_t* row_ids, const device int32_t* params,\n"
         "  device T* out_keys, device T* out_values, device float* out_scores, device int32_t* out_positions,\n"
         "  device int32_t* merges, device float* scratch_f32, device int32_t* scratch_i32, device T* scratch_store,\n"
         "  uint3 thread_position_in_threadgroup, uint3 threads_per_threadgroup,\n"
@@ -35,7 +35,8 @@ _SIGNATURES = {
     "cuda": (
         "template <typename T>\n__global__ void camkv_update(\n"
         "  const T* in_keys, const T* in_values, const float* in_scores, const int32_t* in_positions,\n"
-        "  const T* new_keys, const T* new_values, const float* queries, const uint32_t* row_ids,\n"
+        "  const T* new_keys, const T* new_values, const float* queries, const float* chunk_mass,\n"
+        "  const uint32_t* row_ids,\n"
         "  const int32_t* params, T* out_keys, T* out_values, float* out_scores, int32_t* out_positions,\n"
         "  int32_t* merges, float* scratch_f32, int32_t* scratch_i32, T* scratch_store) {{\n{body}\n}}\n"
         "template void camkv_update<float>(CUDA_ARGS(float));\n"
@@ -43,10 +44,12 @@ _SIGNATURES = {
 }
 _ARGS = {
     "metal": "#define METAL_ARGS(T) const device T*, const device T*, const device float*, const device int32_t*, "
-             "const device T*, const device T*, const device float*, const device uint32_t*, const device int32_t*, "
+             "const device T*, const device T*, const device float*, const device float*, const device uint32_t*, "
+             "const device int32_t*, "
              "device T*, device T*, device float*, device int32_t*, device int32_t*, device float*, device int32_t*, "
              "device T*, uint3, uint3, uint3\n",
     "cuda": "#define CUDA_ARGS(T) const T*, const T*, const float*, const int32_t*, const T*, const T*, const float*, "
+            "const float*, "
             "const uint32_t*, const int32_t*, T*, T*, float*, int32_t*, int32_t*, float*, int32_t*, T*\n",
 }
 _STUB = {"metal": "#include <metal_stdlib>\n", "cuda": '#include "cuda_stub.h"\n'}
@@ -92,12 +95,12 @@ def test_scratch_sizes_equal_the_cores(chunk, n, s_len, budget, k_dim, v_dim):
 def test_parameters_pack_in_the_cores_field_order():
     cfg = CaMConfig(budget=64, n_sink=3, recent=5, merge="window", window=2, gate=False, seed=2**32 - 2,
                     prefill="exact")
-    words = jit.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9)).tolist()
-    assert len(words) == 23  # sizeof(CamParams) / 4
-    assert words[:18] == [6, 10, 1, 32, 16, 2, 11, 64, 3, 5, 2, 2, 0, 0, 0, 0, 0, 77]
-    assert struct.unpack("<I", struct.pack("<i", words[18]))[0] == 2**32 - 2
-    assert struct.unpack("<f", struct.pack("<i", words[19]))[0] == 0.125
-    assert words[20:] == [7, 8, 9]
+    words = jit.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9), True).tolist()
+    assert len(words) == 24  # sizeof(CamParams) / 4
+    assert words[:19] == [6, 10, 1, 32, 16, 2, 11, 64, 3, 5, 2, 2, 0, 0, 0, 0, 0, 77, 1]
+    assert struct.unpack("<I", struct.pack("<i", words[19]))[0] == 2**32 - 2
+    assert struct.unpack("<f", struct.pack("<i", words[20]))[0] == 0.125
+    assert words[21:] == [7, 8, 9]
 
 
 def test_forcing_an_absent_gpu_backend_is_a_clear_error():

@@ -106,6 +106,14 @@ def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible) ->
     return weights.sum(axis=(1, 2)) / groups
 
 
+def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: int) -> mx.array:
+    """A chunk's mass: chunk token i (absolute index n + i) sees every stored row and
+    the chunk tokens up to itself. queries [R, S, G, Dk], keys [R, n + S, Dk] float32."""
+    s_len, total = queries.shape[1], keys.shape[1]
+    visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
+    return _attention_mass(queries, keys, scale, visible)
+
+
 # ----------------------------------------------------------------------------
 # Sections 4.1-4.4: one merge of loser e into the survivors, for every row
 
@@ -274,9 +282,7 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     total = n + s_len
     keys = mx.concatenate([state.keys, new_keys], axis=1)
     values = mx.concatenate([state.values, new_values], axis=1)
-    # Chunk token i (absolute index n + i) sees every stored row and chunk tokens <= i.
-    visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
-    mass = _attention_mass(q, keys.astype(mx.float32), scale, visible)
+    mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n)
     scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
     new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
     positions = mx.concatenate([state.positions, new_positions], axis=1)
