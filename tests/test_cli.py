@@ -125,7 +125,7 @@ def test_bad_sampling_values_exit_2(capsys, argv, named):
         assert word in err
 
 
-def test_generate_streams_and_reports(capsys, tiny_model_dir):
+def test_generate_streams_and_reports(capsys, tiny_model_dir, remove_hooks):
     argv = ["generate", "--model", tiny_model_dir, "--prompt", "hello world " * 20,
             "--max-tokens", "6", *SMALL_KV]
     assert cli.main(argv) == 0
@@ -137,6 +137,7 @@ def test_generate_streams_and_reports(capsys, tiny_model_dir):
     from mlx_lm import generate, load
 
     model, tokenizer = load(tiny_model_dir)
+    remove_hooks(model)
     cache = camkv.make_prompt_cache(model, budget=24, n_sink=2, recent=4)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello world " * 20}],
                                            add_generation_prompt=True)
@@ -174,8 +175,9 @@ def test_generate_saves_and_continues_a_prompt_cache(capsys, tmp_path, tiny_mode
     from mlx_lm import generate, load
 
     model, tokenizer = load(tiny_model_dir)
-    expected = generate(model, tokenizer, " world", max_tokens=4,
-                        prompt_cache=camkv.load_prompt_cache(str(saved)))
+    with camkv.applied(model):  # the attention hook: the loaded layers score with queries, as in the CLI
+        expected = generate(model, tokenizer, " world", max_tokens=4,
+                            prompt_cache=camkv.load_prompt_cache(str(saved)))
     assert captured.out == expected + "\n"
 
 
@@ -205,7 +207,7 @@ def test_full_cache_bytes_are_what_mlx_lm_kvcache_holds():
     for tokens in (1, 100, 256, 300):
         keys = mx.random.normal((1, 2, tokens, 16))
         values = mx.random.normal((1, 2, tokens, 8))
-        full, cam = KVCache(), camkv.CaMKVCache(budget=512)
+        full, cam = KVCache(), camkv.CaMKVCache(budget=512, scoring="key")
         full.update_and_fetch(keys, values)
         cam.update_and_fetch(keys, values)
         assert cli.full_cache_bytes(cam) == full.nbytes, tokens
