@@ -59,6 +59,22 @@ def tiny_gemma3(*, layers: int = 4, seed: int = 0):
     return model
 
 
+def tiny_gemma2(*, layers: int = 2, seed: int = 0):
+    """A random gemma2: its attention computes softmax itself, without mlx-lm's
+    scaled_dot_product_attention, so camkv's attention hook never sees its queries."""
+    from mlx_lm.models import gemma2
+
+    args = gemma2.ModelArgs(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=128,
+    )
+    mx.random.seed(seed)
+    model = gemma2.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

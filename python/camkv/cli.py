@@ -289,7 +289,8 @@ def _scoring_note(kv: dict) -> str:
         return ""  # mlx-lm's own caches
     note = f" | scoring: {'/'.join(kv['scoring'])}"
     if "query" in kv["scoring"] and kv["tokens_seen"]:
-        note += f", {100 * kv['query_scored'] / kv['tokens_seen']:.0f}% of tokens by the model's queries"
+        # Rounded down: 100% only when no token fell back to key scoring.
+        note += f", {100 * kv['query_scored'] // kv['tokens_seen']}% of tokens by the model's queries"
     return note
 
 
