@@ -16,7 +16,9 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import camkv
 from camkv import CaMKVCache, QueryScoringWarning, hook
-from tiny_models import byte_tokenizer, tiny_gemma2, tiny_gemma3, tiny_llama, tiny_qwen3
+from tiny_models import (
+    byte_tokenizer, tiny_deepseek_v3, tiny_gemma2, tiny_gemma3, tiny_llama, tiny_qwen3,
+)
 
 PROMPT = mx.array([(5 * i + 1) % 120 for i in range(90)])
 MODELS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}
@@ -214,6 +216,20 @@ def test_the_hook_is_removed_cleanly():
         # Still hooked: the other model uses the same module.
         assert module.scaled_dot_product_attention is hook.scaled_dot_product_attention
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_a_latent_cache_model_scores_its_prompt_with_keys_and_its_steps_with_queries(remove_hooks):
+    model = tiny_deepseek_v3()
+    remove_hooks(model)
+    cache = camkv.make_prompt_cache(model, budget=40, recent=8)
+    with pytest.warns(QueryScoringWarning, match="deepseek_v3 attends with queries of width 16 "
+                                                 "over cached keys of width 32") as record:
+        tokens = _greedy(model, cache, max_tokens=10)
+    assert len(tokens) == 10 and len(record) == len(cache)
+    for layer in cache:
+        # The one-token steps' queries are projected into the latent: those score it.
+        assert 0 < layer.stats["query_scored"] < layer.stats["tokens_seen"] == 90 + 10
+        assert layer.size() == 40
 
 
 def test_queries_of_the_wrong_shape_are_rejected_without_change(remove_hooks):
