@@ -131,8 +131,60 @@ CAMKV_INLINE float camkv_uniform(camkv_u32 seed, camkv_u32 row, int position) {
 // Sequential float32 sums in feature order: the order the reference's own
 // reductions use on the CPU, so dot products (and the cosines and blend weights
 // built from them) come out bit-identical there.
+//
+// On a GPU one thread owns a row's dot, so its loads are what limit it: with
+// 16-byte words (CAMKV_WIDE) it loads 8 features per instruction instead of one,
+// still summing them in order.
+#if CAMKV_WIDE
+// Features [0, 8) of p as float32, through 16-byte loads (p 16-byte aligned).
+template <typename T>
+CAMKV_INLINE void camkv_load8(const CAMKV_DEVICE T* p, CAMKV_THREAD float* out) {
+  alignas(16) T held[8];
+  const CAMKV_DEVICE camkv_wide* src = (const CAMKV_DEVICE camkv_wide*)p;
+  CAMKV_THREAD camkv_wide* dst = (CAMKV_THREAD camkv_wide*)held;
+  for (int w = 0; w < (int)(8 * sizeof(T) / 16); ++w) {
+    dst[w] = src[w];
+  }
+  for (int i = 0; i < 8; ++i) {
+    out[i] = camkv_float(held[i]);
+  }
+}
+
+template <typename A, typename B>
+CAMKV_INLINE bool camkv_wide_rows(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
+  return len % 8 == 0 && camkv_wide_aligned(a) && camkv_wide_aligned(b);
+}
+
+// a . b and b . b, each in feature order (the caller checked camkv_wide_rows).
+template <typename A, typename B>
+CAMKV_INLINE void camkv_dot_wide(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len,
+                                 CAMKV_THREAD float* dot, CAMKV_THREAD float* square, bool with_square) {
+  float sum = 0.0f, sq = 0.0f;
+  float av[8], bv[8];
+  for (int d0 = 0; d0 < len; d0 += 8) {
+    camkv_load8(a + d0, av);
+    camkv_load8(b + d0, bv);
+    for (int i = 0; i < 8; ++i) {
+      sum = camkv_madd(sum, av[i], bv[i]);
+      if (with_square) {
+        sq = camkv_madd(sq, bv[i], bv[i]);
+      }
+    }
+  }
+  *dot = sum;
+  *square = sq;
+}
+#endif
+
 template <typename A, typename B>
 CAMKV_INLINE float camkv_dot(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
+#if CAMKV_WIDE
+  if (camkv_wide_rows(a, b, len)) {
+    float dot, unused;
+    camkv_dot_wide(a, b, len, &dot, &unused, false);
+    return dot;
+  }
+#endif
   float sum = 0.0f;
   for (int d = 0; d < len; ++d) {
     sum = camkv_madd(sum, camkv_float(a[d]), camkv_float(b[d]));
@@ -402,6 +454,12 @@ CAMKV_INLINE void camkv_dot_keys(CamRows<T> r, const CAMKV_DEVICE Q* q, int c0, 
     dots[i] = 0.0f;
     squares[i] = 0.0f;
   }
+#if CAMKV_WIDE && CAMKV_DOT_ROWS == 1
+  if (camkv_wide_rows(q, rows[0], r.Dk)) {
+    camkv_dot_wide(q, rows[0], r.Dk, dots, squares, with_norms);
+    return;
+  }
+#endif
   for (int d = 0; d < r.Dk; ++d) {
     float qd = camkv_float(q[d]);
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {

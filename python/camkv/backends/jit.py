@@ -142,13 +142,14 @@ def _as_uint32(row_ids: mx.array) -> mx.array:
     return row_ids if row_ids.dtype == mx.uint32 else row_ids.astype(mx.uint32)
 
 
-def _chunk_mass(state: RowState, new_keys, queries, scale, groups, key_scoring, cfg: CaMConfig):
+def _chunk_mass(state: RowState, new_keys, queries, scale, key_scoring, cfg: CaMConfig, target: str):
     """A chunk call's attention mass [R, n + S] (section 2), or None for exact calls.
 
     Scoring S chunk tokens causally is S x (n + S) dot products: as one matrix
     product it fills the GPU, where the kernel's one block per row (8 blocks for
-    8 KV heads on a 132-SM GPU) would score the queries one at a time. The same
-    MLX operations as the reference's, so the scores agree with it exactly.
+    8 KV heads on a 132-SM GPU) would score the queries one at a time. The
+    reference's operations, with the products split so that MLX's TF32 matmul on
+    CUDA keeps float32 accuracy (the kernel's in-core scoring is plain float32).
     """
     rows, s_len, k_dim = new_keys.shape
     if cfg.prefill != "chunk" or s_len < 2:
@@ -156,7 +157,7 @@ def _chunk_mass(state: RowState, new_keys, queries, scale, groups, key_scoring, 
     keys = new_keys if state.length == 0 else mx.concatenate([state.keys.astype(new_keys.dtype), new_keys], axis=1)
     if key_scoring:
         queries = new_keys.astype(mx.float32)[:, :, None, :]
-    return attention_mass_causal(queries, keys.astype(mx.float32), scale, state.length)
+    return attention_mass_causal(queries, keys.astype(mx.float32), scale, state.length, split=target == "cuda")
 
 
 def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
@@ -177,7 +178,7 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     else:
         groups = queries.shape[2]
         queries = queries.astype(mx.float32)
-    chunk_mass = _chunk_mass(state, new_keys, queries, scale, groups, key_scoring, cfg)
+    chunk_mass = _chunk_mass(state, new_keys, queries, scale, key_scoring, cfg, target)
     prescored = chunk_mass is not None
     if not prescored:
         chunk_mass = _placeholder()  # unused by the core
