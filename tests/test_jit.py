@@ -10,6 +10,8 @@ import struct
 import subprocess
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -112,3 +114,41 @@ def test_forcing_an_absent_gpu_backend_is_a_clear_error():
             continue
         with pytest.raises(RuntimeError, match=f"backend '{target}' is not usable here: no "):
             backends.resolve(target)
+
+
+@pytest.mark.parametrize("block", [1, 4, 1000])
+def test_chunk_scoring_in_query_blocks_equals_the_whole_chunk(monkeypatch, block):
+    # The GPU backends prescore a chunk in blocks of queries to bound memory; any
+    # block size must give the reference's mass (split products included).
+    from camkv.reference import RowState, attention_mass_causal
+
+    mx.random.seed(3)
+    rows, n, s_len, dim, groups = 2, 5, 37, 8, 3
+    state = RowState(mx.random.normal((rows, n, dim)), mx.random.normal((rows, n, dim)), mx.zeros((rows, n)),
+                     mx.zeros((rows, n), mx.int32))
+    new_keys, queries = mx.random.normal((rows, s_len, dim)), mx.random.normal((rows, s_len, groups, dim))
+    monkeypatch.setattr(jit, "SCORE_BYTES", rows * groups * (n + s_len) * 16 * block)
+    got = jit._chunk_mass(state, new_keys, queries, 0.3, False, CaMConfig(), "cuda")
+    want = attention_mass_causal(queries, mx.concatenate([state.keys, new_keys], axis=1), 0.3, n)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+def test_split_product_survives_a_matmul_that_rounds_its_inputs_to_tf32():
+    # Emulate a TF32 tensor core (inputs rounded to 10 mantissa bits): the split
+    # product must stay float32-accurate where the plain one loses about 1e-4.
+    from camkv import reference
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((4, 64, 128)).astype(np.float32), rng.standard_normal((4, 128, 64)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    tf32 = reference._tf32_high
+
+    def rounded(x, y):
+        return tf32(x) @ tf32(y)
+
+    a_hi, b_hi = tf32(mx.array(a)), tf32(mx.array(b))
+    # reference._float32_product(split=True), with every product rounding its inputs
+    split = rounded(a_hi, b_hi) + (rounded(a_hi, mx.array(b) - b_hi) + rounded(mx.array(a) - a_hi, b_hi))
+    scale = np.abs(want).max()
+    assert np.abs(np.array(rounded(mx.array(a), mx.array(b))) - want).max() / scale > 1e-5
+    assert np.abs(np.array(split) - want).max() / scale < 2e-6

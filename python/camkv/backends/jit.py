@@ -126,6 +126,7 @@ def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, off
     return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
 
 
+SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scoring holds
 _placeholders: list[mx.array] = []
 
 
@@ -154,10 +155,26 @@ def _chunk_mass(state: RowState, new_keys, queries, scale, key_scoring, cfg: CaM
     rows, s_len, k_dim = new_keys.shape
     if cfg.prefill != "chunk" or s_len < 2:
         return None
-    keys = new_keys if state.length == 0 else mx.concatenate([state.keys.astype(new_keys.dtype), new_keys], axis=1)
+    n = state.length
+    keys = new_keys if n == 0 else mx.concatenate([state.keys.astype(new_keys.dtype), new_keys], axis=1)
+    keys = keys.astype(mx.float32)
     if key_scoring:
         queries = new_keys.astype(mx.float32)[:, :, None, :]
-    return attention_mass_causal(queries, keys.astype(mx.float32), scale, state.length, split=target == "cuda")
+    # Blocks of chunk queries, so the logits held at once stay under SCORE_BYTES
+    # (a whole 2048-token chunk with 4 queries per KV head would hold gigabytes: a
+    # bounded cache must not spike memory while it fills). Block i0..i1 sees only
+    # the first n + i1 keys.
+    total, groups = n + s_len, queries.shape[2]
+    block = max(1, SCORE_BYTES // (rows * groups * total * 4 * 4))  # logits, mask, weights, split parts
+    mass = None
+    for i0 in range(0, s_len, block):
+        i1 = min(s_len, i0 + block)
+        part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=target == "cuda")
+        part = mx.pad(part, [(0, 0), (0, s_len - i1)])
+        mass = part if mass is None else mass + part
+        if i1 < s_len:
+            mx.eval(mass)
+    return mass
 
 
 def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
