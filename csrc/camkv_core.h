@@ -324,6 +324,7 @@ struct CamRows {
   int pend_position;
   CAMKV_DEVICE int* loser;     // null in exact mode
   CAMKV_DEVICE int* list;      // scratch index list (window members)
+  CAMKV_DEVICE float* cosines; // scratch: the nearest search's cosine per search column
   CAMKV_DEVICE int* survivors; // chunk mode: the rows that are not losers, ascending
   int n_survivors;
   // Float32 copy of the keys, transposed: shadow[d * columns + c] is feature d of
@@ -578,14 +579,6 @@ CAMKV_INLINE float camkv_cosine_of(float dot, float square_j, float norm_e) {
   return dot / (denom > 1e-12f ? denom : 1e-12f);
 }
 
-template <typename T>
-CAMKV_INLINE float camkv_cosine(CamRows<T> r, int e, int j) {
-  const CAMKV_DEVICE T* k_e = camkv_key(r, e);
-  const CAMKV_DEVICE T* k_j = camkv_key(r, j);
-  float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
-  return camkv_cosine_of(camkv_dot(k_e, k_j, r.Dk), camkv_dot(k_j, k_j, r.Dk), norm_e);
-}
-
 // Section 4.1: the non-sink survivor most similar to e; ties to the smaller index
 // (the search visits rows in ascending order, so the smaller slot is the smaller row).
 template <typename T>
@@ -607,7 +600,10 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < total; ++i) {
       int j = camkv_search_row(r, j0 + i);
       if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
-        float neg = -camkv_cosine_of(dots[i], squares[i], norm_e);
+        // Kept for the blend weight: recomputing the winner's cosine would cost
+        // every thread three more dots.
+        r.cosines[j0 + i] = camkv_cosine_of(dots[i], squares[i], norm_e);
+        float neg = -r.cosines[j0 + i];
         if (neg < best) {
           best = neg;
           best_j = j;
@@ -681,7 +677,7 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   plan.open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, plan.target), p->seed, row_id, camkv_position(r, e)) : 1;
   plan.w = 0.5f;
   if (plan.open != 0 && p->merge == CAMKV_MERGE_SIM_WEIGHTED) {
-    float c = camkv_cosine(r, e, plan.target);
+    float c = r.cosines[camkv_column_of(r, plan.target)];  // written by camkv_nearest
     plan.w = c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c);
   }
   return plan;
@@ -901,6 +897,7 @@ CAMKV_INLINE CamRows<T> camkv_exact_rows(CamRowBuffers<T> b, CAMKV_CONSTANT cons
   r.pend_position = 0;
   r.loser = 0;
   r.list = b.i32;
+  r.cosines = b.f32;  // the logits' scratch, free once the token is scored
   r.survivors = 0;
   r.n_survivors = 0;
   // One token reads every key once: no shadow, whose build would cost as much.
@@ -1110,6 +1107,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.pend_position = 0;
   r.loser = b.i32 + total;
   r.list = b.i32 + 2 * total;
+  r.cosines = b.f32;  // the logits' scratch, free once the chunk is scored
   r.survivors = 0;
   r.n_survivors = 0;
   r.shadow = b.f32 + 3 * total;
