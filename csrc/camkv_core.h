@@ -34,6 +34,8 @@
 #define CAMKV_MERGE_MEAN 1
 #define CAMKV_MERGE_WINDOW 2
 #define CAMKV_MERGE_DROP 3
+#define CAMKV_MERGE_MASS_WEIGHTED 4
+#define CAMKV_MERGE_WINDOW_MASS 5
 
 // Largest head dimension the core accepts (the hosts reject larger ones).
 #define CAMKV_MAX_HEAD_DIM 256
@@ -461,6 +463,13 @@ CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* 
   }
 }
 
+// s_e / (s_e + s_t), 0 if both are 0: blending with it makes the target the
+// attention-mass-weighted mean of itself and the merged token (scores are >= 0).
+CAMKV_INLINE float camkv_mass_weight(float s_e, float s_t) {
+  float total = s_e + s_t;
+  return total > 0.0f ? s_e / total : 0.0f;
+}
+
 template <typename T>
 CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
   int t = camkv_nearest(r, e, p->n_sink, g);
@@ -473,6 +482,8 @@ CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const C
   if (p->merge == CAMKV_MERGE_SIM_WEIGHTED) {
     float c = camkv_cosine(r, e, t);
     w = c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c);
+  } else if (p->merge == CAMKV_MERGE_MASS_WEIGHTED) {
+    w = camkv_mass_weight(s_e, *camkv_score(r, t));
   }
   camkv_blend_row(camkv_value(r, t), camkv_value(r, e), w, r.Dv, g);
   if (p->merge_keys) {
@@ -506,8 +517,14 @@ CAMKV_INLINE int camkv_merge_window(CamRows<T> r, int e, CAMKV_CONSTANT const Ca
     return 0;
   }
   const CAMKV_DEVICE T* v_e = camkv_value(r, e);
+  float share = s_e / (float)width;
   for (int i = 1; i <= width; ++i) {
     CAMKV_DEVICE T* v_j = camkv_value(r, r.list[i]);
+    if (p->merge == CAMKV_MERGE_WINDOW_MASS) {
+      // Each target's weight is its own mass against the share it receives.
+      camkv_blend_row(v_j, v_e, camkv_mass_weight(share, *camkv_score(r, r.list[i])), r.Dv, g);
+      continue;
+    }
     for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
       v_j[d] = (T)(camkv_float(v_j[d]) + camkv_float(v_e[d]) / (float)width);
     }
@@ -527,7 +544,7 @@ CAMKV_INLINE int camkv_merge(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams
   if (p->merge == CAMKV_MERGE_DROP) {
     return 0;
   }
-  if (p->merge == CAMKV_MERGE_WINDOW) {
+  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
     return camkv_merge_window(r, e, p, row_id, g);
   }
   return camkv_merge_nearest(r, e, p, row_id, g);
