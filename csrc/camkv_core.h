@@ -61,6 +61,7 @@ struct CamParams {
   int key_scoring;  // 1: each new key is its token's one query
   int in_place;     // 1: out state buffers already hold the stored rows
   int offset;       // absolute position of the first new token
+  int prescored;    // 1: chunk mode's attention mass comes precomputed (chunk_mass)
   camkv_u32 seed;
   float scale;      // attention scale of the logits
   int f32_stride;   // floats of scratch per row
@@ -132,8 +133,60 @@ CAMKV_INLINE float camkv_uniform(camkv_u32 seed, camkv_u32 row, int position) {
 // Sequential float32 sums in feature order: the order the reference's own
 // reductions use on the CPU, so dot products (and the cosines and blend weights
 // built from them) come out bit-identical there.
+//
+// On a GPU one thread owns a row's dot, so its loads are what limit it: with
+// 16-byte words (CAMKV_WIDE) it loads 8 features per instruction instead of one,
+// still summing them in order.
+#if CAMKV_WIDE
+// Features [0, 8) of p as float32, through 16-byte loads (p 16-byte aligned).
+template <typename T>
+CAMKV_INLINE void camkv_load8(const CAMKV_DEVICE T* p, CAMKV_THREAD float* out) {
+  alignas(16) T held[8];
+  const CAMKV_DEVICE camkv_wide* src = (const CAMKV_DEVICE camkv_wide*)p;
+  CAMKV_THREAD camkv_wide* dst = (CAMKV_THREAD camkv_wide*)held;
+  for (int w = 0; w < (int)(8 * sizeof(T) / 16); ++w) {
+    dst[w] = src[w];
+  }
+  for (int i = 0; i < 8; ++i) {
+    out[i] = camkv_float(held[i]);
+  }
+}
+
+template <typename A, typename B>
+CAMKV_INLINE bool camkv_wide_rows(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
+  return len % 8 == 0 && camkv_wide_aligned(a) && camkv_wide_aligned(b);
+}
+
+// a . b and b . b, each in feature order (the caller checked camkv_wide_rows).
+template <typename A, typename B>
+CAMKV_INLINE void camkv_dot_wide(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len,
+                                 CAMKV_THREAD float* dot, CAMKV_THREAD float* square, bool with_square) {
+  float sum = 0.0f, sq = 0.0f;
+  float av[8], bv[8];
+  for (int d0 = 0; d0 < len; d0 += 8) {
+    camkv_load8(a + d0, av);
+    camkv_load8(b + d0, bv);
+    for (int i = 0; i < 8; ++i) {
+      sum = camkv_madd(sum, av[i], bv[i]);
+      if (with_square) {
+        sq = camkv_madd(sq, bv[i], bv[i]);
+      }
+    }
+  }
+  *dot = sum;
+  *square = sq;
+}
+#endif
+
 template <typename A, typename B>
 CAMKV_INLINE float camkv_dot(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
+#if CAMKV_WIDE
+  if (camkv_wide_rows(a, b, len)) {
+    float dot, unused;
+    camkv_dot_wide(a, b, len, &dot, &unused, false);
+    return dot;
+  }
+#endif
   float sum = 0.0f;
   for (int d = 0; d < len; ++d) {
     sum = camkv_madd(sum, camkv_float(a[d]), camkv_float(b[d]));
@@ -147,6 +200,111 @@ CAMKV_INLINE void camkv_copy_row(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src,
   for (int d = camkv_tid(g); d < len; d += camkv_gsize(g)) {
     dst[d] = src[d];
   }
+}
+
+// ----------------------------------------------------------------------------
+// Bulk data movement (no algorithm here). Every thread of the group strides one
+// flat range and keeps CAMKV_UNROLL loads in flight before it stores: copying a
+// state one row at a time left a GPU with a row's width of parallelism and one
+// dependent step per row. Where the prelude offers 16-byte words (CAMKV_WIDE) and
+// the range is aligned to them, the same loops move words instead of elements.
+
+#define CAMKV_UNROLL 8
+
+// dst[i] = src[i] for i < len; the ranges do not overlap.
+template <typename T>
+CAMKV_INLINE void camkv_copy_elements(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src, long len, CamGroup g) {
+  long stride = (long)camkv_gsize(g);
+  T held[CAMKV_UNROLL];
+  for (long base = camkv_tid(g); base < len; base += stride * CAMKV_UNROLL) {
+    for (int k = 0; k < CAMKV_UNROLL; ++k) {
+      if (base + k * stride < len) {
+        held[k] = src[base + k * stride];
+      }
+    }
+    for (int k = 0; k < CAMKV_UNROLL; ++k) {
+      if (base + k * stride < len) {
+        dst[base + k * stride] = held[k];
+      }
+    }
+  }
+}
+
+template <typename T>
+CAMKV_INLINE void camkv_copy_flat(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src, long len, CamGroup g) {
+#if CAMKV_WIDE
+  long bytes = len * (long)sizeof(T);
+  if (bytes % 16 == 0 && camkv_wide_aligned(dst) && camkv_wide_aligned(src)) {
+    camkv_copy_elements((CAMKV_DEVICE camkv_wide*)dst, (const CAMKV_DEVICE camkv_wide*)src, bytes / 16, g);
+    return;
+  }
+#endif
+  camkv_copy_elements(dst, src, len, g);
+}
+
+// Elements [begin, end) of a move to [begin - by, end - by) (by > 0), in rounds of
+// gsize * CAMKV_UNROLL elements: every thread loads its part of a round, one
+// barrier, then stores. A store lands below the round's own range or on elements
+// this or an earlier round already loaded, and the next round loads above every
+// store of this one, so one barrier per round suffices. Ends with a barrier.
+template <typename T>
+CAMKV_INLINE void camkv_move_elements_down(CAMKV_DEVICE T* a, long begin, long end, long by, CamGroup g) {
+  long stride = (long)camkv_gsize(g);
+  T held[CAMKV_UNROLL];
+  for (long round = begin; round < end; round += stride * CAMKV_UNROLL) {
+    long first = round + camkv_tid(g);
+    for (int k = 0; k < CAMKV_UNROLL; ++k) {
+      if (first + k * stride < end) {
+        held[k] = a[first + k * stride];
+      }
+    }
+    camkv_barrier(g);
+    for (int k = 0; k < CAMKV_UNROLL; ++k) {
+      if (first + k * stride < end) {
+        a[first + k * stride - by] = held[k];
+      }
+    }
+  }
+  camkv_barrier(g);
+}
+
+// Rows [from + 1, to) of row_len elements each move down one row (memmove).
+template <typename T>
+CAMKV_INLINE void camkv_move_rows_down(CAMKV_DEVICE T* a, int from, int to, int row_len, CamGroup g) {
+  long begin = (long)(from + 1) * row_len;
+  long end = (long)to * row_len;
+#if CAMKV_WIDE
+  long unit = 16 / (long)sizeof(T);
+  if (((long)row_len * (long)sizeof(T)) % 16 == 0 && camkv_wide_aligned(a)) {
+    camkv_move_elements_down((CAMKV_DEVICE camkv_wide*)a, begin / unit, end / unit, (long)row_len / unit, g);
+    return;
+  }
+#endif
+  camkv_move_elements_down(a, begin, end, (long)row_len, g);
+}
+
+// dst row c := src row rows[c] for c < count (row_len elements each; no overlap).
+template <typename T>
+CAMKV_INLINE void camkv_gather_elements(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src,
+                                        const CAMKV_DEVICE int* rows, int count, long row_len, CamGroup g) {
+  long len = (long)count * row_len;
+  for (long f = camkv_tid(g); f < len; f += camkv_gsize(g)) {
+    long c = f / row_len;
+    dst[f] = src[(long)rows[c] * row_len + (f - c * row_len)];
+  }
+}
+
+template <typename T>
+CAMKV_INLINE void camkv_gather_rows(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src,
+                                    const CAMKV_DEVICE int* rows, int count, int row_len, CamGroup g) {
+#if CAMKV_WIDE
+  long bytes = (long)row_len * (long)sizeof(T);
+  if (bytes % 16 == 0 && camkv_wide_aligned(dst) && camkv_wide_aligned(src)) {
+    camkv_gather_elements((CAMKV_DEVICE camkv_wide*)dst, (const CAMKV_DEVICE camkv_wide*)src, rows, count, bytes / 16, g);
+    return;
+  }
+#endif
+  camkv_gather_elements(dst, src, rows, count, (long)row_len, g);
 }
 
 // ----------------------------------------------------------------------------
@@ -248,6 +406,43 @@ CAMKV_INLINE void camkv_shadow_build(CamRows<T> r, int count, CamGroup g) {
   camkv_barrier(g);
 }
 
+// Shadow columns [from + 1, to] move left by one in every feature. A GPU moves a
+// tile of `width` columns of all features per round (one barrier each, the
+// argument of camkv_move_elements_down per feature); a group too small for a tile
+// (the CPU's lone thread) walks one feature at a time.
+CAMKV_INLINE void camkv_shadow_move_left(CAMKV_DEVICE float* shadow, int columns, int Dk, int from, int to, CamGroup g) {
+  int width = camkv_gsize(g) * CAMKV_UNROLL / Dk;
+  if (width == 0) {
+    for (int d = camkv_tid(g); d < Dk; d += camkv_gsize(g)) {
+      CAMKV_DEVICE float* feature = shadow + (long)d * columns;
+      for (int c = from; c < to; ++c) {
+        feature[c] = feature[c + 1];
+      }
+    }
+    camkv_barrier(g);
+    return;
+  }
+  float held[CAMKV_UNROLL];
+  for (int c0 = from + 1; c0 <= to; c0 += width) {
+    for (int k = 0; k < CAMKV_UNROLL; ++k) {
+      int f = camkv_tid(g) + k * camkv_gsize(g);
+      int c = c0 + f % width;
+      if (f < width * Dk && c <= to) {
+        held[k] = shadow[(long)(f / width) * columns + c];
+      }
+    }
+    camkv_barrier(g);
+    for (int k = 0; k < CAMKV_UNROLL; ++k) {
+      int f = camkv_tid(g) + k * camkv_gsize(g);
+      int c = c0 + f % width;
+      if (f < width * Dk && c <= to) {
+        shadow[(long)(f / width) * columns + c - 1] = held[k];
+      }
+    }
+  }
+  camkv_barrier(g);
+}
+
 // Without a shadow (a single-token call, where building one would cost as much as
 // the one pass that reads it): dots of q with the keys of the rows behind search
 // columns c0 .. c0 + CAMKV_DOT_ROWS - 1 read straight from storage, several rows
@@ -261,6 +456,12 @@ CAMKV_INLINE void camkv_dot_keys(CamRows<T> r, const CAMKV_DEVICE Q* q, int c0, 
     dots[i] = 0.0f;
     squares[i] = 0.0f;
   }
+#if CAMKV_WIDE && CAMKV_DOT_ROWS == 1
+  if (camkv_wide_rows(q, rows[0], r.Dk)) {
+    camkv_dot_wide(q, rows[0], r.Dk, dots, squares, with_norms);
+    return;
+  }
+#endif
   for (int d = 0; d < r.Dk; ++d) {
     float qd = camkv_float(q[d]);
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
@@ -358,8 +559,8 @@ CAMKV_INLINE void camkv_zero(CAMKV_DEVICE T* a, int len, CamGroup g) {
 }
 
 // ----------------------------------------------------------------------------
-// Section 4: merge loser e into the survivors. Returns 1 if it merged (the same
-// value on every thread), 0 if the gate closed or merge is "drop".
+// Section 4: merging loser e into the survivors, planned (reading only) and then
+// applied.
 
 // Section 4.3, P = clamp(s_e / s_T, 0, 1) if s_T > 0 else (1 if s_e > 0 else 0).
 CAMKV_INLINE int camkv_gate_open(float s_e, float s_target, camkv_u32 seed, camkv_u32 row, int p_e) {
@@ -470,24 +671,110 @@ CAMKV_INLINE float camkv_mass_weight(float s_e, float s_t) {
   return total > 0.0f ? s_e / total : 0.0f;
 }
 
+// A merge decided but not yet applied: what camkv_plan_merge reads from the rows,
+// so the exact path can move the stored rows (and drop e) between deciding and
+// blending. Window members sit in r.list[1..width].
+struct CamMergePlan {
+  int open;    // 1: merge (gate open, mode not "drop")
+  int target;  // nearest modes: the receiving row (r.count: the pending token)
+  float w;     // nearest modes: blend weight
+  int width;   // window mode: |W|
+};
+
 template <typename T>
-CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
-  int t = camkv_nearest(r, e, p->n_sink, g);
+CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  CamMergePlan plan;
+  plan.target = camkv_nearest(r, e, p->n_sink, g);
+  plan.width = 0;
   float s_e = *camkv_score(r, e);
-  int open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, t), p->seed, row_id, camkv_position(r, e)) : 1;
-  if (open == 0) {
+  plan.open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, plan.target), p->seed, row_id, camkv_position(r, e)) : 1;
+  plan.w = 0.5f;
+  if (plan.open != 0 && p->merge == CAMKV_MERGE_SIM_WEIGHTED) {
+    float c = camkv_cosine(r, e, plan.target);
+    plan.w = c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c);
+  } else if (plan.open != 0 && p->merge == CAMKV_MERGE_MASS_WEIGHTED) {
+    plan.w = camkv_mass_weight(s_e, *camkv_score(r, plan.target));
+  }
+  return plan;
+}
+
+template <typename T>
+CAMKV_INLINE CamMergePlan camkv_plan_window(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  CamMergePlan plan;
+  plan.target = 0;
+  plan.w = 0.0f;
+  plan.width = camkv_collect_window(r, e, p->window, g);
+  float s_e = *camkv_score(r, e);
+  float target_sum = 0.0f;
+  for (int i = 1; i <= plan.width; ++i) {
+    target_sum += *camkv_score(r, r.list[i]);
+  }
+  float s_target = target_sum / (float)plan.width;
+  plan.open = p->gate ? camkv_gate_open(s_e, s_target, p->seed, row_id, camkv_position(r, e)) : 1;
+  return plan;
+}
+
+// Section 4.1-4.3 for loser e: reads the rows, changes nothing but r.list.
+template <typename T>
+CAMKV_INLINE CamMergePlan camkv_plan_merge(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  if (p->merge == CAMKV_MERGE_DROP) {
+    CamMergePlan none;
+    none.open = 0;
+    none.target = 0;
+    none.w = 0.0f;
+    none.width = 0;
+    return none;
+  }
+  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
+    return camkv_plan_window(r, e, p, row_id, g);
+  }
+  return camkv_plan_nearest(r, e, p, row_id, g);
+}
+
+// Row j of the plan's view, in the rows as they are now: rows after `removed` have
+// moved down one (removed = r.count + 1 when nothing moved); the pending token
+// (j == r.count) has not moved.
+CAMKV_INLINE int camkv_moved(int j, int removed, int count) {
+  return j != count && j > removed ? j - 1 : j;
+}
+
+// Section 4.4: apply a plan. k_e, v_e, s_e: the loser's key, value and score, read
+// where they are now.
+template <typename T>
+CAMKV_INLINE int camkv_apply_merge(CamRows<T> r, CamMergePlan plan, const CAMKV_DEVICE T* k_e, const CAMKV_DEVICE T* v_e,
+                                   float s_e, int removed, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
+  // Every thread must have read the plan's r.list before anything rewrites it.
+  camkv_barrier(g);
+  if (plan.open == 0) {
     return 0;
   }
-  float w = 0.5f;
-  if (p->merge == CAMKV_MERGE_SIM_WEIGHTED) {
-    float c = camkv_cosine(r, e, t);
-    w = c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c);
-  } else if (p->merge == CAMKV_MERGE_MASS_WEIGHTED) {
-    w = camkv_mass_weight(s_e, *camkv_score(r, t));
+  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
+    float share = s_e / (float)plan.width;
+    for (int i = 1; i <= plan.width; ++i) {
+      int j = camkv_moved(r.list[i], removed, r.count);
+      CAMKV_DEVICE T* v_j = camkv_value(r, j);
+      if (p->merge == CAMKV_MERGE_WINDOW_MASS) {
+        // Each target's weight is its own mass against the share it receives.
+        camkv_blend_row(v_j, v_e, camkv_mass_weight(share, *camkv_score(r, j)), r.Dv, g);
+        continue;
+      }
+      for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
+        v_j[d] = (T)(camkv_float(v_j[d]) + camkv_float(v_e[d]) / (float)plan.width);
+      }
+    }
+    camkv_barrier(g);
+    if (camkv_tid(g) == 0) {
+      for (int i = 1; i <= plan.width; ++i) {
+        *camkv_score(r, camkv_moved(r.list[i], removed, r.count)) += s_e / (float)plan.width;
+      }
+    }
+    camkv_barrier(g);
+    return 1;
   }
-  camkv_blend_row(camkv_value(r, t), camkv_value(r, e), w, r.Dv, g);
+  int t = camkv_moved(plan.target, removed, r.count);
+  camkv_blend_row(camkv_value(r, t), v_e, plan.w, r.Dv, g);
   if (p->merge_keys) {
-    camkv_blend_row(camkv_key(r, t), camkv_key(r, e), w, r.Dk, g);
+    camkv_blend_row(camkv_key(r, t), k_e, plan.w, r.Dk, g);
     camkv_barrier(g);
     if (r.shadow != 0) {
       camkv_shadow_store(r, camkv_column_of(r, t), t, g);
@@ -501,53 +788,13 @@ CAMKV_INLINE int camkv_merge_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const C
   return 1;
 }
 
-template <typename T>
-CAMKV_INLINE int camkv_merge_window(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
-  int width = camkv_collect_window(r, e, p->window, g);
-  float s_e = *camkv_score(r, e);
-  float target_sum = 0.0f;
-  for (int i = 1; i <= width; ++i) {
-    target_sum += *camkv_score(r, r.list[i]);
-  }
-  float s_target = target_sum / (float)width;
-  int open = p->gate ? camkv_gate_open(s_e, s_target, p->seed, row_id, camkv_position(r, e)) : 1;
-  // Every thread must have read r.list before the next merge rewrites it.
-  camkv_barrier(g);
-  if (open == 0) {
-    return 0;
-  }
-  const CAMKV_DEVICE T* v_e = camkv_value(r, e);
-  float share = s_e / (float)width;
-  for (int i = 1; i <= width; ++i) {
-    CAMKV_DEVICE T* v_j = camkv_value(r, r.list[i]);
-    if (p->merge == CAMKV_MERGE_WINDOW_MASS) {
-      // Each target's weight is its own mass against the share it receives.
-      camkv_blend_row(v_j, v_e, camkv_mass_weight(share, *camkv_score(r, r.list[i])), r.Dv, g);
-      continue;
-    }
-    for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
-      v_j[d] = (T)(camkv_float(v_j[d]) + camkv_float(v_e[d]) / (float)width);
-    }
-  }
-  camkv_barrier(g);
-  if (camkv_tid(g) == 0) {
-    for (int i = 1; i <= width; ++i) {
-      *camkv_score(r, r.list[i]) += s_e / (float)width;
-    }
-  }
-  camkv_barrier(g);
-  return 1;
-}
-
+// Section 4: merge loser e into the survivors, in place. Returns 1 if it merged
+// (the same value on every thread), 0 if the gate closed or merge is "drop".
 template <typename T>
 CAMKV_INLINE int camkv_merge(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
-  if (p->merge == CAMKV_MERGE_DROP) {
-    return 0;
-  }
-  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
-    return camkv_merge_window(r, e, p, row_id, g);
-  }
-  return camkv_merge_nearest(r, e, p, row_id, g);
+  CamMergePlan plan = camkv_plan_merge(r, e, p, row_id, g);
+  return camkv_apply_merge(r, plan, (const CAMKV_DEVICE T*)camkv_key(r, e), (const CAMKV_DEVICE T*)camkv_value(r, e),
+                           *camkv_score(r, e), r.count + 1, p, g);
 }
 
 CAMKV_INLINE bool camkv_protected(int position, int n_sink, int recent, int p_last) {
@@ -596,28 +843,16 @@ CAMKV_INLINE void camkv_store_pending(CamRows<T> r, int slot, CamGroup g) {
 }
 
 // Section 5: remove row e, shift the later rows down, append the pending token.
-// Each thread owns whole columns and walks rows upward, so no barrier is needed
-// between rows.
 template <typename T>
 CAMKV_INLINE void camkv_remove_and_append(CamRows<T> r, int e, CamGroup g) {
-  for (int j = e; j + 1 < r.count; ++j) {
-    camkv_copy_row(r.keys + (long)j * r.Dk, (const CAMKV_DEVICE T*)(r.keys + (long)(j + 1) * r.Dk), r.Dk, g);
-    camkv_copy_row(r.values + (long)j * r.Dv, (const CAMKV_DEVICE T*)(r.values + (long)(j + 1) * r.Dv), r.Dv, g);
-  }
-  if (camkv_tid(g) == 0) {
-    for (int j = e; j + 1 < r.count; ++j) {
-      r.scores[j] = r.scores[j + 1];
-      r.positions[j] = r.positions[j + 1];
-    }
-  }
+  camkv_move_rows_down(r.keys, e, r.count, r.Dk, g);
+  camkv_move_rows_down(r.values, e, r.count, r.Dv, g);
+  camkv_move_rows_down(r.scores, e, r.count, 1, g);
+  camkv_move_rows_down(r.positions, e, r.count, 1, g);
   // Shadow columns e+1 .. count (the pending token's included) move down by one.
-  for (int d = camkv_tid(g); r.shadow != 0 && d < r.Dk; d += camkv_gsize(g)) {
-    CAMKV_DEVICE float* feature = r.shadow + (long)d * r.columns;
-    for (int c = e; c < r.count; ++c) {
-      feature[c] = feature[c + 1];
-    }
+  if (r.shadow != 0) {
+    camkv_shadow_move_left(r.shadow, r.columns, r.Dk, e, r.count, g);
   }
-  camkv_barrier(g);
   camkv_store_pending(r, r.count - 1, g);
 }
 
@@ -640,14 +875,10 @@ CAMKV_INLINE void camkv_copy_state_in(
     CAMKV_DEVICE T* keys, CAMKV_DEVICE T* values, CAMKV_DEVICE float* scores, CAMKV_DEVICE int* positions,
     const CAMKV_DEVICE T* in_keys, const CAMKV_DEVICE T* in_values, const CAMKV_DEVICE float* in_scores,
     const CAMKV_DEVICE int* in_positions, int n, int Dk, int Dv, CamGroup g) {
-  for (int j = 0; j < n; ++j) {
-    camkv_copy_row(keys + (long)j * Dk, in_keys + (long)j * Dk, Dk, g);
-    camkv_copy_row(values + (long)j * Dv, in_values + (long)j * Dv, Dv, g);
-  }
-  for (int j = camkv_tid(g); j < n; j += camkv_gsize(g)) {
-    scores[j] = in_scores[j];
-    positions[j] = in_positions[j];
-  }
+  camkv_copy_flat(keys, in_keys, (long)n * Dk, g);
+  camkv_copy_flat(values, in_values, (long)n * Dv, g);
+  camkv_copy_flat(scores, in_scores, (long)n, g);
+  camkv_copy_flat(positions, in_positions, (long)n, g);
   camkv_barrier(g);
 }
 
@@ -661,6 +892,7 @@ struct CamRowBuffers {
   const CAMKV_DEVICE T* new_keys;
   const CAMKV_DEVICE T* new_values;
   const CAMKV_DEVICE float* queries;  // [S, G, Dk]; unused with key scoring
+  const CAMKV_DEVICE float* chunk_mass; // [n + S], summed / G; used only when prescored
   CAMKV_DEVICE T* out_keys;
   CAMKV_DEVICE T* out_values;
   CAMKV_DEVICE float* out_scores;
@@ -670,8 +902,9 @@ struct CamRowBuffers {
   CAMKV_DEVICE T* store;              // store_stride elements
 };
 
+// Pointers of an exact-mode call's rows: the out arrays, a pending token in scratch.
 template <typename T>
-CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+CAMKV_INLINE CamRows<T> camkv_exact_rows(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p) {
   int cap = camkv_capacity(0, p->n, p->S, p->n_out);
   CamRows<T> r;
   r.keys = b.out_keys;
@@ -693,6 +926,62 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.columns = camkv_shadow_columns(0, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
   r.Dv = p->Dv;
+  return r;
+}
+
+// Token t of the call becomes the pending token (and its shadow column).
+template <typename T>
+CAMKV_INLINE void camkv_load_pending(CAMKV_THREAD CamRows<T>& r, CamRowBuffers<T> b, int t, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
+  camkv_copy_row(r.pend_key, b.new_keys + (long)t * p->Dk, p->Dk, g);
+  camkv_copy_row(r.pend_value, b.new_values + (long)t * p->Dv, p->Dv, g);
+  r.pend_position = p->offset + t;
+  if (r.shadow != 0) {
+    camkv_barrier(g);
+    camkv_shadow_store(r, r.count, r.count, g);
+  }
+  camkv_barrier(g);
+}
+
+// One token into a full state whose stored rows are still only in the in arrays
+// (a host that could not donate them): score, evict and plan the merge reading the
+// in arrays, then write the out arrays once, without row e, and apply the merge
+// there. Copying first and shifting after would move most of the state twice.
+template <typename T>
+CAMKV_INLINE int camkv_decode_copying(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  CamRows<T> r = camkv_exact_rows(b, p);
+  r.keys = (CAMKV_DEVICE T*)b.in_keys;  // read only until the copy below
+  r.values = (CAMKV_DEVICE T*)b.in_values;
+  camkv_copy_flat(r.scores, b.in_scores, (long)p->n, g);
+  camkv_copy_flat(r.positions, b.in_positions, (long)p->n, g);
+  camkv_load_pending(r, b, 0, p, g);
+  CAMKV_DEVICE float* logits = b.f32;
+  CAMKV_DEVICE float* mass = b.f32 + camkv_capacity(0, p->n, p->S, p->n_out);
+  camkv_score_pending(r, 0, p, b.queries, logits, mass, g);
+  int e = camkv_pick_evicted(r, r.pend_position, p, g);
+  CamMergePlan plan = camkv_plan_merge(r, e, p, row_id, g);
+  float s_e = r.scores[e];
+  long tail = (long)(p->n - 1 - e);
+  camkv_copy_flat(b.out_keys, b.in_keys, (long)e * p->Dk, g);
+  camkv_copy_flat(b.out_keys + (long)e * p->Dk, b.in_keys + (long)(e + 1) * p->Dk, tail * p->Dk, g);
+  camkv_copy_flat(b.out_values, b.in_values, (long)e * p->Dv, g);
+  camkv_copy_flat(b.out_values + (long)e * p->Dv, b.in_values + (long)(e + 1) * p->Dv, tail * p->Dv, g);
+  camkv_barrier(g);  // every thread has read scores[e] before the move overwrites it
+  camkv_move_rows_down(r.scores, e, r.count, 1, g);
+  camkv_move_rows_down(r.positions, e, r.count, 1, g);
+  r.keys = b.out_keys;
+  r.values = b.out_values;
+  int merged = camkv_apply_merge(r, plan, b.in_keys + (long)e * p->Dk, b.in_values + (long)e * p->Dv, s_e, e, p, g);
+  camkv_store_pending(r, r.count - 1, g);
+  return merged;
+}
+
+template <typename T>
+CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
+  if (p->in_place == 0 && p->S == 1 && p->n == p->budget) {
+    return camkv_decode_copying(b, p, row_id, g);
+  }
+  CamRows<T> r = camkv_exact_rows(b, p);
+  int cap = camkv_capacity(0, p->n, p->S, p->n_out);
   CAMKV_DEVICE float* logits = b.f32;
   CAMKV_DEVICE float* mass = b.f32 + cap;
 
@@ -705,14 +994,7 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   }
   int merges = 0;
   for (int t = 0; t < p->S; ++t) {
-    camkv_copy_row(r.pend_key, b.new_keys + (long)t * p->Dk, p->Dk, g);
-    camkv_copy_row(r.pend_value, b.new_values + (long)t * p->Dv, p->Dv, g);
-    r.pend_position = p->offset + t;
-    if (r.shadow != 0) {
-      camkv_barrier(g);
-      camkv_shadow_store(r, r.count, r.count, g);
-    }
-    camkv_barrier(g);
+    camkv_load_pending(r, b, t, p, g);
     camkv_score_pending(r, t, p, b.queries, logits, mass, g);
     if (r.count < p->budget) {
       camkv_store_pending(r, r.count, g);
@@ -730,9 +1012,19 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
 // Chunk mode (section 7, "chunk"): score the whole block causally, evict once.
 
 // Every chunk token i queries rows [0, n + i]; the weights are summed, then / G.
+// A host may compute that mass as a matrix product before the launch (prescored):
+// a GPU's few row blocks would otherwise score thousands of queries one by one.
 template <typename T>
 CAMKV_INLINE void camkv_score_chunk(CamRows<T> r, CAMKV_CONSTANT const CamParams* p, const CAMKV_DEVICE float* queries,
+                                    const CAMKV_DEVICE float* chunk_mass,
                                     CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
+  if (p->prescored) {
+    for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
+      r.scores[j] += chunk_mass[j];
+    }
+    camkv_barrier(g);
+    return;
+  }
   camkv_zero(mass, r.count, g);
   for (int i = 0; i < p->S; ++i) {
     int visible = p->n + i + 1;
@@ -811,18 +1103,10 @@ CAMKV_INLINE void camkv_shadow_keep_survivors(CamRows<T> r, CamGroup g) {
 // Survivors, in position order, from the work arrays to the out arrays.
 template <typename T>
 CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamGroup g) {
-  int dst = 0;
-  for (int j = 0; j < r.count; ++j) {
-    if (r.loser[j] == 0) {
-      camkv_copy_row(b.out_keys + (long)dst * r.Dk, (const CAMKV_DEVICE T*)(r.keys + (long)j * r.Dk), r.Dk, g);
-      camkv_copy_row(b.out_values + (long)dst * r.Dv, (const CAMKV_DEVICE T*)(r.values + (long)j * r.Dv), r.Dv, g);
-      if (camkv_tid(g) == 0) {
-        b.out_scores[dst] = r.scores[j];
-        b.out_positions[dst] = r.positions[j];
-      }
-      dst += 1;
-    }
-  }
+  camkv_gather_rows(b.out_keys, (const CAMKV_DEVICE T*)r.keys, r.survivors, r.n_survivors, r.Dk, g);
+  camkv_gather_rows(b.out_values, (const CAMKV_DEVICE T*)r.values, r.survivors, r.n_survivors, r.Dv, g);
+  camkv_gather_rows(b.out_scores, (const CAMKV_DEVICE float*)r.scores, r.survivors, r.n_survivors, 1, g);
+  camkv_gather_rows(b.out_positions, (const CAMKV_DEVICE int*)r.positions, r.survivors, r.n_survivors, 1, g);
   camkv_barrier(g);
 }
 
@@ -853,17 +1137,15 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
 
   camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
                       b.in_positions, p->n, p->Dk, p->Dv, g);
-  for (int i = 0; i < p->S; ++i) {
-    camkv_copy_row(r.keys + (long)(p->n + i) * p->Dk, b.new_keys + (long)i * p->Dk, p->Dk, g);
-    camkv_copy_row(r.values + (long)(p->n + i) * p->Dv, b.new_values + (long)i * p->Dv, p->Dv, g);
-  }
+  camkv_copy_flat(r.keys + (long)p->n * p->Dk, b.new_keys, (long)p->S * p->Dk, g);
+  camkv_copy_flat(r.values + (long)p->n * p->Dv, b.new_values, (long)p->S * p->Dv, g);
   for (int i = camkv_tid(g); i < p->S; i += camkv_gsize(g)) {
     r.scores[p->n + i] = 0.0f;
     r.positions[p->n + i] = p->offset + i;
   }
   camkv_barrier(g);
   camkv_shadow_build(r, total, g);
-  camkv_score_chunk(r, p, b.queries, b.f32, b.f32 + total, g);
+  camkv_score_chunk(r, p, b.queries, b.chunk_mass, b.f32, b.f32 + total, g);
   if (!evicts) {
     return 0;
   }
@@ -898,8 +1180,8 @@ CAMKV_INLINE CamRowBuffers<T> camkv_row_buffers(
     int row, CAMKV_CONSTANT const CamParams* p,
     const CAMKV_DEVICE T* in_keys, const CAMKV_DEVICE T* in_values, const CAMKV_DEVICE float* in_scores,
     const CAMKV_DEVICE int* in_positions, const CAMKV_DEVICE T* new_keys, const CAMKV_DEVICE T* new_values,
-    const CAMKV_DEVICE float* queries, CAMKV_DEVICE T* out_keys, CAMKV_DEVICE T* out_values,
-    CAMKV_DEVICE float* out_scores, CAMKV_DEVICE int* out_positions, CAMKV_DEVICE float* f32,
+    const CAMKV_DEVICE float* queries, const CAMKV_DEVICE float* chunk_mass, CAMKV_DEVICE T* out_keys,
+    CAMKV_DEVICE T* out_values, CAMKV_DEVICE float* out_scores, CAMKV_DEVICE int* out_positions, CAMKV_DEVICE float* f32,
     CAMKV_DEVICE int* i32, CAMKV_DEVICE T* store) {
   long r = (long)row;
   CamRowBuffers<T> b;
@@ -910,6 +1192,7 @@ CAMKV_INLINE CamRowBuffers<T> camkv_row_buffers(
   b.new_keys = new_keys + r * p->S * p->Dk;
   b.new_values = new_values + r * p->S * p->Dv;
   b.queries = queries + (p->key_scoring ? 0 : r * p->S * p->G * p->Dk);
+  b.chunk_mass = chunk_mass + (p->prescored ? r * (p->n + p->S) : 0);
   b.out_keys = out_keys + r * p->n_out * p->Dk;
   b.out_values = out_values + r * p->n_out * p->Dv;
   b.out_scores = out_scores + r * p->n_out;

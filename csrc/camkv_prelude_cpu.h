@@ -17,6 +17,8 @@
 #define CAMKV_THREAD
 // A lone thread dots 8 rows at once: 8 independent addition chains.
 #define CAMKV_DOT_ROWS 8
+// Plain element loops: the compiler vectorises them itself.
+#define CAMKV_WIDE 0
 
 typedef uint32_t camkv_u32;
 

@@ -245,6 +245,7 @@ CamParams make_params(const std::vector<mx::array>& inputs, const std::vector<mx
   p.key_scoring = key_scoring ? 1 : 0;
   p.in_place = in_place ? 1 : 0;
   p.offset = offset;
+  p.prescored = 0;  // the extension scores chunks itself
   p.seed = o.seed;
   p.scale = scale;
   p.f32_stride = outputs[SCRATCH_F32].shape(1);
@@ -432,7 +433,7 @@ void run_cpu(const CamParams p, const T* in_keys, const T* in_values, const floa
              int* merges, float* f32, int* i32, T* store) {
   std::function<void(int)> body = [&](int row) {
     CamRowBuffers<T> b = camkv_row_buffers<T>(row, &p, in_keys, in_values, in_scores, in_positions, new_keys,
-                                              new_values, queries, out_keys, out_values, out_scores,
+                                              new_values, queries, nullptr, out_keys, out_values, out_scores,
                                               out_positions, f32, i32, store);
     merges[row] = camkv_update_row<T>(b, &p, row_ids[row], camkv_single_thread_group());
   };

@@ -36,7 +36,7 @@ template <typename T>
   g.red_i = red_i;
   CamRowBuffers<T> b = camkv_row_buffers<T>(
       (int)row, &params, in_keys, in_values, in_scores, in_positions, new_keys, new_values, queries,
-      out_keys, out_values, out_scores, out_positions, f32, i32, store);
+      queries /* chunk_mass: the extension never prescores */, out_keys, out_values, out_scores, out_positions, f32, i32, store);
   int merged = camkv_update_row<T>(b, &params, row_ids[row], g);
   if (tid == 0) {
     merges[row] = merged;

@@ -21,6 +21,8 @@ using namespace metal;
 #define CAMKV_SIMD_WIDTH 32
 #define CAMKV_THREAD thread
 #define CAMKV_DOT_ROWS 1
+// Element-wide copies: MSL has no portable pointer-to-integer test for 16-byte alignment.
+#define CAMKV_WIDE 0
 
 typedef uint camkv_u32;
 

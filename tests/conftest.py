@@ -18,6 +18,31 @@ def _backend_params():
     return params
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_attention_hook_left_installed():
+    """Every path that installs camkv's attention hook (make_prompt_cache, apply, the CLI,
+    the benches) must take it out again: a test module that leaves it in fails here."""
+    from camkv import hook
+
+    before = hook.installed_modules()
+    yield
+    after = hook.installed_modules()
+    leaked = sorted(m for m, n in after.items() if n > before.get(m, 0))
+    assert not leaked, f"camkv's attention hook was left installed in {leaked}"
+
+
+@pytest.fixture
+def remove_hooks():
+    """remove_hooks(model): camkv.remove(model) when the test ends, pass or fail (the
+    attention hook that camkv.make_prompt_cache installs for scoring="query")."""
+    import camkv
+
+    models = []
+    yield models.append
+    for model in models:
+        camkv.remove(model)
+
+
 @pytest.fixture(params=_backend_params())
 def backend(request) -> str:
     """Each backend name usable here; the others are reported as skipped with the reason."""

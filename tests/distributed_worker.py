@@ -133,8 +133,10 @@ def first_layer_against_reference(reference, model, config: dict) -> dict:
 
 
 def unplaced_first_layer(model) -> list:
-    """Control: the sharded run with its caches drawing as heads 0.. (sharding ignored)."""
-    caches = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, **CAM)]
+    """Control: the sharded run with its caches drawing as heads 0.. (sharding ignored),
+    scored with keys like the reference it is compared with (layer0["key"])."""
+    config = dict(CAM, scoring="key")
+    caches = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, **config)]
     forced(model, caches)
     return stored(caches[0])["positions"]
 

@@ -1,4 +1,7 @@
-"""CaMKVCache: mlx-lm's cache protocol, inspection, state round trip, bad input."""
+"""CaMKVCache: mlx-lm's cache protocol, inspection, state round trip, bad input.
+
+The caches here are fed directly, with no model and so no queries: they score with keys.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def _same(a, b):
 
 def test_update_and_fetch_returns_stored_rows_then_the_new_tokens():
     rng = np.random.default_rng(0)
-    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    cache = CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2)
     k1, v1 = _block(rng, S=7)
     keys, values = cache.update_and_fetch(k1, v1)
     assert mx.array_equal(keys, k1).item() and mx.array_equal(values, v1).item()
@@ -48,7 +51,7 @@ def test_update_and_fetch_returns_stored_rows_then_the_new_tokens():
 
 def test_offset_is_the_absolute_position_not_the_row_count():
     rng = np.random.default_rng(1)
-    cache = CaMKVCache(budget=6, n_sink=1, recent=2)
+    cache = CaMKVCache(scoring="key", budget=6, n_sink=1, recent=2)
     for s_len in (5, 1, 1, 9, 1):
         cache.update_and_fetch(*_block(rng, S=s_len))
     assert cache.offset == 17 and cache.size() == 6
@@ -58,7 +61,7 @@ def test_offset_is_the_absolute_position_not_the_row_count():
 
 def test_make_mask_is_none_for_one_query_and_causal_otherwise():
     rng = np.random.default_rng(2)
-    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    cache = CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2)
     assert cache.make_mask(1) is None
     assert cache.make_mask(5) == "causal"
     cache.update_and_fetch(*_block(rng, S=12))
@@ -72,7 +75,7 @@ def test_make_mask_is_none_for_one_query_and_causal_otherwise():
 
 def test_stored_shapes_dtypes_and_stats():
     rng = np.random.default_rng(3)
-    cache = CaMKVCache(budget=9, n_sink=1, recent=2, gate=False)
+    cache = CaMKVCache(scoring="key", budget=9, n_sink=1, recent=2, gate=False)
     cache.update_and_fetch(*_block(rng, S=20, dtype=mx.bfloat16))
     keys, values, scores, positions = cache.stored()
     assert keys.shape == (2, 3, 9, 8) and keys.dtype == mx.bfloat16
@@ -85,7 +88,7 @@ def test_stored_shapes_dtypes_and_stats():
 
 
 def test_empty_cache_protocol():
-    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    cache = CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2)
     assert cache.empty() and cache.size() == 0 and cache.nbytes == 0 and cache.offset == 0
     assert not cache.is_trimmable()
     with pytest.raises(ValueError, match="empty"):
@@ -94,7 +97,7 @@ def test_empty_cache_protocol():
 
 def test_state_round_trip_restores_an_identical_cache_and_continues_identically():
     rng = np.random.default_rng(4)
-    cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge="window", window=2, seed=5)
+    cfg = CaMConfig(scoring="key", budget=10, n_sink=1, recent=2, merge="window", window=2, seed=5)
     cache = CaMKVCache(cfg)
     for s_len in (8, 1, 6):
         cache.update_and_fetch(*_block(rng, S=s_len))
@@ -110,7 +113,7 @@ def test_state_round_trip_restores_an_identical_cache_and_continues_identically(
 
 
 def test_trim_and_quantize_raise_clear_errors_and_batching_is_refused():
-    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    cache = CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2)
     with pytest.raises(NotImplementedError, match="trimmed"):
         cache.trim(1)
     # mlx-lm batches (server, BatchGenerator) only caches that have `merge`.
@@ -135,7 +138,7 @@ def test_trim_and_quantize_raise_clear_errors_and_batching_is_refused():
 )
 def test_bad_input_raises_and_leaves_the_cache_unchanged(bad, match):
     rng = np.random.default_rng(5)
-    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
+    cache = CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2)
     cache.update_and_fetch(*_block(rng, S=12))
     before = _snapshot(cache)
     with pytest.raises(ValueError, match=match):
@@ -145,33 +148,33 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(bad, match):
 
 def test_config_cannot_change_mid_sequence():
     rng = np.random.default_rng(6)
-    cache = CaMKVCache(budget=10, n_sink=1, recent=2)
-    cache.config = CaMConfig(budget=12, n_sink=1, recent=2)  # allowed while empty
+    cache = CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2)
+    cache.config = CaMConfig(scoring="key", budget=12, n_sink=1, recent=2)  # allowed while empty
     cache.update_and_fetch(*_block(rng, S=3))
     before = _snapshot(cache)
     with pytest.raises(ValueError, match="mid-sequence"):
-        cache.config = CaMConfig(budget=20, n_sink=1, recent=2)
+        cache.config = CaMConfig(scoring="key", budget=20, n_sink=1, recent=2)
     assert cache.config.budget == 12
     _same(_snapshot(cache), before)
 
 
 def test_bad_config_raises_before_any_state_exists():
     with pytest.raises(ValueError, match="recent"):
-        CaMKVCache(budget=10, recent=0)
+        CaMKVCache(scoring="key", budget=10, recent=0)
     with pytest.raises(ValueError, match="head_offset"):
-        CaMKVCache(budget=10, n_sink=1, recent=2, head_offset=-1)
+        CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2, head_offset=-1)
 
 
 def test_global_head_placement_changes_the_draws():
     """Row r = b * H_global + h_global: a cache of heads 2..3 of 4 draws like those heads."""
     rng = np.random.default_rng(7)
     k, v = _block(rng, B=1, H=4, S=30, dtype=mx.float32)
-    full = CaMKVCache(budget=8, n_sink=1, recent=2, gate=True)
+    full = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True)
     full.update_and_fetch(k, v)
-    half = CaMKVCache(budget=8, n_sink=1, recent=2, gate=True, head_offset=2, n_heads_global=4)
+    half = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True, head_offset=2, n_heads_global=4)
     half.update_and_fetch(k[:, 2:], v[:, 2:])
     for a, b in zip(full.stored(), half.stored()):
         assert mx.array_equal(a[:, 2:], b).item()
-    wrong = CaMKVCache(budget=8, n_sink=1, recent=2, gate=True)
+    wrong = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True)
     wrong.update_and_fetch(k[:, 2:], v[:, 2:])
     assert not all(mx.array_equal(a[:, 2:], b).item() for a, b in zip(full.stored(), wrong.stored()))

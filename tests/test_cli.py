@@ -8,6 +8,7 @@ import io
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from conftest import subprocess_env
 
 import camkv
-from camkv import cli, models
+from camkv import cli, hook, models
 from gguf_fixtures import write_tiny_gguf
 
 SUMMARY = re.compile(
@@ -23,6 +24,16 @@ SUMMARY = re.compile(
     r"peak memory: [\d.]+ GB \| KV held: ([\d.]+) MB vs ([\d.]+) MB for a full cache \((\d+)%\) \| "
     r"evictions: (\d+), merges: (\d+)")
 SMALL_KV = ["--kv-budget", "24", "--kv-sinks", "2", "--kv-recent", "4"]
+ALL_BY_QUERIES = "| scoring: query, 100% of tokens by the model's queries"
+
+
+def _main_scoring_with_queries(argv) -> int:
+    """cli.main, failing on any fallback to key scoring; the hook must be out afterwards."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", camkv.QueryScoringWarning)
+        code = cli.main(argv)
+    assert not hook.installed_modules(), "the CLI left camkv's attention hook installed"
+    return code
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +88,11 @@ def test_python_dash_m_camkv_help_lists_the_commands():
 
 
 def test_demo_compresses_and_reports(capsys):
-    assert cli.main(["demo", "--prompt-tokens", "200", "--max-tokens", "8", "--kv-budget", "64"]) == 0
+    assert _main_scoring_with_queries(["demo", "--prompt-tokens", "200", "--max-tokens", "8",
+                                       "--kv-budget", "64"]) == 0
     out = capsys.readouterr().out
     summary = _summary(out)
+    assert ALL_BY_QUERIES in out
     assert summary["prompt"] == 200 and summary["generation"] == 8
     assert summary["held_mb"] < summary["full_mb"] and summary["evictions"] > 0
     assert "generated token ids" in out
@@ -125,22 +138,32 @@ def test_bad_sampling_values_exit_2(capsys, argv, named):
         assert word in err
 
 
-def test_generate_streams_and_reports(capsys, tiny_model_dir):
+def test_generate_streams_and_reports(capsys, tiny_model_dir, remove_hooks):
     argv = ["generate", "--model", tiny_model_dir, "--prompt", "hello world " * 20,
             "--max-tokens", "6", *SMALL_KV]
-    assert cli.main(argv) == 0
+    assert _main_scoring_with_queries(argv) == 0
     captured = capsys.readouterr()
     summary = _summary(captured.err)
+    assert ALL_BY_QUERIES in captured.err  # the default scores with the model's real queries
     assert summary["generation"] == 6 and summary["prompt"] > 24
     assert summary["held_mb"] < summary["full_mb"] and summary["evictions"] > 0
     # The streamed text is what mlx-lm generates with the same camkv cache.
     from mlx_lm import generate, load
 
     model, tokenizer = load(tiny_model_dir)
+    remove_hooks(model)
     cache = camkv.make_prompt_cache(model, budget=24, n_sink=2, recent=4)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hello world " * 20}],
                                            add_generation_prompt=True)
     assert captured.out == generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=cache) + "\n"
+
+
+def test_generate_with_key_scoring_says_so(capsys, tiny_model_dir):
+    argv = ["generate", "--model", tiny_model_dir, "--prompt", "hello", "--max-tokens", "2",
+            *SMALL_KV, "--kv-scoring", "key"]
+    assert _main_scoring_with_queries(argv) == 0
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("| scoring: key"), err
 
 
 def test_generate_chat_template_and_prompt_sources(capsys, monkeypatch, tmp_path, tiny_model_dir):
@@ -162,20 +185,24 @@ def test_generate_chat_template_and_prompt_sources(capsys, monkeypatch, tmp_path
 def test_generate_saves_and_continues_a_prompt_cache(capsys, tmp_path, tiny_model_dir):
     saved = tmp_path / "story.safetensors"
     base = ["generate", "--model", tiny_model_dir, "--chat-template", "off", "--max-tokens", "4"]
-    assert cli.main([*base, *SMALL_KV, "--prompt", "hello world " * 20,
-                     "--save-prompt-cache", str(saved)]) == 0
+    assert _main_scoring_with_queries([*base, *SMALL_KV, "--prompt", "hello world " * 20,
+                                       "--save-prompt-cache", str(saved)]) == 0
     first = _summary(capsys.readouterr().err)
-    assert cli.main([*base, "--prompt", " world", "--prompt-cache-file", str(saved)]) == 0
+    # The loaded layers score with queries too (the CLI installs the hook for them).
+    assert _main_scoring_with_queries([*base, "--prompt", " world", "--prompt-cache-file",
+                                       str(saved)]) == 0
     captured = capsys.readouterr()
     second = _summary(captured.err)
+    assert ALL_BY_QUERIES in captured.err
     assert second["prompt"] == 1  # only the new text is processed
     assert second["evictions"] > first["evictions"]  # the loaded counters carry on
     # The text is what mlx-lm generates from the same loaded cache.
     from mlx_lm import generate, load
 
     model, tokenizer = load(tiny_model_dir)
-    expected = generate(model, tokenizer, " world", max_tokens=4,
-                        prompt_cache=camkv.load_prompt_cache(str(saved)))
+    with camkv.applied(model):  # the attention hook: the loaded layers score with queries, as in the CLI
+        expected = generate(model, tokenizer, " world", max_tokens=4,
+                            prompt_cache=camkv.load_prompt_cache(str(saved)))
     assert captured.out == expected + "\n"
 
 
@@ -205,7 +232,7 @@ def test_full_cache_bytes_are_what_mlx_lm_kvcache_holds():
     for tokens in (1, 100, 256, 300):
         keys = mx.random.normal((1, 2, tokens, 16))
         values = mx.random.normal((1, 2, tokens, 8))
-        full, cam = KVCache(), camkv.CaMKVCache(budget=512)
+        full, cam = KVCache(), camkv.CaMKVCache(budget=512, scoring="key")
         full.update_and_fetch(keys, values)
         cam.update_and_fetch(keys, values)
         assert cli.full_cache_bytes(cam) == full.nbytes, tokens

@@ -52,16 +52,18 @@ class FakeGroup:
 # ---------------------------------------------------------------------- in-process placement
 
 
-def test_an_unsharded_model_is_placed_at_heads_and_layers_zero():
+def test_an_unsharded_model_is_placed_at_heads_and_layers_zero(remove_hooks):
     model = tiny_llama(heads=8, kv_heads=4)
+    remove_hooks(model)
     assert shard_info(model) == ShardInfo(tensor_rank=0, tensor_size=1, layer_offset=0)
     caches = camkv.make_prompt_cache(model, budget=16, recent=2)
     assert [(c._head_offset, c._n_heads_global) for c in caches] == [(0, None), (0, None)]
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_tensor_sharded_caches_take_the_global_head_offset_and_count(rank):
+def test_tensor_sharded_caches_take_the_global_head_offset_and_count(rank, remove_hooks):
     model = tiny_llama(heads=8, kv_heads=4)
+    remove_hooks(model)
     model.shard(FakeGroup(rank, 2))  # builds the sharded projections; no forward pass here
     assert shard_info(model) == ShardInfo(tensor_rank=rank, tensor_size=2, layer_offset=0)
     assert local_kv_heads(model, 0) == 2
@@ -71,9 +73,10 @@ def test_tensor_sharded_caches_take_the_global_head_offset_and_count(rank):
 
 
 @pytest.mark.parametrize("rank, layers", [(0, [2, 3]), (1, [0, 1])])
-def test_pipelined_caches_take_the_global_layer_seeds(rank, layers):
+def test_pipelined_caches_take_the_global_layer_seeds(rank, layers, remove_hooks):
     # mlx-lm's pipeline gives the last layers to rank 0.
     model = tiny_qwen2(layers=4)
+    remove_hooks(model)
     model.model.pipeline(FakeGroup(rank, 2))
     assert shard_info(model).layer_offset == layers[0]
     caches = camkv.make_prompt_cache(model, budget=16, recent=2, seed=3)
@@ -92,8 +95,8 @@ def test_local_kv_heads_names_what_it_could_not_find():
 
 def test_cache_rejects_heads_that_do_not_fit_the_global_count():
     with pytest.raises(ValueError, match="n_heads_global"):
-        CaMKVCache(budget=16, recent=2, head_offset=4, n_heads_global=4)
-    cache = CaMKVCache(budget=16, recent=2, head_offset=2, n_heads_global=4)
+        CaMKVCache(scoring="key", budget=16, recent=2, head_offset=4, n_heads_global=4)
+    cache = CaMKVCache(scoring="key", budget=16, recent=2, head_offset=2, n_heads_global=4)
     keys = mx.zeros((1, 3, 5, 8))
     with pytest.raises(ValueError, match=r"heads 2\.\.4 do not fit in the model's 4 heads"):
         cache.update_and_fetch(keys, keys)
@@ -102,7 +105,7 @@ def test_cache_rejects_heads_that_do_not_fit_the_global_count():
 
 def test_keys_can_be_replaced_only_by_same_shaped_keys():
     """mlx-lm's pipelines attach their send with cache.keys = mx.depends(cache.keys, h)."""
-    cache = CaMKVCache(budget=16, recent=2)
+    cache = CaMKVCache(scoring="key", budget=16, recent=2)
     assert cache.keys is None
     with pytest.raises(ValueError, match="while the cache is empty"):
         cache.keys = mx.zeros((1, 2, 3, 8))
@@ -116,8 +119,9 @@ def test_keys_can_be_replaced_only_by_same_shaped_keys():
         cache.keys = mx.zeros((1, 2, 4, 8))
 
 
-def test_kv_bytes_of_a_single_process_group():
+def test_kv_bytes_of_a_single_process_group(remove_hooks):
     model = tiny_llama()
+    remove_hooks(model)
     caches = camkv.make_prompt_cache(model, budget=16, recent=2)
     model(mx.array([[1, 2, 3, 4, 5]]), cache=caches)
     held = sum(c.nbytes for c in caches)

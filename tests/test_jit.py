@@ -10,6 +10,8 @@ import struct
 import subprocess
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -25,7 +27,7 @@ _SIGNATURES = {
         "template <typename T>\n[[kernel]] void camkv_update(\n"
         "  const device T* in_keys, const device T* in_values, const device float* in_scores,\n"
         "  const device int32_t* in_positions, const device T* new_keys, const device T* new_values,\n"
-        "  const device float* queries, const device uint32_t* row_ids, const device int32_t* params,\n"
+        "  const device float* queries, const device float* chunk_mass, const device uint32_t* row_ids, const device int32_t* params,\n"
         "  device T* out_keys, device T* out_values, device float* out_scores, device int32_t* out_positions,\n"
         "  device int32_t* merges, device float* scratch_f32, device int32_t* scratch_i32, device T* scratch_store,\n"
         "  uint3 thread_position_in_threadgroup, uint3 threads_per_threadgroup,\n"
@@ -35,7 +37,8 @@ _SIGNATURES = {
     "cuda": (
         "template <typename T>\n__global__ void camkv_update(\n"
         "  const T* in_keys, const T* in_values, const float* in_scores, const int32_t* in_positions,\n"
-        "  const T* new_keys, const T* new_values, const float* queries, const uint32_t* row_ids,\n"
+        "  const T* new_keys, const T* new_values, const float* queries, const float* chunk_mass,\n"
+        "  const uint32_t* row_ids,\n"
         "  const int32_t* params, T* out_keys, T* out_values, float* out_scores, int32_t* out_positions,\n"
         "  int32_t* merges, float* scratch_f32, int32_t* scratch_i32, T* scratch_store) {{\n{body}\n}}\n"
         "template void camkv_update<float>(CUDA_ARGS(float));\n"
@@ -43,10 +46,12 @@ _SIGNATURES = {
 }
 _ARGS = {
     "metal": "#define METAL_ARGS(T) const device T*, const device T*, const device float*, const device int32_t*, "
-             "const device T*, const device T*, const device float*, const device uint32_t*, const device int32_t*, "
+             "const device T*, const device T*, const device float*, const device float*, const device uint32_t*, "
+             "const device int32_t*, "
              "device T*, device T*, device float*, device int32_t*, device int32_t*, device float*, device int32_t*, "
              "device T*, uint3, uint3, uint3\n",
     "cuda": "#define CUDA_ARGS(T) const T*, const T*, const float*, const int32_t*, const T*, const T*, const float*, "
+            "const float*, "
             "const uint32_t*, const int32_t*, T*, T*, float*, int32_t*, int32_t*, float*, int32_t*, T*\n",
 }
 _STUB = {"metal": "#include <metal_stdlib>\n", "cuda": '#include "cuda_stub.h"\n'}
@@ -92,12 +97,12 @@ def test_scratch_sizes_equal_the_cores(chunk, n, s_len, budget, k_dim, v_dim):
 def test_parameters_pack_in_the_cores_field_order():
     cfg = CaMConfig(budget=64, n_sink=3, recent=5, merge="window", window=2, gate=False, seed=2**32 - 2,
                     prefill="exact")
-    words = jit.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9)).tolist()
-    assert len(words) == 23  # sizeof(CamParams) / 4
-    assert words[:18] == [6, 10, 1, 32, 16, 2, 11, 64, 3, 5, 2, 2, 0, 0, 0, 0, 0, 77]
-    assert struct.unpack("<I", struct.pack("<i", words[18]))[0] == 2**32 - 2
-    assert struct.unpack("<f", struct.pack("<i", words[19]))[0] == 0.125
-    assert words[20:] == [7, 8, 9]
+    words = jit.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9), True).tolist()
+    assert len(words) == 24  # sizeof(CamParams) / 4
+    assert words[:19] == [6, 10, 1, 32, 16, 2, 11, 64, 3, 5, 2, 2, 0, 0, 0, 0, 0, 77, 1]
+    assert struct.unpack("<I", struct.pack("<i", words[19]))[0] == 2**32 - 2
+    assert struct.unpack("<f", struct.pack("<i", words[20]))[0] == 0.125
+    assert words[21:] == [7, 8, 9]
 
 
 def test_forcing_an_absent_gpu_backend_is_a_clear_error():
@@ -109,3 +114,41 @@ def test_forcing_an_absent_gpu_backend_is_a_clear_error():
             continue
         with pytest.raises(RuntimeError, match=f"backend '{target}' is not usable here: no "):
             backends.resolve(target)
+
+
+@pytest.mark.parametrize("block", [1, 4, 1000])
+def test_chunk_scoring_in_query_blocks_equals_the_whole_chunk(monkeypatch, block):
+    # The GPU backends prescore a chunk in blocks of queries to bound memory; any
+    # block size must give the reference's mass (split products included).
+    from camkv.reference import RowState, attention_mass_causal
+
+    mx.random.seed(3)
+    rows, n, s_len, dim, groups = 2, 5, 37, 8, 3
+    state = RowState(mx.random.normal((rows, n, dim)), mx.random.normal((rows, n, dim)), mx.zeros((rows, n)),
+                     mx.zeros((rows, n), mx.int32))
+    new_keys, queries = mx.random.normal((rows, s_len, dim)), mx.random.normal((rows, s_len, groups, dim))
+    monkeypatch.setattr(jit, "SCORE_BYTES", rows * groups * (n + s_len) * 16 * block)
+    got = jit._chunk_mass(state, new_keys, queries, 0.3, False, CaMConfig(), "cuda")
+    want = attention_mass_causal(queries, mx.concatenate([state.keys, new_keys], axis=1), 0.3, n)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+
+
+def test_split_product_survives_a_matmul_that_rounds_its_inputs_to_tf32():
+    # Emulate a TF32 tensor core (inputs rounded to 10 mantissa bits): the split
+    # product must stay float32-accurate where the plain one loses about 1e-4.
+    from camkv import reference
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((4, 64, 128)).astype(np.float32), rng.standard_normal((4, 128, 64)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    tf32 = reference._tf32_high
+
+    def rounded(x, y):
+        return tf32(x) @ tf32(y)
+
+    a_hi, b_hi = tf32(mx.array(a)), tf32(mx.array(b))
+    # reference._float32_product(split=True), with every product rounding its inputs
+    split = rounded(a_hi, b_hi) + (rounded(a_hi, mx.array(b) - b_hi) + rounded(mx.array(a) - a_hi, b_hi))
+    scale = np.abs(want).max()
+    assert np.abs(np.array(rounded(mx.array(a), mx.array(b))) - want).max() / scale > 1e-5
+    assert np.abs(np.array(split) - want).max() / scale < 2e-6

@@ -22,7 +22,9 @@ def _greedy(model, cache=None, max_tokens=24, prefill_step_size=64):
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_llama(heads=4, kv_heads=2, layers=2)
+    model = tiny_llama(heads=4, kv_heads=2, layers=2)
+    yield model
+    camkv.remove(model)  # the attention hook camkv.make_prompt_cache installs (scoring="query")
 
 
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])

@@ -25,8 +25,9 @@ def _continue(model, cache, last_token, n=12):
 
 
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
-def test_saved_and_loaded_cache_continues_generation_identically(tmp_path, make_model):
+def test_saved_and_loaded_cache_continues_generation_identically(tmp_path, make_model, remove_hooks):
     model = make_model()
+    remove_hooks(model)
     prompt = np.random.default_rng(0).integers(0, 128, 120).tolist()
     cache = camkv.make_prompt_cache(model, budget=48, n_sink=2, recent=8, merge_keys=True)
     _prefill(model, cache, prompt[:-1])

@@ -1,4 +1,5 @@
-"""scoring="query": the model's own queries score the cache, through mlx-lm's attention call."""
+"""scoring="query" (the default): the model's own queries score the cache, through
+mlx-lm's attention call; without them a cache scores with keys and says so once."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import warnings
 import numpy as np
 import mlx.core as mx
 import pytest
+from mlx_lm import stream_generate
 from mlx_lm.generate import generate_step
 from mlx_lm.models import base
 from mlx_lm.models.cache import make_prompt_cache
 
 import camkv
-from camkv import CaMKVCache, hook
-from tiny_models import tiny_gemma3, tiny_llama, tiny_qwen3
+from camkv import CaMKVCache, QueryScoringWarning, hook
+from tiny_models import (
+    byte_tokenizer, tiny_deepseek_v3, tiny_gemma2, tiny_gemma3, tiny_llama, tiny_qwen3,
+)
 
 PROMPT = mx.array([(5 * i + 1) % 120 for i in range(90)])
 MODELS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3}
@@ -77,17 +81,128 @@ def test_small_budget_with_query_scoring_stays_bounded():
     assert all(c.size() == 40 and c.stats["evictions"] > 0 for c in cache)
 
 
-def test_a_model_that_bypasses_the_hook_warns_once_and_stays_bounded():
+def _block(rng, s_len, heads=2, dim=8):
+    return mx.array(rng.standard_normal((1, heads, s_len, dim)).astype(np.float32))
+
+
+def _assert_same_state(a: CaMKVCache, b: CaMKVCache):
+    for x, y in zip(a.stored(), b.stored()):
+        assert mx.array_equal(x, y).item()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_default_scores_every_token_with_real_queries_through_mlx_lm(name):
+    model = MODELS[name]()
+    tokenizer = byte_tokenizer()
+    prompt = PROMPT.tolist()
+
+    def tokens(cache):
+        return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=12,
+                                                 prompt_cache=cache)]
+
+    full = tokens(make_prompt_cache(model))
+    cache = camkv.make_prompt_cache(model, budget=256, recent=8)  # default config
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", QueryScoringWarning)
+            assert tokens(cache) == full
+    finally:
+        camkv.remove(model)
+    assert not hook.installed_modules()
+    camkv_layers = [c for c in cache if isinstance(c, CaMKVCache)]
+    assert camkv_layers and all(c.config.scoring == "query" for c in camkv_layers)
+    # Every token, prompt and generated, was scored with the model's queries.
+    assert all(0 < c.stats["query_scored"] == c.stats["tokens_seen"] for c in camkv_layers)
+
+
+def test_apply_installs_the_hook_at_once_and_remove_takes_it_out():
+    model = tiny_llama()
+    module = sys.modules[type(model).__module__]
+    camkv.apply(model, budget=64, recent=8)  # caches built elsewhere (a loaded prompt cache) get queries
+    assert module.scaled_dot_product_attention is hook.scaled_dot_product_attention
+    camkv.remove(model)
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+    camkv.apply(model, budget=64, recent=8, scoring="key")  # nothing to hand over
+    assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
+    camkv.remove(model)
+
+
+def test_a_cache_built_directly_without_a_hook_scores_with_keys_at_once_and_says_so_once():
+    assert not hook.installed_modules()  # no model's hook anywhere: no queries can come
     rng = np.random.default_rng(0)
-    cache = CaMKVCache(budget=12, n_sink=1, recent=2, scoring="query")
+    direct = CaMKVCache(budget=12, n_sink=1, recent=2)  # the default: scoring="query"
+    keyed = CaMKVCache(budget=12, n_sink=1, recent=2, scoring="key")
+    with pytest.warns(QueryScoringWarning) as record:
+        for s_len in (5, 1, 9, 1, 3, 1):
+            k = _block(rng, s_len)
+            direct.update_and_fetch(k, k)
+            keyed.update_and_fetch(k, k)
+            assert direct._pending is None  # scored in the call itself, never left waiting
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "camkv.make_prompt_cache(model" in message and "camkv.apply(model" in message
+    assert "scoring='key'" in message
+    _assert_same_state(direct, keyed)
+    assert direct.size() == 12 and direct.nbytes == keyed.nbytes
+    assert direct.stats["query_scored"] == 0 and direct.stats["tokens_seen"] == 20
+
+
+def test_caches_whose_hook_was_removed_score_with_keys_and_say_why():
+    model = tiny_llama()
+    cache = camkv.make_prompt_cache(model, budget=64, recent=8)
+    model(PROMPT[None, :40], cache=cache)
+    camkv.remove(model)
+    with pytest.warns(QueryScoringWarning, match=r"hook of model llama was removed \(camkv.remove\)"):
+        model(PROMPT[None, 40:41], cache=cache)
+    assert all(c.stats["query_scored"] == 40 and c.stats["tokens_seen"] == 41 for c in cache)
+
+
+def test_a_model_whose_attention_never_calls_the_hook_scores_with_keys_from_the_first_block(remove_hooks):
+    model = tiny_gemma2()
+    remove_hooks(model)
+    cache = camkv.make_prompt_cache(model, budget=40, recent=8)
+    keyed = camkv.make_prompt_cache(model, budget=40, recent=8, scoring="key")
+    with pytest.warns(QueryScoringWarning, match="gemma2's attention does not call mlx-lm's "
+                                                 "scaled_dot_product_attention") as record:
+        tokens = _greedy(model, cache, max_tokens=20)
+    assert len(record) == len(cache)  # once per layer's cache, not once per step
+    assert tokens == _greedy(model, keyed, max_tokens=20)
+    for a, b in zip(cache, keyed):
+        _assert_same_state(a, b)
+        assert a.size() == 40 and a.stats["query_scored"] == 0
+
+
+def test_a_model_that_bypasses_an_installed_hook_warns_once_and_stays_bounded(remove_hooks):
+    hooked = camkv.apply(tiny_llama())  # some model's hook is in: a direct cache waits for queries
+    remove_hooks(hooked)
+    rng = np.random.default_rng(0)
+    cache = CaMKVCache(budget=12, n_sink=1, recent=2)
+    keyed = CaMKVCache(budget=12, n_sink=1, recent=2, scoring="key")
     cache.model_type = "bypassing_model"
-    with pytest.warns(RuntimeWarning, match="bypassing_model") as record:
+    with pytest.warns(QueryScoringWarning, match="bypassing_model") as record:
         for _ in range(10):
-            k = mx.array(rng.standard_normal((1, 2, 3, 8)).astype(np.float32))
+            k = _block(rng, 3)
             cache.update_and_fetch(k, k)
+            keyed.update_and_fetch(k, k)
         cache.size()
     assert len([w for w in record if "bypass" in str(w.message)]) == 1
     assert cache.size() == 12 and cache.offset == 30
+    _assert_same_state(cache, keyed)
+
+
+def test_queries_of_another_width_than_the_cached_keys_score_with_keys(remove_hooks):
+    # MLA models (deepseek_v3 and kin) cache a latent of another width than their prompt queries.
+    remove_hooks(camkv.apply(tiny_llama()))
+    rng = np.random.default_rng(1)
+    cache = CaMKVCache(budget=12, n_sink=1, recent=2)
+    keyed = CaMKVCache(budget=12, n_sink=1, recent=2, scoring="key")
+    k = _block(rng, 5, heads=1)
+    cache.update_and_fetch(k, k)
+    keyed.update_and_fetch(k, k)
+    with pytest.warns(QueryScoringWarning, match="queries of width 16 over cached keys of width 8"):
+        cache.observe_queries(mx.ones((1, 4, 5, 16)), 0.25)
+    _assert_same_state(cache, keyed)
+    assert cache.stats["query_scored"] == 0
 
 
 def test_the_hook_is_removed_cleanly():
@@ -103,7 +218,22 @@ def test_the_hook_is_removed_cleanly():
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
-def test_queries_of_the_wrong_shape_are_rejected_without_change():
+def test_a_latent_cache_model_scores_its_prompt_with_keys_and_its_steps_with_queries(remove_hooks):
+    model = tiny_deepseek_v3()
+    remove_hooks(model)
+    cache = camkv.make_prompt_cache(model, budget=40, recent=8)
+    with pytest.warns(QueryScoringWarning, match="deepseek_v3 attends with queries of width 16 "
+                                                 "over cached keys of width 32") as record:
+        tokens = _greedy(model, cache, max_tokens=10)
+    assert len(tokens) == 10 and len(record) == len(cache)
+    for layer in cache:
+        # The one-token steps' queries are projected into the latent: those score it.
+        assert 0 < layer.stats["query_scored"] < layer.stats["tokens_seen"] == 90 + 10
+        assert layer.size() == 40
+
+
+def test_queries_of_the_wrong_shape_are_rejected_without_change(remove_hooks):
+    remove_hooks(camkv.apply(tiny_llama()))  # a hook is in: the block waits for its queries
     cache = CaMKVCache(budget=12, n_sink=1, recent=2, scoring="query")
     k = mx.ones((1, 2, 3, 8))
     cache.update_and_fetch(k, k)

@@ -65,3 +65,5 @@ def test_chat_request_is_answered_with_camkv_caches(tmp_path):
         proc.terminate()
         log = proc.communicate(timeout=20)[1]
     assert "camkv: request cache has 2/2 CaMKVCache layers (budget=64" in log, log
+    # The default scores with the model's queries: the hook is in, nothing falls back to keys.
+    assert "scoring=query)" in log and "QueryScoringWarning" not in log, log

@@ -59,6 +59,40 @@ def tiny_gemma3(*, layers: int = 4, seed: int = 0):
     return model
 
 
+def tiny_gemma2(*, layers: int = 2, seed: int = 0):
+    """A random gemma2: its attention computes softmax itself, without mlx-lm's
+    scaled_dot_product_attention, so camkv's attention hook never sees its queries."""
+    from mlx_lm.models import gemma2
+
+    args = gemma2.ModelArgs(
+        model_type="gemma2", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        vocab_size=128,
+    )
+    mx.random.seed(seed)
+    model = gemma2.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_deepseek_v3(*, layers: int = 2, seed: int = 0):
+    """A random deepseek_v3 (multi-head latent attention): its cache holds a compressed
+    latent of width 32, its prompt queries have width 16 (dense layers only)."""
+    from mlx_lm.models import deepseek_v3
+
+    args = deepseek_v3.ModelArgs(
+        model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=None, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, max_position_embeddings=4096,
+        rope_scaling=None, first_k_dense_replace=layers,
+    )
+    mx.random.seed(seed)
+    model = deepseek_v3.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

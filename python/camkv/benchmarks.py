@@ -2,8 +2,9 @@
 
 One run measures every arm on the same model, machine and prompts: mlx-lm's KVCache
 (full), RotatingKVCache(max_size=budget, keep=4) (StreamingLLM) and camkv at each
-budget with the default settings on the best backend here. `camkv bench` and
-bench/e2e.py are front ends of `main`.
+budget with the default settings (scoring="query", through camkv's attention hook,
+which each camkv trial installs and takes out again) on the best backend here.
+`camkv bench` and bench/e2e.py are front ends of `main`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import backends, models
+from . import backends, hook, models
 from .cache import CaMKVCache
 from .config import CaMConfig
 from .integration import kv_bytes, make_prompt_cache
@@ -59,6 +60,14 @@ class Trial:
 def run_trial(model, arm: Arm, prompt: mx.array, gen_tokens: int, prefill_step: int, backend: str) -> Trial:
     """Prefill the prompt in chunks, then generate greedily, timing each part."""
     cache = arm.make(model, backend)
+    try:
+        return _timed_generation(model, cache, prompt, gen_tokens, prefill_step)
+    finally:
+        hook.uninstall(model)  # camkv's arm installed it; the other arms run without it
+
+
+def _timed_generation(model, cache: list, prompt: mx.array, gen_tokens: int, prefill_step: int) -> Trial:
+    """run_trial's measurement, on a cache list already made."""
     mx.synchronize()
     mx.reset_peak_memory()
     start = time.perf_counter()
@@ -82,24 +91,43 @@ def run_trial(model, arm: Arm, prompt: mx.array, gen_tokens: int, prefill_step: 
 
 
 def cache_update_seconds(model, budget: int, backend: str, repeats: int = 20) -> float:
-    """Median time of one decode-step update of every layer's camkv cache at a full budget."""
+    """Median time of one decode step's cache updates, every layer's, at a full budget.
+
+    All layers' updates are built lazily and evaluated at once, as inside a model's
+    forward pass (no synchronisation per layer). Scored with queries handed over as
+    the attention hook does (the default scoring), so the hook is installed while it runs.
+    """
     layer = model.layers[0].self_attn
     heads = layer.n_kv_heads
     head_dim = layer.k_proj.weight.shape[0] // heads
     dtype = model.layers[0].self_attn.k_proj.weight.dtype
     dtype = mx.float16 if dtype not in (mx.float16, mx.bfloat16, mx.float32) else dtype
-    cache = CaMKVCache(CaMConfig(budget=budget, backend=backend))
-    fill = mx.random.normal((1, heads, budget, head_dim)).astype(dtype)
-    cache.update_and_fetch(fill, fill)
-    times = []
-    for _ in range(repeats):
-        step = mx.random.normal((1, heads, 1, head_dim)).astype(dtype)
-        mx.eval(step)
-        tick = time.perf_counter()
-        cache.update_and_fetch(step, step)
-        mx.eval(cache.state[:4])
-        times.append(time.perf_counter() - tick)
-    return statistics.median(times) * len(model.layers)
+    hook.install(model)
+    try:
+        caches = [CaMKVCache(CaMConfig(budget=budget, backend=backend, scoring="query", seed=i))
+                  for i in range(len(model.layers))]
+        for cache in caches:
+            _update(cache, layer, mx.random.normal((1, heads, budget, head_dim)).astype(dtype))
+        mx.eval([c.state for c in caches])
+        times = []
+        for _ in range(repeats):
+            step = mx.random.normal((1, heads, 1, head_dim)).astype(dtype)
+            mx.eval(step)
+            tick = time.perf_counter()
+            for cache in caches:
+                _update(cache, layer, step)
+            mx.eval([c.state[:4] for c in caches])
+            times.append(time.perf_counter() - tick)
+    finally:
+        hook.uninstall(model)
+    return statistics.median(times)
+
+
+def _update(cache: CaMKVCache, attention, block: mx.array) -> None:
+    """One layer's update as the model makes it: keys and values, then its queries."""
+    cache.update_and_fetch(block, block)
+    queries = mx.repeat(block, attention.n_heads // attention.n_kv_heads, axis=1)
+    cache.observe_queries(queries, attention.scale)
 
 
 def summarize(trials: list[Trial], prompt_len: int) -> dict:
@@ -199,6 +227,14 @@ def load_model(name: str):
 def soak(model, budget: int, tokens: int, every: int, backend: str, progress=None) -> dict:
     """Generate `tokens` tokens with camkv; sample KV bytes and peak memory as it goes."""
     cache = make_prompt_cache(model, budget=budget, backend=backend)
+    try:
+        return {"budget": budget, "samples": _soak_samples(model, cache, tokens, every, progress)}
+    finally:
+        hook.uninstall(model)
+
+
+def _soak_samples(model, cache: list, tokens: int, every: int, progress) -> list[dict]:
+    """Greedy generation from one token, sampling memory every `every` tokens."""
     token = mx.array([1])
     samples = []
     mx.reset_peak_memory()
@@ -214,7 +250,7 @@ def soak(model, budget: int, tokens: int, every: int, backend: str, progress=Non
             })
         if progress:
             progress.update(1)
-    return {"budget": budget, "samples": samples}
+    return samples
 
 
 def plot_soak(soak_result: dict, path: Path, title: str) -> None:

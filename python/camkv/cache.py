@@ -14,6 +14,10 @@ from .config import CaMConfig, resolve_config
 from .reference import RowState
 
 
+class QueryScoringWarning(RuntimeWarning):
+    """scoring="query" scored a block with keys: the model's queries did not reach the cache."""
+
+
 class CaMKVCache(_BaseCache):
     """A KV cache that holds at most `budget` tokens per (batch, KV head) row.
 
@@ -24,6 +28,14 @@ class CaMKVCache(_BaseCache):
     head_offset and n_heads_global place this cache's heads among the model's
     heads when they are sharded over processes, so the gate draws what an
     unsharded run draws (ALGORITHM.md section 1).
+
+    With scoring="query" a block waits in update_and_fetch for the model's queries,
+    which camkv's attention hook hands over right after (observe_queries). When no
+    hook can feed the cache (it was built directly and no hook is installed, its
+    model's attention does not call mlx-lm's scaled_dot_product_attention, or the
+    hook was removed) the block is scored with its keys at once, with one
+    QueryScoringWarning per cache. A model that bypasses an installed hook is
+    caught at the next call: the waiting block is scored with keys, and it warns once.
     """
 
     def __init__(
@@ -52,8 +64,12 @@ class CaMKVCache(_BaseCache):
         self._merges = mx.zeros((), mx.int32)
         self._evictions = 0
         self.offset = 0
-        self.model_type: str | None = None  # set by the attention hook, for warnings
-        self._bypass_warned = False
+        self._query_scored = 0  # tokens scored with the model's queries
+        self.model_type: str | None = None  # set by make_prompt_cache, for warnings
+        # The modules whose attention hook feeds this cache (set by make_prompt_cache);
+        # None for a cache built directly, which any hooked model may feed.
+        self.hook_modules: frozenset[str] | None = None
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ config
     @property
@@ -77,9 +93,11 @@ class CaMKVCache(_BaseCache):
         self._flush_pending_with_keys()
         fetched = self._fetch(keys, values)
         start = self.offset
-        if self._config.scoring == "query":
+        if self._config.scoring == "query" and self._queries_can_come():
             self._pending = (keys, values, start)
         else:
+            if self._config.scoring == "query":
+                self._warn_once("no_hook", self._no_hook_message(), stacklevel=3)
             self._absorb(keys, values, start, None, None)
         # The model computed RoPE from offset before this call; it advances now, even
         # when the update itself waits for the queries.
@@ -101,11 +119,22 @@ class CaMKVCache(_BaseCache):
             raise ValueError(
                 f"query heads {queries.shape[1]} are not a multiple of the KV heads {H}"
             )
+        self._pending = None
+        if queries.shape[3] != keys.shape[3]:
+            # MLA models (deepseek_v3 and kin) cache a compressed latent, and their
+            # prompt queries do not live in its space: there is nothing to score with.
+            self._warn_once("width", (
+                f"camkv: model {self.model_type or '(unknown type)'} attends with queries "
+                f"of width {queries.shape[3]} over cached keys of width {keys.shape[3]} "
+                "(a compressed latent cache); scoring those blocks with keys instead. Pass "
+                "scoring='key' to score all blocks the same way."))
+            self._absorb(keys, values, start, None, None)
+            return
         groups = queries.shape[1] // H
         # [B, H*G, S, D] -> [B*H, S, G, D]: query head h*G + g belongs to KV head h.
         q = queries.reshape(B, H, groups, S, -1).transpose(0, 1, 3, 2, 4)
-        self._pending = None
         self._absorb(keys, values, start, q.reshape(B * H, S, groups, -1), scale)
+        self._query_scored += S
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         self._flush_pending_with_keys()
@@ -192,11 +221,13 @@ class CaMKVCache(_BaseCache):
 
     @property
     def stats(self) -> dict:
-        """Counters summed over rows: tokens_seen, evictions, merges; plus rows and budget."""
+        """Counters: tokens_seen, query_scored (tokens scored with the model's queries),
+        evictions and merges (summed over rows); plus rows, stored and budget."""
         self._flush_pending_with_keys()
         rows = 0 if self._layout is None else self._layout[0] * self._layout[1]
         return {
             "tokens_seen": self.offset,
+            "query_scored": self._query_scored,
             "evictions": self._evictions,
             "merges": int(self._merges.item()),
             "rows": rows,
@@ -214,6 +245,7 @@ class CaMKVCache(_BaseCache):
             "head_offset": self._head_offset,
             "n_heads_global": self._n_heads_global,
             "evictions": self._evictions,
+            "query_scored": self._query_scored,
         }
         if self._rows is None:
             return (None, None, None, None, self._merges, json.dumps(meta))
@@ -230,6 +262,7 @@ class CaMKVCache(_BaseCache):
         self._reset()
         self.offset = meta["offset"]
         self._evictions = meta["evictions"]
+        self._query_scored = meta.get("query_scored", 0)  # absent from older files
         self._merges = mx.array(merges, mx.int32)
         if keys is None:
             return
@@ -307,19 +340,44 @@ class CaMKVCache(_BaseCache):
         self._merges = self._merges + merges.sum()
         self._evictions += max(0, rows.length + S - self._config.budget) * B * H
 
+    def _queries_can_come(self) -> bool:
+        """Whether an installed attention hook can hand this cache the block's queries."""
+        from . import hook  # imported here: hook imports this module
+
+        return hook.can_feed(self.hook_modules)
+
+    def _no_hook_message(self) -> str:
+        model = self.model_type or "(unknown type)"
+        if self.hook_modules is None:
+            why = ("no camkv attention hook is installed (the cache was built directly); "
+                   "build the caches with camkv.make_prompt_cache(model, ...) or call "
+                   "camkv.apply(model, ...) to score with the model's queries")
+        elif not self.hook_modules:
+            why = (f"model {model}'s attention does not call mlx-lm's "
+                   "scaled_dot_product_attention, so the hook cannot see its queries")
+        else:
+            why = f"the attention hook of model {model} was removed (camkv.remove)"
+        return (f"camkv: CaMKVCache(scoring='query') gets no queries: {why}. Scoring with "
+                "keys instead; pass scoring='key' to choose that and silence this warning.")
+
+    def _warn_once(self, kind: str, message: str, stacklevel: int = 4) -> None:
+        # Once per cache and kind. Every layer's cache warns with the same text from the
+        # same line of the model's attention (stacklevel points there), so Python's
+        # default filter shows it once per model, not once per layer.
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        warnings.warn(message, QueryScoringWarning, stacklevel=stacklevel)
+
     def _flush_pending_with_keys(self) -> None:
         """A block the model never showed its queries for: score it with its keys, warn once."""
         if self._pending is None:
             return
-        if not self._bypass_warned:
-            warnings.warn(
-                f"camkv: model {self.model_type or '(unknown type)'} computed attention without "
-                "passing its queries to the cache (it bypasses mlx-lm's "
-                "scaled_dot_product_attention); scoring that block with keys instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self._bypass_warned = True
+        self._warn_once("bypass", (
+            f"camkv: model {self.model_type or '(unknown type)'} computed attention without "
+            "passing its queries to the cache (it bypasses mlx-lm's "
+            "scaled_dot_product_attention); scoring that block with keys instead. Pass "
+            "scoring='key' to score all blocks the same way."))
         keys, values, start = self._pending
         self._pending = None
         self._absorb(keys, values, start, None, None)

@@ -62,8 +62,9 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
                        help="seed of the gate's draws, 0..2^32-1 (default: %(default)s)")
     group.add_argument("--kv-scoring", default=_DEFAULTS["scoring"], metavar="MODE",
                        help="attention scores from: " + ", ".join(SCORING_MODES) +
-                            " ('key' uses each new key as a stand-in query, 'query' the model's "
-                            "own queries) (default: %(default)s)")
+                            " ('query' the model's own queries, through camkv's attention hook; "
+                            "'key' each new key as a stand-in query; the summary line says how "
+                            "many tokens the queries scored) (default: %(default)s)")
     group.add_argument("--kv-prefill", default=_DEFAULTS["prefill"], metavar="MODE",
                        help="prompt handling: " + ", ".join(PREFILL_MODES) +
                             " ('chunk' scores and evicts once per prompt chunk, fast; 'exact' "
@@ -204,7 +205,11 @@ def kv_fields(args: argparse.Namespace) -> dict:
 
 
 def make_cache(model, args: argparse.Namespace) -> list:
-    """The prompt cache for one generation: camkv's, or mlx-lm's with --full-cache."""
+    """The prompt cache for one generation: camkv's, or mlx-lm's with --full-cache.
+
+    camkv's installs the model's attention hook (scoring="query"): end with
+    camkv.remove(model).
+    """
     if args.full_cache:
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -212,6 +217,18 @@ def make_cache(model, args: argparse.Namespace) -> list:
     import camkv
 
     return camkv.make_prompt_cache(model, **kv_fields(args))
+
+
+def load_cache(model, path: str) -> list:
+    """A saved prompt cache, with the attention hook installed if its layers score with queries."""
+    import camkv
+
+    from . import hook
+
+    prompt_cache = camkv.load_prompt_cache(path)
+    if any(isinstance(c, camkv.CaMKVCache) and c.config.scoring == "query" for c in prompt_cache):
+        hook.install(model)
+    return prompt_cache
 
 
 def full_cache_bytes(cache) -> int:
@@ -248,6 +265,9 @@ def kv_summary(prompt_cache: list) -> dict:
         "evictions": sum(c.stats["evictions"] for c in camkv_layers),
         "merges": sum(c.stats["merges"] for c in camkv_layers),
         "camkv_layers": len(camkv_layers),
+        "scoring": sorted({c.config.scoring for c in camkv_layers}),
+        "query_scored": sum(c.stats["query_scored"] for c in camkv_layers),
+        "tokens_seen": sum(c.stats["tokens_seen"] for c in camkv_layers),
     }
 
 
@@ -263,8 +283,19 @@ def summary_line(prompt: tuple, generation: tuple, peak_gb: float, kv: dict) -> 
         f"generation: {generation[0]} tokens, {generation[1]:.1f} tokens/s | "
         f"peak memory: {peak_gb:.3f} GB | "
         f"KV held: {_mb(kv['held'])} vs {_mb(kv['full'])} for a full cache{share} | "
-        f"evictions: {kv['evictions']}, merges: {kv['merges']}"
+        f"evictions: {kv['evictions']}, merges: {kv['merges']}{_scoring_note(kv)}"
     )
+
+
+def _scoring_note(kv: dict) -> str:
+    """How the camkv layers scored: with "query", the share the model's queries really scored."""
+    if not kv["scoring"]:
+        return ""  # mlx-lm's own caches
+    note = f" | scoring: {'/'.join(kv['scoring'])}"
+    if "query" in kv["scoring"] and kv["tokens_seen"]:
+        # Rounded down: 100% only when no token fell back to key scoring.
+        note += f", {100 * kv['query_scored'] // kv['tokens_seen']}% of tokens by the model's queries"
+    return note
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -319,6 +350,14 @@ def _flag_message(message: str) -> str:
 # --------------------------------------------------------------------------- commands
 
 
+def _remove_hook(model) -> None:
+    """Take the attention hook of scoring="query" out of the model's modules again."""
+    from . import hook
+
+    hook.uninstall(model)
+
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -333,18 +372,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = models.load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
     prompt = format_prompt(tokenizer, read_prompt(args), args.chat_template, args.system_prompt)
     if args.prompt_cache_file is not None:
-        import camkv
-
-        prompt_cache = camkv.load_prompt_cache(args.prompt_cache_file)
+        prompt_cache = load_cache(model, args.prompt_cache_file)
     else:
         prompt_cache = make_cache(model, args)
     mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     response = None
-    for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                     sampler=sampler, prompt_cache=prompt_cache):
-        if speaks:
-            print(response.text, end="", flush=True)
+    try:
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
+                                         sampler=sampler, prompt_cache=prompt_cache):
+            if speaks:
+                print(response.text, end="", flush=True)
+    finally:
+        _remove_hook(model)
     if speaks:
         print(flush=True)
     if args.save_prompt_cache is not None:
@@ -382,10 +422,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     steps = generate_step(prompt, model, max_tokens=args.max_tokens, sampler=sampler,
                           prompt_cache=prompt_cache)
-    first = next(steps)  # the prompt is processed before the first token comes out
-    prompt_seconds = time.perf_counter() - start
-    tokens = [first[0]] + [token for token, _ in steps]
-    gen_seconds = time.perf_counter() - start - prompt_seconds
+    try:
+        first = next(steps)  # the prompt is processed before the first token comes out
+        prompt_seconds = time.perf_counter() - start
+        tokens = [first[0]] + [token for token, _ in steps]
+        gen_seconds = time.perf_counter() - start - prompt_seconds
+    finally:
+        _remove_hook(model)
     print(f"generated token ids: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
     print(summary_line(
         (args.prompt_tokens, args.prompt_tokens / prompt_seconds),

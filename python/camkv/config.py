@@ -62,8 +62,13 @@ class CaMConfig:
       Off by default: on SmolLM2-135M over real text the ungated merge had lower KL
       divergence from the full cache at every budget (bench/results/quality-gpu).
     - seed [0]: uint32 seed of the gate's deterministic draws; each layer adds its index.
-    - scoring ["key"]: "key" scores with the new key as a stand-in query; "query"
-      uses the model's own queries (needs the attention hook of camkv.apply).
+    - scoring ["query"]: "query" scores with the model's own queries, which camkv's
+      attention hook hands over (installed by camkv.apply / camkv.make_prompt_cache);
+      "key" uses each new key as a stand-in query. Query by default: on SmolLM2-135M
+      over real text it cut the KL divergence from the full cache 3-7x against the key
+      proxy (bench/results/README.md, "Key against query scoring"). A cache that gets
+      no queries (no hook installed, or a model whose attention bypasses it) scores
+      with keys and says so once (camkv.QueryScoringWarning).
     - prefill ["chunk"]: "exact" runs a multi-token call one token at a time;
       "chunk" scores the whole block at once and evicts once (fast prompts).
     - backend ["auto"]: "auto", "reference", "ext", "metal" or "cuda".
@@ -80,7 +85,7 @@ class CaMConfig:
     window: int = 4
     gate: bool = False
     seed: int = 0
-    scoring: str = "key"
+    scoring: str = "query"
     prefill: str = "chunk"
     backend: str = "auto"
 

@@ -4,8 +4,10 @@ Almost every mlx-lm model calls `scaled_dot_product_attention(queries, keys, val
 cache=cache, scale=..., mask=...)`, imported from mlx_lm.models.base, right after
 `cache.update_and_fetch`. We rebind that name in the model's own modules to a
 wrapper that first shows the queries (after RoPE) and the scale to the cache, then
-calls the original. A model that bypasses it is caught by the cache itself (it
-scores the block with keys and warns once).
+calls the original. A cache that no hook can feed scores with keys and warns once
+(CaMKVCache.update_and_fetch asks `can_feed` before it waits for queries), and a
+model that bypasses an installed hook is caught by the cache itself (it scores the
+block with keys and warns once).
 """
 
 from __future__ import annotations
@@ -40,17 +42,22 @@ def _model_modules(model) -> set[str]:
     return {n for n in names if getattr(sys.modules.get(n), _NAME, None) in (_ORIGINAL, scaled_dot_product_attention)}
 
 
-def install(model) -> None:
-    """Route the model's attention calls through the hook (idempotent per model)."""
+def install(model) -> frozenset[str]:
+    """Route the model's attention calls through the hook (idempotent per model).
+
+    Returns the modules hooked for the model: empty when none of its layers calls
+    mlx-lm's scaled_dot_product_attention (its queries can never reach camkv).
+    """
     if getattr(model, _HOOKED, None) is not None:
-        return
+        return getattr(model, _HOOKED)
     modules = _model_modules(model)
     for name in modules:
         if name not in _users:
             _saved[name] = getattr(sys.modules[name], _NAME)
         setattr(sys.modules[name], _NAME, scaled_dot_product_attention)
         _users[name] = _users.get(name, 0) + 1
-    object.__setattr__(model, _HOOKED, modules)
+    object.__setattr__(model, _HOOKED, frozenset(modules))
+    return frozenset(modules)
 
 
 def uninstall(model) -> None:
@@ -68,3 +75,19 @@ def uninstall(model) -> None:
 
 def is_installed(model) -> bool:
     return getattr(model, _HOOKED, None) is not None
+
+
+def installed_modules() -> dict[str, int]:
+    """Module name -> how many models hold the hook there now (empty: no hook anywhere)."""
+    return dict(_users)
+
+
+def can_feed(modules: frozenset[str] | None) -> bool:
+    """Whether a hook is installed that can hand a cache its queries.
+
+    modules: those hooked for the cache's model (camkv.make_prompt_cache records
+    them), or None for a cache built directly, which any hooked model may feed.
+    """
+    if modules is None:
+        return bool(_users)
+    return any(name in _users for name in modules)

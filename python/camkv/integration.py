@@ -31,11 +31,11 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
     (model.shard(group), or a pipeline) i and the gate's head indices are global, so
     every rank draws what an unsharded run draws (camkv.distributed). Other cache
     kinds (rotating, arrays / SSM, chunked) are kept as the model makes them. With scoring="query"
-    the attention hook is installed in the model's modules (camkv.remove undoes it).
+    (the default) the attention hook is installed in the model's modules; camkv.remove(model)
+    takes it out again once the caches are done with.
     """
     base = resolve_config(config, fields)
-    if base.scoring == "query":
-        hook.install(model)
+    hooked = hook.install(model) if base.scoring == "query" else None
     caches = _model_default_cache(model)
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     shards = shard_info(model)
@@ -43,6 +43,7 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
         if type(cache) is KVCache:
             caches[i] = _camkv_cache(model, i, base, shards)
             caches[i].model_type = model_type
+            caches[i].hook_modules = hooked
     return caches
 
 
@@ -65,10 +66,14 @@ def kv_bytes(caches) -> int:
 def apply(model, config: CaMConfig | None = None, **fields):
     """Make `model.make_cache` build camkv caches, so mlx_lm.generate and friends use them.
 
-    Returns the model. Undo with `camkv.remove(model)`, or use `camkv.applied(...)`
-    as a context manager.
+    Returns the model. With scoring="query" (the default) the attention hook goes in
+    now, so caches built elsewhere (camkv.load_prompt_cache) get the model's queries
+    too. Undo both with `camkv.remove(model)`, or use `camkv.applied(...)` as a
+    context manager.
     """
     base = resolve_config(config, fields)
+    if base.scoring == "query":
+        hook.install(model)
     if not hasattr(model, _ORIGINAL):
         object.__setattr__(model, _ORIGINAL, getattr(model, "make_cache", None))
     object.__setattr__(model, "make_cache", lambda: make_prompt_cache(model, base))

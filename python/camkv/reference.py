@@ -90,7 +90,22 @@ def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, idx[:, None, None], axis=1)[:, 0, :]
 
 
-def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible) -> mx.array:
+def _tf32_high(x: mx.array) -> mx.array:
+    """x with the mantissa bits a TF32 tensor core drops cleared (exactly representable)."""
+    return mx.view(mx.view(x, mx.uint32) & mx.array(0xFFFFE000, mx.uint32), mx.float32)
+
+
+def _float32_product(a: mx.array, b: mx.array, split: bool) -> mx.array:
+    """a @ b. With split, as three products of TF32-exact halves (hi.hi + hi.lo + lo.hi),
+    which keeps float32 accuracy where the matmul rounds its inputs to TF32 (MLX's
+    CUDA backend does: about 3e-4 relative error otherwise)."""
+    if not split:
+        return a @ b
+    a_hi, b_hi = _tf32_high(a), _tf32_high(b)
+    return a_hi @ b_hi + (a_hi @ (b - b_hi) + (a - a_hi) @ b_hi)
+
+
+def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, split: bool = False) -> mx.array:
     """Section 2: softmax weights of each query over keys, summed over queries / G.
 
     queries [R, S, G, Dk] float32, keys [R, N, Dk] float32, visible [S, N] bool or None.
@@ -98,12 +113,21 @@ def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible) ->
     """
     rows, s_len, groups, k_dim = queries.shape
     q = queries.reshape(rows, s_len * groups, k_dim)
-    logits = scale * (q @ keys.transpose(0, 2, 1))  # [R, S*G, N]
+    logits = scale * _float32_product(q, keys.transpose(0, 2, 1), split)  # [R, S*G, N]
     logits = logits.reshape(rows, s_len, groups, -1)
     if visible is not None:
         logits = mx.where(visible[None, :, None, :], logits, -_INF)
     weights = mx.softmax(logits, axis=-1, precise=True)
     return weights.sum(axis=(1, 2)) / groups
+
+
+def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: int, split: bool = False) -> mx.array:
+    """A chunk's mass: chunk token i (absolute index n + i) sees every stored row and
+    the chunk tokens up to itself. queries [R, S, G, Dk], keys [R, n + S, Dk] float32.
+    split: keep float32 accuracy on a TF32 matmul (see _float32_product)."""
+    s_len, total = queries.shape[1], keys.shape[1]
+    visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
+    return _attention_mass(queries, keys, scale, visible, split)
 
 
 # ----------------------------------------------------------------------------
@@ -301,9 +325,7 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     total = n + s_len
     keys = mx.concatenate([state.keys, new_keys], axis=1)
     values = mx.concatenate([state.values, new_values], axis=1)
-    # Chunk token i (absolute index n + i) sees every stored row and chunk tokens <= i.
-    visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
-    mass = _attention_mass(q, keys.astype(mx.float32), scale, visible)
+    mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n)
     scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
     new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
     positions = mx.concatenate([state.positions, new_positions], axis=1)

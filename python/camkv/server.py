@@ -24,7 +24,7 @@ def _announce(model, config: CaMConfig) -> None:
         caches = make()
         ours = sum(isinstance(c, CaMKVCache) for c in caches)
         print(f"camkv: request cache has {ours}/{len(caches)} CaMKVCache layers "
-              f"(budget={config.budget}, merge={config.merge})", file=sys.stderr, flush=True)
+              f"(budget={config.budget}, merge={config.merge}, scoring={config.scoring})", file=sys.stderr, flush=True)
         return caches
 
     object.__setattr__(model, "make_cache", make_and_log)

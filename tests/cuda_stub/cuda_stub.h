@@ -9,6 +9,7 @@
 #define __forceinline__ inline
 #define __global__
 #define __shared__
+#define __align__(n) alignas(n)
 
 struct dim3_stub {
   unsigned x, y, z;

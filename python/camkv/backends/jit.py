@@ -15,14 +15,14 @@ import struct
 import mlx.core as mx
 
 from ..config import MERGE_MODES, CaMConfig
-from ..reference import RowState
+from ..reference import RowState, attention_mass_causal
 from ._common import adopt_dtype, check_kernel_inputs
 from .sources import kernel_source
 
 THREADS = 256  # per row: a multiple of the 32-wide SIMD group on both targets
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
-           "queries", "row_ids", "params"]
+           "queries", "chunk_mass", "row_ids", "params"]
 _OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
             "scratch_f32", "scratch_i32", "scratch_store"]
 
@@ -30,7 +30,7 @@ _OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
 # supplies its group (thread index, size, shared reduction slots) before it.
 _BODY = """
   CamRowBuffers<T> b = camkv_row_buffers<T>(
-      row, p, in_keys, in_values, in_scores, in_positions, new_keys, new_values, queries,
+      row, p, in_keys, in_values, in_scores, in_positions, new_keys, new_values, queries, chunk_mass,
       out_keys, out_values, out_scores, out_positions, scratch_f32, scratch_i32, scratch_store);
   int merged = camkv_update_row<T>(b, p, row_ids[row], g);
   if (g.tid == 0) {
@@ -117,13 +117,64 @@ def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_d
 
 
 def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
-                key_scoring, strides) -> mx.array:
-    """struct CamParams (camkv_core.h) as int32 words: 20 ints, uint32 seed, float scale, 3 ints."""
+                key_scoring, strides, prescored=False) -> mx.array:
+    """struct CamParams (camkv_core.h) as int32 words: 19 ints, uint32 seed, float scale, 3 ints."""
     head = [rows, n, s_len, k_dim, v_dim, groups, n_out, cfg.budget, cfg.n_sink, cfg.recent,
             cfg.window, MERGE_MODES.index(cfg.merge), int(cfg.merge_keys), int(cfg.gate),
-            int(cfg.prefill == "chunk"), int(key_scoring), 0, offset]
+            int(cfg.prefill == "chunk"), int(key_scoring), 0, offset, int(prescored)]
     packed = struct.pack(f"<{len(head)}iIf3i", *head, cfg.seed, scale, *strides)
     return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
+
+
+SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scoring holds
+_placeholders: list[mx.array] = []
+
+
+def _placeholder() -> mx.array:
+    """One float for inputs the core ignores in this call, made once: a decode step's
+    fixed cost is mostly such small host-side work."""
+    if not _placeholders:
+        _placeholders.append(mx.zeros((1,), mx.float32))
+        mx.eval(_placeholders[0])
+    return _placeholders[0]
+
+
+def _as_uint32(row_ids: mx.array) -> mx.array:
+    return row_ids if row_ids.dtype == mx.uint32 else row_ids.astype(mx.uint32)
+
+
+def _chunk_mass(state: RowState, new_keys, queries, scale, key_scoring, cfg: CaMConfig, target: str):
+    """A chunk call's attention mass [R, n + S] (section 2), or None for exact calls.
+
+    Scoring S chunk tokens causally is S x (n + S) dot products: as one matrix
+    product it fills the GPU, where the kernel's one block per row (8 blocks for
+    8 KV heads on a 132-SM GPU) would score the queries one at a time. The
+    reference's operations, with the products split so that MLX's TF32 matmul on
+    CUDA keeps float32 accuracy (the kernel's in-core scoring is plain float32).
+    """
+    rows, s_len, k_dim = new_keys.shape
+    if cfg.prefill != "chunk" or s_len < 2:
+        return None
+    n = state.length
+    keys = new_keys if n == 0 else mx.concatenate([state.keys.astype(new_keys.dtype), new_keys], axis=1)
+    keys = keys.astype(mx.float32)
+    if key_scoring:
+        queries = new_keys.astype(mx.float32)[:, :, None, :]
+    # Blocks of chunk queries, so the logits held at once stay under SCORE_BYTES
+    # (a whole 2048-token chunk with 4 queries per KV head would hold gigabytes: a
+    # bounded cache must not spike memory while it fills). Block i0..i1 sees only
+    # the first n + i1 keys.
+    total, groups = n + s_len, queries.shape[2]
+    block = max(1, SCORE_BYTES // (rows * groups * total * 4 * 4))  # logits, mask, weights, split parts
+    mass = None
+    for i0 in range(0, s_len, block):
+        i1 = min(s_len, i0 + block)
+        part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=target == "cuda")
+        part = mx.pad(part, [(0, 0), (0, s_len - i1)])
+        mass = part if mass is None else mass + part
+        if i1 < s_len:
+            mx.eval(mass)
+    return mass
 
 
 def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
@@ -140,18 +191,22 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     key_scoring = queries is None
     if key_scoring:
         scale, groups = 1.0 / math.sqrt(k_dim), 1
-        queries = mx.zeros((1,), mx.float32)  # unused by the core
+        queries = _placeholder()  # unused by the core
     else:
         groups = queries.shape[2]
         queries = queries.astype(mx.float32)
+    chunk_mass = _chunk_mass(state, new_keys, queries, scale, key_scoring, cfg, target)
+    prescored = chunk_mass is not None
+    if not prescored:
+        chunk_mass = _placeholder()  # unused by the core
     strides = scratch_strides(cfg.prefill == "chunk", n, s_len, n_out, k_dim, v_dim)
     params = pack_params(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, int(offset), float(scale),
-                         key_scoring, strides)
+                         key_scoring, strides, prescored)
     # A zero-length stored state still needs a buffer to point at.
     stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state]
     dtype = new_keys.dtype
     outputs = _kernel(target)(
-        inputs=[*stored, new_keys, new_values, queries, row_ids.astype(mx.uint32), params],
+        inputs=[*stored, new_keys, new_values, queries, chunk_mass, _as_uint32(row_ids), params],
         template=[("T", dtype)],
         grid=(rows * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
