@@ -46,7 +46,7 @@ NB_MODULE(_ext, m) {
                               camkv_store_stride(chunk, n, S, n_out, Dk, Dv));
       }, "chunk"_a, "n"_a, "S"_a, "n_out"_a, "Dk"_a, "Dv"_a,
         "Per-row scratch sizes (floats, ints, storage elements) the kernel core needs for a call.");
-  m.attr("MERGE_CODES") = nb::make_tuple("sim_weighted", "mean", "window", "drop");
+  m.attr("MERGE_CODES") = nb::make_tuple("sim_weighted", "mean", "window", "drop", "mass_weighted", "window_mass");
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
         "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "offset"_a, "scale"_a, "budget"_a, "n_sink"_a,
         "recent"_a, "window"_a, "merge"_a, "merge_keys"_a, "gate"_a, "chunk"_a, "seed"_a,

@@ -34,6 +34,8 @@
 #define CAMKV_MERGE_MEAN 1
 #define CAMKV_MERGE_WINDOW 2
 #define CAMKV_MERGE_DROP 3
+#define CAMKV_MERGE_MASS_WEIGHTED 4
+#define CAMKV_MERGE_WINDOW_MASS 5
 
 // Largest head dimension the core accepts (the hosts reject larger ones).
 #define CAMKV_MAX_HEAD_DIM 256
@@ -658,6 +660,13 @@ CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* 
   }
 }
 
+// s_e / (s_e + s_t), 0 if both are 0: blending with it makes the target the
+// attention-mass-weighted mean of itself and the merged token (scores are >= 0).
+CAMKV_INLINE float camkv_mass_weight(float s_e, float s_t) {
+  float total = s_e + s_t;
+  return total > 0.0f ? s_e / total : 0.0f;
+}
+
 // A merge decided but not yet applied: what camkv_plan_merge reads from the rows,
 // so the exact path can move the stored rows (and drop e) between deciding and
 // blending. Window members sit in r.list[1..width].
@@ -679,6 +688,8 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   if (plan.open != 0 && p->merge == CAMKV_MERGE_SIM_WEIGHTED) {
     float c = r.cosines[camkv_column_of(r, plan.target)];  // written by camkv_nearest
     plan.w = c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c);
+  } else if (plan.open != 0 && p->merge == CAMKV_MERGE_MASS_WEIGHTED) {
+    plan.w = camkv_mass_weight(s_e, *camkv_score(r, plan.target));
   }
   return plan;
 }
@@ -710,7 +721,7 @@ CAMKV_INLINE CamMergePlan camkv_plan_merge(CamRows<T> r, int e, CAMKV_CONSTANT c
     none.width = 0;
     return none;
   }
-  if (p->merge == CAMKV_MERGE_WINDOW) {
+  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
     return camkv_plan_window(r, e, p, row_id, g);
   }
   return camkv_plan_nearest(r, e, p, row_id, g);
@@ -733,9 +744,16 @@ CAMKV_INLINE int camkv_apply_merge(CamRows<T> r, CamMergePlan plan, const CAMKV_
   if (plan.open == 0) {
     return 0;
   }
-  if (p->merge == CAMKV_MERGE_WINDOW) {
+  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
+    float share = s_e / (float)plan.width;
     for (int i = 1; i <= plan.width; ++i) {
-      CAMKV_DEVICE T* v_j = camkv_value(r, camkv_moved(r.list[i], removed, r.count));
+      int j = camkv_moved(r.list[i], removed, r.count);
+      CAMKV_DEVICE T* v_j = camkv_value(r, j);
+      if (p->merge == CAMKV_MERGE_WINDOW_MASS) {
+        // Each target's weight is its own mass against the share it receives.
+        camkv_blend_row(v_j, v_e, camkv_mass_weight(share, *camkv_score(r, j)), r.Dv, g);
+        continue;
+      }
       for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
         v_j[d] = (T)(camkv_float(v_j[d]) + camkv_float(v_e[d]) / (float)plan.width);
       }

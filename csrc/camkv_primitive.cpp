@@ -123,8 +123,9 @@ void check_options(const UpdateOptions& o, int n) {
         << ", window=" << o.window << " (need budget > n_sink + recent, n_sink >= 0, recent >= 1, window >= 1)";
     bad(out.str());
   }
-  if (o.merge < CAMKV_MERGE_SIM_WEIGHTED || o.merge > CAMKV_MERGE_DROP) {
-    bad("merge code " + std::to_string(o.merge) + " is not one of 0 (sim_weighted), 1 (mean), 2 (window), 3 (drop)");
+  if (o.merge < CAMKV_MERGE_SIM_WEIGHTED || o.merge > CAMKV_MERGE_WINDOW_MASS) {
+    bad("merge code " + std::to_string(o.merge) +
+        " is not one of 0 (sim_weighted), 1 (mean), 2 (window), 3 (drop), 4 (mass_weighted), 5 (window_mass)");
   }
   if (n > o.budget) {
     bad("the state holds n=" + std::to_string(n) + " tokens, more than budget=" + std::to_string(o.budget));

@@ -41,7 +41,7 @@ def step(K, V, S, P, k, v, p, q, scale, cfg, row):
     loser = min(cands, key=lambda j: (S[j], P[j]))
     merged = False
     if cfg.merge != "drop":
-        if cfg.merge == "window":
+        if cfg.merge in ("window", "window_mass"):
             W = [j for j in range(n + 1) if j > loser][: cfg.window]
             s_t = np.float32(np.mean(S[W]))
         else:
@@ -64,8 +64,20 @@ def step(K, V, S, P, k, v, p, q, scale, cfg, row):
             for j in W:
                 V[j] = V[j] + V[loser] / len(W)
                 S[j] += s_e / len(W)
+        elif merged and cfg.merge == "window_mass":
+            share = s_e / np.float32(len(W))
+            for j in W:
+                # (s_j V_j + share V_e) / (s_j + share), written as that weighted mean
+                if S[j] + share > 0:
+                    V[j] = (S[j] * V[j] + share * V[loser]) / (S[j] + share)
+                S[j] += share
         elif merged:
-            w = min(max(best, 0.0), 1.0) if cfg.merge == "sim_weighted" else 0.5
+            if cfg.merge == "sim_weighted":
+                w = min(max(best, 0.0), 1.0)
+            elif cfg.merge == "mass_weighted":
+                w = s_e / (s_e + S[t]) if s_e + S[t] > 0 else 0.0
+            else:
+                w = 0.5
             V[t] = (1 - w) * V[t] + w * V[loser]
             if cfg.merge_keys:
                 K[t] = (1 - w) * K[t] + w * K[loser]

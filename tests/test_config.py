@@ -25,6 +25,8 @@ from camkv import CaMConfig
         (dict(scoring="value"), ["scoring", "'value'", "'key'", "'query'"]),
         (dict(backend="tpu"), ["backend", "'tpu'", "'reference'"]),
         (dict(merge="window", merge_keys=True), ["merge_keys", "window"]),
+        (dict(merge="window_mass", merge_keys=True), ["merge_keys", "'window_mass'"]),
+        (dict(merge="avg"), ["'mass_weighted'", "'window_mass'"]),
         (dict(gate="yes"), ["gate", "'yes'"]),
         (dict(merge_keys=1), ["merge_keys", "1"]),
     ],

@@ -2,7 +2,8 @@
 
 positions, n, kept rows and merge counts exactly; with merge="drop" keys and values
 bit for bit; scores within rtol 1e-4 / atol 1e-6; blended keys and values within one
-unit in the last place of the storage dtype. Parametrised by the `backend` fixture
+unit in the last place of the storage dtype (plus, for the mass-weighted modes, what
+the scores' own float32 disagreement does to their blend weights). Parametrised by the `backend` fixture
 (tests/conftest.py), which skips a backend that is not usable here with its reason.
 """
 
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from camkv import CaMConfig, backends, reference
-from camkv.config import MERGE_MODES
+from camkv.config import MERGE_MODES, WINDOW_MODES
 from camkv.reference import RowState
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -37,7 +38,17 @@ def _np(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32) if a.dtype in (mx.float16, mx.bfloat16) else a)
 
 
-def assert_rows_match(name: str, got: mx.array, want: mx.array, exact: bool, context: str) -> None:
+# Modes whose blend weight is a ratio of scores: s_e / (s_e + s_t). Scores agree between
+# backends only to a few float32 ulps (exp and summation order differ; section 8 allows
+# rtol 1e-4), and w inherits that, so these blends get a relative allowance on top of
+# the ulp: 1e-5 of the row's scale, 20x what was seen (about 5e-7) and far below
+# the error of any wrong weight.
+MASS_MODES = ("mass_weighted", "window_mass")
+MASS_WEIGHT_RTOL = 1e-5
+
+
+def assert_rows_match(name: str, got: mx.array, want: mx.array, exact: bool, context: str,
+                      weight_rtol: float = 0.0) -> None:
     g, w = _np(got), _np(want)
     if exact:
         bad = np.argwhere(g != w)
@@ -48,7 +59,7 @@ def assert_rows_match(name: str, got: mx.array, want: mx.array, exact: bool, con
     # so one ulp is measured at the magnitude of the row, not of the (possibly
     # cancelled) result: the largest |entry| of that row on either side.
     row_scale = np.maximum(np.abs(g).max(axis=-1, keepdims=True), np.abs(w).max(axis=-1, keepdims=True))
-    limit = ulp(np.broadcast_to(row_scale, g.shape), want.dtype)
+    limit = ulp(np.broadcast_to(row_scale, g.shape), want.dtype) + weight_rtol * row_scale
     bad = np.argwhere(np.abs(g - w) > limit)
     assert bad.size == 0, (
         f"{context}: {name} differ by more than one ulp at {bad[:5].tolist()}: "
@@ -68,8 +79,9 @@ def assert_states_match(got, want, cfg: CaMConfig, context: str) -> None:
         np.array(g_state.scores), np.array(w_state.scores), rtol=1e-4, atol=1e-6, err_msg=f"{context}: scores"
     )
     exact = cfg.merge == "drop"
-    assert_rows_match("values", g_state.values, w_state.values, exact, context)
-    assert_rows_match("keys", g_state.keys, w_state.keys, exact or not cfg.merge_keys, context)
+    rtol = MASS_WEIGHT_RTOL if cfg.merge in MASS_MODES else 0.0
+    assert_rows_match("values", g_state.values, w_state.values, exact, context, rtol)
+    assert_rows_match("keys", g_state.keys, w_state.keys, exact or not cfg.merge_keys, context, rtol)
 
 
 def feed(update, cfg, sizes, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=0, row_base=0):
@@ -117,7 +129,7 @@ def test_merge_modes_match_reference(backend, merge, prefill, dtype):
     check_backend(backend, cfg, [5, 9, 1, 1, 14, 1, 3], rows=4, k_dim=16, v_dim=10, dtype=DTYPES[dtype], seed=1)
 
 
-@pytest.mark.parametrize("merge", ["sim_weighted", "mean"])
+@pytest.mark.parametrize("merge", ["sim_weighted", "mean", "mass_weighted"])
 def test_merge_keys_match_reference(backend, merge):
     cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge=merge, merge_keys=True, prefill="chunk", gate=False)
     check_backend(backend, cfg, [8, 7, 1, 9, 1], rows=3, k_dim=12, v_dim=12, dtype=mx.float16, seed=2)
@@ -154,7 +166,7 @@ def fuzz_cases(draw):
     recent = draw(st.integers(1, 4))
     budget = n_sink + recent + draw(st.integers(1, 8))
     merge = draw(st.sampled_from(MERGE_MODES))
-    merge_keys = merge != "window" and draw(st.booleans())
+    merge_keys = merge not in WINDOW_MODES and draw(st.booleans())
     cfg = CaMConfig(
         budget=budget,
         n_sink=n_sink,

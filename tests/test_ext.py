@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from camkv import CaMConfig, backends, reference
+from camkv.config import MERGE_MODES
 from camkv.backends import ext
 from camkv.reference import RowState
 
@@ -98,6 +99,7 @@ def test_donated_state_is_updated_in_place_and_matches_a_copy():
     "change, message",
     [
         (dict(merge=7), "merge code 7"),
+        (dict(merge=6), "merge code 6"),
         (dict(budget=3), "budget=3"),
         (dict(offset=-1), "offset must be >= 0"),
     ],
@@ -185,3 +187,8 @@ def test_ext_on_the_apple_gpu_matches_the_cpu_kernel(prefill):
         np.testing.assert_array_equal(np.array(gpu_merges), np.array(cpu_merges))
         np.testing.assert_allclose(np.array(gpu.scores), np.array(cpu.scores), rtol=1e-4, atol=1e-6)
         offset += s_len
+
+
+def test_merge_codes_are_the_config_modes_in_order():
+    """The backends pass MERGE_MODES.index(merge) as the kernel's CAMKV_MERGE_* code."""
+    assert tuple(ext._ext.MERGE_CODES) == MERGE_MODES

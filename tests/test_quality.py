@@ -104,11 +104,14 @@ def test_budgets_resolve_per_context_and_skip_what_cannot_evict():
 
 def test_methods_cover_every_arm_of_the_issue_and_reject_unknown_names():
     names = set(method_catalog())
-    for merge in ("sim_weighted", "mean", "window"):
+    for merge in ("sim_weighted", "mean", "mass_weighted", "window", "window_mass"):
         for suffix in ("", "-nogate", "-query", "-nogate-query"):
             assert merge + suffix in names
     assert {"full", "streamingllm", "h2o", "h2o-query"} <= names
     assert quality.parse_methods("h2o")[0].name == "full"  # always measured against
+    merge_group = [m.name for m in quality.parse_methods("merge")]
+    assert "mass_weighted-nogate-query" in merge_group and "window_mass-nogate" in merge_group
+    assert all(name in names for name in merge_group)
     with pytest.raises(ValueError, match="unknown method 'h20'"):
         quality.parse_methods("h2o,h20")
 

@@ -11,7 +11,9 @@ from camkv import CaMConfig, backends, reference
 from camkv.reference import RowState
 from conftest import random_block, run_calls
 
-MERGES = ["sim_weighted", "mean", "window", "drop"]
+from camkv.config import MERGE_MODES
+
+MERGES = list(MERGE_MODES)
 
 
 def _update(backend):
@@ -106,7 +108,8 @@ def test_scores_are_the_softmax_mass_of_each_key_query(backend):
 
 
 @pytest.mark.parametrize(
-    "merge,merge_keys", [(m, False) for m in MERGES] + [("sim_weighted", True), ("mean", True)]
+    "merge,merge_keys",
+    [(m, False) for m in MERGES] + [("sim_weighted", True), ("mean", True), ("mass_weighted", True)],
 )
 @pytest.mark.parametrize("gate", [True, False])
 @pytest.mark.parametrize("queries_per_kv", [0, 2])
@@ -224,7 +227,7 @@ def test_drop_equals_a_gate_that_never_opens(monkeypatch):
     assert sum(m.sum().item() for m in mc) == 0
 
 
-@pytest.mark.parametrize("merge", ["sim_weighted", "mean", "window"])
+@pytest.mark.parametrize("merge", [m for m in MERGES if m != "drop"])
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_gate_merges_at_a_rate_strictly_between_zero_and_one(backend, merge, prefill):
     """The defect ALGORITHM.md fixes (newest token always evicted, gate never open) stays fixed."""
@@ -288,3 +291,62 @@ def test_nearest_merge_without_merge_keys_keeps_keys(backend):
     for r in range(3):
         np.testing.assert_array_equal(np.array(state.keys[r]), np.array(keys[r])[kept[r]])
         assert not np.array_equal(np.array(state.values[r]), np.array(values[r])[kept[r]])
+
+
+def _hand_state():
+    """One row at budget 6 (n_sink 1, recent 2) whose next step evicts position 2 into
+    position 4: position 2 has by far the lowest score, and its key points the same
+    way as position 4's (cos 1) and is orthogonal or opposed to every other key."""
+    keys = np.array([[0, 0, 1, 1], [0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0], [2, 0, 0, 0], [0, 0, 0, 1]],
+                    np.float32)
+    values = np.random.default_rng(12).standard_normal((6, 3)).astype(np.float32)
+    scores = np.array([5.0, 3.0, 0.1, 4.0, 2.0, 2.5], np.float32)
+    state = RowState(mx.array(keys)[None], mx.array(values)[None], mx.array(scores)[None],
+                     mx.arange(6, dtype=mx.int32)[None])
+    new_key = np.array([-1.0, 0.5, 0.0, 0.0], np.float32)
+    # Section 2 by hand: the new key's softmax over the stored keys and itself.
+    logits = np.concatenate([keys, new_key[None]]) @ new_key / 2.0
+    mass = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    return state, new_key, values, scores + mass[:6]
+
+
+@pytest.mark.parametrize("merge", ["mass_weighted", "window_mass"])
+def test_mass_weighted_merges_make_the_attention_mass_weighted_mean(backend, merge):
+    """The survivor's value becomes (s_t V_t + s_e V_e) / (s_t + s_e) (window_mass: with
+    s_e / |W| per target), scores after this step's update; keys never change.
+    (sim_weighted would have replaced V_4 by V_2 outright: their cosine is 1.)"""
+    state, new_key, values, s = _hand_state()
+    cfg = _cfg(backend, budget=6, n_sink=1, recent=2, merge=merge, window=2, gate=False, prefill="exact")
+    new_value = np.full((1, 1, 3), 0.25, np.float32)
+    out, merged = _update(backend)(state, mx.array(new_key)[None, None], mx.array(new_value), 6, cfg,
+                                   mx.zeros((1,), mx.uint32))
+    assert merged.tolist() == [1]
+    assert np.array(out.positions[0]).tolist() == [0, 1, 3, 4, 5, 6]
+    targets = [4] if merge == "mass_weighted" else [3, 4]  # the window: the 2 rows after position 2
+    share = s[2] / len(targets)
+    want_v, want_s = values.copy(), s.copy()
+    for t in targets:
+        want_v[t] = (s[t] * values[t] + share * values[2]) / (s[t] + share)
+        want_s[t] = s[t] + share
+    kept = [0, 1, 3, 4, 5]
+    np.testing.assert_allclose(np.array(out.values[0, :5]), want_v[kept], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(out.scores[0, :5]), want_s[kept], rtol=1e-5)
+    np.testing.assert_array_equal(np.array(out.keys[0, :5]), np.array(state.keys[0])[kept])
+
+
+@pytest.mark.parametrize("merge", MERGES)
+def test_only_the_additive_window_merge_leaves_the_range_of_the_inputs(backend, merge):
+    """Every blend but "window" is a convex combination, so stored values stay within
+    each feature's range over the input values; "window" adds V_e / |W| to survivors
+    on every merge, and over a long stream its values outgrow every input."""
+    cfg = _cfg(backend, merge=merge, window=2, gate=False, prefill="exact")
+    rng = np.random.default_rng(13)
+    keys = mx.array(rng.standard_normal((2, 150, 8)).astype(np.float32))
+    values = mx.array(rng.uniform(0.5, 1.0, (2, 150, 6)).astype(np.float32))
+    state, _ = _update(backend)(RowState.empty(2, 8, 6, mx.float32), keys, values, 0, cfg,
+                                mx.arange(2).astype(mx.uint32))
+    stored = np.array(state.values)
+    if merge == "window":
+        assert stored.max() > 2.0
+    else:
+        assert stored.min() >= 0.5 - 1e-6 and stored.max() <= 1.0 + 1e-6

@@ -42,14 +42,18 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
     group.add_argument("--kv-merge", default=_DEFAULTS["merge"], metavar="MODE",
                        help="what happens to an evicted token: " + ", ".join(MERGE_MODES) +
                             " ('sim_weighted' blends it into its most similar survivor, 'mean' "
-                            "with weight 0.5, 'window' over the next survivors, 'drop' discards "
-                            "it as H2O does) (default: %(default)s)")
+                            "with weight 0.5, 'mass_weighted' with weight s_e / (s_e + s_t), "
+                            "'window' adds it to the next survivors, 'window_mass' blends it "
+                            "into them by attention mass, 'drop' discards it as H2O does) "
+                            "(default: %(default)s)")
     group.add_argument("--kv-merge-keys", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["merge_keys"],
-                       help="blend keys as well as values (not with --kv-merge window) "
+                       help="blend keys as well as values (not with --kv-merge window or "
+                            "window_mass) "
                             "(default: %(default)s)")
     group.add_argument("--kv-window", type=int, default=_DEFAULTS["window"], metavar="N",
-                       help="survivors an evicted token is spread over with --kv-merge window "
+                       help="survivors an evicted token is spread over with --kv-merge window or "
+                            "window_mass "
                             "(default: %(default)s)")
     group.add_argument("--kv-gate", action=argparse.BooleanOptionalAction, default=_DEFAULTS["gate"],
                        help="merge only with probability growing with the evicted token's "

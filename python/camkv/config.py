@@ -6,7 +6,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-MERGE_MODES = ("sim_weighted", "mean", "window", "drop")
+# The index of a mode is its kernel code (CAMKV_MERGE_* in csrc/camkv_core.h): append only.
+MERGE_MODES = ("sim_weighted", "mean", "window", "drop", "mass_weighted", "window_mass")
+# Modes that spread a token over the survivors after it (ALGORITHM.md section 4.2).
+WINDOW_MODES = ("window", "window_mass")
 SCORING_MODES = ("key", "query")
 PREFILL_MODES = ("exact", "chunk")
 BACKENDS = ("auto", "reference", "ext", "metal", "cuda")
@@ -45,10 +48,16 @@ class CaMConfig:
     - recent [32]: the newest positions, never evicted (p - recent < position).
     - merge ["sim_weighted"]: what happens to an evicted token:
       "sim_weighted" blends it into its most similar survivor with weight
-      clamp(cos, 0, 1); "mean" blends with weight 0.5; "window" spreads it over
-      the `window` survivors that follow it (the paper's form); "drop" discards it (H2O).
-    - merge_keys [False]: blend keys as well as values (not with "window").
-    - window [4]: survivors a token is spread over in "window" mode.
+      clamp(cos, 0, 1); "mean" blends with weight 0.5; "mass_weighted" blends with
+      weight s_e / (s_e + s_t), so the survivor becomes the attention-mass-weighted
+      mean of the two (a token that got little attention barely moves it); "window"
+      adds V_e / |W| to each of the `window` survivors that follow it (the paper's
+      form; values grow with every merge); "window_mass" makes each of those the
+      mass-weighted mean V_j = (s_j V_j + (s_e/|W|) V_e) / (s_j + s_e/|W|);
+      "drop" discards it (H2O). Every merging mode adds the evicted mass to the
+      targets' scores.
+    - merge_keys [False]: blend keys as well as values (not with "window" / "window_mass").
+    - window [4]: survivors a token is spread over in "window" / "window_mass" mode.
     - gate [False]: merge only with probability clamp(s_e / s_target, 0, 1) (CaM Eq. 14).
       Off by default: on SmolLM2-135M over real text the ungated merge had lower KL
       divergence from the full cache at every budget (bench/results/quality-gpu).
@@ -92,10 +101,10 @@ class CaMConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_bool("merge_keys", self.merge_keys)
         _check_bool("gate", self.gate)
-        if self.merge_keys and self.merge == "window":
+        if self.merge_keys and self.merge in WINDOW_MODES:
             raise ValueError(
-                "CaMConfig.merge_keys=True is not allowed with merge='window' "
-                "(window mode never changes keys); use merge_keys=False"
+                f"CaMConfig.merge_keys=True is not allowed with merge={self.merge!r} "
+                "(window modes never change keys); use merge_keys=False"
             )
         if self.n_sink + self.recent >= self.budget:
             raise ValueError(

@@ -6,7 +6,8 @@ changes results on some MLX models):
 - full: mlx-lm's KVCache, the reference every metric is measured against;
 - streamingllm: mlx-lm's RotatingKVCache(max_size=budget, keep=n_sink);
 - h2o: camkv with merge="drop" (attention-mass eviction, sinks, recent window);
-- camkv with merge = sim_weighted / mean / window, each with the gate on and off;
+- camkv with merge = sim_weighted / mean / mass_weighted / window / window_mass, each
+  with the gate on and off;
 - the camkv arms again with scoring="query" (suffix "-query").
 
 Tasks:
@@ -133,13 +134,16 @@ class Method:
     scoring: str = "key"
 
 
+MERGE_ARMS = ("sim_weighted", "mean", "mass_weighted", "window", "window_mass")
+
+
 def method_catalog() -> dict[str, Method]:
     """Every arm, by name, in the order tables and plots list them."""
     methods = [Method("full", "full"), Method("streamingllm", "streaming")]
     for scoring in ("key", "query"):
         suffix = "" if scoring == "key" else "-query"
         methods.append(Method("h2o" + suffix, "camkv", "drop", False, scoring))
-        for merge in ("sim_weighted", "mean", "window"):
+        for merge in MERGE_ARMS:
             for gate in (True, False):
                 name = merge + ("" if gate else "-nogate") + suffix
                 methods.append(Method(name, "camkv", merge, gate, scoring))
@@ -149,7 +153,12 @@ def method_catalog() -> dict[str, Method]:
 METHOD_GROUPS = {
     "all": list(method_catalog()),
     "key": [n for n, m in method_catalog().items() if m.scoring == "key"],
-    "core": ["full", "streamingllm", "h2o", "sim_weighted", "sim_weighted-nogate", "window"],
+    "core": ["full", "streamingllm", "h2o", "sim_weighted", "sim_weighted-nogate",
+             "mass_weighted-nogate", "window"],
+    # How to merge (issue #6): every blend rule against dropping, ungated, both scorings.
+    "merge": ["full"] + [name + suffix for suffix in ("", "-query") for name in
+                         ("h2o", "sim_weighted-nogate", "mass_weighted-nogate", "window-nogate",
+                          "window_mass-nogate")],
 }
 
 
@@ -745,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--offline", action="store_true", help="never fetch texts: use the cache only")
     a("--fetch-only", action="store_true", help="fetch and cache the texts, then exit")
     a("--tasks", help="comma-separated: stream, passkey")
-    a("--methods", help="comma-separated method names or groups (all, key, core); full is "
+    a("--methods", help="comma-separated method names or groups (all, key, core, merge); full is "
       f"always included. Methods: {', '.join(method_catalog())}")
     a("--budgets", help="comma-separated budgets: percentages of the context (10%%) or token "
       "counts (256)")

@@ -166,7 +166,8 @@ def _pyplot():
 
 def _style(method: str) -> dict:
     colors = {"full": "black", "streamingllm": "tab:gray", "h2o": "tab:red",
-              "sim_weighted": "tab:blue", "mean": "tab:green", "window": "tab:purple"}
+              "sim_weighted": "tab:blue", "mean": "tab:green", "window": "tab:purple",
+              "mass_weighted": "tab:cyan", "window_mass": "tab:pink"}
     base = method.split("-")[0]
     return {
         "color": colors.get(base, "tab:orange"),

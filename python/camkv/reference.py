@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .config import CaMConfig
+from .config import WINDOW_MODES, CaMConfig
 
 _GOLDEN = 0x9E3779B9
 _MIX_MUL_1 = 0x7FEB352D
@@ -135,9 +135,14 @@ def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: in
 
 
 def _blend_rows(rows: mx.array, target_mask: mx.array, source: mx.array, weight, do: mx.array):
-    """rows [R, N, D] storage dtype; replace each masked row by (1 - w) row + w source."""
+    """rows [R, N, D] storage dtype; replace each masked row by (1 - w) row + w source.
+
+    weight: a float, one weight per row [R], or one per stored token [R, N].
+    """
     f = rows.astype(mx.float32)
-    w = weight[:, None, None] if isinstance(weight, mx.array) else weight
+    w = weight
+    if isinstance(weight, mx.array):
+        w = weight[:, None, None] if weight.ndim == 1 else weight[:, :, None]
     blended = ((1.0 - w) * f + w * source[:, None, :]).astype(rows.dtype)
     return mx.where((target_mask & do[:, None])[:, :, None], blended, rows)
 
@@ -153,7 +158,7 @@ def _merge_one(
     idx = mx.arange(keys.shape[1])[None, :]
     s_e = _take_rows(scores, e)
     v_e = _take_rows(values, e).astype(mx.float32)
-    if cfg.merge == "window":
+    if cfg.merge in WINDOW_MODES:
         after = survivor & (idx > e[:, None])
         in_window = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
         width = in_window.sum(axis=1).astype(mx.float32)
@@ -176,13 +181,35 @@ def _merge_one(
         summed = (values.astype(mx.float32) + share).astype(values.dtype)
         values = mx.where((in_window & do[:, None])[:, :, None], summed, values)
         scores = scores + mx.where(in_window & do[:, None], (s_e / width)[:, None], 0.0)
+    elif cfg.merge == "window_mass":
+        share = s_e / width
+        # Each target's own weight: its mass against the share it receives.
+        weight = _mass_weight(share[:, None], scores)
+        values = _blend_rows(values, in_window, v_e, weight, do)
+        scores = scores + mx.where(in_window & do[:, None], share[:, None], 0.0)
     else:
-        weight = mx.clip(_take_rows(cos, t), 0.0, 1.0) if cfg.merge == "sim_weighted" else 0.5
+        weight = _nearest_weight(cfg.merge, _take_rows(cos, t), s_e, s_target)
         values = _blend_rows(values, in_window, v_e, weight, do)
         if cfg.merge_keys:
             keys = _blend_rows(keys, in_window, k_e, weight, do)
         scores = scores + mx.where(in_window & do[:, None], s_e[:, None], 0.0)
     return keys, values, scores, do
+
+
+def _mass_weight(s_e: mx.array, s_t: mx.array) -> mx.array:
+    """s_e / (s_e + s_t), 0 where both are 0: the blend that makes a survivor the
+    attention-mass-weighted mean of itself and what merges into it."""
+    total = s_e + s_t
+    return mx.where(total > 0, s_e / mx.where(total > 0, total, 1.0), 0.0)
+
+
+def _nearest_weight(merge: str, cos_t: mx.array, s_e: mx.array, s_t: mx.array):
+    """Section 4.1's blend weight of the nearest modes, per row [R] (or a float)."""
+    if merge == "sim_weighted":
+        return mx.clip(cos_t, 0.0, 1.0)
+    if merge == "mass_weighted":
+        return _mass_weight(s_e, s_t)
+    return 0.5
 
 
 def _gate(s_e, s_target, row_ids, p_e, cfg: CaMConfig) -> mx.array:
