@@ -46,7 +46,7 @@ class CaMConfig:
     - budget [512]: most tokens a row (batch element, KV head) keeps.
     - n_sink [4]: the first positions, never evicted (attention sinks).
     - recent [32]: the newest positions, never evicted (p - recent < position).
-    - merge ["sim_weighted"]: what happens to an evicted token:
+    - merge ["mass_weighted"]: what happens to an evicted token:
       "sim_weighted" blends it into its most similar survivor with weight
       clamp(cos, 0, 1); "mean" blends with weight 0.5; "mass_weighted" blends with
       weight s_e / (s_e + s_t), so the survivor becomes the attention-mass-weighted
@@ -55,7 +55,11 @@ class CaMConfig:
       form; values grow with every merge); "window_mass" makes each of those the
       mass-weighted mean V_j = (s_j V_j + (s_e/|W|) V_e) / (s_j + s_e/|W|);
       "drop" discards it (H2O). Every merging mode adds the evicted mass to the
-      targets' scores.
+      targets' scores. mass_weighted by default: with real-query scoring it ties or
+      beats dropping where sim_weighted loses to it (its cosine weight, median 0.87,
+      overwrote most of a survivor's value with the least-attended token), and with
+      key scoring it is the best rule at a 20% budget (bench/results/README.md,
+      "How to merge").
     - merge_keys [False]: blend keys as well as values (not with "window" / "window_mass").
     - window [4]: survivors a token is spread over in "window" / "window_mass" mode.
     - gate [False]: merge only with probability clamp(s_e / s_target, 0, 1) (CaM Eq. 14).
@@ -80,7 +84,7 @@ class CaMConfig:
     budget: int = 512
     n_sink: int = 4
     recent: int = 32
-    merge: str = "sim_weighted"
+    merge: str = "mass_weighted"
     merge_keys: bool = False
     window: int = 4
     gate: bool = False
