@@ -72,9 +72,9 @@ struct CamParams {
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
 // [logits | mass | scores (the pending token's, or the chunk's work scores) |
-// key shadow], i32
-// scratch [work positions | losers | index list | survivors], storage scratch the pending token
-// (exact) or the work rows (chunk).
+// key shadow | (chunk) survivors' squared norms], i32 scratch [work positions |
+// losers | index list | survivors | (chunk) merge targets], storage scratch the
+// pending token (exact) or the work rows (chunk).
 
 CAMKV_INLINE int camkv_runs_chunk(int chunk, int S) { return chunk != 0 && S > 1; }
 
@@ -94,13 +94,16 @@ CAMKV_INLINE int camkv_shadow_columns(int chunk, int n, int S, int n_out) {
 
 // A call of one token reads every key once and builds no shadow (see
 // camkv_update_exact), so its scratch has none.
+// A chunk's merge phase adds one more float and int per row (camkv_merge_losers).
 CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
   int shadow = S > 1 ? Dk * camkv_shadow_columns(chunk, n, S, n_out) : 0;
-  return 3 * camkv_capacity(chunk, n, S, n_out) + shadow;
+  int cap = camkv_capacity(chunk, n, S, n_out);
+  return 3 * cap + shadow + (camkv_runs_chunk(chunk, S) ? cap : 0);
 }
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
-  return 4 * camkv_capacity(chunk, n, S, n_out);
+  int cap = camkv_capacity(chunk, n, S, n_out);
+  return 4 * cap + (camkv_runs_chunk(chunk, S) ? cap : 0);
 }
 
 CAMKV_INLINE int camkv_store_stride(int chunk, int n, int S, int n_out, int Dk, int Dv) {
@@ -1107,6 +1110,122 @@ CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamG
   camkv_barrier(g);
 }
 
+// ----------------------------------------------------------------------------
+// A chunk's merges without merge_keys, in three phases instead of one merge after
+// another: keys never change then, so every loser's nearest survivor (and cosine)
+// is known up front and can be searched in parallel; only the gate, the blend
+// weights and the score updates depend on earlier merges, and they are scalars,
+// walked once in loser order; the value blends are then replayed per feature, each
+// thread folding its features over the losers in the same order. Same results as
+// the sequential loop, bit for bit.
+
+// Survivor column c's squared norm, for every c (one per thread).
+template <typename T>
+CAMKV_INLINE void camkv_survivor_squares(CamRows<T> r, CAMKV_DEVICE float* squares, CamGroup g) {
+  for (int c = camkv_tid(g); c < r.n_survivors; c += camkv_gsize(g)) {
+    float sq = 0.0f;
+    for (int d = 0; d < r.Dk; ++d) {
+      float kd = r.shadow[(long)d * r.columns + c];
+      sq = camkv_madd(sq, kd, kd);
+    }
+    squares[c] = sq;
+  }
+}
+
+// Section 4.1 for loser e by one thread: the non-sink survivor with the largest
+// cosine (ties to the smaller position), and that cosine, as camkv_nearest finds them.
+template <typename T>
+CAMKV_INLINE int camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAMKV_DEVICE float* squares,
+                                     CAMKV_THREAD float* cosine) {
+  const CAMKV_DEVICE T* k_e = camkv_key(r, e);
+  float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
+  float best = CAMKV_INF;
+  int best_c = r.n_survivors;
+  float dots[4];
+  for (int c0 = 0; c0 < r.n_survivors; c0 += 4) {
+    for (int i = 0; i < 4; ++i) {
+      dots[i] = 0.0f;
+    }
+    for (int d = 0; d < r.Dk; ++d) {
+      float ed = camkv_float(k_e[d]);
+      const CAMKV_DEVICE float* column = r.shadow + (long)d * r.columns + c0;
+      for (int i = 0; i < 4; ++i) {
+        dots[i] = camkv_madd(dots[i], ed, column[i]);  // columns past the end are padding
+      }
+    }
+    for (int i = 0; i < 4 && c0 + i < r.n_survivors; ++i) {
+      if (r.positions[r.survivors[c0 + i]] >= n_sink) {
+        float neg = -camkv_cosine_of(dots[i], squares[c0 + i], norm_e);
+        if (neg < best) {
+          best = neg;
+          best_c = c0 + i;
+        }
+      }
+    }
+  }
+  *cosine = -best;
+  return best_c < r.n_survivors ? r.survivors[best_c] : r.count;
+}
+
+template <typename T>
+CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id,
+                                    CAMKV_DEVICE float* squares, CAMKV_DEVICE int* targets, CamGroup g) {
+  CAMKV_DEVICE int* losers = r.list;   // free: no window in this path
+  CAMKV_DEVICE float* weights = r.cosines;  // the logits' scratch: cosines, then weights
+  int n_losers = r.count - r.n_survivors;
+  if (camkv_tid(g) == 0) {
+    int k = 0;
+    for (int j = 0; j < r.count; ++j) {
+      if (r.loser[j] != 0) {
+        losers[k] = j;
+        k += 1;
+      }
+    }
+  }
+  camkv_survivor_squares(r, squares, g);
+  camkv_barrier(g);
+  // Phase 1, parallel over losers: targets and cosines.
+  for (int k = camkv_tid(g); k < n_losers; k += camkv_gsize(g)) {
+    targets[k] = camkv_nearest_alone(r, losers[k], p->n_sink, squares, weights + k);
+  }
+  camkv_barrier(g);
+  // Phase 2, one thread in loser order: gates, weights (-1: no merge), scores.
+  if (camkv_tid(g) == 0) {
+    int merges = 0;
+    for (int k = 0; k < n_losers; ++k) {
+      int e = losers[k];
+      int t = targets[k];
+      float s_e = r.scores[e];
+      int open = p->gate ? camkv_gate_open(s_e, r.scores[t], p->seed, row_id, r.positions[e]) : 1;
+      float w = -1.0f;
+      if (open != 0) {
+        float c = weights[k];
+        w = p->merge == CAMKV_MERGE_SIM_WEIGHTED ? (c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c))
+          : p->merge == CAMKV_MERGE_MASS_WEIGHTED ? camkv_mass_weight(s_e, r.scores[t]) : 0.5f;
+        r.scores[t] += s_e;
+        merges += 1;
+      }
+      weights[k] = w;
+    }
+    r.list[n_losers] = merges;  // past the losers: read by every thread below
+  }
+  camkv_barrier(g);
+  int merges = r.list[n_losers];
+  // Phase 3, parallel over features: each blend as camkv_blend_row rounds it.
+  for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
+    for (int k = 0; k < n_losers; ++k) {
+      float w = weights[k];
+      if (w >= 0.0f) {
+        CAMKV_DEVICE T* v_t = r.values + (long)targets[k] * r.Dv + d;
+        float v_e = camkv_float(r.values[(long)losers[k] * r.Dv + d]);
+        *v_t = (T)camkv_madd(camkv_mul(1.0f - w, camkv_float(*v_t)), w, v_e);
+      }
+    }
+  }
+  camkv_barrier(g);
+  return merges;
+}
+
 template <typename T>
 CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
   int total = p->n + p->S;
@@ -1152,9 +1271,15 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.n_survivors = camkv_list_survivors(r, g);
   camkv_shadow_keep_survivors(r, g);
   int merges = 0;
-  for (int e = 0; e < total; ++e) {
-    if (r.loser[e] != 0) {
-      merges += camkv_merge(r, e, p, row_id, g);
+  bool nearest = p->merge == CAMKV_MERGE_SIM_WEIGHTED || p->merge == CAMKV_MERGE_MEAN ||
+                 p->merge == CAMKV_MERGE_MASS_WEIGHTED;
+  if (nearest && p->merge_keys == 0) {
+    merges = camkv_merge_losers(r, p, row_id, b.f32 + 3 * total + p->Dk * r.columns, b.i32 + 4 * total, g);
+  } else {
+    for (int e = 0; e < total; ++e) {
+      if (r.loser[e] != 0) {
+        merges += camkv_merge(r, e, p, row_id, g);
+      }
     }
   }
   camkv_compact_survivors(r, b, g);

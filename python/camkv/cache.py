@@ -70,6 +70,7 @@ class CaMKVCache(_BaseCache):
         # None for a cache built directly, which any hooked model may feed.
         self.hook_modules: frozenset[str] | None = None
         self._warned: set[str] = set()
+        self._row_ids_for: tuple | None = None  # ((B, H), row ids) of _row_ids
 
     # ------------------------------------------------------------------ config
     @property
@@ -317,10 +318,16 @@ class CaMKVCache(_BaseCache):
         )
 
     def _row_ids(self, B: int, H: int) -> mx.array:
-        heads = self._n_heads_global or H
-        b = mx.arange(B, dtype=mx.uint32)[:, None]
-        h = mx.arange(H, dtype=mx.uint32)[None, :] + self._head_offset
-        return (b * heads + h).reshape(-1)
+        # Made once per shape: on a GPU every small array op of a decode step costs a
+        # launch, and this one would otherwise be five of them per layer and token.
+        if self._row_ids_for is None or self._row_ids_for[0] != (B, H):
+            heads = self._n_heads_global or H
+            b = mx.arange(B, dtype=mx.uint32)[:, None]
+            h = mx.arange(H, dtype=mx.uint32)[None, :] + self._head_offset
+            ids = (b * heads + h).reshape(-1)
+            mx.eval(ids)
+            self._row_ids_for = ((B, H), ids)
+        return self._row_ids_for[1]
 
     def _absorb(self, keys, values, start, queries, scale) -> None:
         """Run the backend's fused update on the block at positions start..; keys/values [B, H, S, D]."""

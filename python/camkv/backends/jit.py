@@ -113,7 +113,8 @@ def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_d
     shadow_columns = (capacity + 7) // 8 * 8 + 8
     shadow = k_dim * shadow_columns if s_len > 1 else 0
     store = (n + s_len) * (k_dim + v_dim) if runs_chunk else k_dim + v_dim
-    return 3 * capacity + shadow, 4 * capacity, store
+    merge_phase = capacity if runs_chunk else 0  # squared norms and targets of camkv_merge_losers
+    return 3 * capacity + shadow + merge_phase, 4 * capacity + merge_phase, store
 
 
 def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
