@@ -116,13 +116,24 @@ def test_methods_cover_every_arm_of_the_issue_and_reject_unknown_names():
         quality.parse_methods("h2o,h20")
 
 
-def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path):
+class _ThreeUnitClock(quality.Clock):
+    """A time budget that runs out after three units of work, on any machine's speed."""
+
+    def check(self, kind: str) -> None:
+        if self.budget_s is not None and sum(len(v) for v in self.spent.values()) >= 3:
+            raise quality.OutOfTime()
+
+
+def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path, monkeypatch):
     out = tmp_path / "smoke"
     # A first run cut short by the time budget, then the same command finishing the rest.
-    assert quality.main(["--preset", "smoke", "--out", str(out), "--no-progress",
-                         "--time-budget", "2"]) == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(quality, "Clock", _ThreeUnitClock)
+        assert quality.main(["--preset", "smoke", "--out", str(out), "--no-progress",
+                             "--time-budget", "1000"]) == 0
     partial = json.loads((out / "summary.json").read_text())
     assert partial["complete"] is False
+    assert (out / "records.jsonl").read_text().splitlines(), "the cut run kept no finished work"
     assert quality.main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
