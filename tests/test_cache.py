@@ -178,3 +178,22 @@ def test_global_head_placement_changes_the_draws():
     wrong = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True)
     wrong.update_and_fetch(k[:, 2:], v[:, 2:])
     assert not all(mx.array_equal(a[:, 2:], b).item() for a, b in zip(full.stored(), wrong.stored()))
+
+
+def test_merge_count_adds_up_over_many_calls():
+    # Per-call merge counts are summed in batches; stats and state must see them all,
+    # before and after a batch boundary. Ungated merging merges every eviction.
+    from camkv import cache as cache_module
+
+    cache = CaMKVCache(CaMConfig(budget=8, n_sink=1, recent=2, gate=False, scoring="key"))
+    rng = np.random.default_rng(0)
+    calls = cache_module._MERGE_BATCH + 37
+    for step in range(calls):
+        block = mx.array(rng.standard_normal((1, 2, 1, 4)).astype(np.float32))
+        cache.update_and_fetch(block, block)
+        if step in (5, cache_module._MERGE_BATCH - 1):
+            assert cache.stats["merges"] == cache.stats["evictions"] > 0
+    stats = cache.stats
+    assert stats["evictions"] == (calls - 8) * 2
+    assert stats["merges"] == stats["evictions"]
+    assert int(cache.state[4].item()) == stats["merges"]

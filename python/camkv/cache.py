@@ -18,6 +18,9 @@ class QueryScoringWarning(RuntimeWarning):
     """scoring="query" scored a block with keys: the model's queries did not reach the cache."""
 
 
+_MERGE_BATCH = 64  # calls whose merge counts are summed at once
+
+
 class CaMKVCache(_BaseCache):
     """A KV cache that holds at most `budget` tokens per (batch, KV head) row.
 
@@ -62,6 +65,7 @@ class CaMKVCache(_BaseCache):
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
         self._pending: tuple | None = None  # (keys, values) waiting for queries ("query" scoring)
         self._merges = mx.zeros((), mx.int32)
+        self._merge_counts: list[mx.array] = []  # per-call [rows] counts not yet summed in
         self._evictions = 0
         self.offset = 0
         self._query_scored = 0  # tokens scored with the model's queries
@@ -230,7 +234,7 @@ class CaMKVCache(_BaseCache):
             "tokens_seen": self.offset,
             "query_scored": self._query_scored,
             "evictions": self._evictions,
-            "merges": int(self._merges.item()),
+            "merges": int(self._total_merges().item()),
             "rows": rows,
             "stored": self.size(),
             "budget": self._config.budget,
@@ -249,9 +253,9 @@ class CaMKVCache(_BaseCache):
             "query_scored": self._query_scored,
         }
         if self._rows is None:
-            return (None, None, None, None, self._merges, json.dumps(meta))
+            return (None, None, None, None, self._total_merges(), json.dumps(meta))
         keys, values, scores, positions = self.stored()
-        return (keys, values, scores, positions, self._merges, json.dumps(meta))
+        return (keys, values, scores, positions, self._total_merges(), json.dumps(meta))
 
     @state.setter
     def state(self, v) -> None:
@@ -344,8 +348,19 @@ class CaMKVCache(_BaseCache):
             queries,
             scale,
         )
-        self._merges = self._merges + merges.sum()
+        # Summed in batches: two more small operations per layer and token are two
+        # more launches on a GPU.
+        self._merge_counts.append(merges)
+        if len(self._merge_counts) >= _MERGE_BATCH:
+            self._total_merges()
         self._evictions += max(0, rows.length + S - self._config.budget) * B * H
+
+    def _total_merges(self) -> mx.array:
+        """Merges so far (a scalar), folding in the per-call counts."""
+        if self._merge_counts:
+            self._merges = self._merges + mx.concatenate(self._merge_counts).sum()
+            self._merge_counts = []
+        return self._merges
 
     def _queries_can_come(self) -> bool:
         """Whether an installed attention hook can hand this cache the block's queries."""
