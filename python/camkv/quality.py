@@ -132,9 +132,11 @@ class Method:
     merge: str = "drop"
     gate: bool = False
     scoring: str = "key"
+    merge_keys: bool = False
 
 
 MERGE_ARMS = ("sim_weighted", "mean", "mass_weighted", "window", "window_mass")
+KEY_MERGE_ARMS = ("sim_weighted", "mass_weighted")  # nearest-survivor rules that can blend keys
 
 
 def method_catalog() -> dict[str, Method]:
@@ -147,6 +149,8 @@ def method_catalog() -> dict[str, Method]:
             for gate in (True, False):
                 name = merge + ("" if gate else "-nogate") + suffix
                 methods.append(Method(name, "camkv", merge, gate, scoring))
+        for merge in KEY_MERGE_ARMS:  # blending the keys too (merge_keys), ungated
+            methods.append(Method(merge + "-keys-nogate" + suffix, "camkv", merge, False, scoring, True))
     return {m.name: m for m in methods}
 
 
@@ -199,7 +203,8 @@ def make_cache(model, method: Method, budget: int | None, settings: CacheSetting
                 else c for c in caches]
     return camkv_prompt_cache(
         model, budget=budget, n_sink=settings.n_sink, recent=settings.recent,
-        merge=method.merge, gate=method.gate, scoring=method.scoring, window=settings.window,
+        merge=method.merge, gate=method.gate, scoring=method.scoring, merge_keys=method.merge_keys,
+        window=settings.window,
         seed=settings.seed, prefill="chunk", backend=settings.backend,
     )
 
