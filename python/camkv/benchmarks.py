@@ -197,7 +197,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     for arm in dict.fromkeys(r["arm"] for r in results["rows"]):
         rows = [r for r in results["rows"] if r["arm"] == arm]
         lengths = [r["prompt_len"] for r in rows]
@@ -211,10 +211,30 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel("prompt tokens")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    _plot_step_split(axes[3], results)
     fig.suptitle(f"camkv end to end: {results['model']} on {results['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_step_split(ax, results: dict) -> None:
+    """One decode step of the first camkv arm: the model's time and camkv's updates
+    (stacked), against the full cache's whole step, per prompt length."""
+    split = [r for r in results["rows"] if "cache_update_ms" in r]
+    first_arm = split[0]["arm"] if split else None
+    rows = [r for r in split if r["arm"] == first_arm]
+    full = {r["prompt_len"]: r["step_ms"]["median"] for r in results["rows"] if r["kind"] == "full"}
+    ticks = [str(r["prompt_len"]) for r in rows]
+    model_ms = [max(0.0, r["model_ms"]) for r in rows]
+    ax.bar(ticks, model_ms, label=f"{first_arm}: model")
+    ax.bar(ticks, [r["cache_update_ms"] for r in rows], bottom=model_ms, label=f"{first_arm}: camkv updates")
+    ax.plot(ticks, [full.get(r["prompt_len"], float("nan")) for r in rows], "k_", markersize=30,
+            markeredgewidth=2, label="full cache: whole step")
+    ax.set_title("one decode step (ms)")
+    ax.set_xlabel("prompt tokens")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
 
 
 def load_model(name: str):
