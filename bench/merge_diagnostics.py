@@ -48,7 +48,7 @@ def parse_args(argv):
     return opts
 
 
-def value_norms(caches) -> "mx.array":
+def value_norms(caches):
     """[mean, max] L2 norm of the value rows held, over every layer (float32)."""
     import mlx.core as mx
 
