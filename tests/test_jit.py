@@ -118,8 +118,9 @@ def test_forcing_an_absent_gpu_backend_is_a_clear_error():
 
 @pytest.mark.parametrize("block", [1, 4, 1000])
 def test_chunk_scoring_in_query_blocks_equals_the_whole_chunk(monkeypatch, block):
-    # The GPU backends prescore a chunk in blocks of queries to bound memory; any
+    # The kernel backends prescore a chunk in blocks of queries to bound memory; any
     # block size must give the reference's mass (split products included).
+    from camkv.backends import _common as common
     from camkv.reference import RowState, attention_mass_causal
 
     mx.random.seed(3)
@@ -127,8 +128,8 @@ def test_chunk_scoring_in_query_blocks_equals_the_whole_chunk(monkeypatch, block
     state = RowState(mx.random.normal((rows, n, dim)), mx.random.normal((rows, n, dim)), mx.zeros((rows, n)),
                      mx.zeros((rows, n), mx.int32))
     new_keys, queries = mx.random.normal((rows, s_len, dim)), mx.random.normal((rows, s_len, groups, dim))
-    monkeypatch.setattr(jit, "SCORE_BYTES", rows * groups * (n + s_len) * 16 * block)
-    got = jit._chunk_mass(state, new_keys, queries, 0.3, False, CaMConfig(), "cuda")
+    monkeypatch.setattr(common, "SCORE_BYTES", rows * groups * (n + s_len) * 16 * block)
+    got = common.chunk_mass(state, new_keys, queries, 0.3, split=True)
     want = attention_mass_causal(queries, mx.concatenate([state.keys, new_keys], axis=1), 0.3, n)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..reference import RowState
+from ..reference import RowState, attention_mass_causal
 
 STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
@@ -28,3 +28,36 @@ def adopt_dtype(state: RowState, new_keys) -> RowState:
     if state.length:
         raise ValueError(f"new_keys dtype {new_keys.dtype} differs from the stored keys' {state.keys.dtype}")
     return RowState.empty(state.keys.shape[0], state.keys.shape[-1], state.values.shape[-1], new_keys.dtype)
+
+
+SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scoring holds
+
+
+def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split: bool = False) -> mx.array:
+    """A chunk call's attention mass [R, n + S] (section 2) as matrix products, for a
+    kernel to take instead of scoring the chunk itself (CamParams.prescored).
+
+    queries [R, S, G, Dk] float32, or None for key scoring. In blocks of chunk queries,
+    so the logits held at once stay under SCORE_BYTES: a whole 2048-token chunk with 4
+    queries per KV head would hold gigabytes, and a bounded cache must not spike memory
+    while it fills (block i0..i1 sees only the first n + i1 keys). split: keep float32
+    accuracy on a matmul that rounds to TF32 (MLX's CUDA one), see
+    reference._float32_product.
+    """
+    rows, s_len, _ = new_keys.shape
+    n = state.length
+    keys = new_keys if n == 0 else mx.concatenate([state.keys.astype(new_keys.dtype), new_keys], axis=1)
+    keys = keys.astype(mx.float32)
+    if queries is None:
+        queries = new_keys.astype(mx.float32)[:, :, None, :]
+    total, groups = n + s_len, queries.shape[2]
+    block = max(1, SCORE_BYTES // (rows * groups * total * 4 * 4))  # logits, mask, weights, split parts
+    mass = None
+    for i0 in range(0, s_len, block):
+        i1 = min(s_len, i0 + block)
+        part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=split)
+        part = mx.pad(part, [(0, 0), (0, s_len - i1)])
+        mass = part if mass is None else mass + part
+        if i1 < s_len:
+            mx.eval(mass)
+    return mass

@@ -15,8 +15,8 @@ import struct
 import mlx.core as mx
 
 from ..config import MERGE_MODES, CaMConfig
-from ..reference import RowState, attention_mass_causal
-from ._common import adopt_dtype, check_kernel_inputs
+from ..reference import RowState
+from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk
 from .sources import kernel_source
 
 THREADS = 256  # per row: a multiple of the 32-wide SIMD group on both targets
@@ -127,7 +127,6 @@ def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, off
     return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
 
 
-SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scoring holds
 _placeholders: list[mx.array] = []
 
 
@@ -142,40 +141,6 @@ def _placeholder() -> mx.array:
 
 def _as_uint32(row_ids: mx.array) -> mx.array:
     return row_ids if row_ids.dtype == mx.uint32 else row_ids.astype(mx.uint32)
-
-
-def _chunk_mass(state: RowState, new_keys, queries, scale, key_scoring, cfg: CaMConfig, target: str):
-    """A chunk call's attention mass [R, n + S] (section 2), or None for exact calls.
-
-    Scoring S chunk tokens causally is S x (n + S) dot products: as one matrix
-    product it fills the GPU, where the kernel's one block per row (8 blocks for
-    8 KV heads on a 132-SM GPU) would score the queries one at a time. The
-    reference's operations, with the products split so that MLX's TF32 matmul on
-    CUDA keeps float32 accuracy (the kernel's in-core scoring is plain float32).
-    """
-    rows, s_len, k_dim = new_keys.shape
-    if cfg.prefill != "chunk" or s_len < 2:
-        return None
-    n = state.length
-    keys = new_keys if n == 0 else mx.concatenate([state.keys.astype(new_keys.dtype), new_keys], axis=1)
-    keys = keys.astype(mx.float32)
-    if key_scoring:
-        queries = new_keys.astype(mx.float32)[:, :, None, :]
-    # Blocks of chunk queries, so the logits held at once stay under SCORE_BYTES
-    # (a whole 2048-token chunk with 4 queries per KV head would hold gigabytes: a
-    # bounded cache must not spike memory while it fills). Block i0..i1 sees only
-    # the first n + i1 keys.
-    total, groups = n + s_len, queries.shape[2]
-    block = max(1, SCORE_BYTES // (rows * groups * total * 4 * 4))  # logits, mask, weights, split parts
-    mass = None
-    for i0 in range(0, s_len, block):
-        i1 = min(s_len, i0 + block)
-        part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=target == "cuda")
-        part = mx.pad(part, [(0, 0), (0, s_len - i1)])
-        mass = part if mass is None else mass + part
-        if i1 < s_len:
-            mx.eval(mass)
-    return mass
 
 
 def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
@@ -196,7 +161,13 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     else:
         groups = queries.shape[2]
         queries = queries.astype(mx.float32)
-    chunk_mass = _chunk_mass(state, new_keys, queries, scale, key_scoring, cfg, target)
+    # Scoring S chunk tokens causally is S x (n + S) dot products: as matrix products
+    # it fills the GPU, where the kernel's one block per row (8 blocks for 8 KV heads
+    # on a 132-SM GPU) would score the queries one at a time.
+    chunk_mass = None
+    if cfg.prefill == "chunk" and s_len > 1:
+        chunk_mass = prescore_chunk(state, new_keys, None if key_scoring else queries, scale,
+                                    split=target == "cuda")
     prescored = chunk_mass is not None
     if not prescored:
         chunk_mass = _placeholder()  # unused by the core
