@@ -136,9 +136,13 @@ class CaMKVCache(_BaseCache):
             self._absorb(keys, values, start, None, None)
             return
         groups = queries.shape[1] // H
-        # [B, H*G, S, D] -> [B*H, S, G, D]: query head h*G + g belongs to KV head h.
-        q = queries.reshape(B, H, groups, S, -1).transpose(0, 1, 3, 2, 4)
-        self._absorb(keys, values, start, q.reshape(B * H, S, groups, -1), scale)
+        # [B, H*G, S, D] -> [B*H, S, G, D]: query head h*G + g belongs to KV head h. A
+        # decode step (S = 1) has that layout already: a reshape, not a transposed copy.
+        if S == 1:
+            q = queries.reshape(B * H, 1, groups, -1)
+        else:
+            q = queries.reshape(B, H, groups, S, -1).transpose(0, 1, 3, 2, 4).reshape(B * H, S, groups, -1)
+        self._absorb(keys, values, start, q, scale)
         self._query_scored += S
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
