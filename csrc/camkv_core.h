@@ -1136,7 +1136,7 @@ CAMKV_INLINE void camkv_survivor_squares(CamRows<T> r, CAMKV_DEVICE float* squar
 // cosine (ties to the smaller position), and that cosine, as camkv_nearest finds them.
 template <typename T>
 CAMKV_INLINE int camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAMKV_DEVICE float* squares,
-                                     CAMKV_THREAD float* cosine) {
+                                     CAMKV_DEVICE float* cosine) {
   const CAMKV_DEVICE T* k_e = camkv_key(r, e);
   float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
   float best = CAMKV_INF;
