@@ -656,10 +656,17 @@ CAMKV_INLINE int camkv_collect_window(CamRows<T> r, int e, int window, CamGroup 
   return r.list[0];
 }
 
+// Section 4.4 for one feature: (1 - w) * target + w * source, rounded once to the
+// storage dtype.
+template <typename T>
+CAMKV_INLINE void camkv_blend(CAMKV_DEVICE T* target, float source, float w) {
+  *target = (T)camkv_madd(camkv_mul(1.0f - w, camkv_float(*target)), w, source);
+}
+
 template <typename T>
 CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* source, float w, int len, CamGroup g) {
   for (int d = camkv_tid(g); d < len; d += camkv_gsize(g)) {
-    target[d] = (T)camkv_madd(camkv_mul(1.0f - w, camkv_float(target[d])), w, camkv_float(source[d]));
+    camkv_blend(target + d, camkv_float(source[d]), w);
   }
 }
 
@@ -668,6 +675,15 @@ CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* 
 CAMKV_INLINE float camkv_mass_weight(float s_e, float s_t) {
   float total = s_e + s_t;
   return total > 0.0f ? s_e / total : 0.0f;
+}
+
+// Section 4.1's blend weight of a nearest-mode merge: clamp(cos, 0, 1)
+// ("sim_weighted"), the mass weight ("mass_weighted") or 0.5 ("mean").
+CAMKV_INLINE float camkv_nearest_weight(int merge, float cosine, float s_e, float s_t) {
+  if (merge == CAMKV_MERGE_SIM_WEIGHTED) {
+    return cosine < 0.0f ? 0.0f : (cosine > 1.0f ? 1.0f : cosine);
+  }
+  return merge == CAMKV_MERGE_MASS_WEIGHTED ? camkv_mass_weight(s_e, s_t) : 0.5f;
 }
 
 // A merge decided but not yet applied: what camkv_plan_merge reads from the rows,
@@ -688,11 +704,9 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   float s_e = *camkv_score(r, e);
   plan.open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, plan.target), p->seed, row_id, camkv_position(r, e)) : 1;
   plan.w = 0.5f;
-  if (plan.open != 0 && p->merge == CAMKV_MERGE_SIM_WEIGHTED) {
+  if (plan.open != 0) {
     float c = r.cosines[camkv_column_of(r, plan.target)];  // written by camkv_nearest
-    plan.w = c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c);
-  } else if (plan.open != 0 && p->merge == CAMKV_MERGE_MASS_WEIGHTED) {
-    plan.w = camkv_mass_weight(s_e, *camkv_score(r, plan.target));
+    plan.w = camkv_nearest_weight(p->merge, c, s_e, *camkv_score(r, plan.target));
   }
   return plan;
 }
@@ -1199,9 +1213,7 @@ CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams
       int open = p->gate ? camkv_gate_open(s_e, r.scores[t], p->seed, row_id, r.positions[e]) : 1;
       float w = -1.0f;
       if (open != 0) {
-        float c = weights[k];
-        w = p->merge == CAMKV_MERGE_SIM_WEIGHTED ? (c < 0.0f ? 0.0f : (c > 1.0f ? 1.0f : c))
-          : p->merge == CAMKV_MERGE_MASS_WEIGHTED ? camkv_mass_weight(s_e, r.scores[t]) : 0.5f;
+        w = camkv_nearest_weight(p->merge, weights[k], s_e, r.scores[t]);
         r.scores[t] += s_e;
         merges += 1;
       }
@@ -1211,14 +1223,12 @@ CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams
   }
   camkv_barrier(g);
   int merges = r.list[n_losers];
-  // Phase 3, parallel over features: each blend as camkv_blend_row rounds it.
+  // Phase 3, parallel over features.
   for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
     for (int k = 0; k < n_losers; ++k) {
-      float w = weights[k];
-      if (w >= 0.0f) {
-        CAMKV_DEVICE T* v_t = r.values + (long)targets[k] * r.Dv + d;
-        float v_e = camkv_float(r.values[(long)losers[k] * r.Dv + d]);
-        *v_t = (T)camkv_madd(camkv_mul(1.0f - w, camkv_float(*v_t)), w, v_e);
+      if (weights[k] >= 0.0f) {
+        camkv_blend(r.values + (long)targets[k] * r.Dv + d, camkv_float(r.values[(long)losers[k] * r.Dv + d]),
+                    weights[k]);
       }
     }
   }

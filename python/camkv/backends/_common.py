@@ -46,7 +46,7 @@ def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split
     """
     rows, s_len, _ = new_keys.shape
     n = state.length
-    keys = new_keys if n == 0 else mx.concatenate([state.keys.astype(new_keys.dtype), new_keys], axis=1)
+    keys = new_keys if n == 0 else mx.concatenate([state.keys, new_keys], axis=1)  # one dtype: adopt_dtype
     keys = keys.astype(mx.float32)
     if queries is None:
         queries = new_keys.astype(mx.float32)[:, :, None, :]
