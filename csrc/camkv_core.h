@@ -40,6 +40,11 @@
 // Largest head dimension the core accepts (the hosts reject larger ones).
 #define CAMKV_MAX_HEAD_DIM 256
 
+// Queries one scoring pass takes together (a model's G queries per KV head go in
+// blocks of this many): each key row is then read once per block, not once per
+// query, and a GPU thread has that many independent sums in flight.
+#define CAMKV_QUERY_BLOCK 4
+
 // Everything a launch needs besides the buffers. Plain ints so the layout is the
 // same on every host and device (camkv_u32 is 32 bits everywhere).
 struct CamParams {
@@ -71,8 +76,8 @@ struct CamParams {
 
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
-// [logits | mass | scores (the pending token's, or the chunk's work scores) |
-// key shadow | (chunk) survivors' squared norms], i32 scratch [work positions |
+// [logits (CAMKV_QUERY_BLOCK runs of the capacity) | mass | scores (the pending
+// token's, or the chunk's work scores) | key shadow | (chunk) survivors' squared norms], i32 scratch [work positions |
 // losers | index list | survivors | (chunk) merge targets], storage scratch the
 // pending token (exact) or the work rows (chunk).
 
@@ -95,10 +100,15 @@ CAMKV_INLINE int camkv_shadow_columns(int chunk, int n, int S, int n_out) {
 // A call of one token reads every key once and builds no shadow (see
 // camkv_update_exact), so its scratch has none.
 // A chunk's merge phase adds one more float and int per row (camkv_merge_losers).
+// Where the f32 scratch's parts start, in capacities (see the layout above).
+#define CAMKV_F32_MASS CAMKV_QUERY_BLOCK
+#define CAMKV_F32_SCORES (CAMKV_QUERY_BLOCK + 1)
+#define CAMKV_F32_SHADOW (CAMKV_QUERY_BLOCK + 2)
+
 CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
   int shadow = S > 1 ? Dk * camkv_shadow_columns(chunk, n, S, n_out) : 0;
   int cap = camkv_capacity(chunk, n, S, n_out);
-  return 3 * cap + shadow + (camkv_runs_chunk(chunk, S) ? cap : 0);
+  return CAMKV_F32_SHADOW * cap + shadow + (camkv_runs_chunk(chunk, S) ? cap : 0);
 }
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
@@ -160,23 +170,53 @@ CAMKV_INLINE bool camkv_wide_rows(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B*
   return len % 8 == 0 && camkv_wide_aligned(a) && camkv_wide_aligned(b);
 }
 
-// a . b and b . b, each in feature order (the caller checked camkv_wide_rows).
-template <typename A, typename B>
-CAMKV_INLINE void camkv_dot_wide(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len,
-                                 CAMKV_THREAD float* dot, CAMKV_THREAD float* square, bool with_square) {
-  float sum = 0.0f, sq = 0.0f;
-  float av[8], bv[8];
-  for (int d0 = 0; d0 < len; d0 += 8) {
-    camkv_load8(a + d0, av);
-    camkv_load8(b + d0, bv);
-    for (int i = 0; i < 8; ++i) {
-      sum = camkv_madd(sum, av[i], bv[i]);
-      if (with_square) {
-        sq = camkv_madd(sq, bv[i], bv[i]);
+// Adds 8 features of a key (kv, already loaded) times the same features of each
+// of the nq queries q + k * q_stride into dots[k], in feature order; and the key's
+// own squares into *square.
+template <typename Q>
+CAMKV_INLINE void camkv_madd8(const CAMKV_DEVICE Q* q, int q_stride, int nq, CAMKV_THREAD const float* kv,
+                              CAMKV_THREAD float* dots, CAMKV_THREAD float* square, bool with_square) {
+  for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+    if (k < nq) {
+      float qv[8];
+      camkv_load8(q + (long)k * q_stride, qv);
+      for (int i = 0; i < 8; ++i) {
+        dots[k] = camkv_madd(dots[k], qv[i], kv[i]);
       }
     }
   }
-  *dot = sum;
+  if (with_square) {
+    for (int i = 0; i < 8; ++i) {
+      *square = camkv_madd(*square, kv[i], kv[i]);
+    }
+  }
+}
+
+// dots[k] = q_k . key for the nq (<= CAMKV_QUERY_BLOCK) queries q + k * q_stride,
+// and key . key, each in feature order (the caller checked camkv_wide_rows and
+// q_stride % 8 == 0). The key comes in 32 features at a time, four loads in flight
+// together: one load waited for per 8 features left a thread idle most of a dot.
+template <typename Q, typename T>
+CAMKV_INLINE void camkv_dots_wide(const CAMKV_DEVICE Q* q, int q_stride, int nq, const CAMKV_DEVICE T* key, int len,
+                                  CAMKV_THREAD float* dots, CAMKV_THREAD float* square, bool with_square) {
+  float sq = 0.0f;
+  float kv[32];
+  for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+    dots[k] = 0.0f;
+  }
+  int d0 = 0;
+  for (; d0 + 32 <= len; d0 += 32) {
+    for (int w = 0; w < 4; ++w) {
+      camkv_load8(key + d0 + 8 * w, kv + 8 * w);
+    }
+    for (int w = 0; w < 4; ++w) {
+      camkv_madd8(q + d0 + 8 * w, q_stride, nq, kv + 8 * w, dots, &sq, with_square);
+    }
+  }
+  for (; d0 < len; d0 += 8) {
+    camkv_load8(key + d0, kv);
+    camkv_madd8(q + d0, q_stride, nq, kv, dots, &sq, with_square);
+  }
   *square = sq;
 }
 #endif
@@ -185,9 +225,9 @@ template <typename A, typename B>
 CAMKV_INLINE float camkv_dot(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, int len) {
 #if CAMKV_WIDE
   if (camkv_wide_rows(a, b, len)) {
-    float dot, unused;
-    camkv_dot_wide(a, b, len, &dot, &unused, false);
-    return dot;
+    float dots[CAMKV_QUERY_BLOCK], unused;
+    camkv_dots_wide(a, 0, 1, b, len, dots, &unused, false);
+    return dots[0];
   }
 #endif
   float sum = 0.0f;
@@ -448,50 +488,70 @@ CAMKV_INLINE void camkv_shadow_move_left(CAMKV_DEVICE float* shadow, int columns
 }
 
 // Without a shadow (a single-token call, where building one would cost as much as
-// the one pass that reads it): dots of q with the keys of the rows behind search
-// columns c0 .. c0 + CAMKV_DOT_ROWS - 1 read straight from storage, several rows
-// at a time for independent addition chains. Same sequential order per row.
+// the one pass that reads it): dots of the nq queries q + k * q_stride with the
+// keys of the rows behind search columns c0 .. c0 + CAMKV_DOT_ROWS - 1 read
+// straight from storage, several rows at a time for independent addition chains;
+// dots[k * CAMKV_DOT_ROWS + i] is query k's with column c0 + i. Same sequential
+// order per dot.
 template <typename T, typename Q>
-CAMKV_INLINE void camkv_dot_keys(CamRows<T> r, const CAMKV_DEVICE Q* q, int c0, int end,
+CAMKV_INLINE void camkv_dot_keys(CamRows<T> r, const CAMKV_DEVICE Q* q, int q_stride, int nq, int c0, int end,
                                  CAMKV_THREAD float* dots, CAMKV_THREAD float* squares, bool with_norms) {
   const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
   for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
     rows[i] = camkv_key(r, camkv_search_row(r, c0 + i < end ? c0 + i : c0));
-    dots[i] = 0.0f;
     squares[i] = 0.0f;
   }
+  for (int k = 0; k < CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS; ++k) {
+    dots[k] = 0.0f;
+  }
 #if CAMKV_WIDE && CAMKV_DOT_ROWS == 1
-  if (camkv_wide_rows(q, rows[0], r.Dk)) {
-    camkv_dot_wide(q, rows[0], r.Dk, dots, squares, with_norms);
+  if (camkv_wide_rows(q, rows[0], r.Dk) && q_stride % 8 == 0) {
+    camkv_dots_wide(q, q_stride, nq, rows[0], r.Dk, dots, squares, with_norms);
     return;
   }
 #endif
   for (int d = 0; d < r.Dk; ++d) {
-    float qd = camkv_float(q[d]);
+    float kd[CAMKV_DOT_ROWS];
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-      float kd = camkv_float(rows[i][d]);
-      dots[i] = camkv_madd(dots[i], qd, kd);
+      kd[i] = camkv_float(rows[i][d]);
       if (with_norms) {
-        squares[i] = camkv_madd(squares[i], kd, kd);
+        squares[i] = camkv_madd(squares[i], kd[i], kd[i]);
+      }
+    }
+    for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+      if (k < nq) {
+        float qd = camkv_float(q[(long)k * q_stride + d]);
+        for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+          dots[k * CAMKV_DOT_ROWS + i] = camkv_madd(dots[k * CAMKV_DOT_ROWS + i], qd, kd[i]);
+        }
       }
     }
   }
 }
 
-// Dots of q with shadow columns c0 .. c0 + CAMKV_DOT_ROWS - 1. Each sum runs over
-// the features in order, exactly camkv_dot; the block of columns is what a CPU
-// vectorises (columns past the end hold anything; their results are ignored).
+// Dots of the nq queries q + k * q_stride with shadow columns c0 .. c0 +
+// CAMKV_DOT_ROWS - 1, laid out as camkv_dot_keys'. Each sum runs over the features
+// in order, exactly camkv_dot; the block of columns is what a CPU vectorises
+// (columns past the end hold anything; their results are ignored).
 template <typename Q>
 CAMKV_INLINE void camkv_dot_columns(const CAMKV_DEVICE float* shadow, int columns, const CAMKV_DEVICE Q* q,
-                                    int Dk, int c0, CAMKV_THREAD float* dots) {
-  for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-    dots[i] = 0.0f;
+                                    int q_stride, int nq, int Dk, int c0, CAMKV_THREAD float* dots) {
+  for (int k = 0; k < CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS; ++k) {
+    dots[k] = 0.0f;
   }
   for (int d = 0; d < Dk; ++d) {
-    float qd = camkv_float(q[d]);
     const CAMKV_DEVICE float* column = shadow + (long)d * columns + c0;
+    float kd[CAMKV_DOT_ROWS];
     for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-      dots[i] = camkv_madd(dots[i], qd, column[i]);
+      kd[i] = column[i];
+    }
+    for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+      if (k < nq) {
+        float qd = camkv_float(q[(long)k * q_stride + d]);
+        for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
+          dots[k * CAMKV_DOT_ROWS + i] = camkv_madd(dots[k * CAMKV_DOT_ROWS + i], qd, kd[i]);
+        }
+      }
     }
   }
 }
@@ -519,39 +579,53 @@ CAMKV_INLINE void camkv_dot_columns_with_norms(const CAMKV_DEVICE float* shadow,
 // ----------------------------------------------------------------------------
 // Section 2: attention mass of one query over rows [0, visible)
 
-// Adds softmax(scale * q . K_j) into mass[j]; logits is scratch of `visible` floats.
+// Adds softmax(scale * q_k . K_j) into mass[j] for the nq (<= CAMKV_QUERY_BLOCK)
+// queries q_k = q + k * q_stride, query after query exactly as one call per query
+// would; the dots of all nq come from one pass over the keys. logits is scratch of
+// CAMKV_QUERY_BLOCK runs of logit_stride (>= visible) floats.
 template <typename T, typename Q>
 CAMKV_INLINE void camkv_add_attention(
-    CamRows<T> r, const CAMKV_DEVICE Q* q, int visible, float scale,
-    CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
-  float local_max = -CAMKV_INF;
-  float dots[CAMKV_DOT_ROWS];
+    CamRows<T> r, const CAMKV_DEVICE Q* q, int q_stride, int nq, int visible, float scale,
+    CAMKV_DEVICE float* logits, int logit_stride, CAMKV_DEVICE float* mass, CamGroup g) {
+  float local_max[CAMKV_QUERY_BLOCK];
+  for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+    local_max[k] = -CAMKV_INF;
+  }
+  float dots[CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS];
   float unused[CAMKV_DOT_ROWS];
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < visible; j0 += step) {
     if (r.shadow != 0) {
-      camkv_dot_columns(r.shadow, r.columns, q, r.Dk, j0, dots);
+      camkv_dot_columns(r.shadow, r.columns, q, q_stride, nq, r.Dk, j0, dots);
     } else {
-      camkv_dot_keys(r, q, j0, visible, dots, unused, false);
+      camkv_dot_keys(r, q, q_stride, nq, j0, visible, dots, unused, false);
     }
-    for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < visible; ++i) {
-      float l = scale * dots[i];
-      logits[j0 + i] = l;
-      local_max = l > local_max ? l : local_max;
+    for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+      for (int i = 0; k < nq && i < CAMKV_DOT_ROWS && j0 + i < visible; ++i) {
+        float l = scale * dots[k * CAMKV_DOT_ROWS + i];
+        logits[(long)k * logit_stride + j0 + i] = l;
+        local_max[k] = l > local_max[k] ? l : local_max[k];
+      }
     }
   }
-  float row_max = camkv_group_max(g, local_max);
-  float local_sum = 0.0f;
-  for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
-    float w = camkv_exp(logits[j] - row_max);
-    logits[j] = w;
-    local_sum += w;
+  for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+    if (k == nq) {
+      break;  // nq is the same for the whole group
+    }
+    CAMKV_DEVICE float* weights = logits + (long)k * logit_stride;
+    float row_max = camkv_group_max(g, local_max[k]);
+    float local_sum = 0.0f;
+    for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
+      float w = camkv_exp(weights[j] - row_max);
+      weights[j] = w;
+      local_sum += w;
+    }
+    float total = camkv_group_sum(g, local_sum);
+    for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
+      mass[j] += weights[j] / total;
+    }
+    camkv_barrier(g);
   }
-  float total = camkv_group_sum(g, local_sum);
-  for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
-    mass[j] += logits[j] / total;
-  }
-  camkv_barrier(g);
 }
 
 template <typename T>
@@ -593,14 +667,14 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
   float best = CAMKV_INF;  // argmin of -cos
   int best_j = total;
-  float dots[CAMKV_DOT_ROWS];
+  float dots[CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS];
   float squares[CAMKV_DOT_ROWS];
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < total; j0 += step) {
     if (r.shadow != 0) {
       camkv_dot_columns_with_norms(r.shadow, r.columns, k_e, r.Dk, j0, dots, squares);
     } else {
-      camkv_dot_keys(r, k_e, j0, total, dots, squares, true);
+      camkv_dot_keys(r, k_e, 0, 1, j0, total, dots, squares, true);
     }
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < total; ++i) {
       int j = camkv_search_row(r, j0 + i);
@@ -818,6 +892,25 @@ CAMKV_INLINE bool camkv_protected(int position, int n_sink, int recent, int p_la
 // ----------------------------------------------------------------------------
 // Exact mode (section 7, "exact"): the S tokens one at a time, in the out arrays.
 
+// Section 2 for token t of the call: its key (key scoring) or its G queries, in
+// blocks of CAMKV_QUERY_BLOCK, add their attention over rows [0, visible) into mass.
+template <typename T>
+CAMKV_INLINE void camkv_token_attention(
+    CamRows<T> r, int t, const CAMKV_DEVICE T* key, CAMKV_CONSTANT const CamParams* p,
+    const CAMKV_DEVICE float* queries, int visible, CAMKV_DEVICE float* logits, int logit_stride,
+    CAMKV_DEVICE float* mass, CamGroup g) {
+  if (p->key_scoring) {
+    camkv_add_attention(r, key, 0, 1, visible, p->scale, logits, logit_stride, mass, g);
+    return;
+  }
+  const CAMKV_DEVICE float* token_queries = queries + (long)t * p->G * p->Dk;
+  for (int q0 = 0; q0 < p->G; q0 += CAMKV_QUERY_BLOCK) {
+    int nq = p->G - q0 < CAMKV_QUERY_BLOCK ? p->G - q0 : CAMKV_QUERY_BLOCK;
+    camkv_add_attention(r, token_queries + (long)q0 * p->Dk, p->Dk, nq, visible, p->scale, logits, logit_stride,
+                        mass, g);
+  }
+}
+
 // Scores the pending token against rows [0, count] (itself included).
 template <typename T>
 CAMKV_INLINE void camkv_score_pending(
@@ -825,14 +918,8 @@ CAMKV_INLINE void camkv_score_pending(
     CAMKV_DEVICE float* logits, CAMKV_DEVICE float* mass, CamGroup g) {
   int visible = r.count + 1;
   camkv_zero(mass, visible, g);
-  if (p->key_scoring) {
-    camkv_add_attention(r, (const CAMKV_DEVICE T*)r.pend_key, visible, p->scale, logits, mass, g);
-  } else {
-    for (int q = 0; q < p->G; ++q) {
-      const CAMKV_DEVICE float* query = queries + ((long)t * p->G + q) * p->Dk;
-      camkv_add_attention(r, query, visible, p->scale, logits, mass, g);
-    }
-  }
+  camkv_token_attention(r, t, (const CAMKV_DEVICE T*)r.pend_key, p, queries, visible, logits,
+                        camkv_capacity(0, p->n, p->S, p->n_out), mass, g);
   float groups = (float)p->G;
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     r.scores[j] += mass[j] / groups;
@@ -928,7 +1015,7 @@ CAMKV_INLINE CamRows<T> camkv_exact_rows(CamRowBuffers<T> b, CAMKV_CONSTANT cons
   r.has_pending = 1;
   r.pend_key = b.store;
   r.pend_value = b.store + p->Dk;
-  r.pend_score = b.f32 + 2 * cap;
+  r.pend_score = b.f32 + CAMKV_F32_SCORES * cap;
   r.pend_position = 0;
   r.loser = 0;
   r.list = b.i32;
@@ -936,7 +1023,7 @@ CAMKV_INLINE CamRows<T> camkv_exact_rows(CamRowBuffers<T> b, CAMKV_CONSTANT cons
   r.survivors = 0;
   r.n_survivors = 0;
   // One token reads every key once: no shadow, whose build would cost as much.
-  r.shadow = p->S > 1 ? b.f32 + 3 * cap : 0;
+  r.shadow = p->S > 1 ? b.f32 + CAMKV_F32_SHADOW * cap : 0;
   r.columns = camkv_shadow_columns(0, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
   r.Dv = p->Dv;
@@ -969,7 +1056,7 @@ CAMKV_INLINE int camkv_decode_copying(CamRowBuffers<T> b, CAMKV_CONSTANT const C
   camkv_copy_flat(r.positions, b.in_positions, (long)p->n, g);
   camkv_load_pending(r, b, 0, p, g);
   CAMKV_DEVICE float* logits = b.f32;
-  CAMKV_DEVICE float* mass = b.f32 + camkv_capacity(0, p->n, p->S, p->n_out);
+  CAMKV_DEVICE float* mass = b.f32 + CAMKV_F32_MASS * camkv_capacity(0, p->n, p->S, p->n_out);
   camkv_score_pending(r, 0, p, b.queries, logits, mass, g);
   int e = camkv_pick_evicted(r, r.pend_position, p, g);
   CamMergePlan plan = camkv_plan_merge(r, e, p, row_id, g);
@@ -997,7 +1084,7 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   CamRows<T> r = camkv_exact_rows(b, p);
   int cap = camkv_capacity(0, p->n, p->S, p->n_out);
   CAMKV_DEVICE float* logits = b.f32;
-  CAMKV_DEVICE float* mass = b.f32 + cap;
+  CAMKV_DEVICE float* mass = b.f32 + CAMKV_F32_MASS * cap;
 
   if (p->in_place == 0) {
     camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
@@ -1041,15 +1128,8 @@ CAMKV_INLINE void camkv_score_chunk(CamRows<T> r, CAMKV_CONSTANT const CamParams
   }
   camkv_zero(mass, r.count, g);
   for (int i = 0; i < p->S; ++i) {
-    int visible = p->n + i + 1;
-    if (p->key_scoring) {
-      camkv_add_attention(r, (const CAMKV_DEVICE T*)(r.keys + (long)(p->n + i) * p->Dk), visible, p->scale, logits, mass, g);
-    } else {
-      for (int q = 0; q < p->G; ++q) {
-        const CAMKV_DEVICE float* query = queries + ((long)i * p->G + q) * p->Dk;
-        camkv_add_attention(r, query, visible, p->scale, logits, mass, g);
-      }
-    }
+    camkv_token_attention(r, i, (const CAMKV_DEVICE T*)(r.keys + (long)(p->n + i) * p->Dk), p, queries,
+                          p->n + i + 1, logits, r.count, mass, g);
   }
   float groups = (float)p->G;
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
@@ -1244,7 +1324,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   // Without eviction the out arrays are the work arrays; with it, scratch is.
   r.keys = evicts ? b.store : b.out_keys;
   r.values = evicts ? b.store + (long)total * p->Dk : b.out_values;
-  r.scores = evicts ? b.f32 + 2 * total : b.out_scores;
+  r.scores = evicts ? b.f32 + CAMKV_F32_SCORES * total : b.out_scores;
   r.positions = evicts ? b.i32 : b.out_positions;
   r.count = total;
   r.has_pending = 0;
@@ -1257,7 +1337,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.cosines = b.f32;  // the logits' scratch, free once the chunk is scored
   r.survivors = 0;
   r.n_survivors = 0;
-  r.shadow = b.f32 + 3 * total;
+  r.shadow = b.f32 + CAMKV_F32_SHADOW * total;
   r.columns = camkv_shadow_columns(1, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
   r.Dv = p->Dv;
@@ -1272,7 +1352,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   }
   camkv_barrier(g);
   camkv_shadow_build(r, total, g);
-  camkv_score_chunk(r, p, b.queries, b.chunk_mass, b.f32, b.f32 + total, g);
+  camkv_score_chunk(r, p, b.queries, b.chunk_mass, b.f32, b.f32 + CAMKV_F32_MASS * total, g);
   if (!evicts) {
     return 0;
   }
@@ -1284,7 +1364,8 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   bool nearest = p->merge == CAMKV_MERGE_SIM_WEIGHTED || p->merge == CAMKV_MERGE_MEAN ||
                  p->merge == CAMKV_MERGE_MASS_WEIGHTED;
   if (nearest && p->merge_keys == 0) {
-    merges = camkv_merge_losers(r, p, row_id, b.f32 + 3 * total + p->Dk * r.columns, b.i32 + 4 * total, g);
+    merges = camkv_merge_losers(r, p, row_id, b.f32 + CAMKV_F32_SHADOW * total + p->Dk * r.columns,
+                                b.i32 + 4 * total, g);
   } else {
     for (int e = 0; e < total; ++e) {
       if (r.loser[e] != 0) {

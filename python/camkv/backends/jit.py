@@ -21,6 +21,7 @@ from .sources import kernel_source
 
 THREADS = 256  # per row: a multiple of the 32-wide SIMD group on both targets
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
+QUERY_BLOCK = 4  # CAMKV_QUERY_BLOCK of the core: queries scored in one pass over the keys
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
            "queries", "chunk_mass", "row_ids", "params"]
 _OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
@@ -114,7 +115,8 @@ def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_d
     shadow = k_dim * shadow_columns if s_len > 1 else 0
     store = (n + s_len) * (k_dim + v_dim) if runs_chunk else k_dim + v_dim
     merge_phase = capacity if runs_chunk else 0  # squared norms and targets of camkv_merge_losers
-    return 3 * capacity + shadow + merge_phase, 4 * capacity + merge_phase, store
+    f32_parts = QUERY_BLOCK + 2  # logits of a query block, mass, scores (CAMKV_F32_SHADOW)
+    return f32_parts * capacity + shadow + merge_phase, 4 * capacity + merge_phase, store
 
 
 def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,

@@ -1,0 +1,192 @@
+"""Where one decode step's cache updates spend their time: every layer's update built
+lazily and evaluated at once (as inside a model's forward pass), split into its parts.
+
+For L layers of a full budget (default: the random-1b llama of bench/e2e.py, 16 layers,
+8 KV heads of dim 128, 4 queries per KV head, float16), each part is timed alone,
+per layer: "build" is the host time spent constructing the graph, "step" the wall time
+of build + evaluation, medians over --repeats steps.
+
+  cache          CaMKVCache.update_and_fetch + observe_queries (what a model pays)
+  update         the backend's update() on prepared rows (no cache bookkeeping)
+  fetch          the two concatenations that hand attention stored ++ new rows
+  kernel         (GPU backends) the bare kernel launch, parameters prepared once
+  kernel+params  the bare kernel launch with its parameter block made per call
+  queries_cast   the queries' cast to float32
+  nothing        an empty evaluation (the floor)
+
+Plus a cProfile of the host side of "cache". Example (on the H200):
+    python bench/profile_decode.py --backend cuda --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import math
+import platform
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from camkv import CaMConfig, CaMKVCache, backends
+from camkv.backends import jit
+from camkv.reference import RowState
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="auto", help="camkv backend (auto, cuda, metal, ext, reference)")
+    parser.add_argument("--layers", type=int, default=16, help="layers updated per step (default 16)")
+    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--groups", type=int, default=4, help="queries per KV head (default 4)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed steps per part (default 30)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for profile-decode-<backend>.json")
+    return parser.parse_args(argv)
+
+
+def _timed(build, repeats: int) -> dict:
+    """Median host-build and wall seconds of one step made by build() (returns arrays)."""
+    builds, walls = [], []
+    for trial in range(repeats + 3):  # three warm-ups
+        start = time.perf_counter()
+        outputs = build()
+        built = time.perf_counter()
+        mx.eval(outputs)
+        done = time.perf_counter()
+        if trial >= 3:
+            builds.append(built - start)
+            walls.append(done - start)
+    return {"build_s": statistics.median(builds), "step_s": statistics.median(walls)}
+
+
+def _rows(opts, dtype) -> list[RowState]:
+    rows = opts.heads
+    return [RowState(mx.random.normal((rows, opts.budget, opts.head_dim)).astype(dtype),
+                     mx.random.normal((rows, opts.budget, opts.head_dim)).astype(dtype),
+                     mx.random.uniform(shape=(rows, opts.budget)),
+                     mx.broadcast_to(mx.arange(opts.budget, dtype=mx.int32), (rows, opts.budget)))
+            for _ in range(opts.layers)]
+
+
+def measure(opts) -> dict:
+    dtype = mx.float16
+    H, G, D, L = opts.heads, opts.groups, opts.head_dim, opts.layers
+    cfg = CaMConfig(budget=opts.budget, backend=opts.backend)
+    backend = backends.resolve(opts.backend)
+    token = mx.random.normal((1, H, 1, D)).astype(dtype)
+    queries = mx.random.normal((1, H * G, 1, D)).astype(dtype)
+    scale = 1.0 / math.sqrt(D)
+    mx.eval(token, queries)
+    parts = {}
+
+    # cache: the whole per-layer path a model pays, queries handed over as the hook does
+    caches = [CaMKVCache(cfg) for _ in range(L)]
+    for cache in caches:
+        # No model here, so no attention hook: queries are handed over by hand, as it would.
+        cache._queries_can_come = lambda: True  # noqa: SLF001
+        cache.update_and_fetch(mx.random.normal((1, H, opts.budget, D)).astype(dtype),
+                               mx.random.normal((1, H, opts.budget, D)).astype(dtype))
+        cache.observe_queries(mx.random.normal((1, H * G, opts.budget, D)).astype(dtype), scale)
+    mx.eval([c.state[:4] for c in caches])
+
+    def cache_step():
+        fetched = []
+        for cache in caches:
+            fetched.extend(cache.update_and_fetch(token, token))
+            cache.observe_queries(queries, scale)
+        return fetched + [c._rows.keys for c in caches]  # noqa: SLF001
+
+    parts["cache"] = _timed(cache_step, opts.repeats)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(10):
+        mx.eval(cache_step())
+    profile.disable()
+    listing = io.StringIO()
+    pstats.Stats(profile, stream=listing).sort_stats("tottime").print_stats(14)
+
+    states = _rows(opts, dtype)
+    row_ids = mx.arange(H, dtype=mx.uint32)
+    step_keys = token.reshape(H, 1, D)
+    q_rows = queries.reshape(H, 1, G, D)
+    mx.eval(states, row_ids)
+
+    def update_step():
+        out = []
+        for i, state in enumerate(states):
+            states[i], merges = backend.update(state, step_keys, step_keys, opts.budget, cfg, row_ids, q_rows, scale)
+            out.extend([states[i].keys, merges])
+        return out
+
+    parts["update"] = _timed(update_step, opts.repeats)
+    parts["fetch"] = _timed(lambda: [mx.concatenate([s.keys, step_keys], axis=1) for s in states]
+                            + [mx.concatenate([s.values, step_keys], axis=1) for s in states], opts.repeats)
+    parts["queries_cast"] = _timed(lambda: [q_rows.astype(mx.float32) for _ in range(L)], opts.repeats)
+    parts["nothing"] = _timed(lambda: [], opts.repeats)
+    target = getattr(backend, "target", None)
+    if target is not None:
+        parts.update(_kernel_parts(opts, cfg, target, states, step_keys, q_rows.astype(mx.float32), row_ids, scale))
+    per_layer = {name: {k: v / L for k, v in t.items()} for name, t in parts.items()}
+    return {"per_layer": per_layer, "cprofile_cache": listing.getvalue()}
+
+
+def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> dict:
+    """The bare launch, with the parameter block made once or per call."""
+    rows, n, D = states[0].keys.shape
+    strides = jit.scratch_strides(False, n, 1, n, D, D)
+    kernel = jit._kernel(target)  # noqa: SLF001
+
+    def params():
+        return jit.pack_params(cfg, rows, n, 1, D, D, opts.groups, n, opts.budget, float(scale), False, strides)
+
+    fixed = params()
+    placeholder = jit._placeholder()  # noqa: SLF001
+    mx.eval(q32, fixed)
+
+    def launch(param_block):
+        out = []
+        for i, s in enumerate(states):
+            res = kernel(inputs=[*s, step_keys, step_keys, q32, placeholder, row_ids, param_block],
+                         template=[("T", step_keys.dtype)], grid=(rows * jit.THREADS, 1, 1),
+                         threadgroup=(jit.THREADS, 1, 1),
+                         output_shapes=[(rows, n, D), (rows, n, D), (rows, n), (rows, n), (rows,),
+                                        (rows, strides[0]), (rows, strides[1]), (rows, strides[2])],
+                         output_dtypes=[step_keys.dtype, step_keys.dtype, mx.float32, mx.int32, mx.int32,
+                                        mx.float32, mx.int32, step_keys.dtype])
+            states[i] = RowState(*res[:4])
+            out.extend(res[:5])
+        return out
+
+    return {"kernel": _timed(lambda: launch(fixed), opts.repeats),
+            "kernel+params": _timed(lambda: launch(params()), opts.repeats)}
+
+
+def main(argv=None) -> dict:
+    opts = parse_args(argv)
+    result = measure(opts)
+    result["setup"] = {"backend": opts.backend, "layers": opts.layers, "heads": opts.heads, "groups": opts.groups,
+                       "head_dim": opts.head_dim, "budget": opts.budget, "repeats": opts.repeats,
+                       "device": str(mx.default_device()), "machine": platform.machine(),
+                       "command": "python bench/profile_decode.py " + " ".join(
+                           f"--{k.replace('_', '-')} {v}" for k, v in vars(opts).items() if v is not None)}
+    print(f"per layer, {opts.layers} layers evaluated at once (us): build / step")
+    for name, t in result["per_layer"].items():
+        print(f"  {name:14s} {1e6 * t['build_s']:8.1f} / {1e6 * t['step_s']:8.1f}")
+    print(result["cprofile_cache"])
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        path = opts.out / f"profile-decode-{opts.backend}.json"
+        path.write_text(json.dumps(result, indent=1))
+        print("wrote", path)
+    return result
+
+
+if __name__ == "__main__":
+    main()
