@@ -11,6 +11,7 @@ of build + evaluation, medians over --repeats steps.
   fetch          the two concatenations that hand attention stored ++ new rows
   kernel         (GPU backends) the bare kernel launch, parameters prepared once
   kernel+params  the bare kernel launch with its parameter block made per call
+  kernel+table   the bare kernel launch with its block a row of jit.params_for's table
   queries_cast   the queries' cast to float32
   nothing        an empty evaluation (the floor)
 
@@ -164,8 +165,12 @@ def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> 
             out.extend(res[:5])
         return out
 
+    def table_row():
+        return jit.params_for(cfg, rows, n, 1, D, D, opts.groups, n, opts.budget, float(scale), False, strides)
+
     return {"kernel": _timed(lambda: launch(fixed), opts.repeats),
-            "kernel+params": _timed(lambda: launch(params()), opts.repeats)}
+            "kernel+params": _timed(lambda: launch(params()), opts.repeats),
+            "kernel+table": _timed(lambda: launch(table_row()), opts.repeats)}
 
 
 def main(argv=None) -> dict:
@@ -174,6 +179,7 @@ def main(argv=None) -> dict:
     result["setup"] = {"backend": opts.backend, "layers": opts.layers, "heads": opts.heads, "groups": opts.groups,
                        "head_dim": opts.head_dim, "budget": opts.budget, "repeats": opts.repeats,
                        "device": str(mx.default_device()), "machine": platform.machine(),
+                       "threads_per_row": jit.THREADS,
                        "command": "python bench/profile_decode.py " + " ".join(
                            f"--{k.replace('_', '-')} {v}" for k, v in vars(opts).items() if v is not None)}
     print(f"per layer, {opts.layers} layers evaluated at once (us): build / step")

@@ -105,6 +105,18 @@ def test_parameters_pack_in_the_cores_field_order():
     assert words[21:] == [7, 8, 9]
 
 
+def test_a_decode_steps_parameters_are_a_row_of_a_shared_table():
+    cfg = CaMConfig(budget=64, seed=5)
+    args = (cfg, 4, 64, 1, 32, 32, 2, 64)
+    tail = (0.25, False, (1, 2, 3))
+    jit._tables.clear()
+    for offset in (100, 101, 100 + jit.OFFSETS_PER_TABLE - 1, 100 + jit.OFFSETS_PER_TABLE, 40):
+        row = jit.params_for(*args, offset, *tail)
+        assert row.tolist() == jit.pack_params(*args, offset, *tail).tolist(), offset
+    # Two tables made (offsets 100.. and 164..), then one more for 40: the newest per key.
+    assert len(jit._tables) == 1 and next(iter(jit._tables.values()))[0] == 40
+
+
 def test_forcing_an_absent_gpu_backend_is_a_clear_error():
     from camkv import backends
 

@@ -75,6 +75,7 @@ class CaMKVCache(_BaseCache):
         self.hook_modules: frozenset[str] | None = None
         self._warned: set[str] = set()
         self._row_ids_for: tuple | None = None  # ((B, H), row ids) of _row_ids
+        self._backend_for: tuple | None = None  # ((name, device), module) of _backend
 
     # ------------------------------------------------------------------ config
     @property
@@ -341,8 +342,7 @@ class CaMKVCache(_BaseCache):
         """Run the backend's fused update on the block at positions start..; keys/values [B, H, S, D]."""
         B, H, S, Dk = keys.shape
         rows = self._rows or RowState.empty(B * H, Dk, values.shape[3], keys.dtype)
-        backend = backends.resolve(self._config.backend)
-        self._rows, merges = backend.update(
+        self._rows, merges = self._backend().update(
             rows,
             keys.reshape(B * H, S, Dk),
             values.reshape(B * H, S, -1),
@@ -358,6 +358,14 @@ class CaMKVCache(_BaseCache):
         if len(self._merge_counts) >= _MERGE_BATCH:
             self._total_merges()
         self._evictions += max(0, rows.length + S - self._config.budget) * B * H
+
+    def _backend(self):
+        # Resolved once per backend name and device, not per call: resolving asks
+        # every backend whether it is usable, host work a decode step pays per layer.
+        key = (self._config.backend, mx.default_device())
+        if self._backend_for is None or self._backend_for[0] != key:
+            self._backend_for = (key, backends.resolve(self._config.backend))
+        return self._backend_for[1]
 
     def _total_merges(self) -> mx.array:
         """Merges so far (a scalar), folding in the per-call counts."""

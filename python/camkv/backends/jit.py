@@ -10,6 +10,7 @@ launch per layer per call: one work group of THREADS threads per row.
 from __future__ import annotations
 
 import math
+import os
 import struct
 
 import mlx.core as mx
@@ -19,7 +20,22 @@ from ..reference import RowState
 from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk
 from .sources import kernel_source
 
-THREADS = 256  # per row: a multiple of the 32-wide SIMD group on both targets
+
+
+def _threads_per_row() -> int:
+    """Threads of a row's work group: 256, or CAMKV_GPU_THREADS (a tuning knob).
+
+    A multiple of the 32-wide SIMD group on both targets, at most 1024; the kernel's
+    registers per thread times this must fit a GPU core (a launch fails otherwise).
+    """
+    text = os.environ.get("CAMKV_GPU_THREADS", "256")
+    value = int(text) if text.isdigit() else -1
+    if value < 32 or value > 1024 or value % 32:
+        raise ValueError(f"CAMKV_GPU_THREADS must be a multiple of 32 from 32 to 1024, got {text!r}")
+    return value
+
+
+THREADS = _threads_per_row()
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
 QUERY_BLOCK = 4  # CAMKV_QUERY_BLOCK of the core: queries scored in one pass over the keys
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
@@ -81,7 +97,16 @@ def target_source(target: str) -> tuple[str, str]:
     header = spec["header"].format(prelude=kernel_source(spec["prelude"]), core=kernel_source("camkv_core.h"))
     # The preludes and the core include each other by name in a build; here they are inlined.
     header = "\n".join(line for line in header.splitlines() if not line.startswith('#include "camkv'))
-    return header, spec["group"] + _BODY
+    return _compact(header), spec["group"] + _BODY
+
+
+def _compact(source: str) -> str:
+    """The source without // comments, indentation and blank lines. MLX copies a
+    custom kernel's whole text into every call's graph node and hashes it at every
+    evaluation: a third less text is that much less host work per layer and token.
+    (The kernel sources hold no string literal containing //.)"""
+    lines = (line.split("//", 1)[0].strip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line)
 
 
 def unavailable_reason(target: str) -> str | None:
@@ -129,6 +154,31 @@ def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, off
     return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
 
 
+OFFSETS_PER_TABLE = 64  # decode steps one uploaded parameter table serves
+_tables: dict[tuple, tuple[int, mx.array]] = {}  # parameters but the offset -> (first offset, table)
+
+
+def params_for(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale, key_scoring,
+               strides, prescored=False) -> mx.array:
+    """pack_params' block as a row of a table made for OFFSETS_PER_TABLE offsets at once.
+
+    Decode steps differ only in the offset, and a fresh parameter array per layer and
+    token is a host-to-device upload each; a row of an uploaded table is a view of it.
+    Layers with the same configuration share one table.
+    """
+    key = (cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, scale, key_scoring, strides, prescored)
+    first, table = _tables.get(key, (None, None))
+    if first is None or not first <= offset < first + OFFSETS_PER_TABLE:
+        if len(_tables) >= 64:
+            _tables.clear()  # shapes of a finished sequence
+        first = offset
+        table = mx.stack([pack_params(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, first + i, scale,
+                                      key_scoring, strides, prescored) for i in range(OFFSETS_PER_TABLE)])
+        mx.eval(table)
+        _tables[key] = (first, table)
+    return table[offset - first]
+
+
 _placeholders: list[mx.array] = []
 
 
@@ -145,12 +195,17 @@ def _as_uint32(row_ids: mx.array) -> mx.array:
     return row_ids if row_ids.dtype == mx.uint32 else row_ids.astype(mx.uint32)
 
 
+_usable: set[str] = set()  # targets found usable: a GPU does not go away mid-process
+
+
 def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
            queries=None, scale=None, *, target: str) -> tuple[RowState, mx.array]:
     """Absorb S new tokens per row in one kernel launch; see camkv.reference.update."""
-    reason = unavailable_reason(target)
-    if reason is not None:
-        raise RuntimeError(f"backend {target!r} is not usable here: {reason}")
+    if target not in _usable:
+        reason = unavailable_reason(target)
+        if reason is not None:
+            raise RuntimeError(f"backend {target!r} is not usable here: {reason}")
+        _usable.add(target)
     check_kernel_inputs(state, new_keys, queries, scale, MAX_HEAD_DIM, "the GPU kernels")
     rows, s_len, k_dim = new_keys.shape
     v_dim, n = new_values.shape[-1], state.length
@@ -174,8 +229,10 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     if not prescored:
         chunk_mass = _placeholder()  # unused by the core
     strides = scratch_strides(cfg.prefill == "chunk", n, s_len, n_out, k_dim, v_dim)
-    params = pack_params(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, int(offset), float(scale),
-                         key_scoring, strides, prescored)
+    # A full cache's decode steps (the steady state) take their block from a table.
+    pack = params_for if s_len == 1 and n == n_out else pack_params
+    params = pack(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, int(offset), float(scale),
+                  key_scoring, strides, prescored)
     # A zero-length stored state still needs a buffer to point at.
     stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state]
     dtype = new_keys.dtype
