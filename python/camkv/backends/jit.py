@@ -106,7 +106,7 @@ def _compact(source: str) -> str:
     evaluation: a third less text is that much less host work per layer and token.
     (The kernel sources hold no string literal containing //.)"""
     lines = (line.split("//", 1)[0].strip() for line in source.splitlines())
-    return "\n".join(line for line in lines if line)
+    return "\n".join(line for line in lines if line) + "\n"  # MLX appends its code right after
 
 
 def unavailable_reason(target: str) -> str | None:

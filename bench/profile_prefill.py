@@ -1,0 +1,99 @@
+"""Where one chunk-mode prefill call's time goes, per layer: the chunk's attention
+mass scored as matrix products before the launch (backends._common.chunk_mass, the
+GPU path's "prescoring") against the whole update (prescoring + the kernel).
+
+Shapes of bench/e2e.py's random-1b llama at its prefill step: 8 KV heads of dim 128,
+4 queries per KV head, float16, a chunk of --chunk tokens into a cache of --budget
+rows, once into an empty cache and once into a full one. Medians of --repeats
+evaluated calls. Example (on the H200):
+    python bench/profile_prefill.py --backend cuda --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from camkv import CaMConfig, backends
+from camkv.backends._common import chunk_mass
+from camkv.reference import RowState
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="auto", help="camkv backend (auto, cuda, metal, ext, reference)")
+    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--groups", type=int, default=4, help="queries per KV head (default 4)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048, e2e's step)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per part (default 5)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for profile-prefill-<backend>.json")
+    return parser.parse_args(argv)
+
+
+def _median_seconds(call, repeats: int) -> float:
+    times = []
+    for trial in range(repeats + 1):  # the first call compiles
+        start = time.perf_counter()
+        mx.eval(call())
+        if trial:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(opts) -> dict:
+    H, G, D, S = opts.heads, opts.groups, opts.head_dim, opts.chunk
+    cfg = CaMConfig(budget=opts.budget, backend=opts.backend, prefill="chunk")
+    backend = backends.resolve(opts.backend)
+    scale = 1.0 / math.sqrt(D)
+    keys = mx.random.normal((H, S, D)).astype(mx.float16)
+    queries = mx.random.normal((H, S, G, D))
+    row_ids = mx.arange(H, dtype=mx.uint32)
+    full = RowState(mx.random.normal((H, opts.budget, D)).astype(mx.float16),
+                    mx.random.normal((H, opts.budget, D)).astype(mx.float16),
+                    mx.random.uniform(shape=(H, opts.budget)),
+                    mx.broadcast_to(mx.arange(opts.budget, dtype=mx.int32), (H, opts.budget)))
+    mx.eval(keys, queries, full)
+    states = {"into an empty cache": RowState.empty(H, D, D, mx.float16), "into a full cache": full}
+    target = getattr(backend, "target", None)  # only the GPU backends prescore
+    if target is None:
+        raise SystemExit(f"backend {backends.resolve_name(opts.backend)!r} scores chunks inside its kernel: "
+                         "nothing to split; use --backend cuda or metal")
+    split = target == "cuda"
+    result = {}
+    for name, state in states.items():
+        offset = state.length
+        update_s = _median_seconds(
+            lambda: backend.update(state, keys, keys, offset, cfg, row_ids, queries, scale), opts.repeats)
+        mass_s = _median_seconds(lambda: chunk_mass(state, keys, queries, scale, split=split), opts.repeats)
+        result[name] = {"update_ms": 1e3 * update_s, "prescoring_ms": 1e3 * mass_s,
+                        "rest_ms": 1e3 * (update_s - mass_s)}
+    return result
+
+
+def main(argv=None) -> dict:
+    opts = parse_args(argv)
+    parts = measure(opts)
+    result = {"parts": parts, "setup": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items()},
+              "device": str(mx.default_device()),
+              "backend_used": backends.resolve_name(opts.backend)}
+    print(f"one chunk call of {opts.chunk} tokens, per layer (ms): whole update / prescoring / the rest")
+    for name, t in parts.items():
+        print(f"  {name:20s} {t['update_ms']:8.2f} / {t['prescoring_ms']:8.2f} / {t['rest_ms']:8.2f}")
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        path = opts.out / f"profile-prefill-{result['backend_used']}.json"
+        path.write_text(json.dumps(result, indent=1))
+        print("wrote", path)
+    return result
+
+
+if __name__ == "__main__":
+    main()
