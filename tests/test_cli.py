@@ -253,3 +253,16 @@ def test_openblas_choice_follows_camkv_blas(monkeypatch, tmp_path):
     # mlx is imported in this process: too late to swap its BLAS in place.
     monkeypatch.setenv("CAMKV_BLAS", str(fake))
     assert _blas.preload() is None
+
+
+def test_a_cpu_command_without_openblas_says_why_it_is_slow(monkeypatch, tmp_path, capsys):
+    from camkv import _blas
+
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setenv("CAMKV_BLAS", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(_blas, "_runs_on_cpu", lambda: True)
+    _blas.reexec_with_openblas()  # nothing to load: returns, after the hint
+    assert "libopenblas0-pthread" in capsys.readouterr().err
+    monkeypatch.setenv("CAMKV_BLAS", "0")  # turned off on purpose: silent
+    _blas.reexec_with_openblas()
+    assert capsys.readouterr().err == ""

@@ -34,7 +34,7 @@ def find_openblas() -> str | None:
     if not sys.platform.startswith("linux"):
         return None
     chosen = os.environ.get("CAMKV_BLAS", "")
-    if chosen.lower() in ("0", "off", "no", "false"):
+    if _turned_off():
         return None
     if chosen:
         return chosen if Path(chosen).is_file() else None
@@ -63,9 +63,20 @@ def preload() -> str | None:
     return library
 
 
+def _turned_off() -> bool:
+    return os.environ.get("CAMKV_BLAS", "").lower() in ("0", "off", "no", "false")
+
+
 def reexec_with_openblas() -> None:
     """Re-run this command with OpenBLAS in LD_PRELOAD (Linux CPU only; returns if not needed)."""
     library = find_openblas()
+    if library is None and sys.platform.startswith("linux") and not _turned_off() and _runs_on_cpu():
+        # A fresh machine runs every product 20-30x slower without saying why.
+        print("camkv: no OpenBLAS found (CAMKV_BLAS or the system's libopenblas.so.0); MLX's CPU "
+              "matrix products use its reference BLAS, 20-30x slower. Install libopenblas0-pthread "
+              "(Debian/Ubuntu) or set CAMKV_BLAS=/path/to/libopenblas.so.0; CAMKV_BLAS=0 silences this.",
+              file=sys.stderr)
+        return
     if library is None or _already_loaded(library) or not _runs_on_cpu():
         return
     try:
