@@ -46,6 +46,15 @@ NB_MODULE(_ext, m) {
                               camkv_store_stride(chunk, n, S, n_out, Dk, Dv));
       }, "chunk"_a, "n"_a, "S"_a, "n_out"_a, "Dk"_a, "Dv"_a,
         "Per-row scratch sizes (floats, ints, storage elements) the kernel core needs for a call.");
+  m.def("fetch", [](const mx::array& stored_keys, const mx::array& stored_values, const mx::array& new_keys,
+                    const mx::array& new_values, mx::StreamOrDevice stream) {
+        std::vector<mx::array> out = camkv::fetch(stored_keys, stored_values, new_keys, new_values, stream);
+        return nb::make_tuple(out[0], out[1]);
+      }, "stored_keys"_a, "stored_values"_a, "new_keys"_a, "new_values"_a, nb::kw_only(), "stream"_a = nb::none(),
+        R"(Stored rows [R, n, D] followed by new rows [R, S, D], keys and values in one CPU operation.
+
+Returns (keys [R, n + S, Dk], values [R, n + S, Dv]). Raises ValueError naming any argument with a
+bad shape or dtype, or a stream that is not on the CPU.)");
   m.attr("MERGE_CODES") = nb::make_tuple("sim_weighted", "mean", "window", "drop", "mass_weighted", "window_mass");
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
         "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "offset"_a, "scale"_a, "budget"_a, "n_sink"_a,
