@@ -159,8 +159,8 @@ def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> 
         out = []
         for i, s in enumerate(states):
             res = kernel(inputs=[*s, step_keys, step_keys, q32, placeholder, row_ids, param_block],
-                         template=[("T", step_keys.dtype)], grid=(rows * jit.THREADS, 1, 1),
-                         threadgroup=(jit.THREADS, 1, 1),
+                         template=[("T", step_keys.dtype)], grid=(rows * jit.threads_per_row(), 1, 1),
+                         threadgroup=(jit.threads_per_row(), 1, 1),
                          output_shapes=[(rows, n, D), (rows, n, D), (rows, n), (rows, n), (rows,),
                                         (rows, strides[0]), (rows, strides[1]), (rows, strides[2])],
                          output_dtypes=[step_keys.dtype, step_keys.dtype, mx.float32, mx.int32, mx.int32,
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
     result["setup"] = {"backend": opts.backend, "layers": opts.layers, "heads": opts.heads, "groups": opts.groups,
                        "head_dim": opts.head_dim, "budget": opts.budget, "repeats": opts.repeats,
                        "device": str(mx.default_device()), "machine": platform.machine(),
-                       "threads_per_row": jit.THREADS,
+                       "threads_per_row": jit.threads_per_row(),
                        "command": "python bench/profile_decode.py " + " ".join(
                            f"--{k.replace('_', '-')} {v}" for k, v in vars(opts).items() if v is not None)}
     print(f"per layer, {opts.layers} layers evaluated at once (us): build / step")

@@ -206,3 +206,12 @@ def test_split_product_survives_a_matmul_that_rounds_its_inputs_to_tf32():
     scale = np.abs(want).max()
     assert np.abs(np.array(rounded(mx.array(a), mx.array(b))) - want).max() / scale > 1e-5
     assert np.abs(np.array(split) - want).max() / scale < 2e-6
+
+
+@pytest.mark.parametrize("value", ["100", "0", "2048", "many"])
+def test_a_bad_thread_count_is_named_when_a_launch_reads_it(monkeypatch, value):
+    monkeypatch.setenv("CAMKV_GPU_THREADS", value)
+    with pytest.raises(ValueError, match=f"multiple of 32 from 32 to 1024, got '{value}'"):
+        jit.threads_per_row()
+    monkeypatch.setenv("CAMKV_GPU_THREADS", "512")
+    assert jit.threads_per_row() == 512

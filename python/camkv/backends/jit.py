@@ -4,7 +4,7 @@ mx.fast.metal_kernel (Apple GPUs) and mx.fast.cuda_kernel (NVIDIA GPUs through
 MLX's CUDA backend) both take a header and a kernel body. The header is the
 target's prelude plus the one kernel core (the files camkv._ext compiles for the
 CPU); the body only maps the launch onto the core's entry, camkv_update_row. One
-launch per layer per call: one work group of THREADS threads per row.
+launch per layer per call: one work group of threads_per_row() threads per row.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_ch
 from .sources import kernel_source
 
 
-
-def _threads_per_row() -> int:
-    """Threads of a row's work group: 256, or CAMKV_GPU_THREADS (a tuning knob).
+def threads_per_row() -> int:
+    """Threads of a row's work group: 256, or CAMKV_GPU_THREADS (a tuning knob), read
+    at each launch so a bad value fails the GPU call that uses it, not `import camkv`.
 
     A multiple of the 32-wide SIMD group on both targets, at most 1024; the kernel's
     registers per thread times this must fit a GPU core (a launch fails otherwise).
@@ -34,8 +34,6 @@ def _threads_per_row() -> int:
         raise ValueError(f"CAMKV_GPU_THREADS must be a multiple of 32 from 32 to 1024, got {text!r}")
     return value
 
-
-THREADS = _threads_per_row()
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
 QUERY_BLOCK = 4  # CAMKV_QUERY_BLOCK of the core: queries scored in one pass over the keys
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
@@ -236,11 +234,12 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     # A zero-length stored state still needs a buffer to point at.
     stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state]
     dtype = new_keys.dtype
+    threads = threads_per_row()
     outputs = _kernel(target)(
         inputs=[*stored, new_keys, new_values, queries, chunk_mass, _as_uint32(row_ids), params],
         template=[("T", dtype)],
-        grid=(rows * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
+        grid=(rows * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(rows, n_out, k_dim), (rows, n_out, v_dim), (rows, n_out), (rows, n_out), (rows,),
                        (rows, strides[0]), (rows, strides[1]), (rows, strides[2])],
         output_dtypes=[dtype, dtype, mx.float32, mx.int32, mx.int32, mx.float32, mx.int32, dtype],
