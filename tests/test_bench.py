@@ -30,6 +30,9 @@ def test_bench_writes_json_and_plots_with_budget_rows_held(tmp_path, capsys):
     for row in saved["rows"]:
         assert row["gen_tokens_per_s"] > 0 and row["prompt_tokens_per_s"] > 0
     assert {q["prompt_len"] for q in saved["ratios"]} == {40, 120}
+    for q in saved["ratios"]:
+        row, full = arms[(q["arm"], q["prompt_len"])], arms[("full", q["prompt_len"])]
+        assert q["prefill_time_vs_full_best"] == row["prompt_s"]["min"] / full["prompt_s"]["min"]
     samples = saved["soak"]["samples"]
     assert samples[-1]["tokens"] == 30 and samples[-1]["kv_bytes"] <= 2 * 2 * per_row
     assert "camkv-64 @ 120" in capsys.readouterr().out
