@@ -64,6 +64,16 @@ def test_small_budgets_diverge_from_the_full_cache_and_sums_cover_the_right_posi
         assert all(c.size() <= 12 for c in caches)
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 20, 33])
+def test_placements_run_in_an_order_whose_every_prefix_spans_the_depths(count):
+    order = quality.spread_order(count)
+    assert sorted(order) == list(range(count))
+    for m in range(2, count + 1):  # any cut of the sweep: both ends, no wide hole
+        taken = sorted(order[:m])
+        assert taken[0] == 0 and taken[-1] == count - 1, (count, m)
+        assert max(b - a for a, b in zip(taken, taken[1:])) <= 2 * (count - 1) / (m - 1) + 1, (count, m)
+
+
 def test_passkey_prompt_has_the_exact_length_and_hides_the_key_once(tiny):
     _, tokenizer = tiny
     docs = texts.load_source("builtin")

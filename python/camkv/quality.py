@@ -408,6 +408,24 @@ def passkey_depths(placements: int) -> list[float]:
     return [0.1 + 0.8 * j / (placements - 1) for j in range(placements)]
 
 
+def spread_order(count: int) -> list[int]:
+    """0 .. count - 1 ordered so every prefix spreads over the whole range: both ends,
+    then the middle, then the quarters, ... (van der Corput). Placements run in this
+    order, so a sweep cut by its time budget has keys at every depth, not only the
+    shallow ones (a recency cache finds deep keys and misses shallow ones)."""
+    order = [0, count - 1][:count]
+    k = 1
+    while len(set(order)) < count and k < 64 * count:
+        x, bit, rest = 0.0, 0.5, k
+        while rest:
+            x, rest, bit = x + bit * (rest & 1), rest >> 1, bit / 2
+        order.append(round(x * (count - 1)))
+        k += 1
+    seen: set[int] = set()
+    unique = [i for i in order if not (i in seen or seen.add(i))]
+    return unique + [i for i in range(count) if i not in seen]
+
+
 def build_passkey(tokenizer, source: str, docs, length: int, depth: float, placement: int,
                   seed: int) -> PasskeyPrompt:
     """Exactly `length` tokens: intro, filler with the key sentence at `depth`, question."""
@@ -682,8 +700,9 @@ def plan_rounds(opts, documents, tokenizer) -> list[tuple[list, list]]:
     prompts = []
     if "passkey" in tasks:
         sources = list(documents)
-        for j, depth in enumerate(passkey_depths(opts.passkey_placements)):
-            src = sources[j % len(sources)]
+        depths = passkey_depths(opts.passkey_placements)
+        for j in spread_order(len(depths)):
+            src, depth = sources[j % len(sources)], depths[j]
             prompts.append([build_passkey(tokenizer, src, documents[src], length, depth, j,
                                           opts.seed) for length in opts.passkey_lengths])
     rounds = max(len(windows), len(prompts))
