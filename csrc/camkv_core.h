@@ -77,9 +77,9 @@ struct CamParams {
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
 // [logits (CAMKV_QUERY_BLOCK runs of the capacity) | mass | scores (the pending
-// token's, or the chunk's work scores) | key shadow | (chunk) survivors' squared norms], i32 scratch [work positions |
-// losers | index list | survivors | (chunk) merge targets], storage scratch the
-// pending token (exact) or the work rows (chunk).
+// token's, or the chunk's work scores) | key shadow | (chunk) survivors' squared
+// norms], i32 scratch [work positions | losers | index list | survivors | (chunk)
+// merge targets], storage scratch the pending token (exact) or the work rows (chunk).
 
 CAMKV_INLINE int camkv_runs_chunk(int chunk, int S) { return chunk != 0 && S > 1; }
 
@@ -97,13 +97,14 @@ CAMKV_INLINE int camkv_shadow_columns(int chunk, int n, int S, int n_out) {
   return (camkv_capacity(chunk, n, S, n_out) + 7) / 8 * 8 + 8;
 }
 
-// A call of one token reads every key once and builds no shadow (see
-// camkv_update_exact), so its scratch has none.
-// A chunk's merge phase adds one more float and int per row (camkv_merge_losers).
 // Where the f32 scratch's parts start, in capacities (see the layout above).
 #define CAMKV_F32_MASS CAMKV_QUERY_BLOCK
 #define CAMKV_F32_SCORES (CAMKV_QUERY_BLOCK + 1)
 #define CAMKV_F32_SHADOW (CAMKV_QUERY_BLOCK + 2)
+
+// A call of one token reads every key once and builds no shadow (see
+// camkv_update_exact), so its scratch has none.
+// A chunk's merge phase adds one more float and int per row (camkv_merge_losers).
 
 CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
   int shadow = S > 1 ? Dk * camkv_shadow_columns(chunk, n, S, n_out) : 0;
