@@ -117,6 +117,30 @@ def test_fetch_kernel_equals_concatenation(target, n, s_len, k_dim, v_dim):
     assert mx.array_equal(values, mx.concatenate([parts[1], parts[3]], axis=1)).item()
 
 
+@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
+def test_every_chunk_ablation_variant_of_the_bench_still_parses(tmp_path):
+    """bench/ablate_chunk.py finds its cuts by their text in the core: keep them in step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ablate_chunk", ROOT / "bench" / "ablate_chunk.py")
+    ablate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate)
+    variants = ablate.variant_headers("cuda")
+    assert [phase for phase, _ in variants] == [phase for phase, _, _ in ablate.CUTS]
+    _, body = jit.target_source("cuda")
+    stub = ROOT / "tests" / "cuda_stub"
+    for i, (phase, header) in enumerate(variants):
+        assert header.count("return 0;\n") > jit.target_source("cuda")[0].count("return 0;\n"), phase
+        source = tmp_path / f"ablate_{i}.cpp"
+        source.write_text(_STUB["cuda"] + _ARGS["cuda"] + header + "\n" + _SIGNATURES["cuda"].format(body=body))
+        result = subprocess.run([COMPILER, "-std=c++17", "-fsyntax-only", "-x", "c++", "-Wno-attributes",
+                                 f"-I{stub}", str(source)], capture_output=True, text=True)
+        assert result.returncode == 0, (phase, result.stderr[:2000])
+    rows = [{"stops_before": "a", "update_ms": 1.0}, {"stops_before": "b", "update_ms": 3.5},
+            {"stops_before": "(whole kernel)", "update_ms": 4.0}]
+    assert ablate.phase_times(rows) == [{"phase": "a", "ms": 2.5}, {"phase": "b", "ms": 0.5}]
+
+
 def test_the_header_inlines_prelude_and_core_without_local_includes():
     for target in ("metal", "cuda"):
         header, body = jit.target_source(target)
