@@ -34,8 +34,7 @@ CUTS = [
     ("survivor lists", "camkv_update_chunk", "r.survivors = b.i32 + 3 * total;"),
     ("loser list and norms", "camkv_merge_losers", "CAMKV_DEVICE int* losers = r.list;"),
     ("phase 1: nearest searches", "camkv_merge_losers", "for (int k = camkv_tid(g); k < n_losers;"),
-    ("phase 2: gates and weights", "camkv_merge_losers", "if (camkv_tid(g) == 0) {\nint merges = 0;"),
-    ("phase 3: blends", "camkv_merge_losers", "for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {"),
+    ("phase 2: merges by owner", "camkv_merge_losers", "int merged = 0;"),
     ("compaction", "camkv_update_chunk", "camkv_compact_survivors(r, b, g);"),
 ]
 

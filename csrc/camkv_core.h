@@ -1206,13 +1206,12 @@ CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamG
 }
 
 // ----------------------------------------------------------------------------
-// A chunk's merges without merge_keys, in three phases instead of one merge after
+// A chunk's merges without merge_keys, in two phases instead of one merge after
 // another: keys never change then, so every loser's nearest survivor (and cosine)
-// is known up front and can be searched in parallel; only the gate, the blend
-// weights and the score updates depend on earlier merges, and they are scalars,
-// walked once in loser order; the value blends are then replayed per feature, each
-// thread folding its features over the losers in the same order. Same results as
-// the sequential loop, bit for bit.
+// is known up front and can be searched in parallel; the gate, the blend weight,
+// the score update and the value blend of a merge depend only on earlier merges
+// into the same survivor, so each thread replays, in loser order, the merges into
+// the survivors it owns. Same results as the sequential loop, bit for bit.
 
 // Survivor column c's squared norm, for every c (one per thread).
 template <typename T>
@@ -1266,7 +1265,7 @@ template <typename T>
 CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id,
                                     CAMKV_DEVICE float* squares, CAMKV_DEVICE int* targets, CamGroup g) {
   CAMKV_DEVICE int* losers = r.list;   // free: no window in this path
-  CAMKV_DEVICE float* weights = r.cosines;  // the logits' scratch: cosines, then weights
+  CAMKV_DEVICE float* weights = r.cosines;  // the logits' scratch: each loser's cosine
   int n_losers = r.count - r.n_survivors;
   if (camkv_tid(g) == 0) {
     int k = 0;
@@ -1284,37 +1283,31 @@ CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams
     targets[k] = camkv_nearest_alone(r, losers[k], p->n_sink, squares, weights + k);
   }
   camkv_barrier(g);
-  // Phase 2, one thread in loser order: gates, weights (-1: no merge), scores.
-  if (camkv_tid(g) == 0) {
-    int merges = 0;
-    for (int k = 0; k < n_losers; ++k) {
-      int e = losers[k];
-      int t = targets[k];
-      float s_e = r.scores[e];
-      int open = p->gate ? camkv_gate_open(s_e, r.scores[t], p->seed, row_id, r.positions[e]) : 1;
-      float w = -1.0f;
-      if (open != 0) {
-        w = camkv_nearest_weight(p->merge, weights[k], s_e, r.scores[t]);
-        r.scores[t] += s_e;
-        merges += 1;
-      }
-      weights[k] = w;
+  // Phase 2: every thread walks the losers in order and applies the merges into the
+  // survivors it owns (row t belongs to thread t % group size): gate, weight, score
+  // and value blend. A survivor's merges read only its own score and value, so each
+  // owner replays exactly the sequential loop's steps for its rows; a lone thread
+  // (the CPU) owns every row and runs that loop itself.
+  int merged = 0;
+  for (int k = 0; k < n_losers; ++k) {
+    int t = targets[k];
+    if (t >= r.count || t % camkv_gsize(g) != camkv_tid(g)) {
+      continue;
     }
-    r.list[n_losers] = merges;  // past the losers: read by every thread below
-  }
-  camkv_barrier(g);
-  int merges = r.list[n_losers];
-  // Phase 3, parallel over features.
-  for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
-    for (int k = 0; k < n_losers; ++k) {
-      if (weights[k] >= 0.0f) {
-        camkv_blend(r.values + (long)targets[k] * r.Dv + d, camkv_float(r.values[(long)losers[k] * r.Dv + d]),
-                    weights[k]);
-      }
+    int e = losers[k];
+    float s_e = r.scores[e];
+    if (p->gate && camkv_gate_open(s_e, r.scores[t], p->seed, row_id, r.positions[e]) == 0) {
+      continue;
+    }
+    float w = camkv_nearest_weight(p->merge, weights[k], s_e, r.scores[t]);
+    r.scores[t] += s_e;
+    merged += 1;
+    for (int d = 0; d < r.Dv; ++d) {
+      camkv_blend(r.values + (long)t * r.Dv + d, camkv_float(r.values[(long)e * r.Dv + d]), w);
     }
   }
-  camkv_barrier(g);
-  return merges;
+  // Counts below 2^24 add exactly in float32.
+  return (int)camkv_group_sum(g, (float)merged);
 }
 
 template <typename T>
