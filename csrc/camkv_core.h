@@ -40,6 +40,9 @@
 // Largest head dimension the core accepts (the hosts reject larger ones).
 #define CAMKV_MAX_HEAD_DIM 256
 
+// Most threads a row's group may have (a chunk call keeps one count per thread).
+#define CAMKV_MAX_GROUP 1024
+
 // Queries one scoring pass takes together (a model's G queries per KV head go in
 // blocks of this many): each key row is then read once per block, not once per
 // query, and a GPU thread has that many independent sums in flight.
@@ -79,7 +82,8 @@ struct CamParams {
 // [logits (CAMKV_QUERY_BLOCK runs of the capacity) | mass | scores (the pending
 // token's, or the chunk's work scores) | key shadow | (chunk) survivors' squared
 // norms], i32 scratch [work positions | losers | index list | survivors | (chunk)
-// merge targets], storage scratch the pending token (exact) or the work rows (chunk).
+// merge targets | (chunk) one count per thread], storage scratch the pending token
+// (exact) or the work rows (chunk).
 
 CAMKV_INLINE int camkv_runs_chunk(int chunk, int S) { return chunk != 0 && S > 1; }
 
@@ -114,7 +118,7 @@ CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
   int cap = camkv_capacity(chunk, n, S, n_out);
-  return 4 * cap + (camkv_runs_chunk(chunk, S) ? cap : 0);
+  return 4 * cap + (camkv_runs_chunk(chunk, S) ? cap + CAMKV_MAX_GROUP : 0);
 }
 
 CAMKV_INLINE int camkv_store_stride(int chunk, int n, int S, int n_out, int Dk, int Dv) {
@@ -372,6 +376,7 @@ struct CamRows {
   CAMKV_DEVICE int* list;      // scratch index list (window members)
   CAMKV_DEVICE float* cosines; // scratch: the nearest search's cosine per search column
   CAMKV_DEVICE int* survivors; // chunk mode: the rows that are not losers, ascending
+  CAMKV_DEVICE int* group_counts; // chunk mode: CAMKV_MAX_GROUP ints of scratch (camkv_list_rows)
   int n_survivors;
   // Float32 copy of the keys, transposed: shadow[d * columns + c] is feature d of
   // column c (row c, or in a chunk's merge phase the c-th survivor). Dots then read
@@ -1023,6 +1028,7 @@ CAMKV_INLINE CamRows<T> camkv_exact_rows(CamRowBuffers<T> b, CAMKV_CONSTANT cons
   r.cosines = b.f32;  // the logits' scratch, free once the token is scored
   r.survivors = 0;
   r.n_survivors = 0;
+  r.group_counts = 0;
   // One token reads every key once: no shadow, whose build would cost as much.
   r.shadow = p->S > 1 ? b.f32 + CAMKV_F32_SHADOW * cap : 0;
   r.columns = camkv_shadow_columns(0, p->n, p->S, p->n_out);
@@ -1162,24 +1168,34 @@ CAMKV_INLINE void camkv_mark_losers(CamRows<T> r, int k, int p_last, CAMKV_CONST
   camkv_barrier(g);
 }
 
-// The rows that are not losers, ascending, into r.survivors; returns how many.
+// The rows j whose loser flag is `loser`, ascending, into out; returns how many.
+// Each thread lists one contiguous block of rows, after the blocks before it (their
+// sizes parked in r.group_counts): one thread walking all rows would leave a GPU's
+// block idle for thousands of dependent steps.
 template <typename T>
-CAMKV_INLINE int camkv_list_survivors(CamRows<T> r, CamGroup g) {
-  if (camkv_tid(g) == 0) {
-    int kept = 0;
-    for (int j = 0; j < r.count; ++j) {
-      if (r.loser[j] == 0) {
-        r.survivors[kept] = j;
-        kept += 1;
-      }
+CAMKV_INLINE int camkv_list_rows(CamRows<T> r, int loser, CAMKV_DEVICE int* out, CamGroup g) {
+  int per = (r.count + camkv_gsize(g) - 1) / camkv_gsize(g);
+  int j0 = camkv_tid(g) * per;
+  int j1 = j0 + per < r.count ? j0 + per : r.count;
+  int mine = 0;
+  for (int j = j0; j < j1; ++j) {
+    mine += (r.loser[j] != 0) == (loser != 0) ? 1 : 0;
+  }
+  r.group_counts[camkv_tid(g)] = mine;
+  camkv_barrier(g);
+  int at = 0, listed = 0;
+  for (int t = 0; t < camkv_gsize(g); ++t) {
+    at += t < camkv_tid(g) ? r.group_counts[t] : 0;
+    listed += r.group_counts[t];
+  }
+  for (int j = j0; j < j1; ++j) {
+    if ((r.loser[j] != 0) == (loser != 0)) {
+      out[at] = j;
+      at += 1;
     }
   }
-  camkv_barrier(g);
-  int kept = 0;
-  for (int j = 0; j < r.count; ++j) {
-    kept += r.loser[j] == 0 ? 1 : 0;
-  }
-  return kept;
+  camkv_barrier(g);  // the list is complete, and the counts free again
+  return listed;
 }
 
 // Shadow column c := the column of the c-th survivor (c <= survivors[c], and
@@ -1266,16 +1282,7 @@ CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams
                                     CAMKV_DEVICE float* squares, CAMKV_DEVICE int* targets, CamGroup g) {
   CAMKV_DEVICE int* losers = r.list;   // free: no window in this path
   CAMKV_DEVICE float* weights = r.cosines;  // the logits' scratch: each loser's cosine
-  int n_losers = r.count - r.n_survivors;
-  if (camkv_tid(g) == 0) {
-    int k = 0;
-    for (int j = 0; j < r.count; ++j) {
-      if (r.loser[j] != 0) {
-        losers[k] = j;
-        k += 1;
-      }
-    }
-  }
+  int n_losers = camkv_list_rows(r, 1, losers, g);
   camkv_survivor_squares(r, squares, g);
   camkv_barrier(g);
   // Phase 1, parallel over losers: targets and cosines.
@@ -1331,6 +1338,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.cosines = b.f32;  // the logits' scratch, free once the chunk is scored
   r.survivors = 0;
   r.n_survivors = 0;
+  r.group_counts = b.i32 + 5 * total;
   r.shadow = b.f32 + CAMKV_F32_SHADOW * total;
   r.columns = camkv_shadow_columns(1, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
@@ -1352,7 +1360,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   }
   camkv_mark_losers(r, total - p->budget, p->offset + p->S - 1, p, g);
   r.survivors = b.i32 + 3 * total;
-  r.n_survivors = camkv_list_survivors(r, g);
+  r.n_survivors = camkv_list_rows(r, 0, r.survivors, g);
   camkv_shadow_keep_survivors(r, g);
   int merges = 0;
   bool nearest = p->merge == CAMKV_MERGE_SIM_WEIGHTED || p->merge == CAMKV_MERGE_MEAN ||

@@ -30,12 +30,13 @@ def threads_per_row() -> int:
     """
     text = os.environ.get("CAMKV_GPU_THREADS", "256")
     value = int(text) if text.isdigit() else -1
-    if value < 32 or value > 1024 or value % 32:
+    if value < 32 or value > MAX_GROUP or value % 32:
         raise ValueError(f"CAMKV_GPU_THREADS must be a multiple of 32 from 32 to 1024, got {text!r}")
     return value
 
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
 QUERY_BLOCK = 4  # CAMKV_QUERY_BLOCK of the core: queries scored in one pass over the keys
+MAX_GROUP = 1024  # CAMKV_MAX_GROUP of the core: most threads a row's group may have
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
            "queries", "chunk_mass", "row_ids", "params"]
 _OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
@@ -139,7 +140,8 @@ def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_d
     store = (n + s_len) * (k_dim + v_dim) if runs_chunk else k_dim + v_dim
     merge_phase = capacity if runs_chunk else 0  # squared norms and targets of camkv_merge_losers
     f32_parts = QUERY_BLOCK + 2  # logits of a query block, mass, scores (CAMKV_F32_SHADOW)
-    return f32_parts * capacity + shadow + merge_phase, 4 * capacity + merge_phase, store
+    group_counts = MAX_GROUP if runs_chunk else 0  # one count per thread (camkv_list_rows)
+    return f32_parts * capacity + shadow + merge_phase, 4 * capacity + merge_phase + group_counts, store
 
 
 def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
