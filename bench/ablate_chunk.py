@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
+import sys
 from pathlib import Path
 
-import mlx.core as mx
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_prefill import chunk_case, median_seconds  # noqa: E402
 
-from camkv import CaMConfig
-from camkv.backends import jit
-from camkv.reference import RowState
+from camkv import CaMConfig  # noqa: E402
+from camkv.backends import jit  # noqa: E402
 
 # (phase that the cut leaves out, function it sits in, the line it goes before)
 CUTS = [
@@ -60,35 +59,17 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def _median_seconds(call, repeats: int) -> float:
-    times = []
-    for trial in range(repeats + 1):  # the first call compiles
-        start = time.perf_counter()
-        mx.eval(call())
-        if trial:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(opts) -> list[dict]:
-    H, G, D, S, n = 8, 4, 128, opts.chunk, opts.budget
+    D, n = 128, opts.budget
     cfg = CaMConfig(budget=n, backend=opts.backend, prefill="chunk")
-    keys = mx.random.normal((H, S, D)).astype(mx.float16)
-    queries = mx.random.normal((H, S, G, D))
-    state = RowState(mx.random.normal((H, n, D)).astype(mx.float16), mx.random.normal((H, n, D)).astype(mx.float16),
-                     mx.random.uniform(shape=(H, n)), mx.broadcast_to(mx.arange(n, dtype=mx.int32), (H, n)))
-    row_ids = mx.arange(H, dtype=mx.uint32)
-    mx.eval(keys, queries, state)
-    make = mx.fast.metal_kernel if opts.backend == "metal" else mx.fast.cuda_kernel
-    _, body = jit.target_source(opts.backend)
+    keys, queries, state, row_ids = chunk_case(8, 4, D, n, opts.chunk)
     variants = variant_headers(opts.backend) + [("(whole kernel)", jit.target_source(opts.backend)[0])]
     saved = jit._kernels.pop(opts.backend, None)
     rows = []
     try:
         for i, (phase, header) in enumerate(variants):
-            jit._kernels[opts.backend] = make(name=f"camkv_ablate_{i}", input_names=jit._INPUTS,
-                                              output_names=jit._OUTPUTS, source=body, header=header)
-            seconds = _median_seconds(
+            jit._kernels[opts.backend] = jit.make_kernel(opts.backend, header, name=f"camkv_ablate_{i}")
+            seconds = median_seconds(
                 lambda: jit.update(state, keys, keys, n, cfg, row_ids, queries, 1.0 / math.sqrt(D),
                                    target=opts.backend), opts.repeats)
             rows.append({"stops_before": phase, "update_ms": 1e3 * seconds})

@@ -30,14 +30,18 @@ import math
 import platform
 import pstats
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-from camkv import CaMConfig, CaMKVCache, backends
-from camkv.backends import jit
-from camkv.reference import RowState
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_prefill import random_state  # noqa: E402
+
+from camkv import CaMConfig, CaMKVCache, backends  # noqa: E402
+from camkv.backends import jit  # noqa: E402
+from camkv.reference import RowState  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -66,15 +70,6 @@ def _timed(build, repeats: int) -> dict:
             builds.append(built - start)
             walls.append(done - start)
     return {"build_s": statistics.median(builds), "step_s": statistics.median(walls)}
-
-
-def _rows(opts, dtype) -> list[RowState]:
-    rows = opts.heads
-    return [RowState(mx.random.normal((rows, opts.budget, opts.head_dim)).astype(dtype),
-                     mx.random.normal((rows, opts.budget, opts.head_dim)).astype(dtype),
-                     mx.random.uniform(shape=(rows, opts.budget)),
-                     mx.broadcast_to(mx.arange(opts.budget, dtype=mx.int32), (rows, opts.budget)))
-            for _ in range(opts.layers)]
 
 
 def measure(opts) -> dict:
@@ -114,7 +109,7 @@ def measure(opts) -> dict:
     listing = io.StringIO()
     pstats.Stats(profile, stream=listing).sort_stats("tottime").print_stats(14)
 
-    states = _rows(opts, dtype)
+    states = [random_state(H, opts.budget, D, dtype) for _ in range(L)]
     row_ids = mx.arange(H, dtype=mx.uint32)
     step_keys = token.reshape(H, 1, D)
     q_rows = queries.reshape(H, 1, G, D)
@@ -146,7 +141,6 @@ def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> 
     """The bare launch, with the parameter block made once or per call."""
     rows, n, D = states[0].keys.shape
     strides = jit.scratch_strides(False, n, 1, n, D, D)
-    kernel = jit._kernel(target)  # noqa: SLF001
 
     def params():
         return jit.pack_params(cfg, rows, n, 1, D, D, opts.groups, n, opts.budget, float(scale), False, strides)
@@ -158,13 +152,8 @@ def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> 
     def launch(param_block):
         out = []
         for i, s in enumerate(states):
-            res = kernel(inputs=[*s, step_keys, step_keys, q32, placeholder, row_ids, param_block],
-                         template=[("T", step_keys.dtype)], grid=(rows * jit.threads_per_row(), 1, 1),
-                         threadgroup=(jit.threads_per_row(), 1, 1),
-                         output_shapes=[(rows, n, D), (rows, n, D), (rows, n), (rows, n), (rows,),
-                                        (rows, strides[0]), (rows, strides[1]), (rows, strides[2])],
-                         output_dtypes=[step_keys.dtype, step_keys.dtype, mx.float32, mx.int32, mx.int32,
-                                        mx.float32, mx.int32, step_keys.dtype])
+            res = jit.launch(target, [*s, step_keys, step_keys, q32, placeholder, row_ids, param_block], n, D,
+                             strides)
             states[i] = RowState(*res[:4])
             out.extend(res[:5])
         return out

@@ -38,7 +38,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def _median_seconds(call, repeats: int) -> float:
+def median_seconds(call, repeats: int) -> float:
+    """Median wall time of an evaluated call, after one untimed call (which compiles)."""
     times = []
     for trial in range(repeats + 1):  # the first call compiles
         start = time.perf_counter()
@@ -48,19 +49,29 @@ def _median_seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
+def random_state(rows: int, n: int, dim: int, dtype) -> RowState:
+    """n random stored tokens a row (keys and values of dim features, uniform scores)."""
+    return RowState(mx.random.normal((rows, n, dim)).astype(dtype), mx.random.normal((rows, n, dim)).astype(dtype),
+                    mx.random.uniform(shape=(rows, n)), mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n)))
+
+
+def chunk_case(heads: int, groups: int, head_dim: int, budget: int, chunk: int):
+    """(keys [H, chunk, D] float16, queries [H, chunk, G, D], a full state of budget rows,
+    row ids): one layer's chunk call, evaluated."""
+    keys = mx.random.normal((heads, chunk, head_dim)).astype(mx.float16)
+    queries = mx.random.normal((heads, chunk, groups, head_dim))
+    full = random_state(heads, budget, head_dim, mx.float16)
+    row_ids = mx.arange(heads, dtype=mx.uint32)
+    mx.eval(keys, queries, full, row_ids)
+    return keys, queries, full, row_ids
+
+
 def measure(opts) -> dict:
-    H, G, D, S = opts.heads, opts.groups, opts.head_dim, opts.chunk
+    H, D = opts.heads, opts.head_dim
     cfg = CaMConfig(budget=opts.budget, backend=opts.backend, prefill="chunk")
     backend = backends.resolve(opts.backend)
     scale = 1.0 / math.sqrt(D)
-    keys = mx.random.normal((H, S, D)).astype(mx.float16)
-    queries = mx.random.normal((H, S, G, D))
-    row_ids = mx.arange(H, dtype=mx.uint32)
-    full = RowState(mx.random.normal((H, opts.budget, D)).astype(mx.float16),
-                    mx.random.normal((H, opts.budget, D)).astype(mx.float16),
-                    mx.random.uniform(shape=(H, opts.budget)),
-                    mx.broadcast_to(mx.arange(opts.budget, dtype=mx.int32), (H, opts.budget)))
-    mx.eval(keys, queries, full)
+    keys, queries, full, row_ids = chunk_case(H, opts.groups, D, opts.budget, opts.chunk)
     states = {"into an empty cache": RowState.empty(H, D, D, mx.float16), "into a full cache": full}
     target = getattr(backend, "target", None)  # only the GPU backends prescore
     if target is None:
@@ -70,9 +81,9 @@ def measure(opts) -> dict:
     result = {}
     for name, state in states.items():
         offset = state.length
-        update_s = _median_seconds(
+        update_s = median_seconds(
             lambda: backend.update(state, keys, keys, offset, cfg, row_ids, queries, scale), opts.repeats)
-        mass_s = _median_seconds(lambda: chunk_mass(state, keys, queries, scale, split=split), opts.repeats)
+        mass_s = median_seconds(lambda: chunk_mass(state, keys, queries, scale, split=split), opts.repeats)
         result[name] = {"update_ms": 1e3 * update_s, "prescoring_ms": 1e3 * mass_s,
                         "rest_ms": 1e3 * (update_s - mass_s)}
     return result

@@ -10,6 +10,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from . import backends
+from .backends._common import concatenate_rows
 from .config import CaMConfig, resolve_config
 from .reference import RowState
 
@@ -320,18 +321,14 @@ class CaMKVCache(_BaseCache):
     def _fetch(self, keys, values):
         if self._rows is None:
             return keys, values
-        # A GPU backend joins keys and values in one launch of its own.
-        fetch = getattr(self._backend(), "fetch", None)
-        if fetch is not None and keys.dtype == self._rows.keys.dtype:
-            B, H, S, _ = keys.shape
-            fetched = fetch(self._rows.keys, self._rows.values, keys.reshape(B * H, S, -1),
-                            values.reshape(B * H, S, -1))
-            return tuple(a.reshape(B, H, a.shape[1], -1) for a in fetched)
-        stored_k, stored_v = self.stored()[:2]
-        return (
-            mx.concatenate([stored_k, keys], axis=2),
-            mx.concatenate([stored_v, values], axis=2),
-        )
+        # The kernel backends join keys and values in one operation of their own;
+        # the reference (and a block of another dtype, which its update rejects) concatenates.
+        fetch = getattr(self._backend(), "fetch", concatenate_rows)
+        if keys.dtype != self._rows.keys.dtype:
+            fetch = concatenate_rows
+        B, H, S, _ = keys.shape
+        fetched = fetch(self._rows.keys, self._rows.values, keys.reshape(B * H, S, -1), values.reshape(B * H, S, -1))
+        return tuple(a.reshape(B, H, a.shape[1], -1) for a in fetched)
 
     def _row_ids(self, B: int, H: int) -> mx.array:
         # Made once per shape: on a GPU every small array op of a decode step costs a

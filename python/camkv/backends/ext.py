@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from ..config import CaMConfig, MERGE_MODES
 from ..reference import RowState
-from ._common import adopt_dtype, check_kernel_inputs
+from ._common import adopt_dtype, check_kernel_inputs, concatenate_rows
 
 try:  # the package works without the extension (reference backend)
     from .. import _ext
@@ -92,4 +92,4 @@ def fetch(stored_keys, stored_values, new_keys, new_values) -> tuple[mx.array, m
     GPU (an ext built with Metal) MLX's concatenation."""
     if mx.default_device() == mx.cpu:
         return _ext.fetch(stored_keys, stored_values, new_keys, new_values)
-    return (mx.concatenate([stored_keys, new_keys], axis=1), mx.concatenate([stored_values, new_values], axis=1))
+    return concatenate_rows(stored_keys, stored_values, new_keys, new_values)

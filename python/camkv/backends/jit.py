@@ -31,7 +31,7 @@ def threads_per_row() -> int:
     text = os.environ.get("CAMKV_GPU_THREADS", "256")
     value = int(text) if text.isdigit() else -1
     if value < 32 or value > MAX_GROUP or value % 32:
-        raise ValueError(f"CAMKV_GPU_THREADS must be a multiple of 32 from 32 to 1024, got {text!r}")
+        raise ValueError(f"CAMKV_GPU_THREADS must be a multiple of 32 from 32 to {MAX_GROUP}, got {text!r}")
     return value
 
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
@@ -117,13 +117,19 @@ def unavailable_reason(target: str) -> str | None:
     return None
 
 
+def make_kernel(target: str, header: str | None = None, name: str = "camkv_update"):
+    """The mx.fast kernel of the target's body over `header` (default: its prelude and
+    core; bench/ablate_chunk.py passes altered ones under other names)."""
+    default_header, body = target_source(target)
+    make = mx.fast.metal_kernel if target == "metal" else mx.fast.cuda_kernel
+    return make(name=name, input_names=_INPUTS, output_names=_OUTPUTS, source=body,
+                header=default_header if header is None else header)
+
+
 def _kernel(target: str):
     """The compiled kernel, built once per process and target (MLX caches per template)."""
     if target not in _kernels:
-        header, body = target_source(target)
-        make = mx.fast.metal_kernel if target == "metal" else mx.fast.cuda_kernel
-        _kernels[target] = make(name="camkv_update", input_names=_INPUTS, output_names=_OUTPUTS,
-                                source=body, header=header)
+        _kernels[target] = make_kernel(target)
     return _kernels[target]
 
 
@@ -235,10 +241,21 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
                   key_scoring, strides, prescored)
     # A zero-length stored state still needs a buffer to point at.
     stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state]
+    outputs = launch(target, [*stored, new_keys, new_values, queries, chunk_mass, _as_uint32(row_ids), params],
+                     n_out, v_dim, strides)
+    keys, values, scores, positions, merges = outputs[:5]
+    return RowState(keys, values, scores, positions), merges
+
+
+def launch(target: str, inputs: list, n_out: int, v_dim: int, strides) -> list[mx.array]:
+    """The kernel over _INPUTS (rows and storage dtype from new_keys): _OUTPUTS, one
+    work group per row."""
+    new_keys = inputs[_INPUTS.index("new_keys")]
+    rows, _, k_dim = new_keys.shape
     dtype = new_keys.dtype
     threads = threads_per_row()
-    outputs = _kernel(target)(
-        inputs=[*stored, new_keys, new_values, queries, chunk_mass, _as_uint32(row_ids), params],
+    return _kernel(target)(
+        inputs=inputs,
         template=[("T", dtype)],
         grid=(rows * threads, 1, 1),
         threadgroup=(threads, 1, 1),
@@ -246,8 +263,6 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
                        (rows, strides[0]), (rows, strides[1]), (rows, strides[2])],
         output_dtypes=[dtype, dtype, mx.float32, mx.int32, mx.int32, mx.float32, mx.int32, dtype],
     )
-    keys, values, scores, positions, merges = outputs[:5]
-    return RowState(keys, values, scores, positions), merges
 
 
 # The attention's view of a decode step: stored rows ++ new rows, keys and values
