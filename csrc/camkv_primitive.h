@@ -54,7 +54,7 @@ std::vector<mx::array> update(
 
 // The attention's view of a call on the CPU: stored rows [R, n, D] followed by new
 // rows [R, S, D], keys and values in one operation of two row copies each (MLX's CPU
-// concatenate walks elements through strides, several times slower).
+// concatenate walks elements through strides: about a third slower across a model's layers).
 class CamFetch : public mx::Primitive {
  public:
   explicit CamFetch(mx::Stream stream) : mx::Primitive(stream) {}
