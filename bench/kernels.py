@@ -67,7 +67,7 @@ def full_state(rows, n, dim, dtype, seed=0, update=None) -> RowState:
     keys, values = random_rows(rng, rows, n, dim, dtype), random_rows(rng, rows, n, dim, dtype)
     state, _ = (update or ext.update)(RowState.empty(rows, dim, dim, dtype), keys, values, 0, cfg,
                                       mx.arange(rows).astype(mx.uint32))
-    state = RowState(*(mx.array(np.array(a)) if a.dtype != mx.bfloat16 else a + 0 for a in state))
+    state = RowState(*(mx.array(np.array(a)) if a.dtype != mx.bfloat16 else a + 0 for a in state.arrays()))
     mx.eval(state)
     return state
 

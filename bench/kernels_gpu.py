@@ -112,7 +112,7 @@ def run(args) -> dict:
                                 "pipelined": piped}
     if wanted is None or "decode_large" in wanted:
         state, kernel, _, piped = decode_case(update, 64, 8192, args.repeats, 0)
-        state_bytes = sum(a.nbytes for a in state)
+        state_bytes = sum(a.nbytes for a in state.arrays())
         copy_bps = copy_bandwidth(state_bytes)
         kernel_bps = 2 * state_bytes / statistics.median(kernel)
         piped_bps = 2 * state_bytes / piped["kernel"]["median_s"]

@@ -27,7 +27,7 @@ def _cfg(backend, **fields):
 
 
 def _np(state: RowState):
-    return [np.array(a.astype(mx.float32)) if a.dtype != mx.int32 else np.array(a) for a in state]
+    return [np.array(a.astype(mx.float32)) if a.dtype != mx.int32 else np.array(a) for a in state.arrays()]
 
 
 # ---------------------------------------------------------------- sections 1, 5, 7: storage
@@ -156,7 +156,7 @@ def test_exact_mode_over_s_tokens_equals_s_single_calls(backend, merge):
         start += s_len
     for t in range(21):
         b, _ = _update(backend)(b, keys[:, t:t + 1], values[:, t:t + 1], t, cfg, rows)
-    for x, y in zip(a, b):
+    for x, y in zip(a.arrays(), b.arrays()):
         assert mx.array_equal(x, y).item()
 
 
@@ -166,7 +166,7 @@ def test_chunk_mode_with_one_token_equals_exact(backend, merge, dtype):
     kwargs = dict(merge=merge, gate=True, seed=3)
     a, ma = run_calls(_update(backend), _cfg(backend, prefill="chunk", **kwargs), [1] * 25, dtype=dtype)
     b, mb = run_calls(_update(backend), _cfg(backend, prefill="exact", **kwargs), [1] * 25, dtype=dtype)
-    for x, y in zip(a, b):
+    for x, y in zip(a.arrays(), b.arrays()):
         assert mx.array_equal(x, y).item()
     assert sum(m.sum().item() for m in ma) == sum(m.sum().item() for m in mb)
 
@@ -186,14 +186,14 @@ def test_same_seed_gives_bit_identical_state(backend):
     cfg = _cfg(backend, seed=42)
     a, ma = run_calls(_update(backend), cfg, [5, 1, 1, 8, 1, 1, 1])
     b, mb = run_calls(_update(backend), cfg, [5, 1, 1, 8, 1, 1, 1])
-    for x, y in zip(list(a) + ma, list(b) + mb):
+    for x, y in zip(list(a.arrays()) + ma, list(b.arrays()) + mb):
         assert mx.array_equal(x, y).item()
 
 
 def test_seed_is_irrelevant_without_the_gate(backend):
     a, _ = run_calls(_update(backend), _cfg(backend, gate=False, seed=1), [5, 1, 9, 1, 1])
     b, _ = run_calls(_update(backend), _cfg(backend, gate=False, seed=2), [5, 1, 9, 1, 1])
-    for x, y in zip(a, b):
+    for x, y in zip(a.arrays(), b.arrays()):
         assert mx.array_equal(x, y).item()
 
 
@@ -211,7 +211,7 @@ def test_a_different_seed_changes_only_the_gated_merges(backend):
     same_gate = np.array(ma == mb)
     assert not same_gate.all(), "two seeds drew the same gate outcome on all 64 rows"
     # Rows whose gate agreed are identical; rows whose gate differed differ in values.
-    for x, y in zip(a, b):
+    for x, y in zip(a.arrays(), b.arrays()):
         x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
         np.testing.assert_array_equal(x[same_gate], y[same_gate])
     assert not np.array_equal(np.array(a.values)[~same_gate], np.array(b.values)[~same_gate])
@@ -222,7 +222,7 @@ def test_drop_equals_a_gate_that_never_opens(monkeypatch):
     monkeypatch.setattr(reference, "uniform", lambda seed, row, p: mx.ones(mx.array(row).shape))
     closed, mc = run_calls(reference.update, _cfg("reference", merge="sim_weighted", merge_keys=True), [6, 1, 9, 1, 1, 1])
     dropped, md = run_calls(reference.update, _cfg("reference", merge="drop"), [6, 1, 9, 1, 1, 1])
-    for x, y in zip(closed, dropped):
+    for x, y in zip(closed.arrays(), dropped.arrays()):
         assert mx.array_equal(x, y).item()
     assert sum(m.sum().item() for m in mc) == 0
 

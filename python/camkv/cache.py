@@ -77,6 +77,9 @@ class CaMKVCache(_BaseCache):
         self._warned: set[str] = set()
         self._row_ids_for: tuple | None = None  # ((B, H), row ids) of _row_ids
         self._backend_for: tuple | None = None  # ((name, device), module) of _backend
+        # mass_bias: the logit bias [B, H, L] of the rows the last update_and_fetch
+        # returned, which the attention hook adds (None: nothing to add).
+        self._fetched_bias: mx.array | None = None
 
     # ------------------------------------------------------------------ config
     @property
@@ -147,6 +150,28 @@ class CaMKVCache(_BaseCache):
         self._absorb(keys, values, start, q, scale)
         self._query_scored += S
 
+    def attention_mask(self, mask, queries: mx.array):
+        """The mask for attention over the rows the last update_and_fetch returned:
+        mlx-lm's mask (None, "causal" or an array) plus, with mass_bias, each row's
+        logit bias, as one additive array [B, Hq, S or 1, L] in the queries' dtype."""
+        bias = self._fetched_bias
+        if bias is None:
+            return mask
+        B, H, L = bias.shape
+        groups = queries.shape[1] // H
+        # Query head h * G + g attends over KV head h's rows.
+        bias = mx.repeat(bias, groups, axis=1)[:, :, None, :]
+        if isinstance(mask, str):
+            if mask != "causal":
+                raise ValueError(f"camkv's attention bias cannot join mask {mask!r}")
+            mask = create_causal_mask(queries.shape[2], L - queries.shape[2])
+        if mask is not None:
+            if mask.dtype == mx.bool_:
+                bias = mx.where(mask, bias, -float("inf"))
+            else:
+                bias = bias + mask
+        return bias.astype(queries.dtype)
+
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         self._flush_pending_with_keys()
         if window_size is not None:
@@ -191,7 +216,7 @@ class CaMKVCache(_BaseCache):
         self._flush_pending_with_keys()
         if self._rows is None:
             return 0
-        return sum(a.nbytes for a in self._rows)
+        return sum(a.nbytes for a in self._rows.arrays())
 
     @property
     def keys(self):
@@ -230,6 +255,14 @@ class CaMKVCache(_BaseCache):
             self._rows.positions.reshape(B, H, n),
         )
 
+    def stored_bias(self):
+        """mass_bias: each stored row's logit bias [B, H, n] float32; None without it."""
+        self._flush_pending_with_keys()
+        if self._rows is None or self._rows.bias is None:
+            return None
+        B, H = self._layout[:2]
+        return self._rows.bias.reshape(B, H, -1)
+
     @property
     def stats(self) -> dict:
         """Counters: tokens_seen, query_scored (tokens scored with the model's queries),
@@ -261,11 +294,15 @@ class CaMKVCache(_BaseCache):
         if self._rows is None:
             return (None, None, None, None, self._total_merges(), json.dumps(meta))
         keys, values, scores, positions = self.stored()
-        return (keys, values, scores, positions, self._total_merges(), json.dumps(meta))
+        state = (keys, values, scores, positions, self._total_merges(), json.dumps(meta))
+        if self._rows.bias is not None:
+            state += (self._rows.bias.reshape(scores.shape),)  # mass_bias only
+        return state
 
     @state.setter
     def state(self, v) -> None:
-        keys, values, scores, positions, merges, meta_json = v
+        keys, values, scores, positions, merges, meta_json = v[:6]
+        bias = v[6] if len(v) > 6 else None  # mass_bias caches only
         meta = json.loads(meta_json)
         self._config = CaMConfig(**meta["config"])
         self._head_offset = meta["head_offset"]
@@ -284,6 +321,7 @@ class CaMKVCache(_BaseCache):
             values.reshape(B * H, n, -1),
             scores.reshape(B * H, n).astype(mx.float32),
             positions.reshape(B * H, n).astype(mx.int32),
+            None if bias is None else bias.reshape(B * H, n).astype(mx.float32),
         )
 
     # ------------------------------------------------------------------ internals
@@ -319,6 +357,7 @@ class CaMKVCache(_BaseCache):
                 )
 
     def _fetch(self, keys, values):
+        self._fetched_bias = self._bias_for_fetch(keys.shape[2])
         if self._rows is None:
             return keys, values
         # The kernel backends join keys and values in one operation of their own;
@@ -329,6 +368,16 @@ class CaMKVCache(_BaseCache):
         B, H, S, _ = keys.shape
         fetched = fetch(self._rows.keys, self._rows.values, keys.reshape(B * H, S, -1), values.reshape(B * H, S, -1))
         return tuple(a.reshape(B, H, a.shape[1], -1) for a in fetched)
+
+    def _bias_for_fetch(self, new_tokens: int):
+        """mass_bias: the stored rows' bias followed by 0 for each new token, [B, H, L];
+        None when no bias is held."""
+        if self._rows is None or self._rows.bias is None:
+            return None
+        B, H = self._layout[:2]
+        bias = self._rows.bias
+        joined = mx.concatenate([bias, mx.zeros((bias.shape[0], new_tokens), mx.float32)], axis=1)
+        return joined.reshape(B, H, -1)
 
     def _row_ids(self, B: int, H: int) -> mx.array:
         # Made once per shape: on a GPU every small array op of a decode step costs a
@@ -368,7 +417,9 @@ class CaMKVCache(_BaseCache):
         # every backend whether it is usable, host work a decode step pays per layer.
         key = (self._config.backend, mx.default_device())
         if self._backend_for is None or self._backend_for[0] != key:
-            self._backend_for = (key, backends.resolve(self._config.backend))
+            # Only the reference carries mass_bias so far (CaMConfig allows "auto" with it).
+            name = "reference" if self._config.mass_bias else self._config.backend
+            self._backend_for = (key, backends.resolve(name))
         return self._backend_for[1]
 
     def _total_merges(self) -> mx.array:

@@ -75,6 +75,14 @@ class CaMConfig:
       with keys and says so once (camkv.QueryScoringWarning).
     - prefill ["chunk"]: "exact" runs a multi-token call one token at a time;
       "chunk" scores the whole block at once and evicts once (fast prompts).
+    - mass_bias [False]: a row that merged tokens in attends with the extra logit
+      log(mass it stands for / its own mass), the growth factor (s_t + s_e) / s_t
+      multiplied in at every merge, so the model weighs it as the tokens it absorbed
+      together (the proportional attention of token merging). Its scoring sees the same
+      bias; camkv's attention hook adds it to the model's attention, so it needs
+      scoring="query". Blending merge modes only (not "window" or "drop"). It runs on the
+      reference backend only so far: backend must be "auto" (which then picks the
+      reference) or "reference".
     - backend ["auto"]: "auto", "reference", "ext", "metal" or "cuda".
 
     Requires n_sink + recent < budget. Invalid values raise ValueError naming the
@@ -91,6 +99,7 @@ class CaMConfig:
     seed: int = 0
     scoring: str = "query"
     prefill: str = "chunk"
+    mass_bias: bool = False
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -105,6 +114,8 @@ class CaMConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_bool("merge_keys", self.merge_keys)
         _check_bool("gate", self.gate)
+        _check_bool("mass_bias", self.mass_bias)
+        self._check_mass_bias()
         if self.merge_keys and self.merge in WINDOW_MODES:
             raise ValueError(
                 f"CaMConfig.merge_keys=True is not allowed with merge={self.merge!r} "
@@ -114,6 +125,25 @@ class CaMConfig:
             raise ValueError(
                 f"CaMConfig.budget must exceed n_sink + recent = {self.n_sink} + "
                 f"{self.recent} = {self.n_sink + self.recent}, got budget={self.budget}"
+            )
+
+    def _check_mass_bias(self) -> None:
+        if not self.mass_bias:
+            return
+        if self.merge in ("window", "drop"):
+            raise ValueError(
+                f"CaMConfig.mass_bias=True needs a blending merge mode, got merge={self.merge!r} "
+                "(allowed: sim_weighted, mean, mass_weighted, window_mass)"
+            )
+        if self.scoring != "query":
+            raise ValueError(
+                f"CaMConfig.mass_bias=True needs scoring='query' (the attention hook that hands "
+                f"the cache its queries also adds the bias), got scoring={self.scoring!r}"
+            )
+        if self.backend not in ("auto", "reference"):
+            raise ValueError(
+                f"CaMConfig.mass_bias=True runs on the reference backend only (the kernels "
+                f"do not carry the bias yet), got backend={self.backend!r}; use 'auto' or 'reference'"
             )
 
     def replace(self, **changes) -> "CaMConfig":

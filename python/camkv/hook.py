@@ -31,6 +31,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     """mlx-lm's attention, after handing the queries to a camkv cache that waits for them."""
     if isinstance(cache, CaMKVCache):
         cache.observe_queries(queries, scale)
+        mask = cache.attention_mask(mask, queries)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
 

@@ -137,9 +137,15 @@ def markdown_tables(summary: dict) -> str:
     ]
     if stream:
         context = f"{config['stream_tokens']}-token windows, {config['stream_prefill']} prefilled"
+        most = max(c["windows"] for cells in stream.values() for c in cells.values())
+
+        def kl_cell(c):  # a cell over fewer windows than the others says so
+            fewer = f" ({c['windows']} of {most} windows)" if c["windows"] < most else ""
+            return f"{c['kl']:.4f}{fewer}"
+
         lines += _metric_table(f"Streaming ({context}; one-token steps at or past the budget): "
                                "mean KL from the full cache (nats, lower is better)",
-                               stream, methods, labels, lambda c: f"{c['kl']:.4f}")
+                               stream, methods, labels, kl_cell)
         lines += _metric_table("Top-1 agreement with the full cache",
                                stream, methods, labels, lambda c: f"{100 * c['top1']:.1f}%")
         lines += _metric_table("Perplexity", stream, methods, labels, lambda c: f"{c['ppl']:.2f}")

@@ -240,7 +240,7 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     params = pack(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, int(offset), float(scale),
                   key_scoring, strides, prescored)
     # A zero-length stored state still needs a buffer to point at.
-    stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state]
+    stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state.arrays()]
     outputs = launch(target, [*stored, new_keys, new_values, queries, chunk_mass, _as_uint32(row_ids), params],
                      n_out, v_dim, strides)
     keys, values, scores, positions, merges = outputs[:5]
