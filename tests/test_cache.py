@@ -75,7 +75,7 @@ def test_make_mask_is_none_for_one_query_and_causal_otherwise():
 
 def test_stored_shapes_dtypes_and_stats():
     rng = np.random.default_rng(3)
-    cache = CaMKVCache(scoring="key", budget=9, n_sink=1, recent=2, gate=False)
+    cache = CaMKVCache(scoring="key", budget=9, n_sink=1, recent=2, gate=False, merge="mass_weighted")
     cache.update_and_fetch(*_block(rng, S=20, dtype=mx.bfloat16))
     keys, values, scores, positions = cache.stored()
     assert keys.shape == (2, 3, 9, 8) and keys.dtype == mx.bfloat16
@@ -169,13 +169,13 @@ def test_global_head_placement_changes_the_draws():
     """Row r = b * H_global + h_global: a cache of heads 2..3 of 4 draws like those heads."""
     rng = np.random.default_rng(7)
     k, v = _block(rng, B=1, H=4, S=30, dtype=mx.float32)
-    full = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True)
+    full = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True, merge="mass_weighted")
     full.update_and_fetch(k, v)
-    half = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True, head_offset=2, n_heads_global=4)
+    half = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True, merge="mass_weighted", head_offset=2, n_heads_global=4)
     half.update_and_fetch(k[:, 2:], v[:, 2:])
     for a, b in zip(full.stored(), half.stored()):
         assert mx.array_equal(a[:, 2:], b).item()
-    wrong = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True)
+    wrong = CaMKVCache(scoring="key", budget=8, n_sink=1, recent=2, gate=True, merge="mass_weighted")
     wrong.update_and_fetch(k[:, 2:], v[:, 2:])
     assert not all(mx.array_equal(a[:, 2:], b).item() for a, b in zip(full.stored(), wrong.stored()))
 
@@ -185,7 +185,7 @@ def test_merge_count_adds_up_over_many_calls():
     # before and after a batch boundary. Ungated merging merges every eviction.
     from camkv import cache as cache_module
 
-    cache = CaMKVCache(CaMConfig(budget=8, n_sink=1, recent=2, gate=False, scoring="key"))
+    cache = CaMKVCache(CaMConfig(budget=8, n_sink=1, recent=2, gate=False, scoring="key", merge="mass_weighted"))
     rng = np.random.default_rng(0)
     calls = cache_module._MERGE_BATCH + 37
     for step in range(calls):

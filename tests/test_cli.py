@@ -106,7 +106,7 @@ def test_demo_with_the_full_cache_holds_everything(capsys):
 
 @pytest.mark.parametrize("argv,named", [
     (["--kv-merge", "blend"], ["--kv-merge", "'blend'", "'sim_weighted'", "'drop'"]),
-    (["--kv-budget", "10"], ["--kv-budget", "budget=10"]),
+    (["--kv-budget", "5"], ["--kv-budget", "budget=5"]),
     (["--kv-prefill", "lazy"], ["--kv-prefill", "'lazy'", "'exact'", "'chunk'"]),
     (["--kv-backend", "tpu"], ["--kv-backend", "'tpu'", "'reference'"]),
     (["--kv-seed", "-1"], ["--kv-seed", "-1"]),

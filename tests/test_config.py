@@ -40,10 +40,21 @@ def test_bad_values_raise_value_error_naming_field_value_and_allowed(fields, wor
 
 def test_defaults_are_valid_and_documented():
     cfg = CaMConfig()
-    for field in ("budget", "n_sink", "recent", "merge", "merge_keys", "window", "gate",
-                  "seed", "scoring", "prefill", "backend"):
+    for field in ("budget", "n_sink", "merge", "merge_keys", "window", "gate",
+                  "seed", "scoring", "prefill", "mass_bias", "backend"):
         assert f"- {field} [" in CaMConfig.__doc__, field
         assert repr(getattr(cfg, field)).strip("'") in CaMConfig.__doc__.split(f"- {field} [")[1].split("]")[0]
+    assert "- recent [a quarter of the budget]" in CaMConfig.__doc__
+    assert cfg.recent == cfg.budget // 4
+
+
+def test_the_default_recent_window_is_a_quarter_of_the_budget_and_follows_it():
+    assert CaMConfig(budget=100).recent == 25
+    assert CaMConfig(budget=3, n_sink=0).recent == 1  # at least 1
+    assert CaMConfig(budget=512).replace(budget=2048).recent == 512
+    assert CaMConfig(budget=512, recent=7).replace(budget=2048).recent == 7  # chosen: kept
+    with pytest.raises(ValueError, match="budget must exceed n_sink \\+ recent = 4 \\+ 1 = 5, got budget=5"):
+        CaMConfig(budget=5)
 
 
 def test_replace_validates_and_rejects_unknown_fields():

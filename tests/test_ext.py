@@ -46,7 +46,7 @@ def test_extension_runs_on_mx_arrays_and_matches_reference():
     keys, values, scores, positions, merges = _call(state, new_keys, new_values, scale=1 / math.sqrt(16))
     mx.eval(keys, values, scores, positions, merges)
     assert keys.shape == (3, 8, 16) and values.shape == (3, 8, 12) and merges.dtype == mx.int32
-    cfg = CaMConfig(budget=8, n_sink=1, recent=2, window=2, gate=True)
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, window=2, gate=True, merge="sim_weighted")
     want, want_merges = reference.update(state, new_keys, new_values, 8, cfg, mx.arange(3).astype(mx.uint32))
     np.testing.assert_array_equal(np.array(positions), np.array(want.positions))
     np.testing.assert_array_equal(np.array(merges), np.array(want_merges))

@@ -222,14 +222,14 @@ def test_with_room_for_every_token_the_bias_changes_nothing():
     model = tiny_llama(heads=4, kv_heads=2, layers=2)
     prompt = mx.array([(7 * i + 3) % 120 for i in range(40)])
     full = _generate(model, full_prompt_cache(model), prompt)
-    biased = _generate(model, camkv.make_prompt_cache(model, budget=64, mass_bias=True), prompt)
+    biased = _generate(model, camkv.make_prompt_cache(model, budget=64, merge="mass_weighted", mass_bias=True), prompt)
     assert biased == full
 
 
 def test_the_model_attends_with_the_bias_once_rows_merged():
     model = tiny_llama(heads=4, kv_heads=2, layers=2)
     prompt = mx.array([(7 * i + 3) % 120 for i in range(60)])
-    caches = camkv.make_prompt_cache(model, budget=24, n_sink=2, recent=4, mass_bias=True)
+    caches = camkv.make_prompt_cache(model, budget=24, n_sink=2, recent=4, merge="mass_weighted", mass_bias=True)
     seen = []
     original = CaMKVCache.attention_mask
 

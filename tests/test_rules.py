@@ -21,7 +21,7 @@ def _update(backend):
 
 
 def _cfg(backend, **fields):
-    base = dict(budget=8, n_sink=2, recent=3, gate=True, backend=backend)
+    base = dict(budget=8, n_sink=2, recent=3, gate=True, merge="mass_weighted", backend=backend)
     base.update(fields)
     return CaMConfig(**base)
 

@@ -38,7 +38,7 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
                        help="first positions never evicted, the attention sinks (default: %(default)s)")
     group.add_argument("--kv-recent", type=int, default=_DEFAULTS["recent"], metavar="N",
                        help="newest positions never evicted; sinks + recent must be below the "
-                            "budget (default: %(default)s)")
+                            "budget (default: a quarter of --kv-budget)")
     group.add_argument("--kv-merge", default=_DEFAULTS["merge"], metavar="MODE",
                        help="what happens to an evicted token: " + ", ".join(MERGE_MODES) +
                             " ('sim_weighted' blends it into its most similar survivor, 'mean' "

@@ -193,10 +193,16 @@ def parse_methods(spec: str) -> list[Method]:
 @dataclass(frozen=True)
 class CacheSettings:
     n_sink: int
-    recent: int
+    recent: int | str  # tokens, or "N%" of each budget
     window: int
     seed: int
     backend: str
+
+    def recent_for(self, budget: int) -> int:
+        """The recent window (tokens) of a cache of this budget."""
+        if isinstance(self.recent, str):
+            return max(1, int(budget * float(self.recent[:-1]) / 100))
+        return self.recent
 
 
 def make_cache(model, method: Method, budget: int | None, settings: CacheSettings) -> list:
@@ -208,7 +214,7 @@ def make_cache(model, method: Method, budget: int | None, settings: CacheSetting
         return [RotatingKVCache(max_size=budget, keep=settings.n_sink) if type(c) is KVCache
                 else c for c in caches]
     return camkv_prompt_cache(
-        model, budget=budget, n_sink=settings.n_sink, recent=settings.recent,
+        model, budget=budget, n_sink=settings.n_sink, recent=settings.recent_for(budget),
         merge=method.merge, gate=method.gate, scoring=method.scoring, merge_keys=method.merge_keys,
         window=settings.window, mass_bias=method.mass_bias,
         seed=settings.seed, prefill="chunk", backend=settings.backend,
@@ -280,9 +286,9 @@ def budgets_for(context: int, budgets: list[Budget], settings: CacheSettings,
         tokens = budget.resolve(context)
         if tokens >= context:
             notes.add(f"budget {budget.label} = {tokens} >= context {context}: never evicts, skipped")
-        elif tokens <= settings.n_sink + settings.recent:
+        elif tokens <= settings.n_sink + settings.recent_for(tokens):
             notes.add(f"budget {budget.label} = {tokens} of context {context} is not above "
-                      f"n_sink + recent = {settings.n_sink + settings.recent}: skipped")
+                      f"n_sink + recent = {settings.n_sink + settings.recent_for(tokens)}: skipped")
         else:
             resolved.setdefault(tokens, []).append(budget.label)
     return resolved
@@ -798,7 +804,7 @@ def build_parser() -> argparse.ArgumentParser:
       "and filler each) per length")
     a("--answer-tokens", type=int, help="greedy tokens decoded for a passkey answer")
     a("--n-sink", type=int, help="sink tokens kept by camkv, H2O and StreamingLLM (keep)")
-    a("--recent", type=int, help="recent window protected by camkv and H2O")
+    a("--recent", help="recent window protected by camkv and H2O: tokens, or N%% of each budget")
     a("--window", type=int, default=4, help="survivors per eviction in merge=window (default 4)")
     a("--seed", type=int, default=0, help="seed of text windows, passkeys and camkv's gate")
     a("--backend", default="auto", help="camkv backend (auto, reference, ext, metal, cuda)")
@@ -813,6 +819,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _parse_recent(value) -> int | str:
+    """--recent: a token count >= 1, or a share of each budget "N%" with 0 < N < 100."""
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            if not 0 < float(text[:-1]) < 100:
+                raise ValueError
+            return text
+        if int(text) >= 1:
+            return int(text)
+    except ValueError:
+        pass
+    raise ValueError(f"--recent must be a token count >= 1 or a share N% of the budget "
+                     f"(0 < N < 100), got {value!r}")
+
+
 def resolve_options(argv) -> argparse.Namespace:
     """Parsed flags with the preset's values filled in, lists parsed, values checked."""
     opts = build_parser().parse_args(argv)
@@ -825,8 +847,9 @@ def resolve_options(argv) -> argparse.Namespace:
     if bad or not opts.tasks:
         raise ValueError(f"--tasks must list stream and/or passkey, got {sorted(bad) or 'nothing'}")
     opts.passkey_lengths = _int_list("--passkey-lengths", opts.passkey_lengths)
+    opts.recent = _parse_recent(opts.recent)
     for flag in ("stream_tokens", "stream_samples", "chunk", "passkey_placements",
-                 "answer_tokens", "recent", "window"):
+                 "answer_tokens", "window"):
         if getattr(opts, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(opts, flag)}")
     if opts.n_sink < 0:
