@@ -14,6 +14,13 @@ budget, ungated merges:
    (w = clamp(cos(K_e, K_t), 0, 1)) next to the weight the attention masses give
    (s_e / (s_e + s_t)), over every merge of the stream, with key and query scoring.
    Recorded through the reference backend (the weight is computed there in one place).
+3. mass_bias. The logit bias the merged rows carry at the end of the window (query
+   scoring, mass_weighted with values only and with keys blended too): per layer its
+   mean, its largest value and the share of rows above 0.5 nats. The bias assumes an
+   absorbed token draws the survivor's attention in proportion to the masses; these
+   sizes show how much extra weight a survivor then gets from every later query.
+
+--parts picks some of them (default: all three).
 """
 
 from __future__ import annotations
@@ -39,12 +46,18 @@ def parse_args(argv):
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--budget", type=float, default=0.2,
                    help="budget as a fraction of the window (default 0.2)")
+    p.add_argument("--parts", default="norms,weights,bias",
+                   help="comma-separated: norms, weights, bias (default: all)")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     opts = p.parse_args(argv)
     if not 0 < opts.budget < 1:
         p.error(f"--budget must be a fraction in (0, 1), got {opts.budget}")
     if not 0 < opts.prefill < opts.tokens:
         p.error(f"--prefill must be in (0, --tokens), got {opts.prefill}")
+    opts.parts = [x.strip() for x in opts.parts.split(",") if x.strip()]
+    unknown = set(opts.parts) - {"norms", "weights", "bias"}
+    if unknown or not opts.parts:
+        p.error(f"--parts must list norms, weights and/or bias, got {opts.parts}")
     return opts
 
 
@@ -110,6 +123,31 @@ def blend_weights(model, scoring, budget, tokens, opts, settings) -> dict:
     }
 
 
+def bias_spread(model, keys_too: bool, budget, tokens, opts, settings) -> dict:
+    """Per layer: the stored rows' mass_bias at the end of the window (mass_weighted, query)."""
+    import mlx.core as mx
+    import numpy as np
+    from camkv import quality
+
+    method = quality.Method("mass_weighted-bias", "camkv", "mass_weighted", False, "query",
+                            keys_too, mass_bias=True)
+    ref_settings = quality.CacheSettings(settings.n_sink, settings.recent, settings.window,
+                                         settings.seed, "reference")
+    caches = quality.make_cache(model, method, budget, ref_settings)
+    try:
+        for _, logits in quality.feed(model, caches, tokens[:-1], opts.prefill, opts.chunk):
+            mx.eval(logits)  # only the state at the end matters; this bounds the lazy graph
+        layers = [np.array(c.stored_bias()) for c in caches]
+    finally:
+        quality.release_cache(model, method)
+    return {
+        "merges": int(sum(c.stats["merges"] for c in caches)),
+        "mean_per_layer": [float(b.mean()) for b in layers],
+        "max_per_layer": [float(b.max()) for b in layers],
+        "share_above_half_nat": [float((b > 0.5).mean()) for b in layers],
+    }
+
+
 def _describe(x) -> dict:
     import numpy as np
 
@@ -140,16 +178,26 @@ def main(argv=None) -> int:
     result = {"model": model_name, "text": opts.text, "tokens": opts.tokens, "prefill": opts.prefill,
               "chunk": opts.chunk, "budget": budget, "n_sink": 4, "recent": 32, "window": 4,
               "gate": False, "value_norms": {}, "blend_weights": {}}
-    full = quality.Method("full", "full")
-    result["value_norms"]["full"] = norm_series(model, full, budget, tokens, opts, settings)
-    for merge in NORM_MODES:
-        method = quality.Method(merge, "camkv", merge, False, "key")
-        result["value_norms"][merge] = norm_series(model, method, budget, tokens, opts, settings)
-        print(f"{merge}: value norm mean {result['value_norms'][merge]['mean'][-1]:.2f}, "
-              f"max {result['value_norms'][merge]['max'][-1]:.2f}", flush=True)
-    for scoring in ("key", "query"):
-        result["blend_weights"][scoring] = blend_weights(model, scoring, budget, tokens, opts, settings)
-        print(f"{scoring} scoring: {json.dumps(result['blend_weights'][scoring])}", flush=True)
+    if "norms" in opts.parts:
+        full = quality.Method("full", "full")
+        result["value_norms"]["full"] = norm_series(model, full, budget, tokens, opts, settings)
+        for merge in NORM_MODES:
+            method = quality.Method(merge, "camkv", merge, False, "key")
+            result["value_norms"][merge] = norm_series(model, method, budget, tokens, opts, settings)
+            print(f"{merge}: value norm mean {result['value_norms'][merge]['mean'][-1]:.2f}, "
+                  f"max {result['value_norms'][merge]['max'][-1]:.2f}", flush=True)
+    if "weights" in opts.parts:
+        for scoring in ("key", "query"):
+            result["blend_weights"][scoring] = blend_weights(model, scoring, budget, tokens, opts, settings)
+            print(f"{scoring} scoring: {json.dumps(result['blend_weights'][scoring])}", flush=True)
+    if "bias" in opts.parts:
+        result["mass_bias"] = {}
+        for name, keys_too in (("values", False), ("keys_and_values", True)):
+            spread = bias_spread(model, keys_too, budget, tokens, opts, settings)
+            result["mass_bias"][name] = spread
+            print(f"mass_bias ({name}): mean per layer {min(spread['mean_per_layer']):.2f}.."
+                  f"{max(spread['mean_per_layer']):.2f} nats, largest {max(spread['max_per_layer']):.2f}",
+                  flush=True)
     result["seconds"] = round(time.time() - started, 1)
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(result, indent=1) + "\n")

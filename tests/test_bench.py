@@ -41,3 +41,39 @@ def test_bench_writes_json_and_plots_with_budget_rows_held(tmp_path, capsys):
 def test_bench_rejects_a_budget_the_config_cannot_hold(tmp_path):
     with pytest.raises(SystemExit, match="--budgets 5.*n_sink \\+ recent"):
         benchmarks.main(["--model", "random-tiny", "--budgets", "5", "--out", str(tmp_path)])
+
+
+def _load_bench_script(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sweep(folder, recent, kl, passkeys):
+    """A quality folder with one stream cell and some passkey outcomes (sample -> correct)."""
+    folder.mkdir()
+    summary = {"config": {"recent": recent},
+               "stream": {"decode": {"h2o-query": {"20%": {"kl": kl, "top1": 0.8, "windows": 3}}}}}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    records = [{"task": "passkey", "method": "h2o-query", "labels": ["20%"], "sample": s, "correct": c}
+               for s, c in passkeys.items()]
+    (folder / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_recent_window_reads_the_window_per_budget_and_pairs_passkeys_on_shared_prompts(tmp_path, monkeypatch):
+    script = _load_bench_script("recent_window")
+    monkeypatch.setattr(script, "RESULTS", tmp_path)
+    _sweep(tmp_path / "a", 32, 0.17, {"p1": True, "p2": False, "p3": True})
+    _sweep(tmp_path / "b", "25%", 0.08, {"p1": False, "p2": True})  # cut short: no p3
+    points = {p["sweep"]: p for p in script.stream_points(["a", "b"])}
+    assert points["a"]["recent"] == 32 and points["b"]["recent"] == 204  # 25% of 819
+    assert points["b"]["recent_share"] == pytest.approx(204 / 819)
+    passkey = {r["sweep"]: r for r in script.paired_passkey(["a", "b"]) if r["budget"] == "20%"
+               and r["method"] == "h2o-query"}
+    assert passkey["a"] == {"method": "h2o-query", "budget": "20%", "sweep": "a", "n": 2, "correct": 1}
+    assert passkey["b"]["n"] == 2 and passkey["b"]["correct"] == 1

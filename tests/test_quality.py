@@ -112,6 +112,30 @@ def test_budgets_resolve_per_context_and_skip_what_cannot_evict():
             quality.parse_budgets(bad)
 
 
+def test_a_recent_share_resolves_per_budget_and_decides_which_budgets_can_evict():
+    share = CacheSettings(4, "25%", 4, 0, "auto")
+    assert [share.recent_for(b) for b in (2, 205, 512, 819)] == [1, 51, 128, 204]
+    assert CacheSettings(4, 32, 4, 0, "auto").recent_for(819) == 32
+    notes: set[str] = set()
+    # 25% of a budget of 6 is 1: 4 + 1 < 6 can evict; with 32 tokens it could not.
+    assert quality.budgets_for(24, quality.parse_budgets("25%"), share, notes) == {6: ["25%"]}
+    assert quality.budgets_for(24, quality.parse_budgets("25%"), CacheSettings(4, 32, 4, 0, "auto"),
+                               notes) == {}
+
+
+def test_bias_arms_build_caches_that_carry_the_bias(tiny):
+    model, _ = tiny
+    catalog = method_catalog()
+    for name in ("mass_weighted-nogate-bias-query", "mass_weighted-keys-nogate-bias-query"):
+        method = catalog[name]
+        caches = quality.make_cache(model, method, 24, CacheSettings(2, 4, 4, 0, "auto"))
+        try:
+            assert all(c.config.mass_bias and c.config.merge == "mass_weighted" for c in caches)
+            assert all(c.config.merge_keys == ("keys" in name) for c in caches)
+        finally:
+            quality.release_cache(model, method)
+
+
 def test_methods_cover_every_arm_of_the_issue_and_reject_unknown_names():
     names = set(method_catalog())
     for merge in ("sim_weighted", "mean", "mass_weighted", "window", "window_mass"):
@@ -194,6 +218,9 @@ def test_a_folder_takes_more_arms_but_refuses_records_of_another_setup(tmp_path)
     ("--passkey-lengths", "1k", "--passkey-lengths"),
     ("--chunk", "0", "--chunk"),
     ("--texts", "no-such-source", "neither a known source"),
+    ("--recent", "0", "--recent must be a token count >= 1 or a share N% of the budget"),
+    ("--recent", "100%", "got '100%'"),
+    ("--recent", "quarter", "got 'quarter'"),
 ])
 def test_bad_values_exit_2_naming_the_flag(tmp_path, capsys, flag, value, message):
     assert quality.main(["--preset", "smoke", "--out", str(tmp_path), flag, value]) == 2

@@ -69,7 +69,8 @@ class CaMConfig:
       targets' scores. drop by default, because merging did not beat it: with the
       model's own queries scoring the cache, every merge rule measured had a higher KL
       divergence from the full cache than dropping (mass_weighted, the best of them,
-      6-17% higher at four of five budgets) and no better passkey accuracy; merging
+      4-17% higher at nine of the ten budget and recent-window settings measured) and
+      no better passkey accuracy; merging
       beats dropping only with the weaker key-proxy scoring (bench/results/README.md,
       "Does merging beat dropping?"). The merge rules stay one field away.
     - merge_keys [False]: blend keys as well as values (not with "window" / "window_mass").

@@ -8,7 +8,8 @@ changes results on some MLX models):
 - h2o: camkv with merge="drop" (attention-mass eviction, sinks, recent window);
 - camkv with merge = sim_weighted / mean / mass_weighted / window / window_mass, each
   with the gate on and off;
-- the camkv arms again with scoring="query" (suffix "-query").
+- the camkv arms again with scoring="query" (suffix "-query");
+- the blending arms with mass_bias (suffix "-bias-query"; reference backend, slow).
 
 Tasks:
 
