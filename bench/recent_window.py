@@ -28,15 +28,11 @@ LABELS = ("20%", "50%")
 CONTEXT = 4096  # the gpu preset's stream windows
 
 
-def _recent_tokens(recent, budget: int) -> int:
-    if isinstance(recent, str):
-        return max(1, int(budget * float(recent[:-1]) / 100))
-    return recent
-
-
 def stream_points(folders) -> list[dict]:
     """One point per (arm, budget label, recent window): the KL, from the sweep with
     the most windows where two sweeps ran the same setting."""
+    from camkv.quality import recent_tokens
+
     points: dict = {}
     for folder in folders:
         summary = json.loads((RESULTS / folder / "summary.json").read_text())
@@ -46,7 +42,7 @@ def stream_points(folders) -> list[dict]:
                 if label not in LABELS:
                     continue
                 budget = round(float(label[:-1]) / 100 * CONTEXT)
-                tokens = _recent_tokens(recent, budget)
+                tokens = recent_tokens(recent, budget)
                 point = {"sweep": folder, "method": method, "budget": label, "recent": tokens,
                          "recent_share": tokens / budget, "kl": cell["kl"],
                          "top1": cell["top1"], "windows": cell["windows"]}

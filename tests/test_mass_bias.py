@@ -53,7 +53,7 @@ def _full_state(rng, rows, n, dim, scores):
                     mx.zeros((rows, n), mx.float32))
 
 
-def _one_token(state, rng, cfg, dim):
+def _one_token(state, rng, dim):
     rows = state.keys.shape[0]
     k = mx.array(rng.standard_normal((rows, 1, dim)).astype(np.float32))
     v = mx.array(rng.standard_normal((rows, 1, dim)).astype(np.float32))
@@ -69,7 +69,7 @@ def test_a_nearest_merge_grows_the_targets_bias_by_log1p_of_the_mass_ratio(merge
     cfg = _cfg(merge=merge)
     state = _full_state(rng, 3, n, dim, rng.uniform(1.0, 3.0, (3, n)))
     state = state._replace(bias=mx.array(rng.uniform(0.0, 0.5, (3, n)), mx.float32))
-    k, v, q, ids = _one_token(state, rng, cfg, dim)
+    k, v, q, ids = _one_token(state, rng, dim)
     after, merges = reference.update(state, k, v, n, cfg, ids, q, 0.3)
     # The same step without merging (drop) gives the scores each row had before the
     # merge; the bias then grew only at the target, which received the loser's score.
@@ -99,7 +99,7 @@ def test_window_mass_grows_each_window_targets_bias_by_its_share():
     scores = rng.uniform(1.0, 3.0, (2, n))
     scores[:, 1] = 0.05  # position 1 is the clear loser, so the window is positions 2, 3, 4
     state = _full_state(rng, 2, n, dim, scores)
-    k, v, q, ids = _one_token(state, rng, cfg, dim)
+    k, v, q, ids = _one_token(state, rng, dim)
     after, _ = reference.update(state, k, v, n, cfg, ids, q, 0.3)
     dropped, _ = reference.update(state, k, v, n, cfg.replace(mass_bias=False, merge="drop"), ids, q, 0.3)
     assert np.array(after.positions)[0].tolist() == [0, 2, 3, 4, 5, 6, 7, 8]
@@ -119,7 +119,7 @@ def test_chunk_of_one_token_equals_exact_with_the_bias(merge):
         state = RowState.empty(2, dim, dim, mx.float32)
         rng = np.random.default_rng(2)
         for p in range(20):
-            k, v, q, ids = _one_token(state, rng, cfg, dim)
+            k, v, q, ids = _one_token(state, rng, dim)
             state, _ = reference.update(state, k, v, p, cfg, ids, q, 0.4)
         states[prefill] = state
     for a, b in zip(states["exact"].arrays(), states["chunk"].arrays()):
@@ -138,7 +138,7 @@ def test_merging_a_twin_token_changes_no_attention_output():
     keys = np.array(state.keys)
     keys[0, 5] = keys[0, 3]  # rows 3 and 5: the two lowest scores, the same key
     state = state._replace(keys=mx.array(keys))
-    k, v, q, ids = _one_token(state, rng, cfg, dim)
+    k, v, q, ids = _one_token(state, rng, dim)
     after, merges = reference.update(state, k, v, n, cfg, ids, q, 0.25)
     assert merges.tolist() == [1]
     assert 3 not in np.array(after.positions)[0].tolist()

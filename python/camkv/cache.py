@@ -12,7 +12,7 @@ from mlx_lm.models.cache import _BaseCache
 from . import backends
 from .backends._common import concatenate_rows
 from .config import CaMConfig, resolve_config
-from .reference import RowState
+from .reference import RowState, bias_with_new_rows
 
 
 class QueryScoringWarning(RuntimeWarning):
@@ -375,9 +375,7 @@ class CaMKVCache(_BaseCache):
         if self._rows is None or self._rows.bias is None:
             return None
         B, H = self._layout[:2]
-        bias = self._rows.bias
-        joined = mx.concatenate([bias, mx.zeros((bias.shape[0], new_tokens), mx.float32)], axis=1)
-        return joined.reshape(B, H, -1)
+        return bias_with_new_rows(self._rows.bias, new_tokens).reshape(B, H, -1)
 
     def _row_ids(self, B: int, H: int) -> mx.array:
         # Made once per shape: on a GPU every small array op of a decode step costs a

@@ -201,9 +201,14 @@ class CacheSettings:
 
     def recent_for(self, budget: int) -> int:
         """The recent window (tokens) of a cache of this budget."""
-        if isinstance(self.recent, str):
-            return max(1, int(budget * float(self.recent[:-1]) / 100))
-        return self.recent
+        return recent_tokens(self.recent, budget)
+
+
+def recent_tokens(recent: int | str, budget: int) -> int:
+    """A --recent value (tokens, or "N%" of the budget, rounded down, at least 1) in tokens."""
+    if isinstance(recent, str):
+        return max(1, int(budget * float(recent[:-1]) / 100))
+    return recent
 
 
 def make_cache(model, method: Method, budget: int | None, settings: CacheSettings) -> list:
@@ -251,20 +256,25 @@ class Budget:
         return round(self.fraction * context) if self.fraction is not None else self.tokens
 
 
+def _share_or_count(text: str) -> tuple[float | None, int | None]:
+    """(fraction, None) for "N%" with 0 < N < 100, (None, tokens) for a count >= 1;
+    ValueError otherwise."""
+    if text.endswith("%"):
+        fraction = float(text[:-1]) / 100
+        if not 0 < fraction < 1:
+            raise ValueError(text)
+        return fraction, None
+    tokens = int(text)
+    if tokens < 1:
+        raise ValueError(text)
+    return None, tokens
+
+
 def parse_budgets(spec: str) -> list[Budget]:
     budgets = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         try:
-            if item.endswith("%"):
-                fraction = float(item[:-1]) / 100
-                if not 0 < fraction < 1:
-                    raise ValueError
-                budgets.append(Budget(item, fraction, None))
-            else:
-                tokens = int(item)
-                if tokens < 1:
-                    raise ValueError
-                budgets.append(Budget(item, None, tokens))
+            budgets.append(Budget(item, *_share_or_count(item)))
         except ValueError:
             raise ValueError(
                 f"--budgets: {item!r} is neither a percentage in (0%, 100%) nor a positive "
@@ -824,16 +834,11 @@ def _parse_recent(value) -> int | str:
     """--recent: a token count >= 1, or a share of each budget "N%" with 0 < N < 100."""
     text = str(value).strip()
     try:
-        if text.endswith("%"):
-            if not 0 < float(text[:-1]) < 100:
-                raise ValueError
-            return text
-        if int(text) >= 1:
-            return int(text)
+        fraction, tokens = _share_or_count(text)
     except ValueError:
-        pass
-    raise ValueError(f"--recent must be a token count >= 1 or a share N% of the budget "
-                     f"(0 < N < 100), got {value!r}")
+        raise ValueError(f"--recent must be a token count >= 1 or a share N% of the budget "
+                         f"(0 < N < 100), got {value!r}") from None
+    return text if fraction is not None else tokens
 
 
 def resolve_options(argv) -> argparse.Namespace:

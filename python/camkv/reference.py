@@ -306,7 +306,7 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     rows, n = k.shape[0], state.length
     keys = mx.concatenate([state.keys, k[:, None, :]], axis=1)
     values = mx.concatenate([state.values, v[:, None, :]], axis=1)
-    bias = _with_new_rows(state.bias, 1)
+    bias = bias_with_new_rows(state.bias, 1)
     mass = _attention_mass(q[:, None], keys.astype(mx.float32), scale, None, bias=bias)
     scores = mx.concatenate([state.scores, mx.zeros((rows, 1), mx.float32)], axis=1) + mass
     positions = mx.concatenate(
@@ -326,7 +326,7 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     return _gather(RowState(keys, values, scores, positions, bias), keep), did
 
 
-def _with_new_rows(bias, count: int):
+def bias_with_new_rows(bias, count: int):
     """A bias [R, n] extended by count zeros (new tokens stand for themselves), or None."""
     if bias is None:
         return None
@@ -363,7 +363,7 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     total = n + s_len
     keys = mx.concatenate([state.keys, new_keys], axis=1)
     values = mx.concatenate([state.values, new_values], axis=1)
-    bias = _with_new_rows(state.bias, s_len)
+    bias = bias_with_new_rows(state.bias, s_len)
     mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n, bias=bias)
     scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
     new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
