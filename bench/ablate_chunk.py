@@ -14,13 +14,12 @@ stub to catch that). Example (on the H200):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_prefill import chunk_case, median_seconds  # noqa: E402
+from profile_prefill import chunk_case, median_seconds, save_result  # noqa: E402
 
 from camkv import CaMConfig  # noqa: E402
 from camkv.backends import jit  # noqa: E402
@@ -96,11 +95,7 @@ def main(argv=None) -> dict:
         print(f"  {phase['phase']:28s} {phase['ms']:8.2f} ms")
     print(f"  {'whole update':28s} {rows[-1]['update_ms']:8.2f} ms")
     result = {"cuts": rows, "phases": phases, "setup": {k: str(v) for k, v in vars(opts).items()}}
-    if opts.out is not None:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        path = opts.out / f"ablate-chunk-{opts.backend}.json"
-        path.write_text(json.dumps(result, indent=1))
-        print("wrote", path)
+    save_result(result, opts.out, f"ablate-chunk-{opts.backend}.json")
     return result
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import math
 import platform
 import pstats
@@ -37,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_prefill import random_state  # noqa: E402
+from profile_prefill import random_state, save_result  # noqa: E402
 
 from camkv import CaMConfig, CaMKVCache, backends  # noqa: E402
 from camkv.backends import jit  # noqa: E402
@@ -179,11 +178,7 @@ def main(argv=None) -> dict:
     for name, t in result["per_layer"].items():
         print(f"  {name:14s} {1e6 * t['build_s']:8.1f} / {1e6 * t['step_s']:8.1f}")
     print(result["cprofile_cache"])
-    if opts.out is not None:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        path = opts.out / f"profile-decode-{opts.backend}.json"
-        path.write_text(json.dumps(result, indent=1))
-        print("wrote", path)
+    save_result(result, opts.out, f"profile-decode-{opts.backend}.json")
     return result
 
 

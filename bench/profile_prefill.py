@@ -38,6 +38,16 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def save_result(result: dict, out: Path | None, name: str) -> None:
+    """Write result as out/name (JSON) and say so; nothing when out is None."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(result, indent=1))
+    print("wrote", path)
+
+
 def median_seconds(call, repeats: int) -> float:
     """Median wall time of an evaluated call, after one untimed call (which compiles)."""
     times = []
@@ -98,11 +108,7 @@ def main(argv=None) -> dict:
     print(f"one chunk call of {opts.chunk} tokens, per layer (ms): whole update / prescoring / the rest")
     for name, t in parts.items():
         print(f"  {name:20s} {t['update_ms']:8.2f} / {t['prescoring_ms']:8.2f} / {t['rest_ms']:8.2f}")
-    if opts.out is not None:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        path = opts.out / f"profile-prefill-{result['backend_used']}.json"
-        path.write_text(json.dumps(result, indent=1))
-        print("wrote", path)
+    save_result(result, opts.out, f"profile-prefill-{result['backend_used']}.json")
     return result
 
 
