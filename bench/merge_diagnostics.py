@@ -14,13 +14,9 @@ budget, ungated merges:
    (w = clamp(cos(K_e, K_t), 0, 1)) next to the weight the attention masses give
    (s_e / (s_e + s_t)), over every merge of the stream, with key and query scoring.
    Recorded through the reference backend (the weight is computed there in one place).
-3. mass_bias. The logit bias the merged rows carry at the end of the window (query
-   scoring, mass_weighted with values only and with keys blended too): per layer its
-   mean, its largest value and the share of rows above 0.5 nats. The bias assumes an
-   absorbed token draws the survivor's attention in proportion to the masses; these
-   sizes show how much extra weight a survivor then gets from every later query.
+--parts picks some of them (default: both). (The mass_bias part of the records in
+bench/results/quality-cpu-bias/ came from an earlier version with that experiment.)
 
---parts picks some of them (default: all three).
 """
 
 from __future__ import annotations
@@ -46,8 +42,8 @@ def parse_args(argv):
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk (default 256)")
     p.add_argument("--budget", type=float, default=0.2,
                    help="budget as a fraction of the window (default 0.2)")
-    p.add_argument("--parts", default="norms,weights,bias",
-                   help="comma-separated: norms, weights, bias (default: all)")
+    p.add_argument("--parts", default="norms,weights",
+                   help="comma-separated: norms, weights (default: both)")
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
     opts = p.parse_args(argv)
     if not 0 < opts.budget < 1:
@@ -55,9 +51,9 @@ def parse_args(argv):
     if not 0 < opts.prefill < opts.tokens:
         p.error(f"--prefill must be in (0, --tokens), got {opts.prefill}")
     opts.parts = [x.strip() for x in opts.parts.split(",") if x.strip()]
-    unknown = set(opts.parts) - {"norms", "weights", "bias"}
+    unknown = set(opts.parts) - {"norms", "weights"}
     if unknown or not opts.parts:
-        p.error(f"--parts must list norms, weights and/or bias, got {opts.parts}")
+        p.error(f"--parts must list norms and/or weights, got {opts.parts}")
     return opts
 
 
@@ -123,31 +119,6 @@ def blend_weights(model, scoring, budget, tokens, opts, settings) -> dict:
     }
 
 
-def bias_spread(model, keys_too: bool, budget, tokens, opts, settings) -> dict:
-    """Per layer: the stored rows' mass_bias at the end of the window (mass_weighted, query)."""
-    import mlx.core as mx
-    import numpy as np
-    from camkv import quality
-
-    method = quality.Method("mass_weighted-bias", "camkv", "mass_weighted", False, "query",
-                            keys_too, mass_bias=True)
-    ref_settings = quality.CacheSettings(settings.n_sink, settings.recent, settings.window,
-                                         settings.seed, "reference")
-    caches = quality.make_cache(model, method, budget, ref_settings)
-    try:
-        for _, logits in quality.feed(model, caches, tokens[:-1], opts.prefill, opts.chunk):
-            mx.eval(logits)  # only the state at the end matters; this bounds the lazy graph
-        layers = [np.array(c.stored_bias()) for c in caches]
-    finally:
-        quality.release_cache(model, method)
-    return {
-        "merges": int(sum(c.stats["merges"] for c in caches)),
-        "mean_per_layer": [float(b.mean()) for b in layers],
-        "max_per_layer": [float(b.max()) for b in layers],
-        "share_above_half_nat": [float((b > 0.5).mean()) for b in layers],
-    }
-
-
 def _describe(x) -> dict:
     import numpy as np
 
@@ -190,14 +161,6 @@ def main(argv=None) -> int:
         for scoring in ("key", "query"):
             result["blend_weights"][scoring] = blend_weights(model, scoring, budget, tokens, opts, settings)
             print(f"{scoring} scoring: {json.dumps(result['blend_weights'][scoring])}", flush=True)
-    if "bias" in opts.parts:
-        result["mass_bias"] = {}
-        for name, keys_too in (("values", False), ("keys_and_values", True)):
-            spread = bias_spread(model, keys_too, budget, tokens, opts, settings)
-            result["mass_bias"][name] = spread
-            print(f"mass_bias ({name}): mean per layer {min(spread['mean_per_layer']):.2f}.."
-                  f"{max(spread['mean_per_layer']):.2f} nats, largest {max(spread['max_per_layer']):.2f}",
-                  flush=True)
     result["seconds"] = round(time.time() - started, 1)
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(result, indent=1) + "\n")

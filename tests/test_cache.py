@@ -185,7 +185,7 @@ def test_merge_count_adds_up_over_many_calls():
     # before and after a batch boundary. Ungated merging merges every eviction.
     from camkv import cache as cache_module
 
-    cache = CaMKVCache(CaMConfig(budget=8, n_sink=1, recent=2, gate=False, scoring="key", merge="mass_weighted"))
+    cache = CaMKVCache(CaMConfig(budget=8, n_sink=1, recent=2, gate=False, scoring="key", merge="mass_weighted", slack=0))
     rng = np.random.default_rng(0)
     calls = cache_module._MERGE_BATCH + 37
     for step in range(calls):

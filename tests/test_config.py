@@ -41,11 +41,13 @@ def test_bad_values_raise_value_error_naming_field_value_and_allowed(fields, wor
 def test_defaults_are_valid_and_documented():
     cfg = CaMConfig()
     for field in ("budget", "n_sink", "merge", "merge_keys", "window", "gate",
-                  "seed", "scoring", "prefill", "mass_bias", "backend"):
+                  "seed", "scoring", "prefill", "backend"):
         assert f"- {field} [" in CaMConfig.__doc__, field
         assert repr(getattr(cfg, field)).strip("'") in CaMConfig.__doc__.split(f"- {field} [")[1].split("]")[0]
     assert "- recent [a quarter of the budget]" in CaMConfig.__doc__
     assert cfg.recent == cfg.budget // 4
+    assert '- slack [an eighth of the budget with prefill="chunk", else 0]' in CaMConfig.__doc__
+    assert cfg.slack == cfg.budget // 8
 
 
 def test_the_default_recent_window_is_a_quarter_of_the_budget_and_follows_it():

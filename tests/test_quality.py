@@ -61,7 +61,7 @@ def test_small_budgets_diverge_from_the_full_cache_and_sums_cover_the_right_posi
         assert decode["kl_sum"] > 1e-3, name
         assert 0 <= decode["agree_sum"] <= decode["positions"]
         assert math.isfinite(decode["nll_sum"]) and decode["full_nll_sum"] > 0
-        assert all(c.size() <= 12 for c in caches)
+        assert all(c.size() <= 12 + 12 // 8 for c in caches)  # budget + the default slack
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 20, 33])
@@ -121,19 +121,6 @@ def test_a_recent_share_resolves_per_budget_and_decides_which_budgets_can_evict(
     assert quality.budgets_for(24, quality.parse_budgets("25%"), share, notes) == {6: ["25%"]}
     assert quality.budgets_for(24, quality.parse_budgets("25%"), CacheSettings(4, 32, 4, 0, "auto"),
                                notes) == {}
-
-
-def test_bias_arms_build_caches_that_carry_the_bias(tiny):
-    model, _ = tiny
-    catalog = method_catalog()
-    for name in ("mass_weighted-nogate-bias-query", "mass_weighted-keys-nogate-bias-query"):
-        method = catalog[name]
-        caches = quality.make_cache(model, method, 24, CacheSettings(2, 4, 4, 0, "auto"))
-        try:
-            assert all(c.config.mass_bias and c.config.merge == "mass_weighted" for c in caches)
-            assert all(c.config.merge_keys == ("keys" in name) for c in caches)
-        finally:
-            quality.release_cache(model, method)
 
 
 def test_methods_cover_every_arm_of_the_issue_and_reject_unknown_names():

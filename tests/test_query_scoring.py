@@ -78,7 +78,7 @@ def test_small_budget_with_query_scoring_stays_bounded():
         warnings.simplefilter("error")  # the hook sees every block: no bypass warning
         _greedy(model, cache, max_tokens=20)
     camkv.remove(model)
-    assert all(c.size() == 40 and c.stats["evictions"] > 0 for c in cache)
+    assert all(40 <= c.size() <= 40 + c.config.slack and c.stats["evictions"] > 0 for c in cache)
 
 
 def _block(rng, s_len, heads=2, dim=8):
@@ -137,13 +137,13 @@ def test_a_cache_built_directly_without_a_hook_scores_with_keys_at_once_and_says
             k = _block(rng, s_len)
             direct.update_and_fetch(k, k)
             keyed.update_and_fetch(k, k)
-            assert direct._pending is None  # scored in the call itself, never left waiting
+            assert direct._waiting == 0  # never left waiting for queries
     assert len(record) == 1
     message = str(record[0].message)
     assert "camkv.make_prompt_cache(model" in message and "camkv.apply(model" in message
     assert "scoring='key'" in message
     _assert_same_state(direct, keyed)
-    assert direct.size() == 12 and direct.nbytes == keyed.nbytes
+    assert direct.size() == keyed.size() <= 12 + direct.config.slack and direct.nbytes == keyed.nbytes
     assert direct.stats["query_scored"] == 0 and direct.stats["tokens_seen"] == 20
 
 
@@ -169,7 +169,7 @@ def test_a_model_whose_attention_never_calls_the_hook_scores_with_keys_from_the_
     assert tokens == _greedy(model, keyed, max_tokens=20)
     for a, b in zip(cache, keyed):
         _assert_same_state(a, b)
-        assert a.size() == 40 and a.stats["query_scored"] == 0
+        assert 40 <= a.size() <= 40 + a.config.slack and a.stats["query_scored"] == 0
 
 
 def test_a_model_that_bypasses_an_installed_hook_warns_once_and_stays_bounded(remove_hooks):
@@ -184,9 +184,9 @@ def test_a_model_that_bypasses_an_installed_hook_warns_once_and_stays_bounded(re
             k = _block(rng, 3)
             cache.update_and_fetch(k, k)
             keyed.update_and_fetch(k, k)
-        cache.size()
+        cache.stats  # the last block waits for queries that never come: scored with keys now
     assert len([w for w in record if "bypass" in str(w.message)]) == 1
-    assert cache.size() == 12 and cache.offset == 30
+    assert 12 <= cache.size() <= 12 + cache.config.slack and cache.offset == 30
     _assert_same_state(cache, keyed)
 
 
@@ -229,7 +229,7 @@ def test_a_latent_cache_model_scores_its_prompt_with_keys_and_its_steps_with_que
     for layer in cache:
         # The one-token steps' queries are projected into the latent: those score it.
         assert 0 < layer.stats["query_scored"] < layer.stats["tokens_seen"] == 90 + 10
-        assert layer.size() == 40
+        assert 40 <= layer.size() <= 40 + layer.config.slack
 
 
 def test_queries_of_the_wrong_shape_are_rejected_without_change(remove_hooks):

@@ -9,37 +9,40 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends
-from .backends._common import concatenate_rows
+from . import backends, fast, hook
 from .config import CaMConfig, resolve_config
-from .reference import RowState, bias_with_new_rows
+from .rows import RowState
 
 
 class QueryScoringWarning(RuntimeWarning):
     """scoring="query" scored a block with keys: the model's queries did not reach the cache."""
 
 
-_MERGE_BATCH = 64  # calls whose merge counts are summed at once
-
+_MERGE_BATCH = 64  # compressions whose merge counts are summed at once
+_KEY_SCORED = None  # the scoring of a pending block scored by its own keys
 
 class CaMKVCache(_BaseCache):
-    """A KV cache that holds at most `budget` tokens per (batch, KV head) row.
+    """A KV cache that holds at most `budget + slack` tokens per (batch, KV head) row.
 
-    update_and_fetch returns the rows stored before the call followed by the new
-    tokens (what the model's mask was built for); the eviction and merging of
-    ALGORITHM.md happen in the same call and show from the next call on.
+    Amortized eviction (docs/algorithm.md section 7): a call writes its keys and values
+    into a preallocated buffer in place and returns views of every row held (what the
+    model's mask was built for), keeping what scoring the new tokens needs (their
+    queries, or nothing with key scoring). Once the rows would pass budget + slack, the
+    tokens since the last compression are scored as one chunk and evicted (and merged)
+    back to budget, in the same call. With slack=0 that happens at every call over the
+    budget: the exact per-token rule.
 
-    head_offset and n_heads_global place this cache's heads among the model's
-    heads when they are sharded over processes, so the gate draws what an
-    unsharded run draws (ALGORITHM.md section 1).
+    head_offset and n_heads_global place this cache's heads among the model's heads
+    when they are sharded over processes, so the gate draws what an unsharded run
+    draws (docs/algorithm.md section 1).
 
-    With scoring="query" a block waits in update_and_fetch for the model's queries,
-    which camkv's attention hook hands over right after (observe_queries). When no
-    hook can feed the cache (it was built directly and no hook is installed, its
-    model's attention does not call mlx-lm's scaled_dot_product_attention, or the
-    hook was removed) the block is scored with its keys at once, with one
-    QueryScoringWarning per cache. A model that bypasses an installed hook is
-    caught at the next call: the waiting block is scored with keys, and it warns once.
+    With scoring="query" a block waits for the model's queries, which camkv's attention
+    hook hands over right after update_and_fetch (observe_queries). When no hook can
+    feed the cache (it was built directly and no hook is installed, its model's
+    attention does not call mlx-lm's scaled_dot_product_attention, or the hook was
+    removed) the block is scored with its keys, with one QueryScoringWarning per cache.
+    A model that bypasses an installed hook is caught at the next call: the waiting
+    block is scored with keys, and it warns once.
     """
 
     def __init__(
@@ -62,11 +65,24 @@ class CaMKVCache(_BaseCache):
         self._reset()
 
     def _reset(self) -> None:
-        self._rows: RowState | None = None
+        # Rows held: [B, H, capacity, D] buffers, the first _held rows in use. The first
+        # _settled of them are scored (scores, positions [B*H, _settled]); the rest are
+        # pending: positions _pending_start.., scored at the next compression.
+        self._keys: mx.array | None = None
+        self._values: mx.array | None = None
+        self._held = 0
+        self._settled = 0
+        self._scores: mx.array | None = None
+        self._positions: mx.array | None = None
+        self._pending_start = 0
+        # The pending tokens' queries: (scale, [queries [B, Hq, S, Dk], ...]) with query
+        # scoring, (_KEY_SCORED, []) when they are scored by their keys; None if none pending.
+        self._queued: tuple | None = None
+        self._queued_count = 0  # pending tokens _queued covers (all but a block waiting)
+        self._waiting = 0  # tokens of the last call that wait for their queries
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
-        self._pending: tuple | None = None  # (keys, values) waiting for queries ("query" scoring)
         self._merges = mx.zeros((), mx.int32)
-        self._merge_counts: list[mx.array] = []  # per-call [rows] counts not yet summed in
+        self._merge_counts: list[mx.array] = []  # per-compression [rows] counts not yet summed
         self._evictions = 0
         self.offset = 0
         self._query_scored = 0  # tokens scored with the model's queries
@@ -77,9 +93,6 @@ class CaMKVCache(_BaseCache):
         self._warned: set[str] = set()
         self._row_ids_for: tuple | None = None  # ((B, H), row ids) of _row_ids
         self._backend_for: tuple | None = None  # ((name, device), module) of _backend
-        # mass_bias: the logit bias [B, H, L] of the rows the last update_and_fetch
-        # returned, which the attention hook adds (None: nothing to add).
-        self._fetched_bias: mx.array | None = None
 
     # ------------------------------------------------------------------ config
     @property
@@ -98,79 +111,50 @@ class CaMKVCache(_BaseCache):
 
     # ------------------------------------------------------------------ protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Store S new tokens per row; return (stored ++ new keys, stored ++ new values)."""
+        """Hold S new tokens per row; return (held ++ new keys, held ++ new values) [B, H, n + S, D]."""
         self._check_block(keys, values)
         self._flush_pending_with_keys()
-        fetched = self._fetch(keys, values)
-        start = self.offset
+        self._layout = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
+        fetched = self._append(keys, values)
+        # The model computed RoPE from offset before this call; it advances now, even
+        # when scoring waits for the queries.
+        self.offset += keys.shape[2]
         if self._config.scoring == "query" and self._queries_can_come():
-            self._pending = (keys, values, start)
+            self._waiting = keys.shape[2]
         else:
             if self._config.scoring == "query":
                 self._warn_once("no_hook", self._no_hook_message(), stacklevel=3)
-            self._absorb(keys, values, start, None, None)
-        # The model computed RoPE from offset before this call; it advances now, even
-        # when the update itself waits for the queries.
-        self._layout = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
-        self.offset = start + keys.shape[2]
+            self._queue(_KEY_SCORED, None)
         return fetched
 
     def observe_queries(self, queries: mx.array, scale: float) -> None:
-        """The model's queries [B, Hq, S, Dk] for the pending block ("query" scoring)."""
-        if self._pending is None:
-            return
-        keys, values, start = self._pending
-        B, H, S, _ = keys.shape
+        """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring)."""
+        if not self._waiting:
+            return  # nothing waits: a model without camkv scoring, or a repeated call
+        B, H, Dk = self._layout[0], self._layout[1], self._layout[2]
+        S = self._waiting
         if queries.ndim != 4 or queries.shape[0] != B or queries.shape[2] != S:
             raise ValueError(
-                f"queries must be [B={B}, Hq, S={S}, Dk], got {tuple(queries.shape)}"
+                f"queries {tuple(queries.shape)} do not match the block waiting for them "
+                f"(B={B}, S={S}); expected [B, query heads, S, Dk]"
             )
         if queries.shape[1] % H != 0:
             raise ValueError(
                 f"query heads {queries.shape[1]} are not a multiple of the KV heads {H}"
             )
-        self._pending = None
-        if queries.shape[3] != keys.shape[3]:
+        self._waiting = 0
+        if queries.shape[3] != Dk:
             # MLA models (deepseek_v3 and kin) cache a compressed latent, and their
             # prompt queries do not live in its space: there is nothing to score with.
             self._warn_once("width", (
                 f"camkv: model {self.model_type or '(unknown type)'} attends with queries "
-                f"of width {queries.shape[3]} over cached keys of width {keys.shape[3]} "
+                f"of width {queries.shape[3]} over cached keys of width {Dk} "
                 "(a compressed latent cache); scoring those blocks with keys instead. Pass "
                 "scoring='key' to score all blocks the same way."))
-            self._absorb(keys, values, start, None, None)
+            self._queue(_KEY_SCORED, None)
             return
-        groups = queries.shape[1] // H
-        # [B, H*G, S, D] -> [B*H, S, G, D]: query head h*G + g belongs to KV head h. A
-        # decode step (S = 1) has that layout already: a reshape, not a transposed copy.
-        if S == 1:
-            q = queries.reshape(B * H, 1, groups, -1)
-        else:
-            q = queries.reshape(B, H, groups, S, -1).transpose(0, 1, 3, 2, 4).reshape(B * H, S, groups, -1)
-        self._absorb(keys, values, start, q, scale)
         self._query_scored += S
-
-    def attention_mask(self, mask, queries: mx.array):
-        """The mask for attention over the rows the last update_and_fetch returned:
-        mlx-lm's mask (None, "causal" or an array) plus, with mass_bias, each row's
-        logit bias, as one additive array [B, Hq, S or 1, L] in the queries' dtype."""
-        bias = self._fetched_bias
-        if bias is None:
-            return mask
-        B, H, L = bias.shape
-        groups = queries.shape[1] // H
-        # Query head h * G + g attends over KV head h's rows.
-        bias = mx.repeat(bias, groups, axis=1)[:, :, None, :]
-        if isinstance(mask, str):
-            if mask != "causal":
-                raise ValueError(f"camkv's attention bias cannot join mask {mask!r}")
-            mask = create_causal_mask(queries.shape[2], L - queries.shape[2])
-        if mask is not None:
-            if mask.dtype == mx.bool_:
-                bias = mx.where(mask, bias, -float("inf"))
-            else:
-                bias = bias + mask
-        return bias.astype(queries.dtype)
+        self._queue(float(scale), queries)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         self._flush_pending_with_keys()
@@ -186,9 +170,8 @@ class CaMKVCache(_BaseCache):
         return "causal"
 
     def size(self) -> int:
-        """Tokens held per row (at most budget), not the absolute position (see offset)."""
-        self._flush_pending_with_keys()
-        return 0 if self._rows is None else self._rows.length
+        """Tokens held per row (at most budget + slack), not the absolute position (see offset)."""
+        return self._held
 
     def empty(self) -> bool:
         return self._layout is None
@@ -212,21 +195,22 @@ class CaMKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes really held: keys, values, scores and positions."""
-        self._flush_pending_with_keys()
-        if self._rows is None:
+        """Bytes of the rows held: keys, values, scores and positions (the pending rows'
+        scores counted as the float32 each will take)."""
+        if self._layout is None:
             return 0
-        return sum(a.nbytes for a in self._rows.arrays())
+        B, H, Dk, Dv, dtype = self._layout
+        return B * H * self._held * ((Dk + Dv) * dtype.size + 8)
 
     @property
     def keys(self):
-        """Stored keys [B, H, n, Dk] (None while empty), as mlx-lm's KVCache.keys.
+        """Held keys [B, H, n, Dk] (None while empty), as mlx-lm's KVCache.keys.
 
         Settable (same shape) because mlx-lm's pipelined models attach their send to
         the last layer's state with `cache[-1].keys = mx.depends(cache[-1].keys, h)`,
         so evaluating the cache states also sends to the next rank.
         """
-        return None if self.empty() else self.stored()[0]
+        return None if self.empty() else self._keys[:, :, : self._held]
 
     @keys.setter
     def keys(self, value) -> None:
@@ -235,33 +219,26 @@ class CaMKVCache(_BaseCache):
             raise ValueError("CaMKVCache.keys cannot be set while the cache is empty")
         if not isinstance(value, mx.array) or value.shape != current.shape:
             raise ValueError(
-                "CaMKVCache.keys can only be replaced by an array of the stored keys' shape "
+                "CaMKVCache.keys can only be replaced by an array of the held keys' shape "
                 f"{tuple(current.shape)}"
             )
-        self._rows = self._rows._replace(keys=value.reshape(self._rows.keys.shape))
+        self._keys[:, :, : self._held] = value
 
     # ------------------------------------------------------------------ inspection
     def stored(self):
-        """(keys [B,H,n,Dk], values [B,H,n,Dv], scores [B,H,n] f32, positions [B,H,n] i32)."""
+        """(keys [B,H,n,Dk], values [B,H,n,Dv], scores [B,H,n] f32, positions [B,H,n] i32)
+        of every row held; a pending row's score includes its chunk's mass so far (what
+        the next compression will add), without changing the cache."""
         self._flush_pending_with_keys()
-        if self._rows is None:
+        if self._keys is None:
             raise ValueError("the cache is empty: nothing stored yet")
         B, H = self._layout[:2]
-        n = self._rows.length
-        return (
-            self._rows.keys.reshape(B, H, n, -1),
-            self._rows.values.reshape(B, H, n, -1),
-            self._rows.scores.reshape(B, H, n),
-            self._rows.positions.reshape(B, H, n),
-        )
-
-    def stored_bias(self):
-        """mass_bias: each stored row's logit bias [B, H, n] float32; None without it."""
-        self._flush_pending_with_keys()
-        if self._rows is None or self._rows.bias is None:
-            return None
-        B, H = self._layout[:2]
-        return self._rows.bias.reshape(B, H, -1)
+        rows = self._held_rows()
+        if self._queued is not None:
+            queries, scale = self._chunk_queries(self._held)
+            mass = fast.attention_mass(queries, rows.keys, scale, self._settled)
+            rows = rows._replace(scores=rows.scores + mass)
+        return tuple(a.reshape(B, H, self._held, *a.shape[2:]) for a in rows)
 
     @property
     def stats(self) -> dict:
@@ -282,7 +259,11 @@ class CaMKVCache(_BaseCache):
     # ------------------------------------------------------------------ state
     @property
     def state(self):
+        """(keys, values, scores, positions, merges, meta JSON). Reading it first scores the
+        pending tokens (a compression, evicting back to the budget when more are held), so
+        a saved cache holds only scored rows."""
         self._flush_pending_with_keys()
+        self._compress()
         meta = {
             "offset": self.offset,
             "config": json.loads(self._config.to_json()),
@@ -291,20 +272,17 @@ class CaMKVCache(_BaseCache):
             "evictions": self._evictions,
             "query_scored": self._query_scored,
         }
-        if self._rows is None:
+        if self._keys is None:
             return (None, None, None, None, self._total_merges(), json.dumps(meta))
         keys, values, scores, positions = self.stored()
-        state = (keys, values, scores, positions, self._total_merges(), json.dumps(meta))
-        if self._rows.bias is not None:
-            state += (self._rows.bias.reshape(scores.shape),)  # mass_bias only
-        return state
+        return (keys, values, scores, positions, self._total_merges(), json.dumps(meta))
 
     @state.setter
     def state(self, v) -> None:
         keys, values, scores, positions, merges, meta_json = v[:6]
-        bias = v[6] if len(v) > 6 else None  # mass_bias caches only
         meta = json.loads(meta_json)
-        self._config = CaMConfig(**meta["config"])
+        config = CaMConfig(**meta["config"])
+        self._config = config
         self._head_offset = meta["head_offset"]
         self._n_heads_global = meta["n_heads_global"]
         self._reset()
@@ -315,14 +293,15 @@ class CaMKVCache(_BaseCache):
         if keys is None:
             return
         B, H, n, Dk = keys.shape
+        if n > config.budget:
+            raise ValueError(f"a saved CaMKVCache holds {n} rows, more than its budget {config.budget}")
         self._layout = (B, H, Dk, values.shape[3], keys.dtype)
-        self._rows = RowState(
+        self._settle_rows(RowState(
             keys.reshape(B * H, n, Dk),
             values.reshape(B * H, n, -1),
             scores.reshape(B * H, n).astype(mx.float32),
             positions.reshape(B * H, n).astype(mx.int32),
-            None if bias is None else bias.reshape(B * H, n).astype(mx.float32),
-        )
+        ), self.offset)
 
     # ------------------------------------------------------------------ internals
     def _check_block(self, keys, values) -> None:
@@ -356,26 +335,124 @@ class CaMKVCache(_BaseCache):
                     f"{(B, H, Dk, Dv, dtype)}, the call has {got}"
                 )
 
-    def _fetch(self, keys, values):
-        self._fetched_bias = self._bias_for_fetch(keys.shape[2])
-        if self._rows is None:
-            return keys, values
-        # The kernel backends join keys and values in one operation of their own;
-        # the reference (and a block of another dtype, which its update rejects) concatenates.
-        fetch = getattr(self._backend(), "fetch", concatenate_rows)
-        if keys.dtype != self._rows.keys.dtype:
-            fetch = concatenate_rows
-        B, H, S, _ = keys.shape
-        fetched = fetch(self._rows.keys, self._rows.values, keys.reshape(B * H, S, -1), values.reshape(B * H, S, -1))
-        return tuple(a.reshape(B, H, a.shape[1], -1) for a in fetched)
+    def _capacity(self) -> int:
+        """Rows a decode needs in place: budget + slack held, plus the step that compresses."""
+        return self._config.budget + self._config.slack + 1
 
-    def _bias_for_fetch(self, new_tokens: int):
-        """mass_bias: the stored rows' bias followed by 0 for each new token, [B, H, L];
-        None when no bias is held."""
-        if self._rows is None or self._rows.bias is None:
-            return None
+    def _append(self, keys, values):
+        """Write the block after the held rows (in place when it fits); return the views
+        [B, H, held + S, D] of keys and values."""
+        S = keys.shape[2]
+        end = self._held + S
+        if self._scores is None:
+            R = keys.shape[0] * keys.shape[1]
+            self._scores, self._positions = mx.zeros((R, 0), mx.float32), mx.zeros((R, 0), mx.int32)
+        if self._keys is not None and end <= self._keys.shape[2]:
+            self._keys[:, :, self._held : end] = keys
+            self._values[:, :, self._held : end] = values
+        else:
+            # A first call or a long block: one new buffer, with room for decoding after.
+            spare = max(0, self._capacity() - end)
+            self._keys = self._joined(self._keys, keys, spare)
+            self._values = self._joined(self._values, values, spare)
+        self._held = end
+        return self._keys[:, :, :end], self._values[:, :, :end]
+
+    def _joined(self, buffer, block, spare: int):
+        """The held rows of buffer (if any), then block, then spare empty rows."""
+        parts = [] if buffer is None else [buffer[:, :, : self._held]]
+        parts.append(block)
+        if spare:
+            parts.append(mx.zeros((*block.shape[:2], spare, block.shape[3]), block.dtype))
+        return mx.concatenate(parts, axis=2) if len(parts) > 1 else block
+
+    def _queue(self, scale, queries) -> None:
+        """Keep what scoring the block of the last call needs (its queries under scale, or
+        _KEY_SCORED), then compress if the rows held passed budget + slack."""
+        if self._queued is not None and self._queued[0] != scale:
+            # Pending tokens scored another way (keys, or another scale) are scored first.
+            block = self._held - self._settled - self._queued_count
+            self._compress(self._held - block)
+        if self._queued is None:
+            self._queued = (scale, [])
+        if queries is not None:
+            self._queued[1].append(queries)
+        self._queued_count = self._held - self._settled
+        if self._held > self._config.budget + self._config.slack:
+            self._compress()
+
+    def _held_rows(self, end: int | None = None) -> RowState:
+        """Rows [0, end) held as a RowState [B*H, end, ...]; pending rows score 0."""
+        end = self._held if end is None else end
         B, H = self._layout[:2]
-        return bias_with_new_rows(self._rows.bias, new_tokens).reshape(B, H, -1)
+        R, pending = B * H, end - self._settled
+        positions = self._pending_start + mx.arange(pending, dtype=mx.int32)
+        return RowState(
+            self._keys[:, :, :end].reshape(R, end, -1),
+            self._values[:, :, :end].reshape(R, end, -1),
+            mx.concatenate([self._scores, mx.zeros((R, pending), mx.float32)], axis=1),
+            mx.concatenate([self._positions, mx.broadcast_to(positions, (R, pending))], axis=1),
+        )
+
+    def _chunk_queries(self, end: int):
+        """The queries of pending rows [settled, end) as [B*H, G, S, Dk] and their scale."""
+        scale, blocks = self._queued
+        B, H = self._layout[:2]
+        if scale is _KEY_SCORED:
+            keys = self._keys[:, :, self._settled : end]
+            return fast.key_queries(keys.reshape(B * H, end - self._settled, -1))
+        queries = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=2)
+        Hq, S = queries.shape[1], queries.shape[2]
+        # Query head h * G + g belongs to KV head h: a reshape, not a copy.
+        return queries[:, :, : end - self._settled].reshape(B * H, Hq // H, S, -1), scale
+
+    def _compress(self, end: int | None = None) -> None:
+        """Score pending rows [settled, end) as one chunk and evict back to the budget
+        (docs/algorithm.md section 7). Rows after end (a block not queued yet) stay pending."""
+        end = self._held if end is None else end
+        chunk = end - self._settled
+        if self._queued is None or chunk <= 0:
+            return
+        queries, scale = self._chunk_queries(end)
+        state, merges = self._run_backend(queries, scale, end)
+        self._evictions += max(0, end - self._config.budget) * queries.shape[0]
+        self._merge_counts.append(merges)
+        if len(self._merge_counts) >= _MERGE_BATCH:
+            self._total_merges()
+        rest = (self._keys[:, :, end : self._held], self._values[:, :, end : self._held])
+        self._settle_rows(state, self._pending_start + chunk)
+        if rest[0].shape[2]:
+            self._append(*rest)
+
+    def _run_backend(self, queries, scale, end: int):
+        """The compression of rows [settled, end) by the configured backend."""
+        cfg = self._config
+        rows = self._held_rows(end)
+        backend = self._backend()
+        n = self._settled
+        if cfg.merge == "drop" and backend is not backends.reference and end - n > 1:
+            # Dropping needs no kernel: batched products, a partition and a gather.
+            return fast.compress_drop(rows, queries, scale, n, self._pending_start + end - n - 1, cfg)
+        before = RowState(*(a[:, :n] for a in rows))
+        new = [a[:, n:end] for a in rows[:2]]
+        key_scored = self._queued[0] is _KEY_SCORED
+        q = None if key_scored else queries.transpose(0, 2, 1, 3)
+        return backend.update(before, *new, self._pending_start, cfg, self._row_ids(*self._layout[:2]),
+                              q, None if key_scored else scale)
+
+    def _settle_rows(self, state: RowState, next_position: int) -> None:
+        """Make state [B*H, n, ...] the held rows, all scored, in a buffer with room to
+        decode; the next token held will be at next_position."""
+        B, H = self._layout[:2]
+        n = state.length
+        spare = max(0, self._capacity() - n)
+        self._held = 0
+        self._keys = self._joined(None, state.keys.reshape(B, H, n, -1), spare)
+        self._values = self._joined(None, state.values.reshape(B, H, n, -1), spare)
+        self._scores, self._positions = state.scores, state.positions
+        self._held = self._settled = n
+        self._queued, self._queued_count = None, 0
+        self._pending_start = next_position
 
     def _row_ids(self, B: int, H: int) -> mx.array:
         # Made once per shape: on a GPU every small array op of a decode step costs a
@@ -389,35 +466,12 @@ class CaMKVCache(_BaseCache):
             self._row_ids_for = ((B, H), ids)
         return self._row_ids_for[1]
 
-    def _absorb(self, keys, values, start, queries, scale) -> None:
-        """Run the backend's fused update on the block at positions start..; keys/values [B, H, S, D]."""
-        B, H, S, Dk = keys.shape
-        rows = self._rows or RowState.empty(B * H, Dk, values.shape[3], keys.dtype)
-        self._rows, merges = self._backend().update(
-            rows,
-            keys.reshape(B * H, S, Dk),
-            values.reshape(B * H, S, -1),
-            start,
-            self._config,
-            self._row_ids(B, H),
-            queries,
-            scale,
-        )
-        # Summed in batches: two more small operations per layer and token are two
-        # more launches on a GPU.
-        self._merge_counts.append(merges)
-        if len(self._merge_counts) >= _MERGE_BATCH:
-            self._total_merges()
-        self._evictions += max(0, rows.length + S - self._config.budget) * B * H
-
     def _backend(self):
         # Resolved once per backend name and device, not per call: resolving asks
         # every backend whether it is usable, host work a decode step pays per layer.
         key = (self._config.backend, mx.default_device())
         if self._backend_for is None or self._backend_for[0] != key:
-            # Only the reference carries mass_bias so far (CaMConfig allows "auto" with it).
-            name = "reference" if self._config.mass_bias else self._config.backend
-            self._backend_for = (key, backends.resolve(name))
+            self._backend_for = (key, backends.resolve(self._config.backend))
         return self._backend_for[1]
 
     def _total_merges(self) -> mx.array:
@@ -429,8 +483,6 @@ class CaMKVCache(_BaseCache):
 
     def _queries_can_come(self) -> bool:
         """Whether an installed attention hook can hand this cache the block's queries."""
-        from . import hook  # imported here: hook imports this module
-
         return hook.can_feed(self.hook_modules)
 
     def _no_hook_message(self) -> str:
@@ -458,13 +510,12 @@ class CaMKVCache(_BaseCache):
 
     def _flush_pending_with_keys(self) -> None:
         """A block the model never showed its queries for: score it with its keys, warn once."""
-        if self._pending is None:
+        if not self._waiting:
             return
         self._warn_once("bypass", (
             f"camkv: model {self.model_type or '(unknown type)'} computed attention without "
             "passing its queries to the cache (it bypasses mlx-lm's "
             "scaled_dot_product_attention); scoring that block with keys instead. Pass "
             "scoring='key' to score all blocks the same way."))
-        keys, values, start = self._pending
-        self._pending = None
-        self._absorb(keys, values, start, None, None)
+        self._waiting = 0
+        self._queue(_KEY_SCORED, None)

@@ -21,6 +21,15 @@ def default_recent(budget: int) -> int:
     return max(1, budget // 4)
 
 
+def default_slack(budget: int, prefill: str) -> int:
+    """The slack a budget gets by default: an eighth of it with chunk prefill, else 0.
+
+    An eighth: a compression then runs every budget // 8 + 1 decode steps, and its
+    cost (scoring those tokens over about 1.1 x budget rows, one partition, one gather)
+    spreads over them (bench/results/README.md, "Amortized eviction")."""
+    return budget // 8 if prefill == "chunk" else 0
+
+
 def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
     # bool is an int subclass; a True budget is a bug, not a 1.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -88,14 +97,13 @@ class CaMConfig:
       with keys and says so once (camkv.QueryScoringWarning).
     - prefill ["chunk"]: "exact" runs a multi-token call one token at a time;
       "chunk" scores the whole block at once and evicts once (fast prompts).
-    - mass_bias [False]: a row that merged tokens in attends with the extra logit
-      log(mass it stands for / its own mass), the growth factor (s_t + s_e) / s_t
-      multiplied in at every merge, so the model weighs it as the tokens it absorbed
-      together (the proportional attention of token merging). Its scoring sees the same
-      bias; camkv's attention hook adds it to the model's attention, so it needs
-      scoring="query". Blending merge modes only (not "window" or "drop"). It runs on the
-      reference backend only so far: backend must be "auto" (which then picks the
-      reference) or "reference".
+    - slack [an eighth of the budget with prefill="chunk", else 0]: amortized eviction.
+      A row may hold up to budget + slack tokens; a decode step only writes its key and
+      value into the cache's buffer and keeps its queries, and once the rows would pass
+      budget + slack, the tokens since the last compression are scored and evicted as
+      one chunk, back to budget (docs/algorithm.md section 7). slack=0 evicts at every
+      step (the exact per-token rule). None (the default) means budget // 8 and follows
+      the budget through replace(budget=...); slack > 0 needs prefill="chunk".
     - backend ["auto"]: "auto", "reference", "ext", "metal" or "cuda".
 
     Requires n_sink + recent < budget. Invalid values raise ValueError naming the
@@ -112,7 +120,7 @@ class CaMConfig:
     seed: int = 0
     scoring: str = "query"
     prefill: str = "chunk"
-    mass_bias: bool = False
+    slack: int | None = None
     backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -121,6 +129,9 @@ class CaMConfig:
         if self.recent is None:
             object.__setattr__(self, "recent", default_recent(self.budget))
         _check_int("recent", self.recent, 1)
+        if self.slack is None:
+            object.__setattr__(self, "slack", default_slack(self.budget, self.prefill))
+        _check_int("slack", self.slack, 0)
         _check_int("window", self.window, 1)
         _check_int("seed", self.seed, 0, UINT32_MAX)
         _check_choice("merge", self.merge, MERGE_MODES)
@@ -129,8 +140,11 @@ class CaMConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_bool("merge_keys", self.merge_keys)
         _check_bool("gate", self.gate)
-        _check_bool("mass_bias", self.mass_bias)
-        self._check_mass_bias()
+        if self.slack and self.prefill != "chunk":
+            raise ValueError(
+                f"CaMConfig.slack={self.slack} needs prefill='chunk' (the buffered tokens are "
+                f"compressed as one chunk), got prefill={self.prefill!r}; use slack=0"
+            )
         if self.merge_keys and self.merge in WINDOW_MODES:
             raise ValueError(
                 f"CaMConfig.merge_keys=True is not allowed with merge={self.merge!r} "
@@ -142,32 +156,17 @@ class CaMConfig:
                 f"{self.recent} = {self.n_sink + self.recent}, got budget={self.budget}"
             )
 
-    def _check_mass_bias(self) -> None:
-        if not self.mass_bias:
-            return
-        if self.merge in ("window", "drop"):
-            raise ValueError(
-                f"CaMConfig.mass_bias=True needs a blending merge mode, got merge={self.merge!r} "
-                "(allowed: sim_weighted, mean, mass_weighted, window_mass)"
-            )
-        if self.scoring != "query":
-            raise ValueError(
-                f"CaMConfig.mass_bias=True needs scoring='query' (the attention hook that hands "
-                f"the cache its queries also adds the bias), got scoring={self.scoring!r}"
-            )
-        if self.backend not in ("auto", "reference"):
-            raise ValueError(
-                f"CaMConfig.mass_bias=True runs on the reference backend only (the kernels "
-                f"do not carry the bias yet), got backend={self.backend!r}; use 'auto' or 'reference'"
-            )
-
     def replace(self, **changes) -> "CaMConfig":
         """A copy with some fields changed (validated like a new config)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"CaMConfig has no field(s) {sorted(unknown)}")
+        # Default shares follow the fields they are derived from.
         if "budget" in changes and "recent" not in changes and self.recent == default_recent(self.budget):
-            changes = {**changes, "recent": None}  # the default share follows the budget
+            changes = {**changes, "recent": None}
+        if ({"budget", "prefill"} & set(changes) and "slack" not in changes
+                and self.slack == default_slack(self.budget, self.prefill)):
+            changes = {**changes, "slack": None}
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:

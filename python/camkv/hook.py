@@ -16,8 +16,6 @@ import sys
 
 from mlx_lm.models import base
 
-from .cache import CaMKVCache
-
 _NAME = "scaled_dot_product_attention"
 _ORIGINAL = base.scaled_dot_product_attention
 _HOOKED = "_camkv_hooked_modules"
@@ -29,9 +27,9 @@ _saved: dict[str, object] = {}
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *args, **kwargs):
     """mlx-lm's attention, after handing the queries to a camkv cache that waits for them."""
-    if isinstance(cache, CaMKVCache):
-        cache.observe_queries(queries, scale)
-        mask = cache.attention_mask(mask, queries)
+    observe = getattr(cache, "observe_queries", None)  # a camkv cache
+    if observe is not None:
+        observe(queries, scale)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
 

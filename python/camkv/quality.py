@@ -8,8 +8,7 @@ changes results on some MLX models):
 - h2o: camkv with merge="drop" (attention-mass eviction, sinks, recent window);
 - camkv with merge = sim_weighted / mean / mass_weighted / window / window_mass, each
   with the gate on and off;
-- the camkv arms again with scoring="query" (suffix "-query");
-- the blending arms with mass_bias (suffix "-bias-query"; reference backend, slow).
+- the camkv arms again with scoring="query" (suffix "-query").
 
 Tasks:
 
@@ -134,12 +133,10 @@ class Method:
     gate: bool = False
     scoring: str = "key"
     merge_keys: bool = False
-    mass_bias: bool = False
 
 
 MERGE_ARMS = ("sim_weighted", "mean", "mass_weighted", "window", "window_mass")
 KEY_MERGE_ARMS = ("sim_weighted", "mass_weighted")  # nearest-survivor rules that can blend keys
-BIAS_MERGE_ARMS = ("sim_weighted", "mean", "mass_weighted", "window_mass")  # blending rules
 
 
 def method_catalog() -> dict[str, Method]:
@@ -154,10 +151,6 @@ def method_catalog() -> dict[str, Method]:
                 methods.append(Method(name, "camkv", merge, gate, scoring))
         for merge in KEY_MERGE_ARMS:  # blending the keys too (merge_keys), ungated
             methods.append(Method(merge + "-keys-nogate" + suffix, "camkv", merge, False, scoring, True))
-    for merge in BIAS_MERGE_ARMS:  # merged rows attend with their mass (mass_bias), ungated
-        methods.append(Method(merge + "-nogate-bias-query", "camkv", merge, False, "query", mass_bias=True))
-    for merge in KEY_MERGE_ARMS:  # ... and with their keys blended too (token merging's form)
-        methods.append(Method(merge + "-keys-nogate-bias-query", "camkv", merge, False, "query", True, True))
     return {m.name: m for m in methods}
 
 
@@ -222,7 +215,7 @@ def make_cache(model, method: Method, budget: int | None, settings: CacheSetting
     return camkv_prompt_cache(
         model, budget=budget, n_sink=settings.n_sink, recent=settings.recent_for(budget),
         merge=method.merge, gate=method.gate, scoring=method.scoring, merge_keys=method.merge_keys,
-        window=settings.window, mass_bias=method.mass_bias,
+        window=settings.window,
         seed=settings.seed, prefill="chunk", backend=settings.backend,
     )
 

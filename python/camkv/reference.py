@@ -9,46 +9,15 @@ float32 arithmetic; keys and values are rounded to the storage dtype once per me
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import mlx.core as mx
 
 from .config import WINDOW_MODES, CaMConfig
+from .rows import RowState
 
 _GOLDEN = 0x9E3779B9
 _MIX_MUL_1 = 0x7FEB352D
 _MIX_MUL_2 = 0x846CA68B
 _INF = float("inf")
-
-
-class RowState(NamedTuple):
-    """Stored tokens of every row, oldest first. R = B * H rows, n tokens each."""
-
-    keys: mx.array  # [R, n, Dk], storage dtype
-    values: mx.array  # [R, n, Dv], storage dtype
-    scores: mx.array  # [R, n] float32, accumulated attention mass
-    positions: mx.array  # [R, n] int32, absolute positions, ascending
-    # [R, n] float32 with CaMConfig.mass_bias, else None: log of the attention mass a
-    # row stands for relative to its own (0 for a row nothing merged into), added to
-    # its attention logits by the cache and the scoring alike.
-    bias: mx.array | None = None
-
-    @classmethod
-    def empty(cls, rows: int, k_dim: int, v_dim: int, dtype) -> "RowState":
-        return cls(
-            mx.zeros((rows, 0, k_dim), dtype),
-            mx.zeros((rows, 0, v_dim), dtype),
-            mx.zeros((rows, 0), mx.float32),
-            mx.zeros((rows, 0), mx.int32),
-        )
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[1]
-
-    def arrays(self) -> tuple:
-        """The arrays held: keys, values, scores, positions and the bias where there is one."""
-        return tuple(a for a in self if a is not None)
 
 
 # ----------------------------------------------------------------------------
@@ -113,34 +82,31 @@ def _float32_product(a: mx.array, b: mx.array, split: bool) -> mx.array:
     return a_hi @ b_hi + (a_hi @ (b - b_hi) + (a - a_hi) @ b_hi)
 
 
-def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, split: bool = False,
-                    bias: mx.array | None = None) -> mx.array:
+def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, split: bool = False) -> mx.array:
     """Section 2: softmax weights of each query over keys, summed over queries / G.
 
     queries [R, S, G, Dk] float32, keys [R, N, Dk] float32, visible [S, N] bool or None,
-    bias [R, N] float32 (mass_bias) or None. Returns [R, N] float32.
+    Returns [R, N] float32. A NaN or infinite logit counts as masked, and a query whose
+    every logit is masked adds nothing (section 2's rule for poisoned inputs).
     """
     rows, s_len, groups, k_dim = queries.shape
     q = queries.reshape(rows, s_len * groups, k_dim)
     logits = scale * _float32_product(q, keys.transpose(0, 2, 1), split)  # [R, S*G, N]
     logits = logits.reshape(rows, s_len, groups, -1)
-    if bias is not None:
-        logits = logits + bias[:, None, None, :]
+    usable = mx.isfinite(logits)
     if visible is not None:
-        logits = mx.where(visible[None, :, None, :], logits, -_INF)
-    weights = mx.softmax(logits, axis=-1, precise=True)
-    return weights.sum(axis=(1, 2)) / groups
+        usable = usable & visible[None, :, None, :]
+    weights = mx.softmax(mx.where(usable, logits, -_INF), axis=-1, precise=True)
+    return mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2)) / groups
 
 
-def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: int, split: bool = False,
-                          bias: mx.array | None = None) -> mx.array:
+def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: int, split: bool = False) -> mx.array:
     """A chunk's mass: chunk token i (absolute index n + i) sees every stored row and
     the chunk tokens up to itself. queries [R, S, G, Dk], keys [R, n + S, Dk] float32.
-    split: keep float32 accuracy on a TF32 matmul (see _float32_product).
-    bias: [R, n + S] (mass_bias) or None."""
+    split: keep float32 accuracy on a TF32 matmul (see _float32_product)."""
     s_len, total = queries.shape[1], keys.shape[1]
     visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
-    return _attention_mass(queries, keys, scale, visible, split, bias)
+    return _attention_mass(queries, keys, scale, visible, split)
 
 
 # ----------------------------------------------------------------------------
@@ -161,13 +127,13 @@ def _blend_rows(rows: mx.array, target_mask: mx.array, source: mx.array, weight,
 
 
 def _merge_one(
-    keys, values, scores, positions, survivor, e, row_ids, cfg: CaMConfig, bias=None
+    keys, values, scores, positions, survivor, e, row_ids, cfg: CaMConfig
 ):
     """Merge loser e (index [R]) into the survivors, returning updated arrays and the gate outcome.
 
     keys [R, N, Dk], values [R, N, Dv], scores [R, N] f32, positions [R, N] i32,
-    survivor [R, N] bool (rows that may receive mass; excludes e), bias [R, N] f32
-    (mass_bias) or None. Returns (keys, values, scores, bias, merged [R] bool).
+    survivor [R, N] bool (rows that may receive mass; excludes e).
+    Returns (keys, values, scores, merged [R] bool).
     """
     idx = mx.arange(keys.shape[1])[None, :]
     s_e = _take_rows(scores, e)
@@ -200,27 +166,14 @@ def _merge_one(
         # Each target's own weight: its mass against the share it receives.
         weight = _mass_weight(share[:, None], scores)
         values = _blend_rows(values, in_window, v_e, weight, do)
-        bias = _grow_bias(bias, in_window & do[:, None], share[:, None], scores)
         scores = scores + mx.where(in_window & do[:, None], share[:, None], 0.0)
     else:
         weight = _nearest_weight(cfg.merge, _take_rows(cos, t), s_e, s_target)
         values = _blend_rows(values, in_window, v_e, weight, do)
         if cfg.merge_keys:
             keys = _blend_rows(keys, in_window, k_e, weight, do)
-        bias = _grow_bias(bias, in_window & do[:, None], s_e[:, None], scores)
         scores = scores + mx.where(in_window & do[:, None], s_e[:, None], 0.0)
-    return keys, values, scores, bias, do
-
-
-def _grow_bias(bias, targets: mx.array, s_in, s_target: mx.array):
-    """mass_bias: a target that absorbs mass s_in on top of its own s_target now stands
-    for (s_target + s_in) / s_target times the attention it draws by itself, so its
-    logit bias grows by log1p(s_in / s_target) (unchanged where s_target is 0).
-    targets [R, N] bool, s_in [R, 1] or [R, N], s_target [R, N]: scores before the merge."""
-    if bias is None:
-        return None
-    growth = mx.log1p(s_in / mx.where(s_target > 0, s_target, 1.0))
-    return bias + mx.where(targets & (s_target > 0), growth, 0.0)
+    return keys, values, scores, do
 
 
 def _mass_weight(s_e: mx.array, s_t: mx.array) -> mx.array:
@@ -288,8 +241,6 @@ def update(
     merges per row [R] int32.
     """
     q, s = _prepare(new_keys, queries, scale)
-    if cfg.mass_bias and state.bias is None:
-        state = state._replace(bias=mx.zeros(state.scores.shape, mx.float32))
     if cfg.prefill == "chunk":
         return _update_chunk(state, new_keys, new_values, offset, cfg, row_ids, q, s)
     merges = mx.zeros((new_keys.shape[0],), mx.int32)
@@ -306,31 +257,20 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     rows, n = k.shape[0], state.length
     keys = mx.concatenate([state.keys, k[:, None, :]], axis=1)
     values = mx.concatenate([state.values, v[:, None, :]], axis=1)
-    bias = bias_with_new_rows(state.bias, 1)
-    mass = _attention_mass(q[:, None], keys.astype(mx.float32), scale, None, bias=bias)
+    mass = _attention_mass(q[:, None], keys.astype(mx.float32), scale, None)
     scores = mx.concatenate([state.scores, mx.zeros((rows, 1), mx.float32)], axis=1) + mass
     positions = mx.concatenate(
         [state.positions, mx.full((rows, 1), p, mx.int32)], axis=1
     )
     if n < cfg.budget:
-        return RowState(keys, values, scores, positions, bias), mx.zeros((rows,), mx.bool_)
+        return RowState(keys, values, scores, positions), mx.zeros((rows,), mx.bool_)
 
-    protected = (positions < cfg.n_sink) | (positions > p - cfg.recent)
-    e = _first_argmin(mx.where(protected, _INF, scores))
+    e = _first_argmin(_ranked(scores, positions, p, cfg))
     idx = mx.arange(n + 1)[None, :]
     survivor = idx != e[:, None]
-    keys, values, scores, bias, did = _merge_one(
-        keys, values, scores, positions, survivor, e, row_ids, cfg, bias
-    )
+    keys, values, scores, did = _merge_one(keys, values, scores, positions, survivor, e, row_ids, cfg)
     keep = mx.arange(n)[None, :] + (mx.arange(n)[None, :] >= e[:, None])
-    return _gather(RowState(keys, values, scores, positions, bias), keep), did
-
-
-def bias_with_new_rows(bias, count: int):
-    """A bias [R, n] extended by count zeros (new tokens stand for themselves), or None."""
-    if bias is None:
-        return None
-    return mx.concatenate([bias, mx.zeros((bias.shape[0], count), mx.float32)], axis=1)
+    return _gather(RowState(keys, values, scores, positions), keep), did
 
 
 def _gather(state: RowState, idx: mx.array) -> RowState:
@@ -340,20 +280,25 @@ def _gather(state: RowState, idx: mx.array) -> RowState:
         mx.take_along_axis(state.values, idx[:, :, None], axis=1),
         mx.take_along_axis(state.scores, idx, axis=1),
         mx.take_along_axis(state.positions, idx, axis=1),
-        None if state.bias is None else mx.take_along_axis(state.bias, idx, axis=1),
     )
+
+
+def _ranked(scores, positions, p_last: int, cfg) -> mx.array:
+    """Eviction ranks (section 3): protected rows (sinks, and the recent window before
+    p_last) +inf, a NaN score -inf (a poisoned token goes first), else the score."""
+    protected = (positions < cfg.n_sink) | (positions > p_last - cfg.recent)
+    return mx.where(protected, _INF, mx.where(mx.isnan(scores), -_INF, scores))
 
 
 def _chunk_losers(scores, positions, p_last, n_losers, cfg) -> mx.array:
     """The n_losers lowest-scoring candidates of each row ([R, N] bool); ties to smaller position."""
-    protected = (positions < cfg.n_sink) | (positions > p_last - cfg.recent)
-    ranked = mx.where(protected, _INF, scores)
+    ranked = _ranked(scores, positions, p_last, cfg)
     idx = mx.arange(scores.shape[1])
     before = (ranked[:, None, :] < ranked[:, :, None]) | (
         (ranked[:, None, :] == ranked[:, :, None]) & (idx[None, :] < idx[:, None])[None]
     )
     rank = before.sum(axis=2)
-    return (rank < n_losers) & ~protected
+    return (rank < n_losers) & (ranked < _INF)
 
 
 def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q, scale):
@@ -363,14 +308,13 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     total = n + s_len
     keys = mx.concatenate([state.keys, new_keys], axis=1)
     values = mx.concatenate([state.values, new_values], axis=1)
-    bias = bias_with_new_rows(state.bias, s_len)
-    mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n, bias=bias)
+    mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n)
     scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
     new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
     positions = mx.concatenate([state.positions, new_positions], axis=1)
     merges = mx.zeros((rows,), mx.int32)
     if total <= cfg.budget:
-        return RowState(keys, values, scores, positions, bias), merges
+        return RowState(keys, values, scores, positions), merges
 
     n_losers = total - cfg.budget
     loser = _chunk_losers(scores, positions, offset + s_len - 1, n_losers, cfg)
@@ -380,8 +324,8 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     loser_idx, keep_idx = order[:, :n_losers], mx.sort(order[:, n_losers:], axis=1)
     survivor = ~loser
     for j in range(n_losers):
-        keys, values, scores, bias, did = _merge_one(
-            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, cfg, bias
+        keys, values, scores, did = _merge_one(
+            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, cfg
         )
         merges = merges + did.astype(mx.int32)
-    return _gather(RowState(keys, values, scores, positions, bias), keep_idx), merges
+    return _gather(RowState(keys, values, scores, positions), keep_idx), merges

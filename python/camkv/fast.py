@@ -1,0 +1,116 @@
+"""Chunk scoring and eviction in plain MLX operations, spread over the whole device.
+
+A compression (ALGORITHM.md section 7) scores S chunk tokens causally over the n rows
+before them and themselves, then evicts the n + S - budget lowest-scoring candidates.
+Here both are a handful of batched operations: the logits as matrix products of the
+storage dtype's values cast to float32 (exact for float16 and bfloat16 inputs, and on a
+TF32 tensor core too, whose 10-bit mantissa holds theirs), a float32 softmax, a
+partition for the losers and a gather for the survivors. merge="drop" needs nothing
+else; the merge rules keep their ordered merges in the kernels.
+
+Sums run in the device's own order, so results match the reference within section 8's
+tie-aware tolerances, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .rows import RowState
+
+_INF = float("inf")
+# Most float32 logits (and the softmax temporaries beside them) one block of chunk
+# queries holds: a 2048-token chunk with 4 queries per KV head over 2.5k rows would
+# hold about a gigabyte at once, where a bounded cache must not spike memory.
+LOGIT_BYTES = 32 << 20
+
+
+def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int) -> mx.array:
+    """Section 2's mass of a chunk, summed per row: [R, N] float32.
+
+    queries [R, G, S, Dk] (any float dtype) are the chunk's queries, chunk token i at
+    row index n_before + i; keys [R, N, Dk] with N = n_before + S. Token i sees every
+    row up to and including itself. A logit that is NaN or infinite counts as masked
+    and a query whose every logit is masked adds nothing, so a poisoned key gets no
+    mass (it is evicted first) and a poisoned query leaves the other rows' scores alone.
+    """
+    rows, groups, s_len, k_dim = queries.shape
+    total = keys.shape[1]
+    keys_t = keys.astype(mx.float32).transpose(0, 2, 1)
+    block = max(1, LOGIT_BYTES // (rows * groups * total * 4 * 3))
+    mass = None
+    for i0 in range(0, s_len, block):
+        i1 = min(s_len, i0 + block)
+        visible = total - s_len + i1  # token i1 - 1 sees no further
+        q = queries[:, :, i0:i1].astype(mx.float32).reshape(rows, groups * (i1 - i0), k_dim)
+        logits = (q @ keys_t[:, :, :visible]).reshape(rows, groups, i1 - i0, visible) * scale
+        causal = mx.arange(visible)[None, :] <= (n_before + mx.arange(i0, i1))[:, None]
+        logits = mx.where(causal & mx.isfinite(logits), logits, -_INF)
+        weights = mx.softmax(logits, axis=-1, precise=True)
+        part = mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2)) / groups
+        if visible < total:
+            part = mx.pad(part, [(0, 0), (0, total - visible)])
+        mass = part if mass is None else mass + part
+    return mass
+
+
+def key_queries(keys: mx.array) -> tuple[mx.array, float]:
+    """Key scoring: each chunk key [R, S, Dk] is its token's one query, scale 1/sqrt(Dk)."""
+    return keys[:, None], 1.0 / math.sqrt(keys.shape[-1])
+
+
+def losers_and_kept(scores: mx.array, positions: mx.array, p_last: int, budget: int, cfg) -> mx.array:
+    """The kept row indices [R, budget] in position order (section 7's survivors).
+
+    Protected rows (sinks and the recent window before p_last) rank as +inf; a NaN
+    score ranks lowest. Rows tied at the boundary may go either way (section 8).
+    """
+    total = scores.shape[1]
+    protected = (positions < cfg.n_sink) | (positions > p_last - cfg.recent)
+    ranked = mx.where(protected, _INF, mx.where(mx.isnan(scores), -_INF, scores))
+    kept = mx.argpartition(ranked, kth=total - budget, axis=1)[:, total - budget:]
+    return mx.sort(kept, axis=1)
+
+
+def gather(state: RowState, idx: mx.array) -> RowState:
+    """The rows idx [R, m] of every array of state, in that order."""
+    return RowState(
+        mx.take_along_axis(state.keys, idx[:, :, None], axis=1),
+        mx.take_along_axis(state.values, idx[:, :, None], axis=1),
+        mx.take_along_axis(state.scores, idx, axis=1),
+        mx.take_along_axis(state.positions, idx, axis=1),
+    )
+
+
+def update_drop(state: RowState, new_keys, new_values, offset: int, cfg, row_ids,
+                queries=None, scale=None) -> tuple[RowState, mx.array]:
+    """A chunk call with merge="drop" (same signature and results, within section 8, as
+    camkv.reference.update). queries [R, S, G, Dk] or None (key scoring)."""
+    rows, s_len = new_keys.shape[:2]
+    if queries is None:
+        q, scale = key_queries(new_keys)
+    else:
+        q = queries.transpose(0, 2, 1, 3)
+    joined = RowState(
+        mx.concatenate([state.keys, new_keys], axis=1),
+        mx.concatenate([state.values, new_values], axis=1),
+        mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1),
+        mx.concatenate([state.positions, mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))],
+                       axis=1),
+    )
+    return compress_drop(joined, q, scale, state.length, offset + s_len - 1, cfg)
+
+
+def compress_drop(joined: RowState, queries: mx.array, scale: float, n_before: int, p_last: int, cfg
+                  ) -> tuple[RowState, mx.array]:
+    """Score the rows from n_before on as one chunk (queries [R, G, S, Dk]) over joined,
+    then evict down to the budget without merging. Returns (state, merges = 0 per row)."""
+    rows, total = joined.scores.shape
+    scores = joined.scores + attention_mass(queries, joined.keys, scale, n_before)
+    joined = joined._replace(scores=scores)
+    merges = mx.zeros((rows,), mx.int32)
+    if total <= cfg.budget:
+        return joined, merges
+    return gather(joined, losers_and_kept(scores, joined.positions, p_last, cfg.budget, cfg)), merges
