@@ -6,7 +6,12 @@ For L layers of a full budget (default: the random-1b llama of bench/e2e.py, 16 
 per layer: "build" is the host time spent constructing the graph, "step" the wall time
 of build + evaluation, medians over --repeats steps.
 
-  cache          CaMKVCache.update_and_fetch + observe_queries (what a model pays)
+  cache          CaMKVCache.update_and_fetch + observe_queries (what a model pays), with
+                 the default slack: the median is a step that only writes its row, the
+                 mean ("cache_mean", over --cycles compression cycles) includes the
+                 compressions
+  cache_slack0   the same with slack=0 (an eviction at every step)
+  kvcache        mlx-lm's KVCache.update_and_fetch at the same rows (the floor)
   update         the backend's update() on prepared rows (no cache bookkeeping)
   fetch          the two concatenations that hand attention stored ++ new rows
   fetch_backend  the backend's own fetch doing the same, where it has one (ext, cuda, metal)
@@ -40,7 +45,8 @@ from profile_prefill import random_state, save_result  # noqa: E402
 
 from camkv import CaMConfig, CaMKVCache, backends  # noqa: E402
 from camkv.backends import jit  # noqa: E402
-from camkv.reference import RowState  # noqa: E402
+from camkv.rows import RowState  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,12 +58,13 @@ def parse_args(argv=None):
     parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per part (default 30)")
+    parser.add_argument("--cycles", type=int, default=4, help="compression cycles cache_mean spans (default 4)")
     parser.add_argument("--out", type=Path, default=None, help="folder for profile-decode-<backend>.json")
     return parser.parse_args(argv)
 
 
 def _timed(build, repeats: int) -> dict:
-    """Median host-build and wall seconds of one step made by build() (returns arrays)."""
+    """Median and mean host-build and wall seconds of one step made by build() (returns arrays)."""
     builds, walls = [], []
     for trial in range(repeats + 3):  # three warm-ups
         start = time.perf_counter()
@@ -68,7 +75,8 @@ def _timed(build, repeats: int) -> dict:
         if trial >= 3:
             builds.append(built - start)
             walls.append(done - start)
-    return {"build_s": statistics.median(builds), "step_s": statistics.median(walls)}
+    return {"build_s": statistics.median(builds), "step_s": statistics.median(walls),
+            "step_mean_s": statistics.fmean(walls)}
 
 
 def measure(opts) -> dict:
@@ -83,26 +91,26 @@ def measure(opts) -> dict:
     parts = {}
 
     # cache: the whole per-layer path a model pays, queries handed over as the hook does
-    caches = [CaMKVCache(cfg) for _ in range(L)]
-    for cache in caches:
-        # No model here, so no attention hook: queries are handed over by hand, as it would.
-        cache._queries_can_come = lambda: True  # noqa: SLF001
-        cache.update_and_fetch(mx.random.normal((1, H, opts.budget, D)).astype(dtype),
-                               mx.random.normal((1, H, opts.budget, D)).astype(dtype))
-        cache.observe_queries(mx.random.normal((1, H * G, opts.budget, D)).astype(dtype), scale)
-    mx.eval([c.state[:4] for c in caches])
+    caches = _filled_caches(cfg, opts, token, scale)
 
-    def cache_step():
+    def cache_step(layers=caches):
         fetched = []
-        for cache in caches:
+        for cache in layers:
             fetched.extend(cache.update_and_fetch(token, token))
             cache.observe_queries(queries, scale)
-        return fetched + [c._rows.keys for c in caches]  # noqa: SLF001
+        return fetched
 
     parts["cache"] = _timed(cache_step, opts.repeats)
+    parts["cache_mean"] = _timed(cache_step, opts.cycles * (cfg.slack + 1))
+    exact = _filled_caches(cfg.replace(slack=0), opts, token, scale)
+    parts["cache_slack0"] = _timed(lambda: cache_step(exact), opts.repeats)
+    full = [KVCache() for _ in range(L)]
+    for c in full:
+        c.update_and_fetch(*_random_block(opts, opts.budget, dtype))
+    parts["kvcache"] = _timed(lambda: [a for c in full for a in c.update_and_fetch(token, token)], opts.repeats)
     profile = cProfile.Profile()
     profile.enable()
-    for _ in range(10):
+    for _ in range(cfg.slack + 1):
         mx.eval(cache_step())
     profile.disable()
     listing = io.StringIO()
@@ -134,6 +142,24 @@ def measure(opts) -> dict:
         parts.update(_kernel_parts(opts, cfg, target, states, step_keys, q_rows.astype(mx.float32), row_ids, scale))
     per_layer = {name: {k: v / L for k, v in t.items()} for name, t in parts.items()}
     return {"per_layer": per_layer, "cprofile_cache": listing.getvalue()}
+
+
+def _random_block(opts, rows: int, dtype):
+    shape = (1, opts.heads, rows, opts.head_dim)
+    return mx.random.normal(shape).astype(dtype), mx.random.normal(shape).astype(dtype)
+
+
+def _filled_caches(cfg, opts, token, scale) -> list:
+    """One cache a layer holding a budget of scored rows, fed queries by hand (no model here,
+    so no attention hook: they are handed over as it would)."""
+    caches = [CaMKVCache(cfg) for _ in range(opts.layers)]
+    for cache in caches:
+        cache._queries_can_come = lambda: True  # noqa: SLF001
+        cache.update_and_fetch(*_random_block(opts, opts.budget, token.dtype))
+        cache.observe_queries(mx.random.normal((1, opts.heads * opts.groups, opts.budget, opts.head_dim))
+                              .astype(token.dtype), scale)
+    mx.eval([c.state[:4] for c in caches])
+    return caches
 
 
 def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> dict:
@@ -174,9 +200,9 @@ def main(argv=None) -> dict:
                        "threads_per_row": jit.threads_per_row(),
                        "command": "python bench/profile_decode.py " + " ".join(
                            f"--{k.replace('_', '-')} {v}" for k, v in vars(opts).items() if v is not None)}
-    print(f"per layer, {opts.layers} layers evaluated at once (us): build / step")
+    print(f"per layer, {opts.layers} layers evaluated at once (us): build / step median / step mean")
     for name, t in result["per_layer"].items():
-        print(f"  {name:14s} {1e6 * t['build_s']:8.1f} / {1e6 * t['step_s']:8.1f}")
+        print(f"  {name:14s} {1e6 * t['build_s']:8.1f} / {1e6 * t['step_s']:8.1f} / {1e6 * t['step_mean_s']:8.1f}")
     print(result["cprofile_cache"])
     save_result(result, opts.out, f"profile-decode-{opts.backend}.json")
     return result

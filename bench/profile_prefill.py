@@ -1,6 +1,9 @@
 """Where one chunk-mode prefill call's time goes, per layer: the chunk's attention
 mass scored as matrix products before the launch (backends._common.chunk_mass, the
-GPU path's "prescoring") against the whole update (prescoring + the kernel).
+GPU path's "prescoring") against the whole update (prescoring + the kernel); and the
+whole-device path of merge="drop" (camkv.fast): its mass alone, the whole compression
+(mass, partition, gather), the mass by plain MLX operations in float32 for comparison,
+and the full cache's own attention of the chunk (mx.fast.scaled_dot_product_attention).
 
 Shapes of bench/e2e.py's random-1b llama at its prefill step: 8 KV heads of dim 128,
 4 queries per KV head, float16, a chunk of --chunk tokens into a cache of --budget
@@ -20,9 +23,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from camkv import CaMConfig, backends
+from camkv import CaMConfig, backends, fast
 from camkv.backends._common import chunk_mass
-from camkv.reference import RowState
+from camkv.rows import RowState
 
 
 def parse_args(argv=None):
@@ -95,8 +98,31 @@ def measure(opts) -> dict:
             lambda: backend.update(state, keys, keys, offset, cfg, row_ids, queries, scale), opts.repeats)
         mass_s = median_seconds(lambda: chunk_mass(state, keys, queries, scale, split=split), opts.repeats)
         result[name] = {"update_ms": 1e3 * update_s, "prescoring_ms": 1e3 * mass_s,
-                        "rest_ms": 1e3 * (update_s - mass_s)}
+                        "rest_ms": 1e3 * (update_s - mass_s), **_fast_parts(state, keys, queries, scale, cfg, opts)}
     return result
+
+
+def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
+    """camkv.fast on the same call (ms): mass, whole drop compression, mass by MLX ops, and sdpa."""
+    n, rows = state.length, keys.shape[0]
+    q = queries.astype(keys.dtype).transpose(0, 2, 1, 3)  # [R, G, S, D] as the cache hands them over
+    joined = mx.concatenate([state.keys, keys], axis=1)
+    mx.eval(q, joined)
+    drop = cfg.replace(merge="drop")
+    row_ids = mx.arange(rows, dtype=mx.uint32)
+    mlx_ops = lambda: fast._column_mass(  # noqa: E731, SLF001
+        (q.astype(mx.float32).reshape(rows, -1, q.shape[-1]) @ joined.astype(mx.float32).transpose(0, 2, 1))
+        .reshape(rows, q.shape[1], q.shape[2], -1), scale, n)
+    sdpa = lambda: mx.fast.scaled_dot_product_attention(  # noqa: E731
+        q.reshape(1, -1, q.shape[2], q.shape[3]), joined[None], joined[None], scale=scale, mask="causal")
+    return {
+        "fast_mass_ms": 1e3 * median_seconds(lambda: fast.attention_mass(q, joined, scale, n), opts.repeats),
+        "fast_drop_ms": 1e3 * median_seconds(
+            lambda: fast.update_drop(state, keys, keys, n, drop, row_ids, queries.astype(keys.dtype), scale),
+            opts.repeats),
+        "mass_mlx_ops_f32_ms": 1e3 * median_seconds(mlx_ops, opts.repeats),
+        "sdpa_ms": 1e3 * median_seconds(sdpa, opts.repeats),
+    }
 
 
 def main(argv=None) -> dict:
@@ -108,6 +134,7 @@ def main(argv=None) -> dict:
     print(f"one chunk call of {opts.chunk} tokens, per layer (ms): whole update / prescoring / the rest")
     for name, t in parts.items():
         print(f"  {name:20s} {t['update_ms']:8.2f} / {t['prescoring_ms']:8.2f} / {t['rest_ms']:8.2f}")
+        print("  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k.startswith(("fast", "mass", "sdpa"))))
     save_result(result, opts.out, f"profile-prefill-{result['backend_used']}.json")
     return result
 

@@ -18,6 +18,7 @@ import math
 
 import mlx.core as mx
 
+from .backends import mass_cuda
 from .rows import RowState
 
 _INF = float("inf")
@@ -35,25 +36,49 @@ def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: in
     row up to and including itself. A logit that is NaN or infinite counts as masked
     and a query whose every logit is masked adds nothing, so a poisoned key gets no
     mass (it is evicted first) and a poisoned query leaves the other rows' scores alone.
+
+    On an NVIDIA GPU the logits are a product in the keys' dtype (float32 accumulation;
+    section 8 allows it) reduced by two kernels (backends.mass_cuda); elsewhere a float32
+    product reduced by MLX operations. In blocks of queries of at most LOGIT_BYTES.
     """
     rows, groups, s_len, k_dim = queries.shape
     total = keys.shape[1]
-    keys_t = keys.astype(mx.float32).transpose(0, 2, 1)
-    block = max(1, LOGIT_BYTES // (rows * groups * total * 4 * 3))
+    on_cuda = _on_cuda()
+    dtype = keys.dtype if on_cuda else mx.float32
+    keys_t = keys.astype(dtype).transpose(0, 2, 1)
+    block = max(1, LOGIT_BYTES // (rows * groups * total * (dtype.size if on_cuda else 12)))
     mass = None
     for i0 in range(0, s_len, block):
         i1 = min(s_len, i0 + block)
         visible = total - s_len + i1  # token i1 - 1 sees no further
-        q = queries[:, :, i0:i1].astype(mx.float32).reshape(rows, groups * (i1 - i0), k_dim)
-        logits = (q @ keys_t[:, :, :visible]).reshape(rows, groups, i1 - i0, visible) * scale
-        causal = mx.arange(visible)[None, :] <= (n_before + mx.arange(i0, i1))[:, None]
-        logits = mx.where(causal & mx.isfinite(logits), logits, -_INF)
-        weights = mx.softmax(logits, axis=-1, precise=True)
-        part = mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2)) / groups
+        q = queries[:, :, i0:i1].astype(dtype).reshape(rows, groups * (i1 - i0), k_dim)
+        logits = q @ keys_t[:, :, :visible]
+        if on_cuda:
+            part = mass_cuda.column_mass(logits, scale, n_before + i0, i1 - i0)
+        else:
+            part = _column_mass(logits.reshape(rows, groups, i1 - i0, visible), scale, n_before + i0)
+        part = part / groups
         if visible < total:
             part = mx.pad(part, [(0, 0), (0, total - visible)])
         mass = part if mass is None else mass + part
     return mass
+
+
+def _column_mass(logits: mx.array, scale: float, n_before: int) -> mx.array:
+    """Softmax of each query row of logits [R, G, S, N] (chunk token i sees rows up to
+    n_before + i), summed over G and S: [R, N] float32."""
+    s_len, visible = logits.shape[2:]
+    causal = mx.arange(visible)[None, :] <= (n_before + mx.arange(s_len))[:, None]
+    logits = logits * scale
+    logits = mx.where(causal & mx.isfinite(logits), logits, -_INF)
+    weights = mx.softmax(logits, axis=-1, precise=True)
+    return mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2))
+
+
+def _on_cuda() -> bool:
+    """Whether this computation runs on an NVIDIA GPU (MLX's CUDA backend)."""
+    return (mx.default_device() == mx.gpu and not mx.metal.is_available()
+            and hasattr(mx, "cuda") and mx.cuda.is_available())
 
 
 def key_queries(keys: mx.array) -> tuple[mx.array, float]:
