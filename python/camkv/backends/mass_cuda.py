@@ -45,7 +45,7 @@ _LSE = """
 _COLUMNS = """
   long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
   long R = logits_shape[0], M = logits_shape[1], N = logits_shape[2];
-  long parts = partial_shape[1];
+  long parts = dims[2];
   if (t >= R * parts * N) return;
   long j = t % N, p = (t / N) % parts, r = t / (N * parts);
   long per = (M + parts - 1) / parts;
@@ -79,13 +79,13 @@ def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int) -> mx
 
     logits [R, M, N] (float32, float16 or bfloat16), M = G x S with m = g * S + i."""
     rows, queries, total = logits.shape
-    dims = mx.array([n_before, s_len], mx.int32)
+    parts = max(1, min(queries, _COLUMN_THREADS // max(1, rows * total)))
+    dims = mx.array([n_before, s_len, parts], mx.int32)
     scale_in = mx.array([scale], mx.float32)
     lse = _kernel("camkv_mass_lse", _LSE, ["logits", "dims", "scale_in"], ["lse"])(
         inputs=[logits, dims, scale_in], template=[("T", logits.dtype)],
         grid=(rows * queries * 32, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, queries)], output_dtypes=[mx.float32])[0]
-    parts = max(1, min(queries, _COLUMN_THREADS // max(1, rows * total)))
     partial = _kernel("camkv_mass_columns", _COLUMNS, ["logits", "lse", "dims", "scale_in"], ["partial"])(
         inputs=[logits, lse, dims, scale_in], template=[("T", logits.dtype)],
         grid=(rows * parts * total, 1, 1), threadgroup=(_THREADS, 1, 1),
