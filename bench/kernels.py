@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from camkv import CaMConfig, reference
 from camkv.backends import ext
-from camkv.reference import RowState
+from camkv.rows import RowState
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"decode_speedup": 20.0, "prefill_exact_speedup": 100.0, "chunk_over_exact": 10.0}

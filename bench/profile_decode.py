@@ -40,7 +40,7 @@ from profile_prefill import random_state, save_result  # noqa: E402
 
 from camkv import CaMConfig, CaMKVCache, backends  # noqa: E402
 from camkv.backends import jit  # noqa: E402
-from camkv.reference import RowState  # noqa: E402
+from camkv.rows import RowState  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from camkv import CaMConfig, backends
 from camkv.backends._common import chunk_mass
-from camkv.reference import RowState
+from camkv.rows import RowState
 
 
 def parse_args(argv=None):

@@ -9,46 +9,17 @@ float32 arithmetic; keys and values are rounded to the storage dtype once per me
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import mlx.core as mx
 
-from .config import WINDOW_MODES, CaMConfig
+from . import merges
+from .config import CaMConfig
+from .rows import RowState
 
 _GOLDEN = 0x9E3779B9
 _MIX_MUL_1 = 0x7FEB352D
 _MIX_MUL_2 = 0x846CA68B
 _INF = float("inf")
-
-
-class RowState(NamedTuple):
-    """Stored tokens of every row, oldest first. R = B * H rows, n tokens each."""
-
-    keys: mx.array  # [R, n, Dk], storage dtype
-    values: mx.array  # [R, n, Dv], storage dtype
-    scores: mx.array  # [R, n] float32, accumulated attention mass
-    positions: mx.array  # [R, n] int32, absolute positions, ascending
-    # [R, n] float32 with CaMConfig.mass_bias, else None: log of the attention mass a
-    # row stands for relative to its own (0 for a row nothing merged into), added to
-    # its attention logits by the cache and the scoring alike.
-    bias: mx.array | None = None
-
-    @classmethod
-    def empty(cls, rows: int, k_dim: int, v_dim: int, dtype) -> "RowState":
-        return cls(
-            mx.zeros((rows, 0, k_dim), dtype),
-            mx.zeros((rows, 0, v_dim), dtype),
-            mx.zeros((rows, 0), mx.float32),
-            mx.zeros((rows, 0), mx.int32),
-        )
-
-    @property
-    def length(self) -> int:
-        return self.keys.shape[1]
-
-    def arrays(self) -> tuple:
-        """The arrays held: keys, values, scores, positions and the bias where there is one."""
-        return tuple(a for a in self if a is not None)
 
 
 # ----------------------------------------------------------------------------
@@ -169,14 +140,19 @@ def _merge_one(
     survivor [R, N] bool (rows that may receive mass; excludes e), bias [R, N] f32
     (mass_bias) or None. Returns (keys, values, scores, bias, merged [R] bool).
     """
+    rule = merges.rule(cfg.merge)
+    if rule.kind == merges.DROP:
+        return keys, values, scores, bias, mx.zeros((keys.shape[0],), mx.bool_)
     idx = mx.arange(keys.shape[1])[None, :]
     s_e = _take_rows(scores, e)
     v_e = _take_rows(values, e).astype(mx.float32)
-    if cfg.merge in WINDOW_MODES:
+    if rule.kind == merges.WINDOW:
         after = survivor & (idx > e[:, None])
-        in_window = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
-        width = in_window.sum(axis=1).astype(mx.float32)
-        s_target = mx.where(in_window, scores, 0.0).sum(axis=1) / width
+        targets = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
+        width = targets.sum(axis=1).astype(mx.float32)
+        s_target = mx.where(targets, scores, 0.0).sum(axis=1) / width
+        s_in = (s_e / width)[:, None]  # each target's share
+        cos_t, s_t = None, scores  # each target's weight: its own mass against its share
     else:
         k_e = _take_rows(keys, e).astype(mx.float32)
         k_f = keys.astype(mx.float32)
@@ -186,30 +162,26 @@ def _merge_one(
         eligible = survivor & (positions >= cfg.n_sink)
         t = _first_argmax(mx.where(eligible, cos, -_INF))
         s_target = _take_rows(scores, t)
-        in_window = idx == t[:, None]
+        targets = idx == t[:, None]
+        s_in, cos_t, s_t = s_e[:, None], _take_rows(cos, t), s_target[:, None]
 
     do = _gate(s_e, s_target, row_ids, _take_rows(positions, e), cfg)
-
-    if cfg.merge == "window":
-        share = (v_e / width[:, None])[:, None, :]
-        summed = (values.astype(mx.float32) + share).astype(values.dtype)
-        values = mx.where((in_window & do[:, None])[:, :, None], summed, values)
-        scores = scores + mx.where(in_window & do[:, None], (s_e / width)[:, None], 0.0)
-    elif cfg.merge == "window_mass":
-        share = s_e / width
-        # Each target's own weight: its mass against the share it receives.
-        weight = _mass_weight(share[:, None], scores)
-        values = _blend_rows(values, in_window, v_e, weight, do)
-        bias = _grow_bias(bias, in_window & do[:, None], share[:, None], scores)
-        scores = scores + mx.where(in_window & do[:, None], share[:, None], 0.0)
-    else:
-        weight = _nearest_weight(cfg.merge, _take_rows(cos, t), s_e, s_target)
-        values = _blend_rows(values, in_window, v_e, weight, do)
+    if rule.blends:
+        weight = _merge_weight(rule, cos_t, s_in, s_t)
+        values = _blend_rows(values, targets, v_e, weight, do)
         if cfg.merge_keys:
-            keys = _blend_rows(keys, in_window, k_e, weight, do)
-        bias = _grow_bias(bias, in_window & do[:, None], s_e[:, None], scores)
-        scores = scores + mx.where(in_window & do[:, None], s_e[:, None], 0.0)
+            keys = _blend_rows(keys, targets, k_e, weight, do)
+        bias = _grow_bias(bias, targets & do[:, None], s_in, scores)
+    else:  # additive: each target gains its share of the value
+        summed = (values.astype(mx.float32) + (v_e / width[:, None])[:, None, :]).astype(values.dtype)
+        values = mx.where((targets & do[:, None])[:, :, None], summed, values)
+    scores = scores + mx.where(targets & do[:, None], s_in, 0.0)
     return keys, values, scores, bias, do
+
+
+def _merge_weight(rule: merges.MergeRule, cos_t, s_in, s_target):
+    """A blending rule's weight (bench/merge_diagnostics.py records the weights here)."""
+    return rule.weight(cos_t, s_in, s_target)
 
 
 def _grow_bias(bias, targets: mx.array, s_in, s_target: mx.array):
@@ -223,29 +195,10 @@ def _grow_bias(bias, targets: mx.array, s_in, s_target: mx.array):
     return bias + mx.where(targets & (s_target > 0), growth, 0.0)
 
 
-def _mass_weight(s_e: mx.array, s_t: mx.array) -> mx.array:
-    """s_e / (s_e + s_t), 0 where both are 0: the blend that makes a survivor the
-    attention-mass-weighted mean of itself and what merges into it."""
-    total = s_e + s_t
-    return mx.where(total > 0, s_e / mx.where(total > 0, total, 1.0), 0.0)
-
-
-def _nearest_weight(merge: str, cos_t: mx.array, s_e: mx.array, s_t: mx.array):
-    """Section 4.1's blend weight of the nearest modes, per row [R] (or a float)."""
-    if merge == "sim_weighted":
-        return mx.clip(cos_t, 0.0, 1.0)
-    if merge == "mass_weighted":
-        return _mass_weight(s_e, s_t)
-    return 0.5
-
-
 def _gate(s_e, s_target, row_ids, p_e, cfg: CaMConfig) -> mx.array:
     """Section 4.3: merge or not, per row."""
-    rows = s_e.shape[0]
-    if cfg.merge == "drop":
-        return mx.zeros((rows,), mx.bool_)
     if not cfg.gate:
-        return mx.ones((rows,), mx.bool_)
+        return mx.ones((s_e.shape[0],), mx.bool_)
     ratio = mx.clip(s_e / mx.where(s_target > 0, s_target, 1.0), 0.0, 1.0)
     fallback = mx.where(s_e > 0, 1.0, 0.0)
     probability = mx.where(s_target > 0, ratio, fallback)
