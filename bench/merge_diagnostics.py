@@ -34,9 +34,6 @@ from pathlib import Path
 # Run from a source checkout without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-NORM_MODES = ("drop", "sim_weighted", "mass_weighted", "window", "window_mass")
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model (default: camkv's default model)")
@@ -96,24 +93,24 @@ def blend_weights(model, scoring, budget, tokens, opts, settings) -> dict:
     """Both weights at every sim_weighted merge of the window (reference backend, gate off)."""
     import mlx.core as mx
     import numpy as np
-    from camkv import quality, reference
+    from camkv import merges, quality, reference
 
     cos_w, mass_w = [], []
-    original = reference._nearest_weight
+    original = reference._merge_weight
 
-    def recording(merge, cos_t, s_e, s_t):
-        cos_w.append(mx.clip(cos_t, 0.0, 1.0))
-        mass_w.append(reference._mass_weight(s_e, s_t))
-        return original(merge, cos_t, s_e, s_t)
+    def recording(rule, cos_t, s_in, s_t):
+        cos_w.append(mx.clip(cos_t, 0.0, 1.0).reshape(-1))
+        mass_w.append(merges.mass_weight(cos_t, s_in, s_t).reshape(-1))
+        return original(rule, cos_t, s_in, s_t)
 
     method = quality.Method(f"sim_weighted-nogate-{scoring}", "camkv", "sim_weighted", False, scoring)
     ref_settings = quality.CacheSettings(settings.n_sink, settings.recent, settings.window,
                                          settings.seed, "reference")
-    reference._nearest_weight = recording
+    reference._merge_weight = recording
     try:
         norm_series(model, method, budget, tokens, opts, ref_settings)
     finally:
-        reference._nearest_weight = original
+        reference._merge_weight = original
     cos_w, mass_w = np.array(mx.concatenate(cos_w)), np.array(mx.concatenate(mass_w))
     return {
         "merges": int(cos_w.size),
@@ -163,7 +160,7 @@ def main(argv=None) -> int:
     if reexec_with_openblas is not None:
         reexec_with_openblas()
     opts = parse_args(sys.argv[1:] if argv is None else argv)
-    from camkv import quality, texts
+    from camkv import merges, quality, texts
     from camkv.models import DEFAULT_MODEL
 
     started = time.time()
@@ -181,7 +178,7 @@ def main(argv=None) -> int:
     if "norms" in opts.parts:
         full = quality.Method("full", "full")
         result["value_norms"]["full"] = norm_series(model, full, budget, tokens, opts, settings)
-        for merge in NORM_MODES:
+        for merge in merges.names():  # every rule, drop included
             method = quality.Method(merge, "camkv", merge, False, "key")
             result["value_norms"][merge] = norm_series(model, method, budget, tokens, opts, settings)
             print(f"{merge}: value norm mean {result['value_norms'][merge]['mean'][-1]:.2f}, "

@@ -45,8 +45,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from . import hook, texts
-from .integration import kv_bytes, make_prompt_cache as camkv_prompt_cache
+from . import hook, merges, texts
+from .distributed import kv_bytes
+from .integration import make_prompt_cache as camkv_prompt_cache
 from .models import DEFAULT_MODEL, random_llama
 
 TINY_MODEL = "tiny-random"
@@ -137,8 +138,8 @@ class Method:
     mass_bias: bool = False
 
 
-MERGE_ARMS = ("sim_weighted", "mean", "mass_weighted", "window", "window_mass")
-KEY_MERGE_ARMS = ("sim_weighted", "mass_weighted")  # nearest-survivor rules that can blend keys
+MERGE_ARMS = merges.names(kind=merges.NEAREST) + merges.names(kind=merges.WINDOW)  # every rule but drop (h2o)
+KEY_MERGE_ARMS = merges.names(keys_allowed=True)  # the rules that can blend keys too
 BIAS_MERGE_ARMS = ("sim_weighted", "mean", "mass_weighted", "window_mass")  # blending rules
 
 
