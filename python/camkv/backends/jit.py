@@ -55,36 +55,33 @@ _BODY = """
   }
 """
 
+# Each target's group: the shared reduction slots, the thread index and group size,
+# the row (one work group per row) and the parameter block's address space.
+_GROUP = """
+  {shared} float red_f[32];
+  {shared} int red_i[32];
+  CamGroup g;
+  g.tid = {tid};
+  g.size = {size};
+  g.red_f = red_f;
+  g.red_i = red_i;
+  int row = (int){row};
+  const {space}CamParams* p = (const {space}CamParams*)params;
+"""
+
 _TARGETS = {
     "metal": {
         "header": "#define CAMKV_CONSTANT device\n" + "{prelude}\n{core}\n",
         "prelude": "camkv_prelude.h",
-        "group": """
-  threadgroup float red_f[32];
-  threadgroup int red_i[32];
-  CamGroup g;
-  g.tid = thread_position_in_threadgroup.x;
-  g.size = threads_per_threadgroup.x;
-  g.red_f = red_f;
-  g.red_i = red_i;
-  int row = (int)threadgroup_position_in_grid.x;
-  const device CamParams* p = (const device CamParams*)params;
-""",
+        "group": _GROUP.format(shared="threadgroup", tid="thread_position_in_threadgroup.x",
+                               size="threads_per_threadgroup.x", row="threadgroup_position_in_grid.x",
+                               space="device "),
     },
     "cuda": {
         "header": "{prelude}\n{core}\n",
         "prelude": "camkv_prelude.cuh",
-        "group": """
-  __shared__ float red_f[32];
-  __shared__ int red_i[32];
-  CamGroup g;
-  g.tid = threadIdx.x;
-  g.size = blockDim.x;
-  g.red_f = red_f;
-  g.red_i = red_i;
-  int row = (int)blockIdx.x;
-  const CamParams* p = (const CamParams*)params;
-""",
+        "group": _GROUP.format(shared="__shared__", tid="threadIdx.x", size="blockDim.x", row="blockIdx.x",
+                               space=""),
     },
 }
 

@@ -12,8 +12,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from . import merges
-from .quality import RecordStore, method_catalog, parse_budgets
+from .. import merges
+from .arms import method_catalog
+from .budgets import parse_budgets
+from .records import RecordStore
 
 SUBSETS = ("decode", "all")
 
