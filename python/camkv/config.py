@@ -124,7 +124,9 @@ class CaMConfig:
         _check_bool("gate", self.gate)
         _check_bool("mass_bias", self.mass_bias)
         self._check_mass_bias()
-        if self.merge_keys and not merges.rule(self.merge).keys_allowed:
+        rule = merges.rule(self.merge)
+        # With drop nothing merges, so merge_keys is moot there (and accepted).
+        if self.merge_keys and rule.kind != merges.DROP and not rule.keys_allowed:
             raise ValueError(
                 f"CaMConfig.merge_keys=True is not allowed with merge={self.merge!r} "
                 f"(only {', '.join(merges.names(keys_allowed=True))} blend keys); use merge_keys=False"
