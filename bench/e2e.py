@@ -1,6 +1,6 @@
 """End-to-end generation benchmark (same as `camkv bench`): python bench/e2e.py --help."""
 
-from camkv.benchmarks import main
+from camkv.eval.bench import main
 
 if __name__ == "__main__":
     main()

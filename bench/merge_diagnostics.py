@@ -30,9 +30,6 @@ from pathlib import Path
 # Run from a source checkout without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-NORM_MODES = ("drop", "sim_weighted", "mass_weighted", "window", "window_mass")
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="model (default: camkv's default model)")
@@ -73,18 +70,18 @@ def value_norms(caches):
 def norm_series(model, method, budget, tokens, opts, settings) -> dict:
     """Value norms after every call of one arm over the window."""
     import mlx.core as mx
-    from camkv import quality
+    from camkv.eval import arms, stream
 
-    caches = quality.make_cache(model, method, budget, settings)
+    caches = arms.make_cache(model, method, budget, settings)
     series, positions = [], []
     try:
-        for first, logits in quality.feed(model, caches, tokens[:-1], opts.prefill, opts.chunk):
+        for first, logits in stream.feed(model, caches, tokens[:-1], opts.prefill, opts.chunk):
             stats = value_norms(caches)
             mx.eval(logits, stats)
             series.append(stats.tolist())
             positions.append(first + logits.shape[0])
     finally:
-        quality.release_cache(model, method)
+        arms.release_cache(model, method)
     return {"tokens_seen": positions, "mean": [s[0] for s in series], "max": [s[1] for s in series]}
 
 
@@ -92,24 +89,25 @@ def blend_weights(model, scoring, budget, tokens, opts, settings) -> dict:
     """Both weights at every sim_weighted merge of the window (reference backend, gate off)."""
     import mlx.core as mx
     import numpy as np
-    from camkv import quality, reference
+    from camkv import merges, reference
+    from camkv.eval import arms
 
     cos_w, mass_w = [], []
-    original = reference._nearest_weight
+    original = reference._merge_weight
 
-    def recording(merge, cos_t, s_e, s_t):
-        cos_w.append(mx.clip(cos_t, 0.0, 1.0))
-        mass_w.append(reference._mass_weight(s_e, s_t))
-        return original(merge, cos_t, s_e, s_t)
+    def recording(rule, cos_t, s_in, s_t):
+        cos_w.append(mx.clip(cos_t, 0.0, 1.0).reshape(-1))
+        mass_w.append(merges.mass_weight(cos_t, s_in, s_t).reshape(-1))
+        return original(rule, cos_t, s_in, s_t)
 
-    method = quality.Method(f"sim_weighted-nogate-{scoring}", "camkv", "sim_weighted", False, scoring)
-    ref_settings = quality.CacheSettings(settings.n_sink, settings.recent, settings.window,
+    method = arms.Arm(f"sim_weighted-nogate-{scoring}", "camkv", "sim_weighted", False, scoring)
+    ref_settings = arms.CacheSettings(settings.n_sink, settings.recent, settings.window,
                                          settings.seed, "reference")
-    reference._nearest_weight = recording
+    reference._merge_weight = recording
     try:
         norm_series(model, method, budget, tokens, opts, ref_settings)
     finally:
-        reference._nearest_weight = original
+        reference._merge_weight = original
     cos_w, mass_w = np.array(mx.concatenate(cos_w)), np.array(mx.concatenate(mass_w))
     return {
         "merges": int(cos_w.size),
@@ -134,26 +132,27 @@ def main(argv=None) -> int:
     if reexec_with_openblas is not None:
         reexec_with_openblas()
     opts = parse_args(sys.argv[1:] if argv is None else argv)
-    from camkv import quality, texts
+    from camkv import merges
+    from camkv.eval import arms, loading, texts
     from camkv.models import DEFAULT_MODEL
 
     started = time.time()
     model_name = opts.model or DEFAULT_MODEL
-    model, tokenizer = quality.load_model(model_name)
-    quality.cast_model(model, "auto")
+    model, tokenizer = loading.load_model(model_name)
+    loading.cast_model(model, "auto")
     docs = texts.load_source(opts.text, offline=True)
     tokens = texts.sample_windows(opts.text, docs, tokenizer, opts.tokens, 1, seed=0)[0].tokens
     budget = round(opts.budget * opts.tokens)
-    settings = quality.CacheSettings(n_sink=4, recent=32, window=4, seed=0, backend="ext")
+    settings = arms.CacheSettings(n_sink=4, recent=32, window=4, seed=0, backend="ext")
 
     result = {"model": model_name, "text": opts.text, "tokens": opts.tokens, "prefill": opts.prefill,
               "chunk": opts.chunk, "budget": budget, "n_sink": 4, "recent": 32, "window": 4,
               "gate": False, "value_norms": {}, "blend_weights": {}}
     if "norms" in opts.parts:
-        full = quality.Method("full", "full")
+        full = arms.Arm("full", "full")
         result["value_norms"]["full"] = norm_series(model, full, budget, tokens, opts, settings)
-        for merge in NORM_MODES:
-            method = quality.Method(merge, "camkv", merge, False, "key")
+        for merge in merges.names():  # every rule, drop included
+            method = arms.Arm(merge, "camkv", merge, False, "key")
             result["value_norms"][merge] = norm_series(model, method, budget, tokens, opts, settings)
             print(f"{merge}: value norm mean {result['value_norms'][merge]['mean'][-1]:.2f}, "
                   f"max {result['value_norms'][merge]['max'][-1]:.2f}", flush=True)

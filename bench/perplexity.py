@@ -1,7 +1,7 @@
 """Perplexity of a model on the opening of Pride and Prejudice: a check that a model loads correctly.
 
 The text comes from Debian's r-cran-janeaustenr package (fetched with
-``apt-get download``, unpacked with ``dpkg -x``, read with camkv.rdata), so the
+``apt-get download``, unpacked with ``dpkg -x``, read with camkv.eval.rdata), so the
 check needs only a Debian package mirror, no dataset hub. SmolLM2-135M-Instruct
 loaded correctly scores about 16 on the first 512 tokens; a broken load (for
 example Q/K rows left in llama.cpp's order) scores in the thousands.
@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from camkv.rdata import read_lazyload_db
+from camkv.eval.rdata import read_lazyload_db
 
 JANEAUSTENR_DATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"
 

@@ -3,7 +3,7 @@
     python bench/quality.py --preset smoke            # seconds, tiny random model
     python bench/quality.py --preset gpu --time-budget 480   # the full sweep, resumable
 
-Every flag: python bench/quality.py --help. The logic lives in camkv.quality.
+Every flag: python bench/quality.py --help. The logic lives in camkv.eval.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main() -> int:
         reexec_with_openblas = None
     if reexec_with_openblas is not None:
         reexec_with_openblas()
-    from camkv.quality import main as quality_main
+    from camkv.eval.cli import main as quality_main
 
     return quality_main(sys.argv[1:])
 

@@ -31,7 +31,7 @@ CONTEXT = 4096  # the gpu preset's stream windows
 def stream_points(folders) -> list[dict]:
     """One point per (arm, budget label, recent window): the KL, from the sweep with
     the most windows where two sweeps ran the same setting."""
-    from camkv.quality import recent_tokens
+    from camkv.eval.arms import recent_tokens
 
     points: dict = {}
     for folder in folders:

@@ -29,6 +29,25 @@ std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array> update_py(
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 
+nb::list merge_rules() {
+  const char* kinds[] = {"drop", "nearest", "window"};  // CAMKV_KIND_* order
+  nb::list rules;
+#define CAMKV_RULE_TUPLE(name, code, kind, blends, keys, weight) \
+  rules.append(nb::make_tuple(#name, code, kinds[CAMKV_KIND_##kind], blends != 0, keys != 0));
+  CAMKV_MERGE_RULES(CAMKV_RULE_TUPLE)
+#undef CAMKV_RULE_TUPLE
+  return rules;
+}
+
+nb::list params_layout() {
+  nb::list fields;
+#define CAMKV_PARAM_LAYOUT(type, name) \
+  fields.append(nb::make_tuple(#name, offsetof(CamParams, name), sizeof(CamParams::name)));
+  CAMKV_PARAM_FIELDS(CAMKV_PARAM_LAYOUT)
+#undef CAMKV_PARAM_LAYOUT
+  return fields;
+}
+
 }  // namespace
 
 NB_MODULE(_ext, m) {
@@ -55,7 +74,12 @@ NB_MODULE(_ext, m) {
 
 Returns (keys [R, n + S, Dk], values [R, n + S, Dv]). Raises ValueError naming any argument with a
 bad shape or dtype, or a stream that is not on the CPU.)");
-  m.attr("MERGE_CODES") = nb::make_tuple("sim_weighted", "mean", "window", "drop", "mass_weighted", "window_mass");
+  m.def("merge_rules", &merge_rules,
+        "The kernel's merge rules in code order: (name, code, kind, blends, keys_allowed) each, kind 'drop', "
+        "'nearest' or 'window' (csrc/camkv_merges.h).");
+  m.def("params_layout", &params_layout,
+        "struct CamParams field by field: (name, byte offset, byte size), in declaration order.");
+  m.attr("PARAMS_SIZE") = sizeof(CamParams);
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
         "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "offset"_a, "scale"_a, "budget"_a, "n_sink"_a,
         "recent"_a, "window"_a, "merge"_a, "merge_keys"_a, "gate"_a, "chunk"_a, "seed"_a,

@@ -30,12 +30,7 @@
 #ifndef CAMKV_CORE_H
 #define CAMKV_CORE_H
 
-#define CAMKV_MERGE_SIM_WEIGHTED 0
-#define CAMKV_MERGE_MEAN 1
-#define CAMKV_MERGE_WINDOW 2
-#define CAMKV_MERGE_DROP 3
-#define CAMKV_MERGE_MASS_WEIGHTED 4
-#define CAMKV_MERGE_WINDOW_MASS 5
+#include "camkv_merges.h"
 
 // Largest head dimension the core accepts (the hosts reject larger ones).
 #define CAMKV_MAX_HEAD_DIM 256
@@ -49,33 +44,41 @@
 #define CAMKV_QUERY_BLOCK 4
 
 // Everything a launch needs besides the buffers. Plain ints so the layout is the
-// same on every host and device (camkv_u32 is 32 bits everywhere).
+// same on every host and device (camkv_u32 is 32 bits everywhere). One
+// X(type, name) per field, in layout order: the GPU hosts pack the block as words
+// from a field list of their own (python/camkv/backends/jit.py PARAM_FIELDS), which
+// tests check against this one through camkv._ext.params_layout().
+#define CAMKV_PARAM_FIELDS(X)                                                     \
+  X(int, rows)         /* R = B * H */                                            \
+  X(int, n)            /* stored tokens per row before the call */                \
+  X(int, S)            /* new tokens per row in this call */                      \
+  X(int, Dk)           /* key (and query) dimension */                            \
+  X(int, Dv)           /* value dimension */                                      \
+  X(int, G)            /* queries per token (1 for key scoring) */                \
+  X(int, n_out)        /* stored tokens after the call: min(n + S, budget) */     \
+  X(int, budget)                                                                  \
+  X(int, n_sink)                                                                  \
+  X(int, recent)                                                                  \
+  X(int, window)                                                                  \
+  X(int, merge)        /* a rule's code in CAMKV_MERGE_RULES (camkv_merges.h) */  \
+  X(int, merge_keys)   /* 1: blend keys too (rules with keys_allowed) */          \
+  X(int, gate)         /* 1: Bernoulli gate of section 4.3 */                     \
+  X(int, chunk)        /* 1: prefill "chunk" (a call with S == 1 runs exact) */   \
+  X(int, key_scoring)  /* 1: each new key is its token's one query */             \
+  X(int, in_place)     /* 1: out state buffers already hold the stored rows */    \
+  X(int, offset)       /* absolute position of the first new token */             \
+  X(int, prescored)    /* 1: chunk mode's mass comes precomputed (chunk_mass) */  \
+  X(camkv_u32, seed)                                                              \
+  X(float, scale)      /* attention scale of the logits */                        \
+  X(int, f32_stride)   /* floats of scratch per row */                            \
+  X(int, i32_stride)   /* ints of scratch per row */                              \
+  X(int, store_stride) /* storage-dtype elements of scratch per row */
+
+#define CAMKV_PARAM_MEMBER(type, name) type name;
 struct CamParams {
-  int rows;         // R = B * H
-  int n;            // stored tokens per row before the call
-  int S;            // new tokens per row in this call
-  int Dk;           // key (and query) dimension
-  int Dv;           // value dimension
-  int G;            // queries per token (1 for key scoring)
-  int n_out;        // stored tokens after the call: min(n + S, budget)
-  int budget;
-  int n_sink;
-  int recent;
-  int window;
-  int merge;        // CAMKV_MERGE_*
-  int merge_keys;   // 1: blend keys too (nearest modes)
-  int gate;         // 1: Bernoulli gate of section 4.3
-  int chunk;        // 1: prefill "chunk" (a call with S == 1 runs exact)
-  int key_scoring;  // 1: each new key is its token's one query
-  int in_place;     // 1: out state buffers already hold the stored rows
-  int offset;       // absolute position of the first new token
-  int prescored;    // 1: chunk mode's attention mass comes precomputed (chunk_mass)
-  camkv_u32 seed;
-  float scale;      // attention scale of the logits
-  int f32_stride;   // floats of scratch per row
-  int i32_stride;   // ints of scratch per row
-  int store_stride; // storage-dtype elements of scratch per row
+  CAMKV_PARAM_FIELDS(CAMKV_PARAM_MEMBER)
 };
+#undef CAMKV_PARAM_MEMBER
 
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
@@ -750,22 +753,6 @@ CAMKV_INLINE void camkv_blend_row(CAMKV_DEVICE T* target, const CAMKV_DEVICE T* 
   }
 }
 
-// s_e / (s_e + s_t), 0 if both are 0: blending with it makes the target the
-// attention-mass-weighted mean of itself and the merged token (scores are >= 0).
-CAMKV_INLINE float camkv_mass_weight(float s_e, float s_t) {
-  float total = s_e + s_t;
-  return total > 0.0f ? s_e / total : 0.0f;
-}
-
-// Section 4.1's blend weight of a nearest-mode merge: clamp(cos, 0, 1)
-// ("sim_weighted"), the mass weight ("mass_weighted") or 0.5 ("mean").
-CAMKV_INLINE float camkv_nearest_weight(int merge, float cosine, float s_e, float s_t) {
-  if (merge == CAMKV_MERGE_SIM_WEIGHTED) {
-    return cosine < 0.0f ? 0.0f : (cosine > 1.0f ? 1.0f : cosine);
-  }
-  return merge == CAMKV_MERGE_MASS_WEIGHTED ? camkv_mass_weight(s_e, s_t) : 0.5f;
-}
-
 // A merge decided but not yet applied: what camkv_plan_merge reads from the rows,
 // so the exact path can move the stored rows (and drop e) between deciding and
 // blending. Window members sit in r.list[1..width].
@@ -786,7 +773,7 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   plan.w = 0.5f;
   if (plan.open != 0) {
     float c = r.cosines[camkv_column_of(r, plan.target)];  // written by camkv_nearest
-    plan.w = camkv_nearest_weight(p->merge, c, s_e, *camkv_score(r, plan.target));
+    plan.w = camkv_merge_weight(p->merge, c, s_e, *camkv_score(r, plan.target));
   }
   return plan;
 }
@@ -810,7 +797,8 @@ CAMKV_INLINE CamMergePlan camkv_plan_window(CamRows<T> r, int e, CAMKV_CONSTANT 
 // Section 4.1-4.3 for loser e: reads the rows, changes nothing but r.list.
 template <typename T>
 CAMKV_INLINE CamMergePlan camkv_plan_merge(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
-  if (p->merge == CAMKV_MERGE_DROP) {
+  int kind = camkv_merge_rule(p->merge).kind;
+  if (kind == CAMKV_KIND_DROP) {
     CamMergePlan none;
     none.open = 0;
     none.target = 0;
@@ -818,7 +806,7 @@ CAMKV_INLINE CamMergePlan camkv_plan_merge(CamRows<T> r, int e, CAMKV_CONSTANT c
     none.width = 0;
     return none;
   }
-  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
+  if (kind == CAMKV_KIND_WINDOW) {
     return camkv_plan_window(r, e, p, row_id, g);
   }
   return camkv_plan_nearest(r, e, p, row_id, g);
@@ -841,14 +829,15 @@ CAMKV_INLINE int camkv_apply_merge(CamRows<T> r, CamMergePlan plan, const CAMKV_
   if (plan.open == 0) {
     return 0;
   }
-  if (p->merge == CAMKV_MERGE_WINDOW || p->merge == CAMKV_MERGE_WINDOW_MASS) {
+  CamMergeRule rule = camkv_merge_rule(p->merge);
+  if (rule.kind == CAMKV_KIND_WINDOW) {
     float share = s_e / (float)plan.width;
     for (int i = 1; i <= plan.width; ++i) {
       int j = camkv_moved(r.list[i], removed, r.count);
       CAMKV_DEVICE T* v_j = camkv_value(r, j);
-      if (p->merge == CAMKV_MERGE_WINDOW_MASS) {
+      if (rule.blends) {
         // Each target's weight is its own mass against the share it receives.
-        camkv_blend_row(v_j, v_e, camkv_mass_weight(share, *camkv_score(r, j)), r.Dv, g);
+        camkv_blend_row(v_j, v_e, camkv_merge_weight(p->merge, 0.0f, share, *camkv_score(r, j)), r.Dv, g);
         continue;
       }
       for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
@@ -1306,7 +1295,7 @@ CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams
     if (p->gate && camkv_gate_open(s_e, r.scores[t], p->seed, row_id, r.positions[e]) == 0) {
       continue;
     }
-    float w = camkv_nearest_weight(p->merge, weights[k], s_e, r.scores[t]);
+    float w = camkv_merge_weight(p->merge, weights[k], s_e, r.scores[t]);
     r.scores[t] += s_e;
     merged += 1;
     for (int d = 0; d < r.Dv; ++d) {
@@ -1363,9 +1352,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.n_survivors = camkv_list_rows(r, 0, r.survivors, g);
   camkv_shadow_keep_survivors(r, g);
   int merges = 0;
-  bool nearest = p->merge == CAMKV_MERGE_SIM_WEIGHTED || p->merge == CAMKV_MERGE_MEAN ||
-                 p->merge == CAMKV_MERGE_MASS_WEIGHTED;
-  if (nearest && p->merge_keys == 0) {
+  if (camkv_merge_rule(p->merge).kind == CAMKV_KIND_NEAREST && p->merge_keys == 0) {
     merges = camkv_merge_losers(r, p, row_id, b.f32 + CAMKV_F32_SHADOW * total + p->Dk * r.columns,
                                 b.i32 + 4 * total, g);
   } else {

@@ -76,6 +76,15 @@ std::string shape_str(const mx::array& a) {
 
 [[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }
 
+// "0 (sim_weighted), 1 (mean), ...": the rules of camkv_merges.h.
+std::string merge_codes_text() {
+  std::ostringstream out;
+#define CAMKV_RULE_TEXT(name, code, kind, blends, keys, weight) out << (code ? ", " : "") << code << " (" #name ")";
+  CAMKV_MERGE_RULES(CAMKV_RULE_TEXT)
+#undef CAMKV_RULE_TEXT
+  return out.str();
+}
+
 void check_ndim(const char* name, const mx::array& a, int ndim, const char* layout) {
   if (a.ndim() != ndim) {
     bad(std::string(name) + " must be " + layout + ", got shape " + shape_str(a));
@@ -123,9 +132,8 @@ void check_options(const UpdateOptions& o, int n) {
         << ", window=" << o.window << " (need budget > n_sink + recent, n_sink >= 0, recent >= 1, window >= 1)";
     bad(out.str());
   }
-  if (o.merge < CAMKV_MERGE_SIM_WEIGHTED || o.merge > CAMKV_MERGE_WINDOW_MASS) {
-    bad("merge code " + std::to_string(o.merge) +
-        " is not one of 0 (sim_weighted), 1 (mean), 2 (window), 3 (drop), 4 (mass_weighted), 5 (window_mass)");
+  if (camkv_merge_rule(o.merge).kind < 0) {
+    bad("merge code " + std::to_string(o.merge) + " is not one of " + merge_codes_text());
   }
   if (n > o.budget) {
     bad("the state holds n=" + std::to_string(n) + " tokens, more than budget=" + std::to_string(o.budget));

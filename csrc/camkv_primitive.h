@@ -13,7 +13,7 @@ namespace camkv {
 
 namespace mx = mlx::core;
 
-// The knobs of CaMConfig the kernel reads (merge is a CAMKV_MERGE_* code).
+// The knobs of CaMConfig the kernel reads (merge is a rule's code in camkv_merges.h).
 struct UpdateOptions {
   int budget;
   int n_sink;

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from camkv import backends
-from camkv.reference import RowState
+from camkv.rows import RowState
 
 
 def _backend_params():

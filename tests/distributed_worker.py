@@ -39,9 +39,8 @@ from mlx_lm.generate import generate_step
 
 import camkv
 from camkv.distributed import (
-    gather_kv_bytes, report_kv_bytes, shard_info, wait_for_generation,
+    gather_kv_bytes, kv_bytes, report_kv_bytes, shard_info, wait_for_generation,
 )
-from camkv.integration import kv_bytes
 from tiny_models import tiny_llama
 
 # Small budget against a longer sequence, gate on: evictions, merges and gate draws

@@ -6,7 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from camkv import merges
+
 M32 = 0xFFFFFFFF
+
+# Each blending rule's weight (cosine, s_in, s_target), written again here in plain
+# float arithmetic: the rules' kinds come from camkv.merges, their arithmetic does not.
+WEIGHTS = {
+    "sim_weighted": lambda cos, s_in, s_t: min(max(cos, 0.0), 1.0),
+    "mean": lambda cos, s_in, s_t: 0.5,
+    "mass_weighted": lambda cos, s_in, s_t: s_in / (s_in + s_t) if s_in + s_t > 0 else 0.0,
+    "window_mass": lambda cos, s_in, s_t: s_in / (s_in + s_t) if s_in + s_t > 0 else 0.0,
+}
 
 
 def mix(x: int) -> int:
@@ -40,8 +51,9 @@ def step(K, V, S, P, k, v, p, q, scale, cfg, row):
     cands = [j for j in range(n + 1) if not (P[j] < cfg.n_sink or P[j] > p - cfg.recent)]
     loser = min(cands, key=lambda j: (S[j], P[j]))
     merged = False
-    if cfg.merge != "drop":
-        if cfg.merge in ("window", "window_mass"):
+    rule = merges.rule(cfg.merge)
+    if rule.kind != merges.DROP:
+        if rule.kind == merges.WINDOW:
             W = [j for j in range(n + 1) if j > loser][: cfg.window]
             s_t = np.float32(np.mean(S[W]))
         else:
@@ -60,24 +72,18 @@ def step(K, V, S, P, k, v, p, q, scale, cfg, row):
         else:
             prob = 1.0 if s_e > 0 else 0.0
         merged = (draw(cfg.seed, row, int(P[loser])) < prob) if cfg.gate else True
-        if merged and cfg.merge == "window":
+        if merged and rule.kind == merges.WINDOW and not rule.blends:
             for j in W:
                 V[j] = V[j] + V[loser] / len(W)
                 S[j] += s_e / len(W)
-        elif merged and cfg.merge == "window_mass":
+        elif merged and rule.kind == merges.WINDOW:
             share = s_e / np.float32(len(W))
             for j in W:
-                # (s_j V_j + share V_e) / (s_j + share), written as that weighted mean
-                if S[j] + share > 0:
-                    V[j] = (S[j] * V[j] + share * V[loser]) / (S[j] + share)
+                w = WEIGHTS[cfg.merge](None, share, S[j])
+                V[j] = (1 - w) * V[j] + w * V[loser]
                 S[j] += share
         elif merged:
-            if cfg.merge == "sim_weighted":
-                w = min(max(best, 0.0), 1.0)
-            elif cfg.merge == "mass_weighted":
-                w = s_e / (s_e + S[t]) if s_e + S[t] > 0 else 0.0
-            else:
-                w = 0.5
+            w = WEIGHTS[cfg.merge](best, s_e, S[t])
             V[t] = (1 - w) * V[t] + w * V[loser]
             if cfg.merge_keys:
                 K[t] = (1 - w) * K[t] + w * K[loser]

@@ -7,11 +7,11 @@ import json
 import mlx.core as mx
 import pytest
 
-from camkv import benchmarks
+from camkv.eval import bench
 
 
 def test_bench_writes_json_and_plots_with_budget_rows_held(tmp_path, capsys):
-    results = benchmarks.main([
+    results = bench.main([
         "--model", "random-tiny", "--prompt-lengths", "40", "120", "--budgets", "64",
         "--gen-tokens", "4", "--trials", "1", "--prefill-step", "32", "--soak", "30",
         "--backend", "reference", "--out", str(tmp_path), "--tag", "t",
@@ -20,7 +20,7 @@ def test_bench_writes_json_and_plots_with_budget_rows_held(tmp_path, capsys):
     assert saved["rows"] == results["rows"]
     assert (tmp_path / "t.png").stat().st_size > 0 and (tmp_path / "t-soak.png").stat().st_size > 0
     arms = {(r["arm"], r["prompt_len"]): r for r in saved["rows"]}
-    assert set(arms) == {(a, n) for a in ("full", "rotating-64", "camkv-64") for n in (40, 120)}
+    assert set(arms) == {(a, n) for a in ("full", "streamingllm-64", "camkv-64") for n in (40, 120)}
     # random-tiny: 2 layers, 2 KV heads of dim 16, float32 on the CPU (bfloat16 on a GPU);
     # camkv also holds float32 scores and int32 positions.
     itemsize = 4 if mx.default_device() == mx.cpu else 2
@@ -41,7 +41,7 @@ def test_bench_writes_json_and_plots_with_budget_rows_held(tmp_path, capsys):
 
 def test_bench_rejects_a_budget_the_config_cannot_hold(tmp_path):
     with pytest.raises(SystemExit, match="--budgets 5.*n_sink \\+ recent"):
-        benchmarks.main(["--model", "random-tiny", "--budgets", "5", "--out", str(tmp_path)])
+        bench.main(["--model", "random-tiny", "--budgets", "5", "--out", str(tmp_path)])
 
 
 def _load_bench_script(name: str):

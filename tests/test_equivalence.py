@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from camkv import CaMConfig, backends, reference
-from camkv.config import MERGE_MODES, WINDOW_MODES
-from camkv.reference import RowState
+from camkv import CaMConfig, backends, merges, reference
+from camkv.config import MERGE_MODES
+from camkv.rows import RowState
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _MANTISSA_BITS = {mx.float32: 23, mx.float16: 10, mx.bfloat16: 7}
@@ -38,12 +38,12 @@ def _np(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32) if a.dtype in (mx.float16, mx.bfloat16) else a)
 
 
-# Modes whose blend weight is a ratio of scores: s_e / (s_e + s_t). Scores agree between
+# Rules whose blend weight is a ratio of scores, like s_e / (s_e + s_t). Scores agree between
 # backends only to a few float32 ulps (exp and summation order differ; section 8 allows
 # rtol 1e-4), and w inherits that, so these blends get a relative allowance on top of
 # the ulp: 1e-5 of the row's scale, 20x what was seen (about 5e-7) and far below
 # the error of any wrong weight.
-MASS_MODES = ("mass_weighted", "window_mass")
+MASS_MODES = merges.names(weight_uses_mass=True)
 MASS_WEIGHT_RTOL = 1e-5
 
 
@@ -129,7 +129,7 @@ def test_merge_modes_match_reference(backend, merge, prefill, dtype):
     check_backend(backend, cfg, [5, 9, 1, 1, 14, 1, 3], rows=4, k_dim=16, v_dim=10, dtype=DTYPES[dtype], seed=1)
 
 
-@pytest.mark.parametrize("merge", ["sim_weighted", "mean", "mass_weighted"])
+@pytest.mark.parametrize("merge", merges.names(keys_allowed=True))
 def test_merge_keys_match_reference(backend, merge):
     cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge=merge, merge_keys=True, prefill="chunk", gate=False)
     check_backend(backend, cfg, [8, 7, 1, 9, 1], rows=3, k_dim=12, v_dim=12, dtype=mx.float16, seed=2)
@@ -166,7 +166,7 @@ def fuzz_cases(draw):
     recent = draw(st.integers(1, 4))
     budget = n_sink + recent + draw(st.integers(1, 8))
     merge = draw(st.sampled_from(MERGE_MODES))
-    merge_keys = merge not in WINDOW_MODES and draw(st.booleans())
+    merge_keys = merges.rule(merge).keys_allowed and draw(st.booleans())
     cfg = CaMConfig(
         budget=budget,
         n_sink=n_sink,

@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from camkv import CaMConfig, backends, reference
-from camkv.config import MERGE_MODES
+from camkv import CaMConfig, backends, merges, reference
 from camkv.backends import ext
-from camkv.reference import RowState
+from camkv.rows import RowState
 
 pytestmark = pytest.mark.skipif(ext.unavailable_reason() is not None, reason=str(ext.unavailable_reason()))
 
@@ -99,8 +98,9 @@ def test_donated_state_is_updated_in_place_and_matches_a_copy():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(merge=7), "merge code 7"),
-        (dict(merge=6), "merge code 6"),
+        (dict(merge=len(merges.RULES) + 1), f"merge code {len(merges.RULES) + 1}"),
+        (dict(merge=len(merges.RULES)), f"merge code {len(merges.RULES)} is not one of 0 \\(sim_weighted\\)"),
+        (dict(merge=-1), "merge code -1"),
         (dict(budget=3), "budget=3"),
         (dict(offset=-1), "offset must be >= 0"),
     ],
@@ -188,11 +188,6 @@ def test_ext_on_the_apple_gpu_matches_the_cpu_kernel(prefill):
         np.testing.assert_array_equal(np.array(gpu_merges), np.array(cpu_merges))
         np.testing.assert_allclose(np.array(gpu.scores), np.array(cpu.scores), rtol=1e-4, atol=1e-6)
         offset += s_len
-
-
-def test_merge_codes_are_the_config_modes_in_order():
-    """The backends pass MERGE_MODES.index(merge) as the kernel's CAMKV_MERGE_* code."""
-    assert tuple(ext._ext.MERGE_CODES) == MERGE_MODES
 
 
 @settings(max_examples=40, deadline=None)

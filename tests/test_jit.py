@@ -159,6 +159,18 @@ def test_scratch_sizes_equal_the_cores(chunk, n, s_len, budget, k_dim, v_dim):
         ext.scratch_strides(chunk, n, s_len, n_out, k_dim, v_dim))
 
 
+def test_the_parameter_fields_are_the_compiled_structs():
+    """jit.PARAM_FIELDS lays out struct CamParams as the compiler does: same names,
+    order, offsets and size (camkv._ext reports the struct from CAMKV_PARAM_FIELDS)."""
+    ext = pytest.importorskip("camkv._ext")
+    packed, offset = [], 0
+    for name, code in jit.PARAM_FIELDS:
+        packed.append((name, offset, struct.calcsize("<" + code)))
+        offset += packed[-1][2]
+    assert packed == [tuple(field) for field in ext.params_layout()]
+    assert struct.calcsize(jit.PARAM_FORMAT) == ext.PARAMS_SIZE
+
+
 def test_parameters_pack_in_the_cores_field_order():
     cfg = CaMConfig(budget=64, n_sink=3, recent=5, merge="window", window=2, gate=False, seed=2**32 - 2,
                     prefill="exact")
@@ -198,7 +210,8 @@ def test_chunk_scoring_in_query_blocks_equals_the_whole_chunk(monkeypatch, block
     # The kernel backends prescore a chunk in blocks of queries to bound memory; any
     # block size must give the reference's mass (split products included).
     from camkv.backends import _common as common
-    from camkv.reference import RowState, attention_mass_causal
+    from camkv.reference import attention_mass_causal
+    from camkv.rows import RowState
 
     mx.random.seed(3)
     rows, n, s_len, dim, groups = 2, 5, 37, 8, 3

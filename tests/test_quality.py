@@ -7,13 +7,21 @@ import math
 
 import pytest
 
-from camkv import quality, texts
-from camkv.quality import CacheSettings, method_catalog
+from camkv import merges
+from camkv.eval import sweep, texts
+from camkv.eval.arms import CacheSettings, make_cache, method_catalog, parse_methods, release_cache
+from camkv.eval.budgets import budgets_for, parse_budgets
+from camkv.eval.cli import PRESETS, build_parser, main
+from camkv.eval.loading import tiny_random_model
+from camkv.eval.passkey import PASSKEY_QUESTION, build_passkey, is_correct, passkey_depths, spread_order
+from camkv.eval.records import RecordStore
+from camkv.eval.stream import full_reference, stream_arm, summarize_positions
+from camkv.eval.sweep import OutOfTime
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return quality.tiny_random_model()
+    return tiny_random_model()
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +36,11 @@ SETTINGS = CacheSettings(n_sink=2, recent=4, window=4, seed=0, backend="auto")
 
 def _arm_metrics(model, method_name, budget, tokens, ref, prefill=40, chunk=16):
     method = method_catalog()[method_name]
-    caches = quality.make_cache(model, method, budget, SETTINGS)
+    caches = make_cache(model, method, budget, SETTINGS)
     try:
-        return quality.stream_arm(model, caches, tokens, prefill, chunk, ref), caches
+        return stream_arm(model, caches, tokens, prefill, chunk, ref), caches
     finally:
-        quality.release_cache(model, method)
+        release_cache(model, method)
 
 
 def test_camkv_that_never_evicts_matches_the_full_cache_position_by_position(tiny, window_tokens):
@@ -40,7 +48,7 @@ def test_camkv_that_never_evicts_matches_the_full_cache_position_by_position(tin
     # KVCache returns: any misalignment between the arm's and the reference's
     # positions would show as KL > 0 and disagreements.
     model, _ = tiny
-    ref = quality.full_reference(model, window_tokens, 40, 16, start=10)
+    ref = full_reference(model, window_tokens, 40, 16, start=10)
     metrics, caches = _arm_metrics(model, "sim_weighted", 200, window_tokens, ref)
     assert metrics["kl"].shape == (len(window_tokens) - 1 - 10,)
     assert abs(metrics["kl"]).max() < 1e-4
@@ -51,11 +59,11 @@ def test_camkv_that_never_evicts_matches_the_full_cache_position_by_position(tin
 
 def test_small_budgets_diverge_from_the_full_cache_and_sums_cover_the_right_positions(tiny, window_tokens):
     model, _ = tiny
-    ref = quality.full_reference(model, window_tokens, 40, 16, start=12)
+    ref = full_reference(model, window_tokens, 40, 16, start=12)
     for name in ("streamingllm", "h2o", "window-nogate"):
         metrics, caches = _arm_metrics(model, name, 12, window_tokens, ref)
-        decode = quality.summarize_positions(metrics, ref, 40)
-        everything = quality.summarize_positions(metrics, ref, 12)
+        decode = summarize_positions(metrics, ref, 40)
+        everything = summarize_positions(metrics, ref, 12)
         assert decode["positions"] == len(window_tokens) - 1 - 40
         assert everything["positions"] == len(window_tokens) - 1 - 12
         assert decode["kl_sum"] > 1e-3, name
@@ -66,7 +74,7 @@ def test_small_budgets_diverge_from_the_full_cache_and_sums_cover_the_right_posi
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 20, 33])
 def test_placements_run_in_an_order_whose_every_prefix_spans_the_depths(count):
-    order = quality.spread_order(count)
+    order = spread_order(count)
     assert sorted(order) == list(range(count))
     for m in range(2, count + 1):  # any cut of the sweep: both ends, no wide hole
         taken = sorted(order[:m])
@@ -77,17 +85,17 @@ def test_placements_run_in_an_order_whose_every_prefix_spans_the_depths(count):
 def test_passkey_prompt_has_the_exact_length_and_hides_the_key_once(tiny):
     _, tokenizer = tiny
     docs = texts.load_source("builtin")
-    for j, depth in enumerate(quality.passkey_depths(5)):
-        prompt = quality.build_passkey(tokenizer, "builtin", docs, 400, depth, j, seed=1)
+    for j, depth in enumerate(passkey_depths(5)):
+        prompt = build_passkey(tokenizer, "builtin", docs, 400, depth, j, seed=1)
         text = tokenizer.decode(prompt.tokens)
         assert len(prompt.tokens) == 400
         assert len(prompt.key) == 5 and text.count(prompt.key) == 2  # "key is K ... K is"
-        assert text.endswith(quality.PASSKEY_QUESTION)
+        assert text.endswith(PASSKEY_QUESTION)
         assert -0.01 <= prompt.depth - depth <= 0.051  # moved forward to a sentence end, not far
-    assert quality.passkey_depths(20)[0] == pytest.approx(0.1)
-    assert quality.passkey_depths(20)[-1] == pytest.approx(0.9)
+    assert passkey_depths(20)[0] == pytest.approx(0.1)
+    assert passkey_depths(20)[-1] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="cannot hold the passkey prompt"):
-        quality.build_passkey(tokenizer, "builtin", docs, 100, 0.5, 0, seed=1)
+        build_passkey(tokenizer, "builtin", docs, 100, 0.5, 0, seed=1)
 
 
 @pytest.mark.parametrize("answer,correct", [
@@ -95,21 +103,21 @@ def test_passkey_prompt_has_the_exact_length_and_hides_the_key_once(tiny):
     (" the key", False), (" 54321 12345", False),
 ])
 def test_passkey_answers_are_exact_matches_of_the_first_number(answer, correct):
-    assert quality.is_correct(answer, "12345") is correct
+    assert is_correct(answer, "12345") is correct
 
 
 def test_budgets_resolve_per_context_and_skip_what_cannot_evict():
-    budgets = quality.parse_budgets("10%,20%,50%,256,512")
+    budgets = parse_budgets("10%,20%,50%,256,512")
     notes: set[str] = set()
-    resolved = quality.budgets_for(1024, budgets, CacheSettings(4, 32, 4, 0, "auto"), notes)
+    resolved = budgets_for(1024, budgets, CacheSettings(4, 32, 4, 0, "auto"), notes)
     assert resolved == {102: ["10%"], 205: ["20%"], 512: ["50%", "512"], 256: ["256"]}
     assert notes == set()
-    resolved = quality.budgets_for(300, budgets, CacheSettings(4, 32, 4, 0, "auto"), notes)
+    resolved = budgets_for(300, budgets, CacheSettings(4, 32, 4, 0, "auto"), notes)
     assert resolved == {60: ["20%"], 150: ["50%"], 256: ["256"]}
     assert any("10% = 30" in n for n in notes) and any("512" in n for n in notes)
     for bad in ("0%", "150%", "abc", "-3", ""):
         with pytest.raises(ValueError, match="--budgets"):
-            quality.parse_budgets(bad)
+            parse_budgets(bad)
 
 
 def test_a_recent_share_resolves_per_budget_and_decides_which_budgets_can_evict():
@@ -118,51 +126,51 @@ def test_a_recent_share_resolves_per_budget_and_decides_which_budgets_can_evict(
     assert CacheSettings(4, 32, 4, 0, "auto").recent_for(819) == 32
     notes: set[str] = set()
     # 25% of a budget of 6 is 1: 4 + 1 < 6 can evict; with 32 tokens it could not.
-    assert quality.budgets_for(24, quality.parse_budgets("25%"), share, notes) == {6: ["25%"]}
-    assert quality.budgets_for(24, quality.parse_budgets("25%"), CacheSettings(4, 32, 4, 0, "auto"),
+    assert budgets_for(24, parse_budgets("25%"), share, notes) == {6: ["25%"]}
+    assert budgets_for(24, parse_budgets("25%"), CacheSettings(4, 32, 4, 0, "auto"),
                                notes) == {}
 
 
 def test_methods_cover_every_arm_of_the_issue_and_reject_unknown_names():
     names = set(method_catalog())
-    for merge in ("sim_weighted", "mean", "mass_weighted", "window", "window_mass"):
+    for merge in (r.name for r in merges.RULES if r.kind != merges.DROP):  # drop: the h2o arms
         for suffix in ("", "-nogate", "-query", "-nogate-query"):
             assert merge + suffix in names
     assert {"full", "streamingllm", "h2o", "h2o-query"} <= names
-    assert quality.parse_methods("h2o")[0].name == "full"  # always measured against
-    merge_group = [m.name for m in quality.parse_methods("merge")]
+    assert parse_methods("h2o")[0].name == "full"  # always measured against
+    merge_group = [m.name for m in parse_methods("merge")]
     assert "mass_weighted-nogate-query" in merge_group and "window_mass-nogate" in merge_group
     assert all(name in names for name in merge_group)
     with pytest.raises(ValueError, match="unknown method 'h20'"):
-        quality.parse_methods("h2o,h20")
+        parse_methods("h2o,h20")
 
 
-class _ThreeUnitClock(quality.Clock):
+class _ThreeUnitClock(sweep.Clock):
     """A time budget that runs out after three units of work, on any machine's speed."""
 
     def check(self, kind: str) -> None:
         if self.budget_s is not None and sum(len(v) for v in self.spent.values()) >= 3:
-            raise quality.OutOfTime()
+            raise OutOfTime()
 
 
 def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path, monkeypatch):
     out = tmp_path / "smoke"
     # A first run cut short by the time budget, then the same command finishing the rest.
     with monkeypatch.context() as patch:
-        patch.setattr(quality, "Clock", _ThreeUnitClock)
-        assert quality.main(["--preset", "smoke", "--out", str(out), "--no-progress",
+        patch.setattr(sweep, "Clock", _ThreeUnitClock)
+        assert main(["--preset", "smoke", "--out", str(out), "--no-progress",
                              "--time-budget", "1000"]) == 0
     partial = json.loads((out / "summary.json").read_text())
     assert partial["complete"] is False
     assert (out / "records.jsonl").read_text().splitlines(), "the cut run kept no finished work"
-    assert quality.main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
+    assert main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
 
     assert summary["complete"] is True
     keys = [(r["task"], r["sample"], r["method"], r["budget"]) for r in records]
     assert len(keys) == len(set(keys)), "a resumed run redid finished work"
-    methods = quality.parse_methods(quality.PRESETS["smoke"]["methods"])
+    methods = parse_methods(PRESETS["smoke"]["methods"])
     # stream: a 96-token window, budgets 20% = 19 and 50% = 48;
     # passkey: 2 prompts of 320 tokens, budgets 64 and 160, plus the full cache.
     assert len(records) == (len(methods) - 1) * 2 + 2 * (1 + (len(methods) - 1) * 2)
@@ -191,12 +199,12 @@ def test_a_folder_takes_more_arms_but_refuses_records_of_another_setup(tmp_path)
     out = tmp_path / "run"
     args = ["--preset", "smoke", "--out", str(out), "--no-progress", "--tasks", "passkey",
             "--budgets", "50%", "--passkey-placements", "1"]
-    assert quality.main(args + ["--methods", "h2o"]) == 0
-    assert quality.main(args + ["--methods", "h2o,streamingllm"]) == 0  # adds one arm
+    assert main(args + ["--methods", "h2o"]) == 0
+    assert main(args + ["--methods", "h2o,streamingllm"]) == 0  # adds one arm
     methods = [json.loads(line)["method"] for line in (out / "records.jsonl").open()]
     assert methods == ["full", "h2o", "streamingllm"]
-    assert quality.main(args + ["--methods", "h2o", "--chunk", "16"]) == 2  # another setup
-    assert quality.main(args + ["--methods", "h2o", "--chunk", "16", "--fresh"]) == 0
+    assert main(args + ["--methods", "h2o", "--chunk", "16"]) == 2  # another setup
+    assert main(args + ["--methods", "h2o", "--chunk", "16", "--fresh"]) == 0
 
 
 @pytest.mark.parametrize("flag,value,message", [
@@ -210,17 +218,17 @@ def test_a_folder_takes_more_arms_but_refuses_records_of_another_setup(tmp_path)
     ("--recent", "quarter", "got 'quarter'"),
 ])
 def test_bad_values_exit_2_naming_the_flag(tmp_path, capsys, flag, value, message):
-    assert quality.main(["--preset", "smoke", "--out", str(tmp_path), flag, value]) == 2
+    assert main(["--preset", "smoke", "--out", str(tmp_path), flag, value]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_every_flag_has_help():
-    for action in quality.build_parser()._actions:
+    for action in build_parser()._actions:
         assert action.help, action.option_strings
 
 
 def test_plan_counts_the_runs_the_smoke_sweep_makes(capsys):
-    assert quality.main(["--preset", "smoke", "--plan"]) == 0
+    assert main(["--preset", "smoke", "--plan"]) == 0
     out = capsys.readouterr().out
     # 1 window: the full reference + 5 arms x 2 budgets; 2 prompts x (full + 5 x 2).
     assert "= 11 runs" in out and "= 22 runs" in out
@@ -233,10 +241,10 @@ def test_a_folder_in_use_is_refused_and_a_stale_lock_is_taken_over(tmp_path, cap
     args = ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--tasks", "passkey",
             "--methods", "h2o", "--budgets", "50%", "--passkey-placements", "1"]
     (tmp_path / "run.lock").write_text(f"{socket.gethostname()}:{os.getpid()}")
-    assert quality.main(args) == 2
+    assert main(args) == 2
     assert "in use by another camkv eval" in capsys.readouterr().err
     (tmp_path / "run.lock").write_text(f"{socket.gethostname()}:999999999")
-    assert quality.main(args) == 0
+    assert main(args) == 0
     assert not (tmp_path / "run.lock").exists()
 
 
@@ -245,4 +253,4 @@ def test_a_redone_arm_counts_once(tmp_path):
     again = {**line, "correct": True}
     (tmp_path / "records.jsonl").write_text(
         json.dumps(line) + "\n" + json.dumps(again) + "\n" + '{"task": "pass')
-    assert quality.RecordStore.read_records(tmp_path) == [again]
+    assert RecordStore.read_records(tmp_path) == [again]

@@ -8,12 +8,11 @@ import pytest
 
 import oracle
 from camkv import CaMConfig, backends, reference
-from camkv.reference import RowState
+from camkv import merges as rules
+from camkv.rows import RowState
 from conftest import random_block, run_calls
 
-from camkv.config import MERGE_MODES
-
-MERGES = list(MERGE_MODES)
+MERGES = list(rules.names())
 
 
 def _update(backend):
@@ -109,7 +108,7 @@ def test_scores_are_the_softmax_mass_of_each_key_query(backend):
 
 @pytest.mark.parametrize(
     "merge,merge_keys",
-    [(m, False) for m in MERGES] + [("sim_weighted", True), ("mean", True), ("mass_weighted", True)],
+    [(m, False) for m in MERGES] + [(m, True) for m in rules.names(keys_allowed=True)],
 )
 @pytest.mark.parametrize("gate", [True, False])
 @pytest.mark.parametrize("queries_per_kv", [0, 2])
@@ -227,7 +226,7 @@ def test_drop_equals_a_gate_that_never_opens(monkeypatch):
     assert sum(m.sum().item() for m in mc) == 0
 
 
-@pytest.mark.parametrize("merge", [m for m in MERGES if m != "drop"])
+@pytest.mark.parametrize("merge", [m for m in MERGES if rules.rule(m).kind != rules.DROP])
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_gate_merges_at_a_rate_strictly_between_zero_and_one(backend, merge, prefill):
     """The defect ALGORITHM.md fixes (newest token always evicted, gate never open) stays fixed."""
@@ -310,7 +309,7 @@ def _hand_state():
     return state, new_key, values, scores + mass[:6]
 
 
-@pytest.mark.parametrize("merge", ["mass_weighted", "window_mass"])
+@pytest.mark.parametrize("merge", [r.name for r in rules.RULES if r.weight is rules.mass_weight])
 def test_mass_weighted_merges_make_the_attention_mass_weighted_mean(backend, merge):
     """The survivor's value becomes (s_t V_t + s_e V_e) / (s_t + s_e) (window_mass: with
     s_e / |W| per target), scores after this step's update; keys never change.
@@ -322,7 +321,8 @@ def test_mass_weighted_merges_make_the_attention_mass_weighted_mean(backend, mer
                                    mx.zeros((1,), mx.uint32))
     assert merged.tolist() == [1]
     assert np.array(out.positions[0]).tolist() == [0, 1, 3, 4, 5, 6]
-    targets = [4] if merge == "mass_weighted" else [3, 4]  # the window: the 2 rows after position 2
+    # The nearest survivor, or the window: the 2 rows after position 2.
+    targets = [4] if rules.rule(merge).kind == rules.NEAREST else [3, 4]
     share = s[2] / len(targets)
     want_v, want_s = values.copy(), s.copy()
     for t in targets:
@@ -336,9 +336,10 @@ def test_mass_weighted_merges_make_the_attention_mass_weighted_mean(backend, mer
 
 @pytest.mark.parametrize("merge", MERGES)
 def test_only_the_additive_window_merge_leaves_the_range_of_the_inputs(backend, merge):
-    """Every blend but "window" is a convex combination, so stored values stay within
-    each feature's range over the input values; "window" adds V_e / |W| to survivors
-    on every merge, and over a long stream its values outgrow every input."""
+    """Every blend is a convex combination (weights in [0, 1]), so stored values stay
+    within each feature's range over the input values; an additive window rule adds
+    V_e / |W| to survivors on every merge, and over a long stream its values outgrow
+    every input."""
     cfg = _cfg(backend, merge=merge, window=2, gate=False, prefill="exact")
     rng = np.random.default_rng(13)
     keys = mx.array(rng.standard_normal((2, 150, 8)).astype(np.float32))
@@ -346,7 +347,8 @@ def test_only_the_additive_window_merge_leaves_the_range_of_the_inputs(backend, 
     state, _ = _update(backend)(RowState.empty(2, 8, 6, mx.float32), keys, values, 0, cfg,
                                 mx.arange(2).astype(mx.uint32))
     stored = np.array(state.values)
-    if merge == "window":
+    rule = rules.rule(merge)
+    if rule.kind == rules.WINDOW and not rule.blends:
         assert stored.max() > 2.0
     else:
         assert stored.min() >= 0.5 - 1e-6 and stored.max() <= 1.0 + 1e-6

@@ -9,7 +9,9 @@ import zlib
 
 import pytest
 
-from camkv import quality, rdata, texts
+from camkv.eval import rdata, texts
+from camkv.eval.loading import ByteTokenizer
+from camkv.eval.sweep import load_documents
 
 # ---------------------------------------------------------------- an independent R serializer
 # Written from R's serialize.c layout (XDR, format version 3), to feed the reader bytes
@@ -112,7 +114,7 @@ def test_printed_lines_are_reflowed_into_paragraphs():
 
 
 def test_windows_are_exact_length_word_aligned_and_seeded():
-    tokenizer = quality.ByteTokenizer()
+    tokenizer = ByteTokenizer()
     docs = texts.load_source("builtin")
     first = texts.sample_windows("builtin", docs, tokenizer, 300, 3, seed=5)
     again = texts.sample_windows("builtin", docs, tokenizer, 300, 3, seed=5)
@@ -149,11 +151,11 @@ def test_a_source_without_its_tool_or_cache_is_skipped_with_a_message(tmp_path, 
         texts.load_source("austen")
     with pytest.raises(texts.SourceUnavailable, match="--offline forbids"):
         texts.load_source("kjv", offline=True)
-    documents = quality.load_documents(["sotu", "builtin"], offline=False)
+    documents = load_documents(["sotu", "builtin"], offline=False)
     assert list(documents) == ["builtin"]
     assert "skipping text source 'sotu'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="none of the text sources"):
-        quality.load_documents(["sotu"], offline=False)
+        load_documents(["sotu"], offline=False)
 
 
 def test_a_cached_source_is_read_offline(tmp_path, monkeypatch):

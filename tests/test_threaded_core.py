@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from camkv import CaMConfig, reference
 from camkv.backends import jit
+from camkv import merges
 from camkv.config import MERGE_MODES
 from test_equivalence import assert_states_match, feed
 
@@ -112,9 +113,9 @@ def test_query_blocks_and_wide_dots_match_the_reference(threaded_update, groups,
            queries_per_kv=groups)
 
 
-@pytest.mark.parametrize("merge", ["sim_weighted", "mass_weighted", "window_mass"])
+@pytest.mark.parametrize("merge", merges.names(blends=True))
 def test_merge_keys_and_the_gate_match_the_reference(threaded_update, merge):
-    cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge=merge, merge_keys=merge != "window_mass",
+    cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge=merge, merge_keys=merges.rule(merge).keys_allowed,
                     prefill="chunk", gate=True, seed=11)
     _check(threaded_update, cfg, [8, 7, 1, 9, 1], rows=3, k_dim=16, v_dim=16, seed=4)
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, fast, hook
+from . import backends, fast, hook, merges
 from .config import CaMConfig, resolve_config
 from .rows import RowState
 
@@ -430,7 +430,7 @@ class CaMKVCache(_BaseCache):
         rows = self._held_rows(end)
         backend = self._backend()
         n = self._settled
-        if cfg.merge == "drop" and backend is not backends.reference and end - n > 1:
+        if merges.rule(cfg.merge).kind == merges.DROP and backend is not backends.reference and end - n > 1:
             # Dropping needs no kernel: batched products, a partition and a gather.
             return fast.compress_drop(rows, queries, scale, n, self._pending_start + end - n - 1, cfg)
         before = RowState(*(a[:, :n] for a in rows))

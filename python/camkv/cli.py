@@ -159,7 +159,7 @@ def _add_serve_parser(subparsers) -> None:
 
 
 def _add_bench_parser(subparsers) -> None:
-    from .benchmarks import __doc__ as bench_doc, build_parser as add_bench_flags
+    from .eval.bench import __doc__ as bench_doc, build_parser as add_bench_flags
 
     p = subparsers.add_parser(
         "bench", help="end-to-end speed and memory: camkv against mlx-lm's own caches",
@@ -449,7 +449,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmarks import main as bench_main
+    from .eval.bench import main as bench_main
 
     bench_main(args=args)
     return 0
@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if words[:1] == ["eval"]:
         # camkv.quality parses its own flags (argparse cannot hand a subcommand's
         # flags through untouched).
-        from .quality import main as quality_main
+        from .eval.cli import main as quality_main
 
         return quality_main(words[1:]) or 0
     parser = build_parser()

@@ -6,10 +6,9 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-# The index of a mode is its kernel code (CAMKV_MERGE_* in csrc/camkv_core.h): append only.
-MERGE_MODES = ("sim_weighted", "mean", "window", "drop", "mass_weighted", "window_mass")
-# Modes that spread a token over the survivors after it (ALGORITHM.md section 4.2).
-WINDOW_MODES = ("window", "window_mass")
+from . import merges
+
+MERGE_MODES = merges.names()  # the rules of camkv.merges, in kernel-code order
 SCORING_MODES = ("key", "query")
 PREFILL_MODES = ("exact", "chunk")
 BACKENDS = ("auto", "reference", "ext", "metal", "cuda")
@@ -67,23 +66,17 @@ class CaMConfig:
       with the same passkey accuracy on the same prompts (bench/results/README.md,
       "The recent window").
     - merge ["drop"]: what happens to an evicted token:
-      "sim_weighted" blends it into its most similar survivor with weight
-      clamp(cos, 0, 1); "mean" blends with weight 0.5; "mass_weighted" blends with
-      weight s_e / (s_e + s_t), so the survivor becomes the attention-mass-weighted
-      mean of the two (a token that got little attention barely moves it); "window"
-      adds V_e / |W| to each of the `window` survivors that follow it (the paper's
-      form; values grow with every merge); "window_mass" makes each of those the
-      mass-weighted mean V_j = (s_j V_j + (s_e/|W|) V_e) / (s_j + s_e/|W|);
-      "drop" discards it (H2O). Every merging mode adds the evicted mass to the
-      targets' scores. drop by default, because merging did not beat it: with the
+      one of the rules of camkv.merges (each described there: merges.help_text()),
+      from "drop" (H2O) to blending it into its nearest survivor or a window of the
+      survivors after it. drop by default, because merging did not beat it: with the
       model's own queries scoring the cache, every merge rule measured had a higher KL
       divergence from the full cache than dropping (mass_weighted, the best of them,
       4-17% higher at nine of the ten budget and recent-window settings measured) and
       no better passkey accuracy; merging
       beats dropping only with the weaker key-proxy scoring (bench/results/README.md,
       "Does merging beat dropping?"). The merge rules stay one field away.
-    - merge_keys [False]: blend keys as well as values (not with "window" / "window_mass").
-    - window [4]: survivors a token is spread over in "window" / "window_mass" mode.
+    - merge_keys [False]: blend keys as well as values (rules with keys_allowed only).
+    - window [4]: survivors a token is spread over by a window rule ("window", "window_mass").
     - gate [False]: merge only with probability clamp(s_e / s_target, 0, 1) (CaM Eq. 14).
       Off by default: on SmolLM2-135M over real text the ungated merge had lower KL
       divergence from the full cache at every budget (bench/results/quality-gpu).
@@ -145,10 +138,12 @@ class CaMConfig:
                 f"CaMConfig.slack={self.slack} needs prefill='chunk' (the buffered tokens are "
                 f"compressed as one chunk), got prefill={self.prefill!r}; use slack=0"
             )
-        if self.merge_keys and self.merge in WINDOW_MODES:
+        rule = merges.rule(self.merge)
+        # With drop nothing merges, so merge_keys is moot there (and accepted).
+        if self.merge_keys and rule.kind != merges.DROP and not rule.keys_allowed:
             raise ValueError(
                 f"CaMConfig.merge_keys=True is not allowed with merge={self.merge!r} "
-                "(window modes never change keys); use merge_keys=False"
+                f"(only {', '.join(merges.names(keys_allowed=True))} blend keys); use merge_keys=False"
             )
         if self.n_sink + self.recent >= self.budget:
             raise ValueError(

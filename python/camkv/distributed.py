@@ -90,12 +90,15 @@ def wait_for_generation() -> None:
     mx.synchronize()
 
 
+def kv_bytes(caches) -> int:
+    """Bytes a model's cache list really holds, all layers and cache kinds (empty ones hold none)."""
+    return sum(cache.nbytes for cache in caches if not cache.empty())
+
+
 def gather_kv_bytes(caches, group: mx.distributed.Group | None = None) -> list[int]:
     """Every rank's KV bytes, in rank order, on every rank (a collective: all ranks call it)."""
     group = group or mx.distributed.init()
     wait_for_generation()
-    from .integration import kv_bytes  # integration imports this module
-
     mine = mx.array([kv_bytes(caches)], dtype=mx.int64)
     # On the CPU stream, like mlx-lm's own synchronising all_sum in sharded_load:
     # a few bytes, and every distributed backend implements its collectives there.

@@ -9,7 +9,7 @@ from mlx_lm.models.cache import KVCache
 from . import hook
 from .cache import CaMKVCache
 from .config import UINT32_MAX, CaMConfig, resolve_config
-from .distributed import ShardInfo, local_kv_heads, shard_info
+from .distributed import ShardInfo, kv_bytes, local_kv_heads, shard_info  # kv_bytes: cli.py's name for it
 
 _ORIGINAL = "_camkv_original_make_cache"
 
@@ -56,11 +56,6 @@ def _camkv_cache(model, i: int, base: CaMConfig, shards: ShardInfo) -> CaMKVCach
     return CaMKVCache(
         base.replace(seed=seed), head_offset=head_offset, n_heads_global=n_heads_global
     )
-
-
-def kv_bytes(caches) -> int:
-    """Bytes a model's cache list really holds, all layers and cache kinds (empty ones hold none)."""
-    return sum(cache.nbytes for cache in caches if not cache.empty())
 
 
 def apply(model, config: CaMConfig | None = None, **fields):

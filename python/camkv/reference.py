@@ -9,9 +9,11 @@ float32 arithmetic; keys and values are rounded to the storage dtype once per me
 from __future__ import annotations
 
 import math
+
 import mlx.core as mx
 
-from .config import WINDOW_MODES, CaMConfig
+from . import merges
+from .config import CaMConfig
 from .rows import RowState
 
 _GOLDEN = 0x9E3779B9
@@ -135,14 +137,19 @@ def _merge_one(
     survivor [R, N] bool (rows that may receive mass; excludes e).
     Returns (keys, values, scores, merged [R] bool).
     """
+    rule = merges.rule(cfg.merge)
+    if rule.kind == merges.DROP:
+        return keys, values, scores, mx.zeros((keys.shape[0],), mx.bool_)
     idx = mx.arange(keys.shape[1])[None, :]
     s_e = _take_rows(scores, e)
     v_e = _take_rows(values, e).astype(mx.float32)
-    if cfg.merge in WINDOW_MODES:
+    if rule.kind == merges.WINDOW:
         after = survivor & (idx > e[:, None])
-        in_window = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
-        width = in_window.sum(axis=1).astype(mx.float32)
-        s_target = mx.where(in_window, scores, 0.0).sum(axis=1) / width
+        targets = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
+        width = targets.sum(axis=1).astype(mx.float32)
+        s_target = mx.where(targets, scores, 0.0).sum(axis=1) / width
+        s_in = (s_e / width)[:, None]  # each target's share
+        cos_t, s_t = None, scores  # each target's weight: its own mass against its share
     else:
         k_e = _take_rows(keys, e).astype(mx.float32)
         k_f = keys.astype(mx.float32)
@@ -152,53 +159,32 @@ def _merge_one(
         eligible = survivor & (positions >= cfg.n_sink)
         t = _first_argmax(mx.where(eligible, cos, -_INF))
         s_target = _take_rows(scores, t)
-        in_window = idx == t[:, None]
+        targets = idx == t[:, None]
+        s_in, cos_t, s_t = s_e[:, None], _take_rows(cos, t), s_target[:, None]
 
     do = _gate(s_e, s_target, row_ids, _take_rows(positions, e), cfg)
-
-    if cfg.merge == "window":
-        share = (v_e / width[:, None])[:, None, :]
-        summed = (values.astype(mx.float32) + share).astype(values.dtype)
-        values = mx.where((in_window & do[:, None])[:, :, None], summed, values)
-        scores = scores + mx.where(in_window & do[:, None], (s_e / width)[:, None], 0.0)
-    elif cfg.merge == "window_mass":
-        share = s_e / width
-        # Each target's own weight: its mass against the share it receives.
-        weight = _mass_weight(share[:, None], scores)
-        values = _blend_rows(values, in_window, v_e, weight, do)
-        scores = scores + mx.where(in_window & do[:, None], share[:, None], 0.0)
-    else:
-        weight = _nearest_weight(cfg.merge, _take_rows(cos, t), s_e, s_target)
-        values = _blend_rows(values, in_window, v_e, weight, do)
+    if rule.blends:
+        weight = _merge_weight(rule, cos_t, s_in, s_t)
+        values = _blend_rows(values, targets, v_e, weight, do)
         if cfg.merge_keys:
-            keys = _blend_rows(keys, in_window, k_e, weight, do)
-        scores = scores + mx.where(in_window & do[:, None], s_e[:, None], 0.0)
+            keys = _blend_rows(keys, targets, k_e, weight, do)
+    else:  # additive: each target gains its share of the value
+        summed = (values.astype(mx.float32) + (v_e / width[:, None])[:, None, :]).astype(values.dtype)
+        values = mx.where((targets & do[:, None])[:, :, None], summed, values)
+    scores = scores + mx.where(targets & do[:, None], s_in, 0.0)
     return keys, values, scores, do
 
 
-def _mass_weight(s_e: mx.array, s_t: mx.array) -> mx.array:
-    """s_e / (s_e + s_t), 0 where both are 0: the blend that makes a survivor the
-    attention-mass-weighted mean of itself and what merges into it."""
-    total = s_e + s_t
-    return mx.where(total > 0, s_e / mx.where(total > 0, total, 1.0), 0.0)
+def _merge_weight(rule: merges.MergeRule, cos_t, s_in, s_target):
+    """A blending rule's weight (bench/merge_diagnostics.py records the weights here)."""
+    return rule.weight(cos_t, s_in, s_target)
 
-
-def _nearest_weight(merge: str, cos_t: mx.array, s_e: mx.array, s_t: mx.array):
-    """Section 4.1's blend weight of the nearest modes, per row [R] (or a float)."""
-    if merge == "sim_weighted":
-        return mx.clip(cos_t, 0.0, 1.0)
-    if merge == "mass_weighted":
-        return _mass_weight(s_e, s_t)
-    return 0.5
 
 
 def _gate(s_e, s_target, row_ids, p_e, cfg: CaMConfig) -> mx.array:
     """Section 4.3: merge or not, per row."""
-    rows = s_e.shape[0]
-    if cfg.merge == "drop":
-        return mx.zeros((rows,), mx.bool_)
     if not cfg.gate:
-        return mx.ones((rows,), mx.bool_)
+        return mx.ones((s_e.shape[0],), mx.bool_)
     ratio = mx.clip(s_e / mx.where(s_target > 0, s_target, 1.0), 0.0, 1.0)
     fallback = mx.where(s_e > 0, 1.0, 0.0)
     probability = mx.where(s_target > 0, ratio, fallback)

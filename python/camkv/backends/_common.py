@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..reference import RowState, attention_mass_causal
+from ..reference import attention_mass_causal
+from ..rows import RowState
 
 STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 

@@ -11,8 +11,9 @@ import math
 
 import mlx.core as mx
 
-from ..config import CaMConfig, MERGE_MODES
-from ..reference import RowState
+from ..merges import code as merge_code
+from ..config import CaMConfig
+from ..rows import RowState
 from ._common import adopt_dtype, check_kernel_inputs, concatenate_rows
 
 try:  # the package works without the extension (reference backend)
@@ -76,7 +77,7 @@ def update(
         n_sink=cfg.n_sink,
         recent=cfg.recent,
         window=cfg.window,
-        merge=MERGE_MODES.index(cfg.merge),
+        merge=merge_code(cfg.merge),
         merge_keys=cfg.merge_keys,
         gate=cfg.gate,
         chunk=cfg.prefill == "chunk",

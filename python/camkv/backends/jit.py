@@ -15,10 +15,11 @@ import struct
 
 import mlx.core as mx
 
-from ..config import MERGE_MODES, CaMConfig
-from ..reference import RowState
+from ..merges import code as merge_code
+from ..config import CaMConfig
+from ..rows import RowState
 from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk
-from .sources import kernel_source
+from .sources import inlined_source
 
 
 def threads_per_row() -> int:
@@ -54,36 +55,33 @@ _BODY = """
   }
 """
 
+# Each target's group: the shared reduction slots, the thread index and group size,
+# the row (one work group per row) and the parameter block's address space.
+_GROUP = """
+  {shared} float red_f[32];
+  {shared} int red_i[32];
+  CamGroup g;
+  g.tid = {tid};
+  g.size = {size};
+  g.red_f = red_f;
+  g.red_i = red_i;
+  int row = (int){row};
+  const {space}CamParams* p = (const {space}CamParams*)params;
+"""
+
 _TARGETS = {
     "metal": {
         "header": "#define CAMKV_CONSTANT device\n" + "{prelude}\n{core}\n",
         "prelude": "camkv_prelude.h",
-        "group": """
-  threadgroup float red_f[32];
-  threadgroup int red_i[32];
-  CamGroup g;
-  g.tid = thread_position_in_threadgroup.x;
-  g.size = threads_per_threadgroup.x;
-  g.red_f = red_f;
-  g.red_i = red_i;
-  int row = (int)threadgroup_position_in_grid.x;
-  const device CamParams* p = (const device CamParams*)params;
-""",
+        "group": _GROUP.format(shared="threadgroup", tid="thread_position_in_threadgroup.x",
+                               size="threads_per_threadgroup.x", row="threadgroup_position_in_grid.x",
+                               space="device "),
     },
     "cuda": {
         "header": "{prelude}\n{core}\n",
         "prelude": "camkv_prelude.cuh",
-        "group": """
-  __shared__ float red_f[32];
-  __shared__ int red_i[32];
-  CamGroup g;
-  g.tid = threadIdx.x;
-  g.size = blockDim.x;
-  g.red_f = red_f;
-  g.red_i = red_i;
-  int row = (int)blockIdx.x;
-  const CamParams* p = (const CamParams*)params;
-""",
+        "group": _GROUP.format(shared="__shared__", tid="threadIdx.x", size="blockDim.x", row="blockIdx.x",
+                               space=""),
     },
 }
 
@@ -93,9 +91,7 @@ _kernels: dict[str, object] = {}
 def target_source(target: str) -> tuple[str, str]:
     """(header, body) of the run-time kernel for 'metal' or 'cuda'."""
     spec = _TARGETS[target]
-    header = spec["header"].format(prelude=kernel_source(spec["prelude"]), core=kernel_source("camkv_core.h"))
-    # The preludes and the core include each other by name in a build; here they are inlined.
-    header = "\n".join(line for line in header.splitlines() if not line.startswith('#include "camkv'))
+    header = spec["header"].format(prelude=inlined_source(spec["prelude"]), core=inlined_source("camkv_core.h"))
     return _compact(header), spec["group"] + _BODY
 
 
@@ -150,13 +146,28 @@ def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_d
     return f32_parts * capacity + shadow + merge_phase, 4 * capacity + merge_phase + group_counts, store
 
 
+# struct CamParams (CAMKV_PARAM_FIELDS of csrc/camkv_core.h) field by field, with
+# each field's struct code; tests/test_jit.py checks names, order and offsets
+# against the compiled struct (camkv._ext.params_layout()).
+PARAM_FIELDS = (
+    ("rows", "i"), ("n", "i"), ("S", "i"), ("Dk", "i"), ("Dv", "i"), ("G", "i"), ("n_out", "i"),
+    ("budget", "i"), ("n_sink", "i"), ("recent", "i"), ("window", "i"), ("merge", "i"), ("merge_keys", "i"),
+    ("gate", "i"), ("chunk", "i"), ("key_scoring", "i"), ("in_place", "i"), ("offset", "i"), ("prescored", "i"),
+    ("seed", "I"), ("scale", "f"), ("f32_stride", "i"), ("i32_stride", "i"), ("store_stride", "i"),
+)
+PARAM_FORMAT = "<" + "".join(code for _, code in PARAM_FIELDS)
+
+
 def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
                 key_scoring, strides, prescored=False) -> mx.array:
-    """struct CamParams (camkv_core.h) as int32 words: 19 ints, uint32 seed, float scale, 3 ints."""
-    head = [rows, n, s_len, k_dim, v_dim, groups, n_out, cfg.budget, cfg.n_sink, cfg.recent,
-            cfg.window, MERGE_MODES.index(cfg.merge), int(cfg.merge_keys), int(cfg.gate),
-            int(cfg.prefill == "chunk"), int(key_scoring), 0, offset, int(prescored)]
-    packed = struct.pack(f"<{len(head)}iIf3i", *head, cfg.seed, scale, *strides)
+    """struct CamParams as int32 words, packed by PARAM_FIELDS."""
+    fields = dict(
+        rows=rows, n=n, S=s_len, Dk=k_dim, Dv=v_dim, G=groups, n_out=n_out, budget=cfg.budget,
+        n_sink=cfg.n_sink, recent=cfg.recent, window=cfg.window, merge=merge_code(cfg.merge),
+        merge_keys=int(cfg.merge_keys), gate=int(cfg.gate), chunk=int(cfg.prefill == "chunk"),
+        key_scoring=int(key_scoring), in_place=0, offset=offset, prescored=int(prescored), seed=cfg.seed,
+        scale=scale, f32_stride=strides[0], i32_stride=strides[1], store_stride=strides[2])
+    packed = struct.pack(PARAM_FORMAT, *(fields[name] for name, _ in PARAM_FIELDS))
     return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
 
 

@@ -5,11 +5,13 @@ repository (csrc/, metal/, cuda/); CMake installs them under camkv/kernels/."""
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 # Installed file name -> its folder in a source checkout.
 KERNEL_FILES = {
     "camkv_core.h": "csrc",
+    "camkv_merges.h": "csrc",
     "camkv_prelude_cpu.h": "csrc",
     "camkv_prelude.h": "metal",
     "camkv.metal": "metal",
@@ -36,3 +38,21 @@ def kernel_source(name: str) -> str:
         if path.is_file():
             return path.read_text()
     raise FileNotFoundError(f"kernel source {name} not found in {[str(p) for p in _candidates(name)]}")
+
+
+_INCLUDE = re.compile(r'^#include "(camkv[^"]*)"[ \t]*$', re.MULTILINE)
+
+
+def inlined_source(name: str) -> str:
+    """Text of one kernel source with the kernel files it includes by name inlined
+    where they are included, each once: for a compiler that gets one text (mx.fast
+    kernels) instead of a folder to include from."""
+    seen: set[str] = set()
+
+    def expand(file: str) -> str:
+        if file in seen:
+            return ""
+        seen.add(file)
+        return _INCLUDE.sub(lambda match: expand(match.group(1)), kernel_source(file))
+
+    return expand(name)

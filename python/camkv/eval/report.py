@@ -12,7 +12,10 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .quality import RecordStore, method_catalog, parse_budgets
+from .. import merges
+from .arms import method_catalog
+from .budgets import parse_budgets
+from .records import RecordStore
 
 SUBSETS = ("decode", "all")
 
@@ -170,10 +173,13 @@ def _pyplot():
     return plt
 
 
+# A merge rule's colour, by its code (drop's red is h2o's); later rules cycle.
+_RULE_COLORS = ("tab:blue", "tab:green", "tab:purple", "tab:red", "tab:cyan", "tab:pink", "tab:olive", "tab:brown")
+
+
 def _style(method: str) -> dict:
-    colors = {"full": "black", "streamingllm": "tab:gray", "h2o": "tab:red",
-              "sim_weighted": "tab:blue", "mean": "tab:green", "window": "tab:purple",
-              "mass_weighted": "tab:cyan", "window_mass": "tab:pink"}
+    colors = {"full": "black", "streamingllm": "tab:gray", "h2o": _RULE_COLORS[merges.code("drop")]}
+    colors.update({r.name: _RULE_COLORS[r.code % len(_RULE_COLORS)] for r in merges.RULES})
     base = method.split("-")[0]
     return {
         "color": colors.get(base, "tab:orange"),

@@ -1,0 +1,45 @@
+"""The merge-rule registry: one table per language, the same table in both, and the
+properties every rule must have for the kernel core to run it."""
+
+from __future__ import annotations
+
+import pytest
+
+from camkv import CaMConfig, merges
+from camkv.config import MERGE_MODES
+
+
+@pytest.mark.parametrize("rule", merges.RULES, ids=lambda r: r.name)
+def test_every_rule_is_one_the_kernel_can_run(rule):
+    assert rule.code == merges.RULES.index(rule), "codes are indices: append rules, never reorder"
+    assert rule.kind in merges.KINDS
+    assert rule.blends == (rule.weight is not None), "a blending rule needs a weight, and only one"
+    assert not rule.keys_allowed or rule.kind == merges.NEAREST, "only nearest rules blend keys"
+    assert rule.kind != merges.NEAREST or rule.blends, "the kernel has no additive nearest merge"
+    assert not rule.weight_uses_mass or rule.blends
+    assert rule.help and rule.name in merges.help_text()
+
+
+def test_the_kernels_table_is_the_registrys():
+    ext = pytest.importorskip("camkv._ext")
+    kernel = [tuple(r) for r in ext.merge_rules()]
+    assert kernel == [(r.name, r.code, r.kind, r.blends, r.keys_allowed) for r in merges.RULES]
+
+
+def test_the_config_accepts_exactly_the_registrys_rules():
+    assert MERGE_MODES == merges.names()
+    for rule in merges.RULES:
+        assert CaMConfig(merge=rule.name).merge == rule.name
+        if rule.keys_allowed or rule.kind == merges.DROP:  # drop merges nothing: merge_keys is moot
+            assert CaMConfig(merge=rule.name, merge_keys=True).merge_keys
+        else:
+            with pytest.raises(ValueError, match="merge_keys"):
+                CaMConfig(merge=rule.name, merge_keys=True)
+
+
+def test_queries_filter_by_property_and_unknown_names_are_named():
+    assert merges.names(kind=merges.DROP) == ("drop",)
+    assert set(merges.names(kind=merges.WINDOW)) == {"window", "window_mass"}
+    assert all(merges.rule(n).blends for n in merges.names(blends=True))
+    with pytest.raises(ValueError, match="'avg'.*sim_weighted"):
+        merges.rule("avg")
