@@ -37,6 +37,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048, e2e's step)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per part (default 5)")
+    parser.add_argument("--logit-mb", type=int, nargs="*", default=[],
+                        help="also time camkv.fast's mass with these logit block sizes (MiB)")
     parser.add_argument("--out", type=Path, default=None, help="folder for profile-prefill-<backend>.json")
     return parser.parse_args(argv)
 
@@ -115,13 +117,37 @@ def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
         .reshape(rows, q.shape[1], q.shape[2], -1), scale, n)
     sdpa = lambda: mx.fast.scaled_dot_product_attention(  # noqa: E731
         q.reshape(1, -1, q.shape[2], q.shape[3]), joined[None], joined[None], scale=scale, mask="causal")
+    parts = {}
+    for mb in opts.logit_mb:  # the block size camkv.fast scores in
+        default, fast.LOGIT_BYTES = fast.LOGIT_BYTES, mb << 20
+        parts[f"fast_mass_{mb}mb_ms"] = 1e3 * median_seconds(lambda: fast.attention_mass(q, joined, scale, n),
+                                                           opts.repeats)
+        fast.LOGIT_BYTES = default
+    if fast._on_cuda():  # noqa: SLF001
+        parts.update(_cuda_mass_parts(q, joined, scale, n, opts))
     return {
+        **parts,
         "fast_mass_ms": 1e3 * median_seconds(lambda: fast.attention_mass(q, joined, scale, n), opts.repeats),
         "fast_drop_ms": 1e3 * median_seconds(
             lambda: fast.update_drop(state, keys, keys, n, drop, row_ids, queries.astype(keys.dtype), scale),
             opts.repeats),
         "mass_mlx_ops_f32_ms": 1e3 * median_seconds(mlx_ops, opts.repeats),
         "sdpa_ms": 1e3 * median_seconds(sdpa, opts.repeats),
+    }
+
+
+def _cuda_mass_parts(q, joined, scale, n, opts) -> dict:
+    """The CUDA mass of the whole chunk in one block, step by step (ms): the product, then
+    the two kernels (the log-sum-exp alone, and with the column sums)."""
+    from camkv.backends import mass_cuda
+
+    rows, groups, s_len, dim = q.shape
+    logits = q.reshape(rows, groups * s_len, dim) @ joined.transpose(0, 2, 1)
+    mx.eval(logits)
+    return {
+        "cuda_logits_ms": 1e3 * median_seconds(lambda: q.reshape(rows, groups * s_len, dim) @ joined.transpose(0, 2, 1),
+                                               opts.repeats),
+        "cuda_columns_ms": 1e3 * median_seconds(lambda: mass_cuda.column_mass(logits, scale, n, s_len), opts.repeats),
     }
 
 
@@ -134,7 +160,7 @@ def main(argv=None) -> dict:
     print(f"one chunk call of {opts.chunk} tokens, per layer (ms): whole update / prescoring / the rest")
     for name, t in parts.items():
         print(f"  {name:20s} {t['update_ms']:8.2f} / {t['prescoring_ms']:8.2f} / {t['rest_ms']:8.2f}")
-        print("  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k.startswith(("fast", "mass", "sdpa"))))
+        print("  " + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k.startswith(("fast", "mass", "sdpa", "cuda"))))
     save_result(result, opts.out, f"profile-prefill-{result['backend_used']}.json")
     return result
 
