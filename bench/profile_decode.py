@@ -59,6 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per part (default 30)")
     parser.add_argument("--cycles", type=int, default=4, help="compression cycles cache_mean spans (default 4)")
+    parser.add_argument("--slacks", type=int, nargs="*", default=[],
+                        help="also time the mean step with these slack values")
     parser.add_argument("--out", type=Path, default=None, help="folder for profile-decode-<backend>.json")
     return parser.parse_args(argv)
 
@@ -103,6 +105,10 @@ def measure(opts) -> dict:
     parts["cache"] = _timed(cache_step, opts.repeats)
     # A first cycle compiles what a compression runs.
     parts["cache_mean"] = _timed(cache_step, opts.cycles * (cfg.slack + 1), warmups=cfg.slack + 1)
+    for slack in opts.slacks:
+        other = _filled_caches(cfg.replace(slack=slack), opts, token, scale)
+        parts[f"cache_mean_slack{slack}"] = _timed(lambda: cache_step(other), opts.cycles * (slack + 1),
+                                                   warmups=slack + 1)
     exact = _filled_caches(cfg.replace(slack=0), opts, token, scale)
     parts["cache_slack0"] = _timed(lambda: cache_step(exact), opts.repeats)
     full = [KVCache() for _ in range(L)]

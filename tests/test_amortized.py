@@ -261,3 +261,19 @@ def test_poisoned_token_is_evicted_first_and_leaves_other_rows_alone(poison, whe
     assert np.isfinite(scores).all()
     if where == "key":
         assert 10 not in np.array(got[3])[0, 1].tolist()  # no mass: evicted first
+
+
+@pytest.mark.skipif(not fast._on_cuda(), reason="the mass kernels run on an NVIDIA GPU only")  # noqa: SLF001
+@pytest.mark.parametrize("n_before, s_len", [(0, 300), (512, 2048), (100, 7)])
+def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
+    from camkv.backends import mass_cuda
+
+    rng = np.random.default_rng(s_len)
+    rows, groups, dim = 3, 4, 64
+    q = mx.array(rng.standard_normal((rows, groups * s_len, dim)).astype(np.float32))
+    k = mx.array(rng.standard_normal((rows, n_before + s_len, dim)).astype(np.float32))
+    logits = q @ k.transpose(0, 2, 1)
+    logits[0, 5, 3] = float("nan")  # a poisoned logit counts as masked
+    got = mass_cuda.column_mass(logits, 0.2, n_before, s_len)
+    want = fast._column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)  # noqa: SLF001
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)

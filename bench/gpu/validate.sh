@@ -2,9 +2,9 @@
 # the end-to-end run, then the cuda equivalence suite (with the amortized-eviction and
 # whole-device compression tests, the cache and mlx-lm tests), results under $OUT.
 . bench/gpu/env.sh
-python3 bench/profile_prefill.py --backend cuda --repeats 5 --logit-mb 8 32 128 512 --out $OUT 2>&1 | tail -5
+python3 bench/profile_prefill.py --backend cuda --repeats 5 --logit-mb 8 32 128 --out $OUT 2>&1 | tail -5
 python3 bench/peak_memory.py --model random-1b --prompt-lengths 1024 32768 --logit-mb 8 32 128 --out $OUT 2>&1
-python3 bench/profile_decode.py --backend cuda --out $OUT 2>&1 | head -6
+python3 bench/profile_decode.py --backend cuda --slacks 32 128 256 --out $OUT 2>&1 | head -9
 timeout 300 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 128 \
   --trials 2 --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -7
 timeout ${PYTEST_S:-100} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_amortized.py \

@@ -26,6 +26,7 @@ _INF = float("inf")
 # queries holds: a 2048-token chunk with 4 queries per KV head over 2.5k rows would
 # hold about a gigabyte at once, where a bounded cache must not spike memory.
 LOGIT_BYTES = 32 << 20
+CUDA_MIN_LOGITS = 1 << 22  # logits of a call below which MLX's operations score it on a GPU too
 
 
 def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int) -> mx.array:
@@ -37,13 +38,15 @@ def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: in
     and a query whose every logit is masked adds nothing, so a poisoned key gets no
     mass (it is evicted first) and a poisoned query leaves the other rows' scores alone.
 
-    On an NVIDIA GPU the logits are a product in the keys' dtype (float32 accumulation;
-    section 8 allows it) reduced by two kernels (backends.mass_cuda); elsewhere a float32
-    product reduced by MLX operations. In blocks of queries of at most LOGIT_BYTES.
+    On an NVIDIA GPU a large chunk's logits (CUDA_MIN_LOGITS and more) are a product in
+    the keys' dtype (float32 accumulation; section 8 allows it) reduced by two kernels
+    (backends.mass_cuda); otherwise a float32 product reduced by MLX operations. In
+    blocks of queries of at most LOGIT_BYTES of logits.
     """
     rows, groups, s_len, k_dim = queries.shape
     total = keys.shape[1]
-    on_cuda = _on_cuda()
+    # The kernels pay off on large chunks; a decode's compression is a few launches of MLX's own.
+    on_cuda = _on_cuda() and rows * groups * s_len * total >= CUDA_MIN_LOGITS
     dtype = keys.dtype if on_cuda else mx.float32
     keys_t = keys.astype(dtype).transpose(0, 2, 1)
     block = max(1, LOGIT_BYTES // (rows * groups * total * (dtype.size if on_cuda else 12)))

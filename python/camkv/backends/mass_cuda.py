@@ -4,8 +4,9 @@ camkv.fast scores a compression chunk as softmax rows over logits [R, M, N] (M =
 queries over N rows), summed down each column. As plain MLX operations that is five or
 six passes over the logits (mask, softmax, NaN guard, sum); here it is two reads: one
 warp a query row finds its log-sum-exp over the rows it sees, then each thread sums one
-column's weights over a slice of the queries (consecutive threads read consecutive
-columns of a query row, so the reads coalesce). The columns' slices are summed by MLX.
+column's weights over a slice of the chunk's tokens, every query of each (consecutive
+threads read consecutive columns of a query row, so the reads coalesce, and a thread
+starts at the first token that sees its column). The slices are summed by MLX.
 
 Masking is the same as the MLX path's: query m (chunk token i = m mod S) sees rows
 j <= n_before + i, a non-finite logit counts as masked, and a query with nothing
@@ -45,20 +46,22 @@ _LSE = """
 _COLUMNS = """
   long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
   long R = logits_shape[0], M = logits_shape[1], N = logits_shape[2];
-  long parts = dims[2];
+  long n_before = dims[0], S = dims[1], parts = dims[2];
   if (t >= R * parts * N) return;
   long j = t % N, p = (t / N) % parts, r = t / (N * parts);
-  long per = (M + parts - 1) / parts;
-  long m0 = p * per, m1 = min(M, m0 + per);
-  long n_before = dims[0], S = dims[1];
+  long G = M / S, per = (S + parts - 1) / parts;
+  // Chunk token i sees row j once n_before + i >= j: start there, skip the masked triangle.
+  long i0 = max(p * per, j - n_before), i1 = min(S, p * per + per);
   float scale = scale_in[0];
   float sum = 0.0f;
-  for (long m = m0; m < m1; ++m) {
-    if (j > n_before + m % S) continue;
-    float l = lse[r * M + m];
-    float x = static_cast<float>(logits[(r * M + m) * N + j]) * scale;
-    if (l == -INFINITY || !isfinite(x)) continue;
-    sum += expf(x - l);
+  for (long g = 0; g < G; ++g) {
+    const T* column = logits + (r * M + g * S) * N + j;
+    const float* row_lse = lse + r * M + g * S;
+    for (long i = i0; i < i1; ++i) {
+      float l = row_lse[i];
+      float x = static_cast<float>(column[i * N]) * scale;
+      if (l != -INFINITY && isfinite(x)) sum += expf(x - l);
+    }
   }
   partial[t] = sum;
 """
@@ -79,7 +82,7 @@ def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int) -> mx
 
     logits [R, M, N] (float32, float16 or bfloat16), M = G x S with m = g * S + i."""
     rows, queries, total = logits.shape
-    parts = max(1, min(queries, _COLUMN_THREADS // max(1, rows * total)))
+    parts = max(1, min(s_len, _COLUMN_THREADS // max(1, rows * total)))
     dims = mx.array([n_before, s_len, parts], mx.int32)
     scale_in = mx.array([scale], mx.float32)
     lse = _kernel("camkv_mass_lse", _LSE, ["logits", "dims", "scale_in"], ["lse"])(
