@@ -25,7 +25,9 @@ def main() -> int:
         reexec_with_openblas()
     from camkv.quality import main as quality_main
 
-    return quality_main(sys.argv[1:])
+    # From a checkout, results go with the committed ones unless --out says otherwise.
+    results = Path(__file__).resolve().parent / "results"
+    return quality_main(sys.argv[1:], default_out=str(results / "quality-{preset}"))
 
 
 if __name__ == "__main__":

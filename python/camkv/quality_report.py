@@ -315,8 +315,10 @@ def write_report(out_dir: Path, complete: bool | None = None, notes=()) -> dict:
         # A bare machine still keeps every number; `--report-only` elsewhere draws them.
         print("camkv eval: matplotlib is not installed: no plots (rerun with --report-only "
               "where it is)", file=sys.stderr)
+        summary["plots"] = []
         return summary
-    plot_stream(summary, out_dir / "stream_vs_budget.png")
-    plot_passkey_heatmap(summary, out_dir / "passkey_heatmap.png")
-    plot_passkey_bars(summary, out_dir / "passkey_bars.png")
+    plots = {"stream_vs_budget.png": plot_stream, "passkey_heatmap.png": plot_passkey_heatmap,
+             "passkey_bars.png": plot_passkey_bars}
+    # Not saved in summary.json: which files this run drew (a plot with no data is skipped).
+    summary["plots"] = [name for name, draw in plots.items() if draw(summary, out_dir / name)]
     return summary
