@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 def main() -> int:
     try:
-        # On a Linux CPU, re-run with the system OpenBLAS preloaded (30x faster matmuls).
+        # On a Linux CPU, re-run with the system OpenBLAS preloaded (much faster float32 matrix products).
         from camkv._blas import reexec_with_openblas
     except ImportError:  # a checkout without camkv._blas: set LD_PRELOAD yourself
         reexec_with_openblas = None

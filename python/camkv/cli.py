@@ -80,8 +80,9 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
 def _add_generate_parser(subparsers) -> None:
     from .models import DEFAULT_DTYPE, DEFAULT_MODEL, WEIGHT_DTYPES
 
+    # No abbreviated flags: the --kv-* flags typed are checked by name (explicit_kv_flags).
     p = subparsers.add_parser(
-        "generate", help="generate text with a model through mlx-lm and camkv",
+        "generate", help="generate text with a model through mlx-lm and camkv", allow_abbrev=False,
         description="Stream a model's answer to a prompt through mlx-lm, with camkv's bounded "
                     "KV cache, then print a summary line (speed, peak memory, KV bytes held "
                     "vs a full cache, evictions and merges) on stderr.")
@@ -131,7 +132,7 @@ def _add_generate_parser(subparsers) -> None:
 
 def _add_demo_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="generate with a small random-weight llama (no download)",
+        "demo", help="generate with a small random-weight llama (no download)", allow_abbrev=False,
         description="Generate through mlx-lm with camkv on a small random-weight llama "
                     "(GQA, no download), then print tokens/s and the KV bytes held vs a full "
                     "cache. The prompt is longer than the budget, so the cache evicts and merges.")
