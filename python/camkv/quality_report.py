@@ -125,7 +125,7 @@ def _metric_table(title: str, table: dict, methods, labels, fmt) -> list[str]:
 
 
 def markdown_tables(summary: dict) -> str:
-    """Markdown the README can embed: one table per metric, methods by budget."""
+    """Markdown tables to embed in a page: one table per metric, methods by budget."""
     methods, labels = summary["methods"], summary["budget_labels"]
     stream = summary["stream"]["decode"]
     config = summary["config"]
