@@ -43,6 +43,11 @@ def files(tmp_path_factory) -> dict:
     cache = camkv.CaMKVCache(budget=24, n_sink=2, recent=4, scoring="key")
     cache.update_and_fetch(mx.ones((1, 2, 40, 8)), mx.ones((1, 2, 40, 8)))
     camkv.save_prompt_cache(str(tmp / "cache.safetensors"), [cache, cache])
+    from mlx_lm.models.cache import KVCache
+
+    full = KVCache()
+    full.update_and_fetch(mx.ones((1, 2, 40, 8)), mx.ones((1, 2, 40, 8)))
+    camkv.save_prompt_cache(str(tmp / "full-cache.safetensors"), [full])
     saved = (tmp / "cache.safetensors").read_bytes()
     (tmp / "cache-truncated.safetensors").write_bytes(saved[: len(saved) // 2])
     (tmp / "cache-random.safetensors").write_bytes(np.random.default_rng(1).bytes(2048))
@@ -146,6 +151,8 @@ FILE_CASES = {
                                 ["--kv-budget 64", "budget=24"]),
     "cache with other merge": (["--prompt-cache-file", "{cache.safetensors}", "--kv-merge", "mean"],
                                ["--kv-merge 'mean'", "merge='drop'"]),
+    "kv flag with mlx-lm's cache": (["--prompt-cache-file", "{full-cache.safetensors}",
+                                     "--kv-budget", "64"], ["--kv-budget", "mlx-lm's own caches"]),
     "cache with full cache": (["--prompt-cache-file", "{cache.safetensors}", "--full-cache"],
                               ["--full-cache", "camkv layers"]),
 }

@@ -391,6 +391,10 @@ def _check_prompt_cache_file(parser, args) -> None:
         parser.error(f"--full-cache: the prompt cache {args.prompt_cache_file} holds camkv layers, "
                      "which continue as camkv caches; drop --full-cache")
     if not camkv_layers:
+        if args.explicit_kv:
+            parser.error(f"{_flag(args.explicit_kv[0])}: the prompt cache {args.prompt_cache_file} "
+                         "holds only mlx-lm's own caches, which the --kv-* flags cannot "
+                         "configure; drop them")
         return
     saved = camkv_layers[0].config
     for dest in args.explicit_kv:
