@@ -780,6 +780,13 @@ def _int_list(flag: str, spec: str) -> list[int]:
     return values
 
 
+def _preset_defaults() -> str:
+    """The help's list of each preset's values: the defaults of the flags that show none."""
+    return "Defaults of the flags above that show none, by --preset: " + "; ".join(
+        f"{name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+        for name, values in PRESETS.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="camkv eval",
@@ -787,6 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the full cache: streaming KL / top-1 / perplexity and passkey retrieval, on real text. "
         "Writes OUT/records.jsonl as it goes (rerun the same command to resume), then "
         "OUT/summary.json, OUT/table.md and PNG plots.",
+        epilog=_preset_defaults(),
     )
     a = p.add_argument
     a("--preset", choices=sorted(PRESETS), default="smoke",
