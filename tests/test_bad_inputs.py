@@ -262,6 +262,19 @@ def test_configs_are_refused_naming_field_and_value(fields, words):
         assert word in str(err.value), (word, str(err.value))
 
 
+def test_a_prompt_cache_saved_for_a_backend_the_machine_lacks_is_refused(capsys, tmp_path,
+                                                                         monkeypatch):
+    cache = camkv.CaMKVCache(budget=24, recent=4, scoring="key", backend="reference")
+    cache.update_and_fetch(mx.ones((1, 2, 30, 8)), mx.ones((1, 2, 30, 8)))
+    camkv.save_prompt_cache(str(tmp_path / "saved.safetensors"), [cache])
+    # As on a machine where the backend it was saved with cannot run.
+    lacking = {**backends.available(), "reference": "not usable in this test"}
+    monkeypatch.setattr(backends, "available", lambda: lacking)
+    err = _refused(capsys, ["generate", "--model", NEVER_LOADED, "--prompt-cache-file",
+                            str(tmp_path / "saved.safetensors")])
+    assert "was saved with backend 'reference' cannot run here: not usable in this test" in err
+
+
 @pytest.mark.parametrize("backend", UNAVAILABLE)
 def test_make_prompt_cache_and_apply_refuse_an_unusable_backend(backend):
     model = tiny_llama()

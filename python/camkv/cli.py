@@ -397,6 +397,12 @@ def _check_prompt_cache_file(parser, args) -> None:
                          "configure; drop them")
         return
     saved = camkv_layers[0].config
+    from .integration import usable_config
+
+    try:
+        usable_config(saved)
+    except ValueError as err:
+        parser.error(f"--prompt-cache-file {args.prompt_cache_file} was saved with {err}")
     for dest in args.explicit_kv:
         field = _KV_FLAGS[dest]
         if getattr(args, dest) != getattr(saved, field):

@@ -86,5 +86,5 @@ def _layer(name: str, state, file_name: str):
     try:
         return cls.from_state(state)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as err:
-        raise ValueError(f"{file_name}: a {name} layer's saved state is corrupt "
+        raise ValueError(f"{file_name}: a {name} layer cannot be restored from its saved state "
                          f"({type(err).__name__}: {err})") from None
