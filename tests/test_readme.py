@@ -122,3 +122,17 @@ def test_command_example_runs(command, tiny_model_dir, tmp_path):
     if argv[3] == "eval":
         assert "| method |" in result.stdout  # the summary table, printed at the end
         assert (tmp_path / "camkv-eval-smoke" / "summary.json").is_file()
+
+
+def test_the_configuration_table_lists_every_camconfig_field_with_its_default():
+    import dataclasses
+
+    from camkv import CaMConfig
+
+    table = README[README.index("## Configuration"):]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, flags=re.M)
+    fields = {f.name: f.default for f in dataclasses.fields(CaMConfig)}
+    assert [name for name, _ in rows] == list(fields)
+    for name, shown in rows:
+        if fields[name] is not None:  # recent's None is shown as what it means
+            assert shown.strip().strip("`") == repr(fields[name]).replace("'", '"'), name
