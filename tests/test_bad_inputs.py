@@ -54,6 +54,7 @@ def files(tmp_path_factory) -> dict:
     mx.save_safetensors(str(tmp / "model.safetensors"), {"w": mx.zeros((4, 4))})
     (tmp / "notes.txt").write_text("not a model")
     (tmp / "empty.txt").write_text("  \n")
+    (tmp / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     (tmp / "folder").mkdir()
     return {p.name: str(p) for p in tmp.iterdir()} | {"dir": str(tmp)}
 
@@ -132,7 +133,10 @@ def test_generate_refuses_a_backend_this_machine_lacks_before_loading(capsys, ba
 
 # (argv after `camkv generate --model NEVER_LOADED`, with {name} for files; words)
 FILE_CASES = {
-    "prompt file missing": (["--prompt-file", "{dir}/missing.txt"], ["missing.txt"]),
+    "prompt file missing": (["--prompt-file", "{dir}/missing.txt"],
+                            ["--prompt-file", "missing.txt", "No such file"]),
+    "prompt file not utf-8": (["--prompt-file", "{latin1.txt}"], ["latin1.txt", "not UTF-8"]),
+    "prompt file is a folder": (["--prompt-file", "{folder}"], ["--prompt-file", "folder"]),
     "prompt file blank": (["--prompt-file", "{empty.txt}"], ["empty.txt", "empty"]),
     "save to missing folder": (["--save-prompt-cache", "{dir}/no/such/x.safetensors"],
                                ["--save-prompt-cache", "no/such", "does not exist"]),

@@ -311,8 +311,7 @@ def _scoring_note(kv: dict) -> str:
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt text; ValueError when it is empty (a model would generate from nothing)."""
     if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text, source = f.read(), f"--prompt-file {args.prompt_file}"
+        text, source = _read_prompt_file(args.prompt_file), f"--prompt-file {args.prompt_file}"
     elif args.prompt == "-":
         text, source = sys.stdin.read(), "--prompt - (stdin)"
     else:
@@ -321,6 +320,17 @@ def read_prompt(args: argparse.Namespace) -> str:
     if not text.strip():
         raise ValueError(f"{source} is empty: give a prompt of at least one non-space character")
     return text
+
+
+def _read_prompt_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte "
+                         f"{err.start})") from None
+    except OSError as err:
+        raise ValueError(f"--prompt-file {path} cannot be read: {err.strerror}") from None
 
 
 def format_prompt(tokenizer, prompt: str, mode: str, system: str | None):
@@ -437,7 +447,7 @@ def _check_prompt_flags(parser, args) -> None:
         return  # stdin is read (and checked) when the command runs
     try:
         read_prompt(args)
-    except (ValueError, OSError) as err:
+    except ValueError as err:
         parser.error(str(err))
 
 
