@@ -372,3 +372,13 @@ def test_kv_bits_trimming_and_quantizing_are_refused():
         cache.to_quantized(bits=4)
     assert not can_trim_prompt_cache([cache]) and trim_prompt_cache([cache], 2) == 0
     assert _same(_state(cache), before)
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_an_error_naming_it(tmp_path):
+    env = subprocess_env(CAMKV_BLAS="0", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-m", "camkv", "generate", "--model", "nobody/no-such-model", "--prompt", "x"],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "could not load --model 'nobody/no-such-model'" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -469,7 +469,10 @@ def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, group=None, pip
 
         return sharded_load(path, pipeline_group=group if pipeline else None,
                             tensor_group=None if pipeline else group)
-    return mlx_lm.load(path, **load_kwargs)
+    try:
+        return mlx_lm.load(path, **load_kwargs)
+    except (OSError, ValueError) as err:  # e.g. a hub id that cannot be fetched
+        raise ValueError(f"could not load --model {model!r}: {err}") from None
 
 
 RANDOM_LLAMAS = {
