@@ -1,4 +1,4 @@
-"""Why merging loses to dropping (issue #6), measured on a real stream.
+"""Why merging loses to dropping, measured on a real stream.
 
     python bench/merge_diagnostics.py --out bench/results/quality-cpu-merge/diagnostics.json
 

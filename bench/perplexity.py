@@ -113,5 +113,5 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     from camkv._blas import reexec_with_openblas
 
-    reexec_with_openblas()  # 20-30x faster CPU matmuls where a system OpenBLAS exists
+    reexec_with_openblas()  # much faster float32 CPU matrix products where a system OpenBLAS exists
     main()

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 def main() -> int:
     try:
-        # On a Linux CPU, re-run with the system OpenBLAS preloaded (30x faster matmuls).
+        # On a Linux CPU, re-run with the system OpenBLAS preloaded (much faster float32 matrix products).
         from camkv._blas import reexec_with_openblas
     except ImportError:  # a checkout without camkv._blas: set LD_PRELOAD yourself
         reexec_with_openblas = None
@@ -25,7 +25,9 @@ def main() -> int:
         reexec_with_openblas()
     from camkv.eval.cli import main as quality_main
 
-    return quality_main(sys.argv[1:])
+    # From a checkout, results go with the committed ones unless --out says otherwise.
+    results = Path(__file__).resolve().parent / "results"
+    return quality_main(sys.argv[1:], default_out=str(results / "quality-{preset}"))
 
 
 if __name__ == "__main__":

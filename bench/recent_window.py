@@ -1,4 +1,4 @@
-"""How large should the recent window be? (issue #6) KL and passkey accuracy against it.
+"""How large should the recent window be? KL and passkey accuracy against it.
 
     python bench/recent_window.py
 

@@ -17,7 +17,7 @@ as the reference, so the caches see the same keys as the reference's caches:
   order changes float bits, so they are not compared.
 - pipeline, every layer: the hidden state travels by send/recv, unchanged.
 
-With --repo (a save_tiny_repo folder) it also runs the README's distributed section's script,
+With --repo (a save_tiny_repo folder) it also runs docs/distributed.md's script,
 the path a CLI takes: mlx_lm.utils.sharded_load (tensor, then pipeline) and
 mlx_lm.stream_generate with camkv caches.
 
@@ -200,7 +200,7 @@ def pipeline(group) -> dict:
 
 
 def sharded_load_recipe(repo: Path, group) -> dict:
-    """the README's distributed section's script (the path a CLI takes): sharded_load, then
+    """docs/distributed.md's script (the path a CLI takes): sharded_load, then
     stream_generate with camkv caches, for both kinds of sharding."""
     from mlx_lm import stream_generate
     from mlx_lm.utils import sharded_load

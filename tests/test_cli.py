@@ -224,8 +224,10 @@ def test_batch_generate_refuses_camkv_instead_of_silently_dropping_it(tiny_model
             batch_generate(model, tokenizer, prompts, max_tokens=4)
 
 
-def test_full_cache_bytes_are_what_mlx_lm_kvcache_holds():
-    # camkv's "full cache" figure must match a real KVCache fed the same tokens.
+def test_full_cache_bytes_are_the_keys_and_values_of_the_tokens_seen():
+    # camkv's "full cache" figure is the bytes of the keys and values themselves: a
+    # KVCache fed the same tokens holds them in its first `tokens` slots (its buffer
+    # grows in steps of 256, which must not count, or a short prompt looks compressed).
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
@@ -235,7 +237,17 @@ def test_full_cache_bytes_are_what_mlx_lm_kvcache_holds():
         full, cam = KVCache(), camkv.CaMKVCache(budget=512, scoring="key")
         full.update_and_fetch(keys, values)
         cam.update_and_fetch(keys, values)
-        assert cli.full_cache_bytes(cam) == full.nbytes, tokens
+        held = full.keys[..., :tokens, :].nbytes + full.values[..., :tokens, :].nbytes
+        assert cli.full_cache_bytes(cam) == held == tokens * 2 * (16 + 8) * 4, tokens
+
+
+def test_nothing_evicted_reads_as_no_compression(capsys, tiny_model_dir):
+    # A short prompt under the budget: the summary must not claim a saving.
+    assert cli.main(["generate", "--model", tiny_model_dir, "--prompt", "hello",
+                     "--max-tokens", "2", "--kv-budget", "256"]) == 0
+    summary = _summary(capsys.readouterr().err)
+    assert summary["evictions"] == 0
+    assert summary["percent"] >= 100  # keys and values, plus camkv's scores and positions
 
 
 def test_openblas_choice_follows_camkv_blas(monkeypatch, tmp_path):

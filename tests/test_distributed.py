@@ -168,7 +168,7 @@ def _ring_on_loopback(port: int) -> list[str]:
 def _hostfile_on_loopback(directory: Path, port: int) -> list[str]:
     """mlx.launch arguments: a two-host hostfile whose hosts are both this machine.
 
-    The form the README's distributed section gives for several Macs; a host named 127.0.0.1 is
+    The form docs/distributed.md gives for several Macs; a host named 127.0.0.1 is
     started without ssh.
     """
     host = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
@@ -268,7 +268,7 @@ def test_pipeline_ranks_hold_their_layers_with_the_unsharded_state(two_ranks):
 
 @needs_launcher
 def test_sharded_load_and_stream_generate_run_with_camkv(two_ranks):
-    """the README's distributed section's script, the path a CLI takes, on a saved tiny qwen2
+    """docs/distributed.md's script, the path a CLI takes, on a saved tiny qwen2
     (2 KV heads, 4 layers)."""
     results, _ = two_ranks
     recipes = [r["sharded_load"] for r in results]
@@ -300,7 +300,7 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
 @needs_launcher
 @pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
 def test_camkv_generate_runs_under_mlx_launch(tmp_path, sharding):
-    """The README's command: every rank generates, rank 0 prints the text and every rank's KV bytes."""
+    """docs/distributed.md's command: every rank generates, rank 0 prints the text and every rank's KV bytes."""
     if sharding == "pipeline":
         model_dir = save_tiny_repo(tmp_path / "qwen2")  # llama has no pipeline() in mlx-lm
         extra = ["--pipeline"]

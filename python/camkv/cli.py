@@ -73,14 +73,16 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
                        help="kernel backend: " + ", ".join(BACKENDS) +
                             " ('auto' picks the best one available) (default: %(default)s)")
     group.add_argument("--full-cache", action="store_true",
-                       help="use mlx-lm's ordinary full KV cache instead of camkv, to compare")
+                       help="use mlx-lm's ordinary full KV cache instead of camkv, to compare; "
+                            "refused together with --kv-* flags (default: camkv's cache)")
 
 
 def _add_generate_parser(subparsers) -> None:
     from .models import DEFAULT_DTYPE, DEFAULT_MODEL, WEIGHT_DTYPES
 
+    # No abbreviated flags: the --kv-* flags typed are checked by name (explicit_kv_flags).
     p = subparsers.add_parser(
-        "generate", help="generate text with a model through mlx-lm and camkv",
+        "generate", help="generate text with a model through mlx-lm and camkv", allow_abbrev=False,
         description="Stream a model's answer to a prompt through mlx-lm, with camkv's bounded "
                     "KV cache, then print a summary line (speed, peak memory, KV bytes held "
                     "vs a full cache, evictions and merges) on stderr.")
@@ -95,9 +97,10 @@ def _add_generate_parser(subparsers) -> None:
     source.add_argument("--prompt", "-p", default=None,
                         help="the prompt; '-' reads it from stdin (default: a short question)")
     source.add_argument("--prompt-file", default=None, metavar="PATH",
-                        help="read the prompt from this file")
+                        help="read the prompt from this file (default: use --prompt)")
     p.add_argument("--system-prompt", default=None,
-                   help="system message placed before the prompt when the chat template is used")
+                   help="system message placed before the prompt when the chat template is used "
+                        "(default: none)")
     p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="wrap the prompt in the tokenizer's chat template: 'auto' does when the "
                         "tokenizer has one (default: %(default)s)")
@@ -112,22 +115,24 @@ def _add_generate_parser(subparsers) -> None:
                    help="seed of the sampler's random draws (default: %(default)s)")
     p.add_argument("--prompt-cache-file", default=None, metavar="PATH",
                    help="continue from a prompt cache saved with --save-prompt-cache (or "
-                        "camkv.save_prompt_cache); its camkv settings replace the --kv-* flags, "
-                        "and the prompt is what comes after the cached text")
+                        "camkv.save_prompt_cache); its camkv settings are used (a --kv-* flag that "
+                        "differs from them is refused), and the prompt is what comes after the "
+                        "cached text (default: none, a new cache)")
     p.add_argument("--save-prompt-cache", default=None, metavar="PATH",
                    help="after generating, save the prompt cache (mlx-lm's .safetensors format; "
-                        "load it with camkv.load_prompt_cache, not mlx-lm's)")
+                        "load it with camkv.load_prompt_cache, not mlx-lm's); its folder must exist "
+                        "(default: not saved)")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch, shard the model's layers across the ranks (pipeline) "
                         "instead of its heads (tensor parallel, the default); each rank's camkv "
-                        "caches hold its own heads or layers")
+                        "caches hold its own heads or layers (default: tensor parallel)")
     _add_kv_flags(p)
     p.set_defaults(run=cmd_generate, command_parser=p)
 
 
 def _add_demo_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "demo", help="generate with a small random-weight llama (no download)",
+        "demo", help="generate with a small random-weight llama (no download)", allow_abbrev=False,
         description="Generate through mlx-lm with camkv on a small random-weight llama "
                     "(GQA, no download), then print tokens/s and the KV bytes held vs a full "
                     "cache. The prompt is longer than the budget, so the cache evicts and merges.")
@@ -150,10 +155,11 @@ def _add_serve_parser(subparsers) -> None:
         description="Run mlx_lm.server with every request's cache built by camkv. Flags other "
                     "than these (--host, --port, ...) go to mlx_lm.server unchanged: see "
                     "`mlx_lm.server --help`. Requests are served one at a time (no batching).")
-    p.add_argument("--model", default=None,
+    p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"the model to serve: '{DEFAULT_MODEL}' or a .gguf file (converted "
-                        "first, as in generate), or any path or hub id mlx_lm.server accepts "
-                        "(default: mlx_lm.server's)")
+                        "first, as in generate), or any path or hub id mlx_lm.server accepts; "
+                        "requests name it by this value (or omit \"model\"), and GET /v1/models "
+                        "lists it (default: %(default)s)")
     _add_kv_flags(p)
     p.set_defaults(run=cmd_serve, command_parser=p)
 
@@ -163,7 +169,7 @@ def _add_bench_parser(subparsers) -> None:
 
     p = subparsers.add_parser(
         "bench", help="end-to-end speed and memory: camkv against mlx-lm's own caches",
-        description=bench_doc)
+        description=bench_doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_bench_flags(p)
     p.set_defaults(run=cmd_bench, command_parser=p)
 
@@ -219,27 +225,32 @@ def make_cache(model, args: argparse.Namespace) -> list:
     return camkv.make_prompt_cache(model, **kv_fields(args))
 
 
-def load_cache(model, path: str) -> list:
-    """A saved prompt cache, with the attention hook installed if its layers score with queries."""
+def read_prompt_cache(path: str) -> list:
+    """A saved prompt cache, read before any model loads (ValueError naming what is wrong)."""
+    import camkv
+
+    return camkv.load_prompt_cache(path)
+
+
+def attach_cache(model, prompt_cache: list) -> list:
+    """A loaded prompt cache, with the attention hook installed if its layers score with queries."""
     import camkv
 
     from . import hook
 
-    prompt_cache = camkv.load_prompt_cache(path)
     if any(isinstance(c, camkv.CaMKVCache) and c.config.scoring == "query" for c in prompt_cache):
         hook.install(model)
     return prompt_cache
 
 
 def full_cache_bytes(cache) -> int:
-    """Bytes mlx-lm's full KVCache would hold for the tokens this layer's cache has seen.
+    """Bytes a full cache holds for the tokens this layer's cache has seen.
 
-    KVCache allocates its buffer in steps of KVCache.step (256) tokens, so that is
-    what it really holds: keys + values for the tokens seen, rounded up to a step.
-    Layers that are not camkv's are counted as they are.
+    tokens x batch x KV heads x (key dim + value dim) x dtype size: the keys and
+    values themselves, without mlx-lm's KVCache preallocation (it grows in steps of
+    256 tokens, so a short prompt would otherwise look compressed with nothing
+    evicted). Layers that are not camkv's are counted as they are.
     """
-    from mlx_lm.models.cache import KVCache
-
     from .cache import CaMKVCache
 
     if not isinstance(cache, CaMKVCache):
@@ -249,8 +260,7 @@ def full_cache_bytes(cache) -> int:
     keys, values = cache.stored()[:2]
     B, H = keys.shape[:2]
     per_token = B * H * (keys.shape[3] * keys.dtype.size + values.shape[3] * values.dtype.size)
-    allocated = -(-cache.stats["tokens_seen"] // KVCache.step) * KVCache.step
-    return allocated * per_token
+    return cache.stats["tokens_seen"] * per_token
 
 
 def kv_summary(prompt_cache: list) -> dict:
@@ -299,12 +309,28 @@ def _scoring_note(kv: dict) -> str:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text; ValueError when it is empty (a model would generate from nothing)."""
     if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
+        text, source = _read_prompt_file(args.prompt_file), f"--prompt-file {args.prompt_file}"
+    elif args.prompt == "-":
+        text, source = sys.stdin.read(), "--prompt - (stdin)"
+    else:
+        text = args.prompt if args.prompt is not None else "What is the capital of France?"
+        source = f"--prompt {text!r}"
+    if not text.strip():
+        raise ValueError(f"{source} is empty: give a prompt of at least one non-space character")
+    return text
+
+
+def _read_prompt_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
             return f.read()
-    if args.prompt == "-":
-        return sys.stdin.read()
-    return args.prompt if args.prompt is not None else "What is the capital of France?"
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte "
+                         f"{err.start})") from None
+    except OSError as err:
+        raise ValueError(f"--prompt-file {path} cannot be read: {err.strerror}") from None
 
 
 def format_prompt(tokenizer, prompt: str, mode: str, system: str | None):
@@ -324,9 +350,118 @@ def _check_kv_flags(parser, args) -> None:
     if getattr(args, "full_cache", True):  # no camkv flags (bench), or mlx-lm's own cache
         return
     try:
-        CaMConfig(**kv_fields(args))
+        config = CaMConfig(**kv_fields(args))
     except ValueError as err:
         parser.error(_flag_message(str(err)))
+    from .integration import usable_config
+
+    try:
+        usable_config(config)
+    except ValueError as err:
+        parser.error(f"--kv-backend {args.kv_backend!r}: {err}")
+
+
+def explicit_kv_flags(words: list[str]) -> list[str]:
+    """The --kv-* flags typed on the command line (as argparse dests), in order."""
+    found = []
+    for word in words:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("--no-kv-"):
+            flag = "--kv-" + flag[len("--no-kv-"):]
+        dest = flag[2:].replace("-", "_")
+        if dest in _KV_FLAGS and dest not in found:
+            found.append(dest)
+    return found
+
+
+def _check_full_cache(parser, args) -> None:
+    if getattr(args, "full_cache", False) and args.explicit_kv:
+        flags = ", ".join(_flag(d) for d in args.explicit_kv)
+        parser.error(f"--full-cache uses mlx-lm's own cache, which {flags} cannot configure: "
+                     "drop --full-cache or the --kv-* flags")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_prompt_cache_file(parser, args) -> None:
+    """Read --prompt-cache-file now; refuse flags it would silently override."""
+    args.loaded_cache = None
+    if getattr(args, "prompt_cache_file", None) is None:
+        return
+    try:
+        args.loaded_cache = read_prompt_cache(args.prompt_cache_file)
+    except ValueError as err:
+        parser.error(f"--prompt-cache-file: {err}")
+    from .cache import CaMKVCache
+
+    camkv_layers = [c for c in args.loaded_cache if isinstance(c, CaMKVCache)]
+    if args.full_cache and camkv_layers:
+        parser.error(f"--full-cache: the prompt cache {args.prompt_cache_file} holds camkv layers, "
+                     "which continue as camkv caches; drop --full-cache")
+    if not camkv_layers:
+        if args.explicit_kv:
+            parser.error(f"{_flag(args.explicit_kv[0])}: the prompt cache {args.prompt_cache_file} "
+                         "holds only mlx-lm's own caches, which the --kv-* flags cannot "
+                         "configure; drop them")
+        return
+    saved = camkv_layers[0].config
+    from .integration import usable_config
+
+    try:
+        usable_config(saved)
+    except ValueError as err:
+        parser.error(f"--prompt-cache-file {args.prompt_cache_file} was saved with {err}")
+    for dest in args.explicit_kv:
+        field = _KV_FLAGS[dest]
+        if getattr(args, dest) != getattr(saved, field):
+            parser.error(f"{_flag(dest)} {getattr(args, dest)!r} conflicts with the prompt cache "
+                         f"{args.prompt_cache_file}, saved with {field}={getattr(saved, field)!r} "
+                         "(its settings are used): drop the flag or make it match")
+
+
+def _check_output_paths(parser, args) -> None:
+    """Refuse a --save-prompt-cache path that cannot be written, before generating."""
+    import os
+    from pathlib import Path
+
+    target = getattr(args, "save_prompt_cache", None)
+    if target is None:
+        return
+    path = Path(target).expanduser()
+    folder = path.parent
+    if path.is_dir():
+        parser.error(f"--save-prompt-cache {target} is a folder; give a file path such as "
+                     f"{path / 'prompt.safetensors'}")
+    if not folder.is_dir():
+        parser.error(f"--save-prompt-cache {target}: the folder {folder} does not exist; "
+                     "create it first or choose an existing folder")
+    if not os.access(folder, os.W_OK):
+        parser.error(f"--save-prompt-cache {target}: the folder {folder} is not writable")
+
+
+def _check_prompt_flags(parser, args) -> None:
+    """An empty --prompt, or a missing or empty --prompt-file, before any model loads."""
+    if getattr(args, "prompt", None) == "-" or not hasattr(args, "prompt_file"):
+        return  # stdin is read (and checked) when the command runs
+    try:
+        read_prompt(args)
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def _check_serve_flags(parser, args) -> None:
+    """mlx_lm.server flags camkv's caches cannot honour."""
+    if args.run is not cmd_serve:
+        return
+    if args.full_cache:
+        parser.error("--full-cache: camkv serve always builds camkv's caches; run mlx_lm.server "
+                     "itself to serve with mlx-lm's full cache")
+    for word in args.server_argv:
+        if word.split("=", 1)[0] in ("--kv-bits", "--kv-group-size", "--quantized-kv-start"):
+            parser.error(f"{word}: camkv's caches cannot be quantized (they bound memory by "
+                         "evicting instead); drop the quantized-KV flags")
 
 
 def _check_generation_flags(parser, args) -> None:
@@ -358,6 +493,46 @@ def _remove_hook(model) -> None:
 
 
 
+# Prompts longer than this many tokens show their prefill progress on stderr.
+PROGRESS_MIN_TOKENS = 2048
+
+
+class PrefillProgress:
+    """mlx-lm's prompt_progress_callback: one updating line on stderr for a long prompt."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.shown = enabled, -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total <= PROGRESS_MIN_TOKENS or done == self.shown:
+            return
+        self.shown = done
+        end = "\n" if done >= total else ""
+        print(f"\rcamkv: prompt {done}/{total} tokens processed", end=end, file=sys.stderr,
+              flush=True)
+
+
+def context_length(model) -> int | None:
+    """The model's trained context (max_position_embeddings of its config), if it says."""
+    args = getattr(model, "args", None)
+    value = getattr(args, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def warn_past_context(model, tokenizer, prompt, prompt_cache: list) -> None:
+    """Warn when the cached and new tokens together exceed the model's context."""
+    limit = context_length(model)
+    if limit is None:
+        return
+    new = len(prompt) if not isinstance(prompt, str) else len(tokenizer.encode(prompt))
+    cached = max((getattr(c, "offset", 0) for c in prompt_cache), default=0)
+    if cached + new > limit:
+        print(f"camkv: warning: the prompt reaches {cached + new} tokens ({cached} cached + {new} "
+              f"new), past the model's context of {limit} tokens (max_position_embeddings); "
+              "camkv keeps memory bounded, but the model was not trained on later positions",
+              file=sys.stderr, flush=True)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -369,18 +544,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # A group of one without mlx.launch; under it every rank generates, rank 0 prints.
     group = mx.distributed.init()
     speaks = group.rank() == 0
+    text = read_prompt(args)
     model, tokenizer = models.load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
-    prompt = format_prompt(tokenizer, read_prompt(args), args.chat_template, args.system_prompt)
-    if args.prompt_cache_file is not None:
-        prompt_cache = load_cache(model, args.prompt_cache_file)
+    prompt = format_prompt(tokenizer, text, args.chat_template, args.system_prompt)
+    if args.loaded_cache is not None:
+        prompt_cache = attach_cache(model, args.loaded_cache)
     else:
         prompt_cache = make_cache(model, args)
+    if speaks:
+        warn_past_context(model, tokenizer, prompt, prompt_cache)
     mx.random.seed(args.seed)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     response = None
     try:
         for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
-                                         sampler=sampler, prompt_cache=prompt_cache):
+                                         sampler=sampler, prompt_cache=prompt_cache,
+                                         prompt_progress_callback=PrefillProgress(speaks)):
             if speaks:
                 print(response.text, end="", flush=True)
     finally:
@@ -441,10 +620,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from . import models
     from .server import serve
 
-    server_argv = list(args.server_argv)
-    if args.model is not None:
-        server_argv = ["--model", models.resolve(args.model), *server_argv]
-    serve(server_argv, CaMConfig(**kv_fields(args)))
+    path = models.resolve(args.model)
+    serve(["--model", path, *args.server_argv], CaMConfig(**kv_fields(args)), name=args.model)
     return 0
 
 
@@ -458,18 +635,40 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- entry
 
 
-def main(argv: list[str] | None = None) -> int:
-    if argv is None:
-        # A real command line: worth re-running with OpenBLAS (see camkv._blas).
+def _skips_real_work(words: list[str]) -> bool:
+    """Help, version, or a plan / report that runs no model: no OpenBLAS note, no re-exec."""
+    return any(w in ("-h", "--help", "--version", "--plan", "--report-only", "--fetch-only")
+               for w in words)
+
+
+def _use_openblas(argv, words: list[str]) -> None:
+    """On a real command line, re-run with OpenBLAS (see camkv._blas), once, before real work."""
+    if argv is None and not _skips_real_work(words):
         from ._blas import reexec_with_openblas
 
         reexec_with_openblas()
+
+
+def _check_args(args) -> None:
+    """Every check that needs no model, so bad input exits with status 2 before any work."""
+    parser = args.command_parser
+    _check_generation_flags(parser, args)
+    _check_full_cache(parser, args)
+    _check_kv_flags(parser, args)
+    _check_serve_flags(parser, args)
+    _check_prompt_flags(parser, args)
+    _check_output_paths(parser, args)
+    _check_prompt_cache_file(parser, args)
+
+
+def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     if words[:1] == ["eval"]:
         # camkv.quality parses its own flags (argparse cannot hand a subcommand's
         # flags through untouched).
         from .eval.cli import main as quality_main
 
+        _use_openblas(argv, words)
         return quality_main(words[1:]) or 0
     parser = build_parser()
     # Unknown flags are mlx_lm.server's, for `serve` only.
@@ -477,8 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.run is not cmd_serve:
         args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.server_argv = extra
-    _check_generation_flags(args.command_parser, args)
-    _check_kv_flags(args.command_parser, args)
+    args.explicit_kv = explicit_kv_flags(words)
+    _check_args(args)
+    _use_openblas(argv, words)
     try:
         return args.run(args)
     except KeyboardInterrupt:

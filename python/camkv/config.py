@@ -174,6 +174,10 @@ class CaMConfig:
 
 def resolve_config(config: "CaMConfig | None", fields: dict) -> CaMConfig:
     """A CaMConfig from an optional base config plus field overrides."""
+    names = [f.name for f in dataclasses.fields(CaMConfig)]
+    unknown = sorted(set(fields) - set(names))
+    if unknown:
+        raise ValueError(f"CaMConfig has no field(s) {unknown}; its fields: {names}")
     if config is None:
         return CaMConfig(**fields)
     if not isinstance(config, CaMConfig):

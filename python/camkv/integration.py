@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 from mlx_lm.models.cache import KVCache
 
-from . import hook
+from . import backends, hook
 from .cache import CaMKVCache
 from .config import UINT32_MAX, CaMConfig, resolve_config
 from .distributed import ShardInfo, kv_bytes, local_kv_heads, shard_info  # kv_bytes: cli.py's name for it
@@ -34,7 +34,7 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
     (the default) the attention hook is installed in the model's modules; camkv.remove(model)
     takes it out again once the caches are done with.
     """
-    base = resolve_config(config, fields)
+    base = usable_config(config, fields)
     hooked = hook.install(model) if base.scoring == "query" else None
     caches = _model_default_cache(model)
     model_type = getattr(getattr(model, "args", None), "model_type", None)
@@ -45,6 +45,23 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
             caches[i].model_type = model_type
             caches[i].hook_modules = hooked
     return caches
+
+
+def usable_config(config: CaMConfig | None = None, fields: dict | None = None) -> CaMConfig:
+    """The CaMConfig of config / fields, refused now if its backend cannot run here.
+
+    CaMConfig accepts every backend name (a config may be written on one machine and
+    used on another); a cache only resolves its backend at the first update, which
+    would fail in the middle of a generation.
+    """
+    base = resolve_config(config, fields or {})
+    if base.backend != "auto":
+        reason = backends.available().get(base.backend)
+        if reason is not None:
+            usable = [name for name, why in backends.available().items() if why is None]
+            raise ValueError(f"backend {base.backend!r} cannot run here: {reason}; usable "
+                             f"here: 'auto', {', '.join(repr(n) for n in usable)}")
+    return base
 
 
 def _camkv_cache(model, i: int, base: CaMConfig, shards: ShardInfo) -> CaMKVCache:
@@ -66,7 +83,7 @@ def apply(model, config: CaMConfig | None = None, **fields):
     too. Undo both with `camkv.remove(model)`, or use `camkv.applied(...)` as a
     context manager.
     """
-    base = resolve_config(config, fields)
+    base = usable_config(config, fields)
     if base.scoring == "query":
         hook.install(model)
     if not hasattr(model, _ORIGINAL):

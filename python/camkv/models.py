@@ -362,6 +362,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = DEFAULT_DTYPE) -> 
     """Convert a llama GGUF file into an mlx-lm model folder at out_dir."""
     import mlx.core as mx
 
+    from .gguf import check
+
+    check(gguf_path)  # before mx.load, which can crash the process on a corrupt header
     _say(f"converting {Path(gguf_path).name} to an mlx-lm model ({dtype} weights) in {out_dir}")
     weights, metadata = mx.load(str(gguf_path), return_metadata=True)
     return write_mlx_model(weights, metadata, out_dir, dtype, source=str(gguf_path))
@@ -419,12 +422,7 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
             convert_gguf(default_gguf_path(), out_dir, dtype)
         return str(out_dir)
     path = Path(model).expanduser()
-    looks_like_path = path.suffix == ".gguf" or model.startswith(("/", ".", "~"))
-    if looks_like_path and not path.exists():
-        # Caught here: mlx_lm.load would take it for a hub id and fail obscurely.
-        raise FileNotFoundError(
-            f"no model at {path}; --model takes '{DEFAULT_MODEL}', a .gguf file, an mlx-lm "
-            f"model folder or a Hugging Face id")
+    _check_model_name(model, path)
     if path.suffix == ".gguf":
         stat = path.stat()
         # Keyed by size and mtime so a replaced file is converted again.
@@ -434,6 +432,26 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
             convert_gguf(path, out_dir, dtype)
         return str(out_dir)
     return model
+
+
+_ACCEPTED = (f"--model takes '{DEFAULT_MODEL}', a .gguf file, an mlx-lm model folder "
+             f"(with config.json) or a Hugging Face id 'owner/name'")
+
+
+def _check_model_name(model: str, path: Path) -> None:
+    """Refuse what mlx_lm.load would take for a hub id and fail on obscurely."""
+    looks_like_path = path.suffix == ".gguf" or model.startswith(("/", ".", "~"))
+    if looks_like_path and not path.exists():
+        raise FileNotFoundError(f"no model at {path}; {_ACCEPTED}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"--model {model!r} is a file but not a .gguf file; {_ACCEPTED}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"--model {model!r} is a folder without config.json, not an mlx-lm "
+                         f"model folder; {_ACCEPTED}")
+    if not path.exists() and "/" not in model:
+        raise ValueError(f"--model {model!r} is neither the default model ('{DEFAULT_MODEL}'), "
+                         f"a folder nor a file here, nor a Hugging Face id 'owner/name'; "
+                         f"{_ACCEPTED}")
 
 
 def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, group=None, pipeline: bool = False,
@@ -451,7 +469,10 @@ def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, group=None, pip
 
         return sharded_load(path, pipeline_group=group if pipeline else None,
                             tensor_group=None if pipeline else group)
-    return mlx_lm.load(path, **load_kwargs)
+    try:
+        return mlx_lm.load(path, **load_kwargs)
+    except (OSError, ValueError) as err:  # e.g. a hub id that cannot be fetched
+        raise ValueError(f"could not load --model {model!r}: {err}") from None
 
 
 RANDOM_LLAMAS = {

@@ -9,6 +9,7 @@ uncompressed BatchKVCache.
 
 from __future__ import annotations
 
+import json
 import sys
 
 from .cache import CaMKVCache
@@ -40,11 +41,47 @@ def _with_camkv(loader, config: CaMConfig):
     return load_and_apply
 
 
-def serve(server_argv: list[str], config: CaMConfig) -> None:
-    """Run mlx_lm.server with the given arguments (see `mlx_lm.server --help`) and camkv caches."""
+def _serve_under(name: str, provider_class):
+    """mlx-lm's ModelProvider that also knows the served model by the name it was started with.
+
+    mlx-lm maps only "default_model" (a request without "model") to --model; a request
+    naming the model as the user did (what an OpenAI client sends) would otherwise be
+    taken for a Hugging Face id.
+    """
+
+    class NamedModelProvider(provider_class):
+        def __init__(self, cli_args):
+            super().__init__(cli_args)
+            for alias in {name, cli_args.model}:
+                self._model_map[alias] = cli_args.model
+
+    return NamedModelProvider
+
+
+def _list_served_model(name: str):
+    """GET /v1/models: the served model, by its name (mlx-lm's scans the Hugging Face cache)."""
+
+    def handle_models_request(self):
+        self._set_completion_headers(200)
+        self.end_headers()
+        model = {"id": name, "object": "model", "created": self.created, "owned_by": "camkv"}
+        self.wfile.write(json.dumps({"object": "list", "data": [model]}).encode())
+        self.wfile.flush()
+
+    return handle_models_request
+
+
+def serve(server_argv: list[str], config: CaMConfig, name: str) -> None:
+    """Run mlx_lm.server with the given arguments (see `mlx_lm.server --help`) and camkv caches.
+
+    server_argv holds --model with the model's path; name is what requests and
+    GET /v1/models call it.
+    """
     from mlx_lm import server
 
     server.load = _with_camkv(server.load, config)
     server.sharded_load = _with_camkv(server.sharded_load, config)
+    server.ModelProvider = _serve_under(name, server.ModelProvider)
+    server.APIHandler.handle_models_request = _list_served_model(name)
     sys.argv = ["camkv serve", *server_argv]
     server.main()

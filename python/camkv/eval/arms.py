@@ -51,7 +51,7 @@ METHOD_GROUPS = {
     "key": [n for n, m in method_catalog().items() if m.scoring == "key"],
     "core": ["full", "streamingllm", "h2o", "sim_weighted", "sim_weighted-nogate",
              "mass_weighted-nogate", "window"],
-    # How to merge (issue #6): every blend rule against dropping, ungated, both scorings.
+    # How to merge: every blend rule against dropping, ungated, both scorings.
     "merge": ["full"] + [name + suffix for suffix in ("", "-query") for name in
                          ("h2o", "sim_weighted-nogate", "mass_weighted-nogate", "window-nogate",
                           "window_mass-nogate")],

@@ -13,6 +13,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,7 +319,8 @@ def _device_name() -> str:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="camkv bench", description=__doc__)
+    parser = parser or argparse.ArgumentParser(
+        prog="camkv bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=models.DEFAULT_MODEL,
                         help="a random llama preset (%s), the default model name, a path or a hub id"
                         % ", ".join(models.RANDOM_LLAMAS))
@@ -366,12 +368,32 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     if args.soak:
         with tqdm(total=args.soak, desc="soak") as bar:
             results["soak"] = soak(model, args.budgets[0], args.soak, max(1, args.soak // 100), args.backend, bar)
-        plot_soak(results["soak"], args.out / f"{stem}-soak.png",
-                  f"{args.soak} generated tokens, camkv budget {args.budgets[0]}")
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    plot(results, args.out / f"{stem}.png")
+    if can_plot():
+        if args.soak:
+            plot_soak(results["soak"], args.out / f"{stem}-soak.png",
+                      f"{args.soak} generated tokens, camkv budget {args.budgets[0]}")
+        plot(results, args.out / f"{stem}.png")
     print_table(results)
+    print(f"camkv bench: wrote {args.out / f'{stem}.json'}"
+          + (" and its plots" if can_plot() else ""), file=sys.stderr)
     return results
+
+
+def can_plot() -> bool:
+    """Whether matplotlib is importable; says once that the plots are skipped if not."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if not _NOTED:
+            _NOTED.append(True)
+            print("camkv bench: matplotlib is not installed: no plots, the numbers are in the "
+                  "JSON file (pip install matplotlib to draw them)", file=sys.stderr)
+        return False
+    return True
+
+
+_NOTED: list = []
 
 
 def print_table(results: dict) -> None:

@@ -71,6 +71,13 @@ def _int_list(flag: str, spec: str) -> list[int]:
     return values
 
 
+def _preset_defaults() -> str:
+    """The help's list of each preset's values: the defaults of the flags that show none."""
+    return "Defaults of the flags above that show none, by --preset: " + "; ".join(
+        f"{name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+        for name, values in PRESETS.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="camkv eval",
@@ -78,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the full cache: streaming KL / top-1 / perplexity and passkey retrieval, on real text. "
         "Writes OUT/records.jsonl as it goes (rerun the same command to resume), then "
         "OUT/summary.json, OUT/table.md and PNG plots.",
+        epilog=_preset_defaults(),
     )
     a = p.add_argument
     a("--preset", choices=sorted(PRESETS), default="smoke",
@@ -110,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--window", type=int, default=4, help="survivors per eviction in merge=window (default 4)")
     a("--seed", type=int, default=0, help="seed of text windows, passkeys and camkv's gate")
     a("--backend", default="auto", help="camkv backend (auto, reference, ext, metal, cuda)")
-    a("--out", help="output folder (default bench/results/quality-PRESET)")
+    a("--out", help="output folder (default ./camkv-eval-PRESET, in the current folder)")
     a("--time-budget", type=float, help="seconds; stop before a unit of work that would "
       "overrun them (rerun the same command to continue)")
     a("--fresh", action="store_true", help="discard the records already in --out")
@@ -132,8 +140,11 @@ def _parse_recent(value) -> int | str:
     return text if fraction is not None else tokens
 
 
-def resolve_options(argv) -> argparse.Namespace:
-    """Parsed flags with the preset's values filled in, lists parsed, values checked."""
+def resolve_options(argv, default_out: str = "camkv-eval-{preset}") -> argparse.Namespace:
+    """Parsed flags with the preset's values filled in, lists parsed, values checked.
+
+    default_out: the --out folder when none is given ({preset} is filled in).
+    """
     opts = build_parser().parse_args(argv)
     for field, value in PRESETS[opts.preset].items():
         if getattr(opts, field) is None:
@@ -154,21 +165,24 @@ def resolve_options(argv) -> argparse.Namespace:
     if not 1 <= opts.stream_prefill < opts.stream_tokens:
         raise ValueError(f"--stream-prefill must be in [1, --stream-tokens), got "
                          f"{opts.stream_prefill} with --stream-tokens {opts.stream_tokens}")
-    opts.out = Path(opts.out or f"bench/results/quality-{opts.preset}")
+    opts.out = Path(opts.out or default_out.format(preset=opts.preset))
     return opts
 
 
-def main(argv=None) -> int:
+def main(argv=None, default_out: str = "camkv-eval-{preset}") -> int:
     """Entry point of `camkv eval` (argv without the subcommand)."""
     try:
-        opts = resolve_options(argv)
+        opts = resolve_options(argv, default_out)
         summary = run(opts)
     except ValueError as err:
         print(f"camkv eval: error: {err}", file=sys.stderr)
         return 2
     if summary:
-        print(f"camkv eval: wrote {opts.out}/summary.json, table.md and plots"
-              + ("" if summary.get("complete", True) else " (partial)"))
+        print((opts.out / "table.md").read_text())
+        drawn = summary.get("plots", [])
+        print(f"camkv eval: wrote {opts.out.resolve()}/: summary.json, table.md"
+              + (f", {', '.join(drawn)}" if drawn else " (no plots)")
+              + ("" if summary.get("complete", True) else " (partial: rerun to continue)"))
     return 0
 
 

@@ -128,7 +128,7 @@ def _metric_table(title: str, table: dict, methods, labels, fmt) -> list[str]:
 
 
 def markdown_tables(summary: dict) -> str:
-    """Markdown the README can embed: one table per metric, methods by budget."""
+    """Markdown tables to embed in a page: one table per metric, methods by budget."""
     methods, labels = summary["methods"], summary["budget_labels"]
     stream = summary["stream"]["decode"]
     config = summary["config"]
@@ -321,8 +321,10 @@ def write_report(out_dir: Path, complete: bool | None = None, notes=()) -> dict:
         # A bare machine still keeps every number; `--report-only` elsewhere draws them.
         print("camkv eval: matplotlib is not installed: no plots (rerun with --report-only "
               "where it is)", file=sys.stderr)
+        summary["plots"] = []
         return summary
-    plot_stream(summary, out_dir / "stream_vs_budget.png")
-    plot_passkey_heatmap(summary, out_dir / "passkey_heatmap.png")
-    plot_passkey_bars(summary, out_dir / "passkey_bars.png")
+    plots = {"stream_vs_budget.png": plot_stream, "passkey_heatmap.png": plot_passkey_heatmap,
+             "passkey_bars.png": plot_passkey_bars}
+    # Not saved in summary.json: which files this run drew (a plot with no data is skipped).
+    summary["plots"] = [name for name, draw in plots.items() if draw(summary, out_dir / name)]
     return summary
