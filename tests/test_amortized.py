@@ -277,3 +277,21 @@ def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     got = mass_cuda.column_mass(logits, 0.2, n_before, s_len)
     want = fast._column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)  # noqa: SLF001
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+def test_the_callers_arrays_are_never_written():
+    # The cache writes its buffers in place; the keys, values and queries a model hands
+    # over stay as they were, whatever the block sizes (one block larger than the buffer).
+    rng = np.random.default_rng(11)
+    cache = CaMKVCache(budget=16, n_sink=1, recent=4, slack=0)
+    blocks = []
+    for s_len in (40, 1, 1, 3, 1):
+        k = mx.array(rng.standard_normal((1, 2, s_len, 8)).astype(np.float32))
+        q = mx.array(rng.standard_normal((1, 4, s_len, 8)).astype(np.float32))
+        blocks.append((k, q, np.array(k), np.array(q)))
+        cache.update_and_fetch(k, k)
+        cache.observe_queries(q, 0.3)
+    cache.stored()
+    for k, q, k_was, q_was in blocks:
+        np.testing.assert_array_equal(np.array(k), k_was)
+        np.testing.assert_array_equal(np.array(q), q_was)

@@ -19,7 +19,7 @@ class QueryScoringWarning(RuntimeWarning):
 
 
 _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
-_KEY_SCORED = None  # the scoring of a pending block scored by its own keys
+_KEY_SCORED = "keys"  # how pending tokens scored by their own keys are queued
 
 class CaMKVCache(_BaseCache):
     """A KV cache that holds at most `budget + slack` tokens per (batch, KV head) row.
@@ -78,10 +78,12 @@ class CaMKVCache(_BaseCache):
         self._scores: mx.array | None = None
         self._positions: mx.array | None = None
         self._pending_start = 0
-        # The pending tokens' queries: (scale, [queries [B, Hq, S, Dk], ...]) with query
-        # scoring, (_KEY_SCORED, []) when they are scored by their keys; None if none pending.
-        self._queued: tuple | None = None
+        # How the pending tokens are scored: the attention scale of their queries, which
+        # wait in _query_buffer [B, Hq, capacity, Dk] (written in place, as the keys are),
+        # or _KEY_SCORED; None while nothing is pending.
+        self._queued = None
         self._queued_count = 0  # pending tokens _queued covers (all but a block waiting)
+        self._query_buffer: mx.array | None = None
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
         self._merges = mx.zeros((), mx.int32)
@@ -367,22 +369,41 @@ class CaMKVCache(_BaseCache):
         parts.append(block)
         if spare:
             parts.append(mx.zeros((*block.shape[:2], spare, block.shape[3]), block.dtype))
-        return mx.concatenate(parts, axis=2) if len(parts) > 1 else block
+        # A new array object even for one part: later writes into the buffer must not
+        # reach the caller's array (MLX's slice assignment rebinds the object it is given).
+        return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(block)
 
     def _queue(self, scale, queries) -> None:
         """Keep what scoring the block of the last call needs (its queries under scale, or
         _KEY_SCORED), then compress if the rows held passed budget + slack."""
-        if self._queued is not None and self._queued[0] != scale:
+        if self._queued is not None and self._queued != scale:
             # Pending tokens scored another way (keys, or another scale) are scored first.
             block = self._held - self._settled - self._queued_count
             self._compress(self._held - block)
         if self._queued is None:
-            self._queued = (scale, [])
+            self._queued = scale
         if queries is not None:
-            self._queued[1].append(queries)
+            self._keep_queries(queries, self._held - self._settled - queries.shape[2])
         self._queued_count = self._held - self._settled
         if self._held > self._config.budget + self._config.slack:
             self._compress()
+
+    def _keep_queries(self, queries, start: int) -> None:
+        """Write a block's queries [B, Hq, S, Dk] at pending index start of the query buffer
+        (in place when it fits: a decode step's queries cost one write, not a copy each
+        at the compression)."""
+        end = start + queries.shape[2]
+        buffer = self._query_buffer
+        if buffer is not None and buffer.shape[1:2] + buffer.shape[3:] == queries.shape[1:2] + queries.shape[3:] \
+                and end <= buffer.shape[2] and buffer.dtype == queries.dtype:
+            self._query_buffer[:, :, start:end] = queries
+            return
+        parts = [] if not start else [buffer[:, :, :start]]
+        parts.append(queries)
+        spare = self._config.slack + 1 - end
+        if spare > 0:
+            parts.append(mx.zeros((*queries.shape[:2], spare, queries.shape[3]), queries.dtype))
+        self._query_buffer = mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(queries)
 
     def _held_rows(self, end: int | None = None) -> RowState:
         """Rows [0, end) held as a RowState [B*H, end, ...]; pending rows score 0."""
@@ -399,15 +420,14 @@ class CaMKVCache(_BaseCache):
 
     def _chunk_queries(self, end: int):
         """The queries of pending rows [settled, end) as [B*H, G, S, Dk] and their scale."""
-        scale, blocks = self._queued
         B, H = self._layout[:2]
-        if scale is _KEY_SCORED:
+        S = end - self._settled
+        if self._queued is _KEY_SCORED:
             keys = self._keys[:, :, self._settled : end]
-            return fast.key_queries(keys.reshape(B * H, end - self._settled, -1))
-        queries = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=2)
-        Hq, S = queries.shape[1], queries.shape[2]
-        # Query head h * G + g belongs to KV head h: a reshape, not a copy.
-        return queries[:, :, : end - self._settled].reshape(B * H, Hq // H, S, -1), scale
+            return fast.key_queries(keys.reshape(B * H, S, -1))
+        queries = self._query_buffer[:, :, :S]
+        # Query head h * G + g belongs to KV head h.
+        return queries.reshape(B * H, queries.shape[1] // H, S, -1), self._queued
 
     def _compress(self, end: int | None = None) -> None:
         """Score pending rows [settled, end) as one chunk and evict back to the budget
@@ -438,7 +458,7 @@ class CaMKVCache(_BaseCache):
             return fast.compress_drop(rows, queries, scale, n, self._pending_start + end - n - 1, cfg)
         before = RowState(*(a[:, :n] for a in rows))
         new = [a[:, n:end] for a in rows[:2]]
-        key_scored = self._queued[0] is _KEY_SCORED
+        key_scored = self._queued is _KEY_SCORED
         q = None if key_scored else queries.transpose(0, 2, 1, 3)
         return backend.update(before, *new, self._pending_start, cfg, self._row_ids(*self._layout[:2]),
                               q, None if key_scored else scale)
