@@ -1,13 +1,14 @@
-# On the H200 (device tool), after install.sh: the prefill and decode profiles, the
-# end-to-end run, then the cuda equivalence suite (with the amortized-eviction and
-# whole-device compression tests, the cache and mlx-lm tests), results under $OUT.
-# bench/peak_memory.py (peak memory per scoring block size) is run the same way:
+# On the H200 (device tool), after install.sh: the decode profile, the end-to-end run
+# (camkv also with a slack of a quarter of the budget), then the cuda equivalence suite
+# (with the amortized-eviction and whole-device compression tests, the cache and mlx-lm
+# tests), results under $OUT. The prefill and memory profiles run the same way:
+#   python3 bench/profile_prefill.py --backend cuda --repeats 5 --logit-mb 8 32 128 --out $OUT
 #   python3 bench/peak_memory.py --model random-1b --prompt-lengths 1024 32768 --logit-mb 8 32 128 --out $OUT
 . bench/gpu/env.sh
-python3 bench/profile_prefill.py --backend cuda --repeats 5 --out $OUT 2>&1 | tail -4
-python3 bench/profile_decode.py --backend cuda --slacks 128 256 --out $OUT 2>&1 | head -8
+python3 bench/profile_decode.py --backend cuda --slacks 128 --out $OUT > $OUT/profile-decode.txt 2>&1
+head -7 $OUT/profile-decode.txt
 timeout 300 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 128 \
-  --trials 2 --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -7
+  --trials 2 --budgets 512 --slacks 128 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -12
 timeout ${PYTEST_S:-100} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_amortized.py \
   tests/test_equivalence.py tests/test_rules.py tests/test_jit.py tests/test_query_scoring.py tests/test_cache.py \
   tests/test_mlx_lm.py > $OUT/pytest-cuda-h200.txt 2>&1; tail -3 $OUT/pytest-cuda-h200.txt

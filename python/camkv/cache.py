@@ -450,12 +450,15 @@ class CaMKVCache(_BaseCache):
     def _run_backend(self, queries, scale, end: int):
         """The compression of rows [settled, end) by the configured backend."""
         cfg = self._config
-        rows = self._held_rows(end)
         backend = self._backend()
-        n = self._settled
+        n, R = self._settled, queries.shape[0]
         if merges.rule(cfg.merge).kind == merges.DROP and backend is not backends.reference and end - n > 1:
             # Dropping needs no kernel: batched products, a partition and a gather.
-            return fast.compress_drop(rows, queries, scale, n, self._pending_start + end - n - 1, cfg)
+            kept = fast.compress_drop(self._keys[:, :, :end].reshape(R, end, -1),
+                                      self._values[:, :, :end].reshape(R, end, -1), self._scores,
+                                      self._positions, queries, self._pending_start, scale, cfg)
+            return kept, mx.zeros((R,), mx.int32)
+        rows = self._held_rows(end)
         before = RowState(*(a[:, :n] for a in rows))
         new = [a[:, n:end] for a in rows[:2]]
         key_scored = self._queued is _KEY_SCORED

@@ -89,14 +89,16 @@ def key_queries(keys: mx.array) -> tuple[mx.array, float]:
     return keys[:, None], 1.0 / math.sqrt(keys.shape[-1])
 
 
-def losers_and_kept(scores: mx.array, positions: mx.array, p_last: int, budget: int, cfg) -> mx.array:
+def losers_and_kept(scores: mx.array, positions: mx.array, p_last, budget: int, n_sink: int, recent: int
+                    ) -> mx.array:
     """The kept row indices [R, budget] in position order (section 7's survivors).
 
-    Protected rows (sinks and the recent window before p_last) rank as +inf; a NaN
-    score ranks lowest. Rows tied at the boundary may go either way (section 8).
+    Protected rows (sinks and the recent window before p_last, an int or a scalar array)
+    rank as +inf; a NaN score ranks lowest. Rows tied at the boundary may go either way
+    (section 8).
     """
     total = scores.shape[1]
-    protected = (positions < cfg.n_sink) | (positions > p_last - cfg.recent)
+    protected = (positions < n_sink) | (positions > p_last - recent)
     ranked = mx.where(protected, _INF, mx.where(mx.isnan(scores), -_INF, scores))
     kept = mx.argpartition(ranked, kth=total - budget, axis=1)[:, total - budget:]
     return mx.sort(kept, axis=1)
@@ -116,29 +118,46 @@ def update_drop(state: RowState, new_keys, new_values, offset: int, cfg, row_ids
                 queries=None, scale=None) -> tuple[RowState, mx.array]:
     """A chunk call with merge="drop" (same signature and results, within section 8, as
     camkv.reference.update). queries [R, S, G, Dk] or None (key scoring)."""
-    rows, s_len = new_keys.shape[:2]
     if queries is None:
         q, scale = key_queries(new_keys)
     else:
         q = queries.transpose(0, 2, 1, 3)
-    joined = RowState(
-        mx.concatenate([state.keys, new_keys], axis=1),
-        mx.concatenate([state.values, new_values], axis=1),
-        mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1),
-        mx.concatenate([state.positions, mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))],
-                       axis=1),
-    )
-    return compress_drop(joined, q, scale, state.length, offset + s_len - 1, cfg)
+    keys = mx.concatenate([state.keys, new_keys], axis=1)
+    values = mx.concatenate([state.values, new_values], axis=1)
+    kept = compress_drop(keys, values, state.scores, state.positions, q, offset, scale, cfg)
+    return kept, mx.zeros((new_keys.shape[0],), mx.int32)
 
 
-def compress_drop(joined: RowState, queries: mx.array, scale: float, n_before: int, p_last: int, cfg
-                  ) -> tuple[RowState, mx.array]:
-    """Score the rows from n_before on as one chunk (queries [R, G, S, Dk]) over joined,
-    then evict down to the budget without merging. Returns (state, merges = 0 per row)."""
-    rows, total = joined.scores.shape
-    scores = joined.scores + attention_mass(queries, joined.keys, scale, n_before)
-    joined = joined._replace(scores=scores)
-    merges = mx.zeros((rows,), mx.int32)
-    if total <= cfg.budget:
-        return joined, merges
-    return gather(joined, losers_and_kept(scores, joined.positions, p_last, cfg.budget, cfg)), merges
+def compress_drop(keys, values, settled_scores, settled_positions, queries, first_pending: int, scale: float,
+                  cfg) -> RowState:
+    """Rows held [R, N, D] whose first n (= settled_scores' [R, n]) are scored: score the
+    rest, at positions first_pending.., as one chunk (queries [R, G, S, Dk]) and evict
+    down to the budget without merging.
+
+    A chunk small enough for MLX's own operations (a decode's compression, whose shapes
+    repeat) runs as one compiled graph: tens of small operations a layer would otherwise
+    each cost a launch and their host time."""
+    rows, groups, s_len, _ = queries.shape
+    args = (keys, values, settled_scores, settled_positions, queries, mx.array(first_pending, mx.int32),
+            float(scale), cfg.budget, cfg.n_sink, cfg.recent)
+    if _on_cuda() and rows * groups * s_len * keys.shape[1] >= CUDA_MIN_LOGITS:
+        return RowState(*_compress_drop(*args))
+    return RowState(*_compress_drop_compiled(*args))
+
+
+def _compress_drop(keys, values, settled_scores, settled_positions, queries, first_pending, scale, budget,
+                   n_sink, recent):
+    rows, n = settled_scores.shape
+    s_len = keys.shape[1] - n
+    positions = mx.concatenate(
+        [settled_positions, mx.broadcast_to(first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
+    mass = attention_mass(queries, keys, scale, n)
+    scores = mx.concatenate([settled_scores + mass[:, :n], mass[:, n:]], axis=1)
+    joined = RowState(keys, values, scores, positions)
+    if n + s_len <= budget:
+        return tuple(joined)
+    p_last = first_pending + s_len - 1
+    return tuple(gather(joined, losers_and_kept(scores, positions, p_last, budget, n_sink, recent)))
+
+
+_compress_drop_compiled = mx.compile(_compress_drop)

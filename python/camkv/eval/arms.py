@@ -83,6 +83,7 @@ class CacheSettings:
     window: int
     seed: int
     backend: str
+    slack: int | None = None  # camkv's rows over the budget; None: CaMConfig's default
 
     def recent_for(self, budget: int) -> int:
         """The recent window (tokens) of a cache of this budget."""
@@ -111,7 +112,7 @@ def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings) -> 
         model, budget=budget, n_sink=settings.n_sink, recent=settings.recent_for(budget),
         merge=arm.merge, gate=arm.gate, scoring=arm.scoring, merge_keys=arm.merge_keys,
         window=settings.window,
-        seed=settings.seed, prefill="chunk", backend=settings.backend,
+        seed=settings.seed, prefill="chunk", backend=settings.backend, slack=settings.slack,
     )
 
 

@@ -41,21 +41,26 @@ class BenchArm:
 
     arm: Arm
     budget: int | None = None
+    slack: int | None = None  # camkv only; None: CaMConfig's default
 
     @property
     def name(self) -> str:
-        return self.arm.name if self.budget is None else f"{self.arm.name}-{self.budget}"
+        name = self.arm.name if self.budget is None else f"{self.arm.name}-{self.budget}"
+        return name if self.slack is None else f"{name}-slack{self.slack}"
 
 
-def default_arms(budgets: list[int]) -> list[BenchArm]:
-    return [BenchArm(FULL)] + [BenchArm(a, b) for a in (STREAMING, CAMKV) for b in budgets]
+def default_arms(budgets: list[int], slacks: list[int] = ()) -> list[BenchArm]:
+    """The full cache, then StreamingLLM and camkv at each budget, and camkv again with each
+    of `slacks`."""
+    return ([BenchArm(FULL)] + [BenchArm(a, b) for a in (STREAMING, CAMKV) for b in budgets]
+            + [BenchArm(CAMKV, b, slack) for b in budgets for slack in slacks])
 
 
-def cache_settings(backend: str) -> CacheSettings:
-    """CaMConfig's defaults (4 sinks, a quarter of the budget recent), on `backend`; the
-    StreamingLLM arm keeps the same 4 sinks."""
+def cache_settings(backend: str, slack: int | None = None) -> CacheSettings:
+    """CaMConfig's defaults (4 sinks, a quarter of the budget recent, an eighth slack unless
+    `slack` says otherwise), on `backend`; the StreamingLLM arm keeps the same 4 sinks."""
     defaults = CaMConfig()
-    return CacheSettings(defaults.n_sink, None, defaults.window, defaults.seed, backend)
+    return CacheSettings(defaults.n_sink, None, defaults.window, defaults.seed, backend, slack)
 
 
 @dataclass
@@ -69,7 +74,7 @@ class Trial:
 
 def run_trial(model, arm: BenchArm, prompt: mx.array, gen_tokens: int, prefill_step: int, backend: str) -> Trial:
     """Prefill the prompt in chunks, then generate greedily, timing each part."""
-    cache = make_cache(model, arm.arm, arm.budget, cache_settings(backend))
+    cache = make_cache(model, arm.arm, arm.budget, cache_settings(backend, arm.slack))
     try:
         return _timed_generation(model, cache, prompt, gen_tokens, prefill_step)
     finally:
@@ -104,7 +109,7 @@ def _timed_generation(model, cache: list, prompt: mx.array, gen_tokens: int, pre
     return trial
 
 
-def cache_update_seconds(model, budget: int, backend: str, cycles: int = 3) -> float:
+def cache_update_seconds(model, budget: int, backend: str, slack: int | None = None, cycles: int = 3) -> float:
     """Mean time of one decode step's cache updates, every layer's, from a full budget
     over `cycles` compression cycles (slack + 1 steps each), compressions included.
 
@@ -119,7 +124,7 @@ def cache_update_seconds(model, budget: int, backend: str, cycles: int = 3) -> f
     dtype = mx.float16 if dtype not in (mx.float16, mx.bfloat16, mx.float32) else dtype
     hook.install(model)
     try:
-        caches = [CaMKVCache(CaMConfig(budget=budget, backend=backend, scoring="query", seed=i))
+        caches = [CaMKVCache(CaMConfig(budget=budget, backend=backend, scoring="query", seed=i, slack=slack))
                   for i in range(len(model.layers))]
         for cache in caches:
             _update(cache, layer, mx.random.normal((1, heads, budget, head_dim)).astype(dtype))
@@ -188,7 +193,7 @@ def run(model, arms, prompt_lengths, gen_tokens, trials, prefill_step, backend, 
             row = {"arm": arm.name, "kind": arm.arm.kind, "budget": arm.budget, "prompt_len": length}
             row.update(summarize(measured[arm.name], length))
             if arm.arm.kind == "camkv":
-                update_s = cache_update_seconds(model, arm.budget, backend)
+                update_s = cache_update_seconds(model, arm.budget, backend, arm.slack)
                 row["cache_update_ms"] = 1e3 * update_s
                 row["model_ms"] = row["step_ms"]["median"] - row["cache_update_ms"]
             results["rows"].append(row)
@@ -337,6 +342,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per trial")
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 2048],
                         help="camkv and StreamingLLM (rotating-cache) budgets")
+    parser.add_argument("--slacks", type=int, nargs="*", default=[],
+                        help="also camkv arms with these slack values (rows over the budget between compressions)")
     parser.add_argument("--trials", type=int, default=3, help="measured trials per arm (after a warm-up)")
     parser.add_argument("--prefill-step", type=int, default=2048, help="prompt chunk size, as mlx-lm's prefill_step_size")
     parser.add_argument("--backend", default="auto", help="camkv backend (auto picks the best here)")
@@ -360,7 +367,9 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
         except ValueError as err:
             raise SystemExit(f"camkv bench: --budgets {budget}: {err}") from None
     model = load_model(args.model)[0]
-    arms = default_arms(args.budgets)
+    if any(v < 0 for v in args.slacks):
+        raise SystemExit(f"camkv bench: --slacks must be integers >= 0, got {args.slacks}")
+    arms = default_arms(args.budgets, args.slacks)
     device = _device_name()
     results = {
         "model": args.model, "device": device, "backend": backends.resolve_name(args.backend),
