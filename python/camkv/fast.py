@@ -132,21 +132,7 @@ def compress_drop(keys, values, settled_scores, settled_positions, queries, firs
                   cfg) -> RowState:
     """Rows held [R, N, D] whose first n (= settled_scores' [R, n]) are scored: score the
     rest, at positions first_pending.., as one chunk (queries [R, G, S, Dk]) and evict
-    down to the budget without merging.
-
-    A chunk small enough for MLX's own operations (a decode's compression, whose shapes
-    repeat) runs as one compiled graph: tens of small operations a layer would otherwise
-    each cost a launch and their host time."""
-    rows, groups, s_len, _ = queries.shape
-    args = (keys, values, settled_scores, settled_positions, queries, mx.array(first_pending, mx.int32),
-            float(scale), cfg.budget, cfg.n_sink, cfg.recent)
-    if _on_cuda() and rows * groups * s_len * keys.shape[1] >= CUDA_MIN_LOGITS:
-        return RowState(*_compress_drop(*args))
-    return RowState(*_compress_drop_compiled(*args))
-
-
-def _compress_drop(keys, values, settled_scores, settled_positions, queries, first_pending, scale, budget,
-                   n_sink, recent):
+    down to the budget without merging."""
     rows, n = settled_scores.shape
     s_len = keys.shape[1] - n
     positions = mx.concatenate(
@@ -154,10 +140,7 @@ def _compress_drop(keys, values, settled_scores, settled_positions, queries, fir
     mass = attention_mass(queries, keys, scale, n)
     scores = mx.concatenate([settled_scores + mass[:, :n], mass[:, n:]], axis=1)
     joined = RowState(keys, values, scores, positions)
-    if n + s_len <= budget:
-        return tuple(joined)
+    if n + s_len <= cfg.budget:
+        return joined
     p_last = first_pending + s_len - 1
-    return tuple(gather(joined, losers_and_kept(scores, positions, p_last, budget, n_sink, recent)))
-
-
-_compress_drop_compiled = mx.compile(_compress_drop)
+    return gather(joined, losers_and_kept(scores, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))
