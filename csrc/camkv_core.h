@@ -612,6 +612,7 @@ CAMKV_INLINE void camkv_add_attention(
     for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
       for (int i = 0; k < nq && i < CAMKV_DOT_ROWS && j0 + i < visible; ++i) {
         float l = scale * dots[k * CAMKV_DOT_ROWS + i];
+        l = l - l == 0.0f ? l : -CAMKV_INF;  // a NaN or infinite logit counts as masked
         logits[(long)k * logit_stride + j0 + i] = l;
         local_max[k] = l > local_max[k] ? l : local_max[k];
       }
@@ -623,15 +624,17 @@ CAMKV_INLINE void camkv_add_attention(
     }
     CAMKV_DEVICE float* weights = logits + (long)k * logit_stride;
     float row_max = camkv_group_max(g, local_max[k]);
-    float local_sum = 0.0f;
-    for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
-      float w = camkv_exp(weights[j] - row_max);
-      weights[j] = w;
-      local_sum += w;
-    }
-    float total = camkv_group_sum(g, local_sum);
-    for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
-      mass[j] += weights[j] / total;
+    if (row_max > -CAMKV_INF) {  // a query with every logit masked adds nothing
+      float local_sum = 0.0f;
+      for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
+        float w = camkv_exp(weights[j] - row_max);
+        weights[j] = w;
+        local_sum += w;
+      }
+      float total = camkv_group_sum(g, local_sum);
+      for (int j = camkv_tid(g); j < visible; j += camkv_gsize(g)) {
+        mass[j] += weights[j] / total;
+      }
     }
     camkv_barrier(g);
   }
@@ -951,14 +954,19 @@ CAMKV_INLINE void camkv_remove_and_append(CamRows<T> r, int e, CamGroup g) {
   camkv_store_pending(r, r.count - 1, g);
 }
 
+// A score as eviction ranks it: NaN lowest (a poisoned row goes first).
+CAMKV_INLINE float camkv_rank(float s) {
+  return s == s ? s : -CAMKV_INF;
+}
+
 // Section 3: the unprotected stored row with the smallest score (ties: smaller index).
 template <typename T>
 CAMKV_INLINE int camkv_pick_evicted(CamRows<T> r, int p_now, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
   float best = CAMKV_INF;
   int best_j = r.count;
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
-    if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_now) && r.scores[j] < best) {
-      best = r.scores[j];
+    if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_now) && camkv_rank(r.scores[j]) < best) {
+      best = camkv_rank(r.scores[j]);
       best_j = j;
     }
   }
@@ -1140,11 +1148,11 @@ CAMKV_INLINE void camkv_mark_losers(CamRows<T> r, int k, int p_last, CAMKV_CONST
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     int is_loser = 0;
     if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_last)) {
-      float s = r.scores[j];
+      float s = camkv_rank(r.scores[j]);
       int rank = 0;
       for (int i = 0; i < r.count && rank < k; ++i) {
         if (i != j && !camkv_protected(r.positions[i], p->n_sink, p->recent, p_last)) {
-          float s_i = r.scores[i];
+          float s_i = camkv_rank(r.scores[i]);
           if (s_i < s || (s_i == s && i < j)) {
             rank += 1;
           }

@@ -452,8 +452,10 @@ class CaMKVCache(_BaseCache):
         cfg = self._config
         backend = self._backend()
         n, R = self._settled, queries.shape[0]
-        if merges.rule(cfg.merge).kind == merges.DROP and backend is not backends.reference and end - n > 1:
-            # Dropping needs no kernel: batched products, a partition and a gather.
+        if merges.rule(cfg.merge).kind == merges.DROP and getattr(backend, "target", None) and end - n > 1:
+            # On a GPU dropping needs no kernel: batched products, a partition and a gather
+            # use the whole device, where the kernel core runs one work group per row. (On
+            # the CPU the extension's one pass per row is faster than MLX's operations.)
             kept = fast.compress_drop(self._keys[:, :, :end].reshape(R, end, -1),
                                       self._values[:, :, :end].reshape(R, end, -1), self._scores,
                                       self._positions, queries, self._pending_start, scale, cfg)
