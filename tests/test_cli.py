@@ -278,3 +278,16 @@ def test_a_cpu_command_without_openblas_says_why_it_is_slow(monkeypatch, tmp_pat
     monkeypatch.setenv("CAMKV_BLAS", "0")  # turned off on purpose: silent
     _blas.reexec_with_openblas()
     assert capsys.readouterr().err == ""
+
+
+def test_every_camconfig_field_has_its_kv_flag_with_the_fields_default():
+    import dataclasses
+
+    from camkv import CaMConfig
+    from camkv.cli import _KV_FLAGS, build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert sorted(_KV_FLAGS.values()) == sorted(f.name for f in dataclasses.fields(CaMConfig))
+    for dest, field in _KV_FLAGS.items():
+        assert getattr(args, dest) == getattr(CaMConfig, field), dest  # the class default (None for derived ones)
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--kv-slack", "0"]).kv_slack == 0

@@ -14,64 +14,35 @@ import dataclasses
 import sys
 import time
 
-from .config import BACKENDS, MERGE_MODES, PREFILL_MODES, SCORING_MODES, CaMConfig
+from .config import CaMConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(CaMConfig)}
-# CLI flag -> CaMConfig field.
-_KV_FLAGS = {
-    "kv_budget": "budget", "kv_sinks": "n_sink", "kv_recent": "recent", "kv_merge": "merge",
-    "kv_merge_keys": "merge_keys", "kv_window": "window", "kv_gate": "gate", "kv_seed": "seed",
-    "kv_scoring": "scoring", "kv_prefill": "prefill", "kv_backend": "backend",
-}
+# CLI flag (argparse dest) -> CaMConfig field, from each field's metadata.
+_KV_FLAGS = {"kv_" + f.metadata["flag"].replace("-", "_"): f.name for f in dataclasses.fields(CaMConfig)}
 
 
 # --------------------------------------------------------------------------- parser
 
 
 def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budget"]) -> None:
+    """One --kv-<flag> per CaMConfig field, made from the field's metadata."""
     group = parser.add_argument_group(
         "KV cache (camkv)",
         "Each flag sets one CaMConfig field; bad values are refused with what is allowed.")
-    group.add_argument("--kv-budget", type=int, default=budget, metavar="N",
-                       help="most tokens each (sequence, KV head) row keeps (default: %(default)s)")
-    group.add_argument("--kv-sinks", type=int, default=_DEFAULTS["n_sink"], metavar="N",
-                       help="first positions never evicted, the attention sinks (default: %(default)s)")
-    group.add_argument("--kv-recent", type=int, default=_DEFAULTS["recent"], metavar="N",
-                       help="newest positions never evicted; sinks + recent must be below the "
-                            "budget (default: a quarter of --kv-budget)")
-    group.add_argument("--kv-merge", default=_DEFAULTS["merge"], metavar="MODE",
-                       help="what happens to an evicted token: " + ", ".join(MERGE_MODES) +
-                            " ('sim_weighted' blends it into its most similar survivor, 'mean' "
-                            "with weight 0.5, 'mass_weighted' with weight s_e / (s_e + s_t), "
-                            "'window' adds it to the next survivors, 'window_mass' blends it "
-                            "into them by attention mass, 'drop' discards it as H2O does) "
-                            "(default: %(default)s)")
-    group.add_argument("--kv-merge-keys", action=argparse.BooleanOptionalAction,
-                       default=_DEFAULTS["merge_keys"],
-                       help="blend keys as well as values (not with --kv-merge window or "
-                            "window_mass) "
-                            "(default: %(default)s)")
-    group.add_argument("--kv-window", type=int, default=_DEFAULTS["window"], metavar="N",
-                       help="survivors an evicted token is spread over with --kv-merge window or "
-                            "window_mass "
-                            "(default: %(default)s)")
-    group.add_argument("--kv-gate", action=argparse.BooleanOptionalAction, default=_DEFAULTS["gate"],
-                       help="merge only with probability growing with the evicted token's "
-                            "attention (CaM's gate); --no-kv-gate always merges (default: %(default)s)")
-    group.add_argument("--kv-seed", type=int, default=_DEFAULTS["seed"], metavar="N",
-                       help="seed of the gate's draws, 0..2^32-1 (default: %(default)s)")
-    group.add_argument("--kv-scoring", default=_DEFAULTS["scoring"], metavar="MODE",
-                       help="attention scores from: " + ", ".join(SCORING_MODES) +
-                            " ('query' the model's own queries, through camkv's attention hook; "
-                            "'key' each new key as a stand-in query; the summary line says how "
-                            "many tokens the queries scored) (default: %(default)s)")
-    group.add_argument("--kv-prefill", default=_DEFAULTS["prefill"], metavar="MODE",
-                       help="prompt handling: " + ", ".join(PREFILL_MODES) +
-                            " ('chunk' scores and evicts once per prompt chunk, fast; 'exact' "
-                            "token by token) (default: %(default)s)")
-    group.add_argument("--kv-backend", default=_DEFAULTS["backend"], metavar="NAME",
-                       help="kernel backend: " + ", ".join(BACKENDS) +
-                            " ('auto' picks the best one available) (default: %(default)s)")
+    for field in dataclasses.fields(CaMConfig):
+        meta = field.metadata
+        default = budget if field.name == "budget" else field.default
+        # None: the field's default follows others, which its help says.
+        help_text = meta["help"] + ("" if default is None else " (default: %(default)s)")
+        if meta["choices"]:
+            help_text = f"{', '.join(meta['choices'])}: {help_text}"
+        kwargs = {"default": default, "help": help_text}
+        if isinstance(field.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            is_int = field.type.startswith("int")
+            kwargs.update(type=int if is_int else str, metavar="N" if is_int else "NAME")
+        group.add_argument("--kv-" + meta["flag"], **kwargs)
     group.add_argument("--full-cache", action="store_true",
                        help="use mlx-lm's ordinary full KV cache instead of camkv, to compare; "
                             "refused together with --kv-* flags (default: camkv's cache)")

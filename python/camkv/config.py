@@ -15,6 +15,11 @@ BACKENDS = ("auto", "reference", "ext", "metal", "cuda")
 UINT32_MAX = 2**32 - 1
 
 
+def _field(default, flag: str, help_text: str, choices: tuple[str, ...] | None = None):
+    """A CaMConfig field with what its command-line flag needs: --kv-<flag>, help, choices."""
+    return dataclasses.field(default=default, metadata={"flag": flag, "help": help_text, "choices": choices})
+
+
 def default_recent(budget: int) -> int:
     """The recent window a budget gets by default: a quarter of it, at least 1."""
     return max(1, budget // 4)
@@ -103,18 +108,28 @@ class CaMConfig:
     field, the bad value and what is allowed.
     """
 
-    budget: int = 512
-    n_sink: int = 4
-    recent: int | None = None
-    merge: str = "drop"
-    merge_keys: bool = False
-    window: int = 4
-    gate: bool = False
-    seed: int = 0
-    scoring: str = "query"
-    prefill: str = "chunk"
-    slack: int | None = None
-    backend: str = "auto"
+    # Each field's metadata makes its `--kv-<flag>` command-line flag (camkv.cli).
+    budget: int = _field(512, "budget", "most tokens each (sequence, KV head) row keeps")
+    n_sink: int = _field(4, "sinks", "first positions never evicted, the attention sinks")
+    recent: int | None = _field(None, "recent", "newest positions never evicted; sinks + recent must be "
+                                "below the budget (default: a quarter of --kv-budget)")
+    merge: str = _field("drop", "merge", merges.help_text(), choices=MERGE_MODES)
+    merge_keys: bool = _field(False, "merge-keys", "blend keys as well as values (merge rules that "
+                              f"may: {', '.join(merges.names(keys_allowed=True))})")
+    window: int = _field(4, "window", "survivors an evicted token is spread over by the window rules")
+    gate: bool = _field(False, "gate", "merge only with probability growing with the evicted token's "
+                        "attention (CaM's gate); --no-kv-gate always merges")
+    seed: int = _field(0, "seed", "seed of the gate's draws, 0..2^32-1")
+    scoring: str = _field("query", "scoring", "attention scores from the model's own queries ('query', "
+                          "through camkv's attention hook) or each new key as a stand-in ('key')",
+                          choices=SCORING_MODES)
+    prefill: str = _field("chunk", "prefill", "'chunk' scores and evicts once per prompt chunk; 'exact' "
+                          "token by token", choices=PREFILL_MODES)
+    slack: int | None = _field(None, "slack", "rows a row may hold over the budget between compressions "
+                               "(amortized eviction; 0 evicts at every step) (default: an eighth of "
+                               "--kv-budget with --kv-prefill chunk, else 0)")
+    backend: str = _field("auto", "backend", "kernel backend ('auto' picks the best one available)",
+                          choices=BACKENDS)
 
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
