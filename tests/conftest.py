@@ -86,3 +86,15 @@ def subprocess_env(*extra_paths: str, **variables: str) -> dict:
     package_root = str(Path(camkv.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (package_root, *extra_paths, os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **variables}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random llama with a real (small) BPE tokenizer and chat template, as an mlx-lm folder."""
+    from gguf_fixtures import write_tiny_gguf
+
+    from camkv import models
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    write_tiny_gguf(tmp / "tiny.gguf")
+    return str(models.convert_gguf(tmp / "tiny.gguf", tmp / "model"))

@@ -17,7 +17,6 @@ from conftest import subprocess_env
 
 import camkv
 from camkv import cli, hook, models
-from gguf_fixtures import write_tiny_gguf
 
 SUMMARY = re.compile(
     r"prompt: (\d+) tokens, [\d.]+ tokens/s \| generation: (\d+) tokens, [\d.]+ tokens/s \| "
@@ -34,14 +33,6 @@ def _main_scoring_with_queries(argv) -> int:
         code = cli.main(argv)
     assert not hook.installed_modules(), "the CLI left camkv's attention hook installed"
     return code
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny random llama with a real (small) BPE tokenizer and chat template, as an mlx-lm folder."""
-    tmp = tmp_path_factory.mktemp("tiny")
-    write_tiny_gguf(tmp / "tiny.gguf")
-    return str(models.convert_gguf(tmp / "tiny.gguf", tmp / "model"))
 
 
 def _summary(text: str) -> dict:

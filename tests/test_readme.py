@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from conftest import subprocess_env
-from gguf_fixtures import write_tiny_gguf
 
 from camkv import models
 
@@ -39,13 +38,6 @@ def command_lines(text: str) -> list[str]:
         if match:
             commands.append(match.group(1))
     return commands
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> str:
-    tmp = tmp_path_factory.mktemp("readme")
-    write_tiny_gguf(tmp / "tiny.gguf")
-    return str(models.convert_gguf(tmp / "tiny.gguf", tmp / "model"))
 
 
 def _run(argv: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

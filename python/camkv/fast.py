@@ -104,16 +104,6 @@ def losers_and_kept(scores: mx.array, positions: mx.array, p_last, budget: int, 
     return mx.sort(kept, axis=1)
 
 
-def gather(state: RowState, idx: mx.array) -> RowState:
-    """The rows idx [R, m] of every array of state, in that order."""
-    return RowState(
-        mx.take_along_axis(state.keys, idx[:, :, None], axis=1),
-        mx.take_along_axis(state.values, idx[:, :, None], axis=1),
-        mx.take_along_axis(state.scores, idx, axis=1),
-        mx.take_along_axis(state.positions, idx, axis=1),
-    )
-
-
 def update_drop(state: RowState, new_keys, new_values, offset: int, cfg, row_ids,
                 queries=None, scale=None) -> tuple[RowState, mx.array]:
     """A chunk call with merge="drop" (same signature and results, within section 8, as
@@ -143,4 +133,4 @@ def compress_drop(keys, values, settled_scores, settled_positions, queries, firs
     if n + s_len <= cfg.budget:
         return joined
     p_last = first_pending + s_len - 1
-    return gather(joined, losers_and_kept(scores, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))
+    return joined.take(losers_and_kept(scores, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))

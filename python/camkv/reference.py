@@ -256,17 +256,7 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     survivor = idx != e[:, None]
     keys, values, scores, did = _merge_one(keys, values, scores, positions, survivor, e, row_ids, cfg)
     keep = mx.arange(n)[None, :] + (mx.arange(n)[None, :] >= e[:, None])
-    return _gather(RowState(keys, values, scores, positions), keep), did
-
-
-def _gather(state: RowState, idx: mx.array) -> RowState:
-    """The rows idx [R, m] of every array, in that order."""
-    return RowState(
-        mx.take_along_axis(state.keys, idx[:, :, None], axis=1),
-        mx.take_along_axis(state.values, idx[:, :, None], axis=1),
-        mx.take_along_axis(state.scores, idx, axis=1),
-        mx.take_along_axis(state.positions, idx, axis=1),
-    )
+    return RowState(keys, values, scores, positions).take(keep), did
 
 
 def _ranked(scores, positions, p_last: int, cfg) -> mx.array:
@@ -314,4 +304,4 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
             keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, cfg
         )
         merges = merges + did.astype(mx.int32)
-    return _gather(RowState(keys, values, scores, positions), keep_idx), merges
+    return RowState(keys, values, scores, positions).take(keep_idx), merges

@@ -31,3 +31,12 @@ class RowState(NamedTuple):
     def arrays(self) -> tuple:
         """The arrays held: keys, values, scores and positions."""
         return tuple(self)
+
+    def take(self, idx: mx.array) -> "RowState":
+        """The rows idx [R, m] of every array, in that order."""
+        return RowState(
+            mx.take_along_axis(self.keys, idx[:, :, None], axis=1),
+            mx.take_along_axis(self.values, idx[:, :, None], axis=1),
+            mx.take_along_axis(self.scores, idx, axis=1),
+            mx.take_along_axis(self.positions, idx, axis=1),
+        )
