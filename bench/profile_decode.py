@@ -13,8 +13,6 @@ of build + evaluation, medians over --repeats steps.
   cache_slack0   the same with slack=0 (an eviction at every step)
   kvcache        mlx-lm's KVCache.update_and_fetch at the same rows (the floor)
   update         the backend's update() on prepared rows (no cache bookkeeping)
-  fetch          the two concatenations that hand attention stored ++ new rows
-  fetch_backend  the backend's own fetch doing the same, where it has one (ext, cuda, metal)
   kernel         (GPU backends) the bare kernel launch, parameters prepared once
   kernel+params  the bare kernel launch with its parameter block made per call
   kernel+table   the bare kernel launch with its block a row of jit.params_for's table
@@ -137,11 +135,6 @@ def measure(opts) -> dict:
         return out
 
     parts["update"] = _timed(update_step, opts.repeats)
-    parts["fetch"] = _timed(lambda: [mx.concatenate([s.keys, step_keys], axis=1) for s in states]
-                            + [mx.concatenate([s.values, step_keys], axis=1) for s in states], opts.repeats)
-    if hasattr(backend, "fetch"):
-        parts["fetch_backend"] = _timed(lambda: [a for s in states for a in backend.fetch(s.keys, s.values, step_keys,
-                                                                                        step_keys)], opts.repeats)
     parts["queries_cast"] = _timed(lambda: [q_rows.astype(mx.float32) for _ in range(L)], opts.repeats)
     parts["nothing"] = _timed(lambda: [], opts.repeats)
     target = getattr(backend, "target", None)

@@ -65,15 +65,6 @@ NB_MODULE(_ext, m) {
                               camkv_store_stride(chunk, n, S, n_out, Dk, Dv));
       }, "chunk"_a, "n"_a, "S"_a, "n_out"_a, "Dk"_a, "Dv"_a,
         "Per-row scratch sizes (floats, ints, storage elements) the kernel core needs for a call.");
-  m.def("fetch", [](const mx::array& stored_keys, const mx::array& stored_values, const mx::array& new_keys,
-                    const mx::array& new_values, mx::StreamOrDevice stream) {
-        std::vector<mx::array> out = camkv::fetch(stored_keys, stored_values, new_keys, new_values, stream);
-        return nb::make_tuple(out[0], out[1]);
-      }, "stored_keys"_a, "stored_values"_a, "new_keys"_a, "new_values"_a, nb::kw_only(), "stream"_a = nb::none(),
-        R"(Stored rows [R, n, D] followed by new rows [R, S, D], keys and values in one CPU operation.
-
-Returns (keys [R, n + S, Dk], values [R, n + S, Dv]). Raises ValueError naming any argument with a
-bad shape or dtype, or a stream that is not on the CPU.)");
   m.def("merge_rules", &merge_rules,
         "The kernel's merge rules in code order: (name, code, kind, blends, keys_allowed) each, kind 'drop', "
         "'nearest' or 'window' (csrc/camkv_merges.h).");

@@ -215,36 +215,6 @@ std::vector<mx::array> update(
       {keys, values, scores, positions, new_keys, new_values, query_block, row_ids});
 }
 
-std::vector<mx::array> fetch(const mx::array& stored_keys, const mx::array& stored_values,
-                             const mx::array& new_keys, const mx::array& new_values, mx::StreamOrDevice s) {
-  check_ndim("stored_keys", stored_keys, 3, "[R, n, Dk]");
-  check_ndim("stored_values", stored_values, 3, "[R, n, Dv]");
-  check_ndim("new_keys", new_keys, 3, "[R, S, Dk]");
-  check_ndim("new_values", new_values, 3, "[R, S, Dv]");
-  int rows = stored_keys.shape(0), n = stored_keys.shape(1), s_len = new_keys.shape(1);
-  int k_dim = stored_keys.shape(2), v_dim = stored_values.shape(2);
-  for (const mx::array* a : {&stored_values, &new_keys, &new_values}) {
-    const char* name = a == &stored_values ? "stored_values" : (a == &new_keys ? "new_keys" : "new_values");
-    check_dtype(name, *a, stored_keys.dtype(), "equal to the stored keys' dtype");
-    check_dim(name, *a, 0, rows, "rows");
-  }
-  check_dim("stored_values", stored_values, 1, n, "tokens");
-  check_dim("new_keys", new_keys, 2, k_dim, "key features");
-  check_dim("new_values", new_values, 1, s_len, "tokens");
-  check_dim("new_values", new_values, 2, v_dim, "value features");
-  auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    bad("fetch runs on a CPU stream; the GPU backends join rows with their own kernel");
-  }
-  std::vector<mx::array> inputs;
-  for (const mx::array* a : {&stored_keys, &stored_values, &new_keys, &new_values}) {
-    inputs.push_back(mx::contiguous(*a, false, stream));
-  }
-  return mx::array::make_arrays({{rows, n + s_len, k_dim}, {rows, n + s_len, v_dim}},
-                                {stored_keys.dtype(), stored_keys.dtype()},
-                                std::make_shared<CamFetch>(stream), inputs);
-}
-
 bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
   const CamUpdate& o = static_cast<const CamUpdate&>(other);
   const UpdateOptions& a = options_;
@@ -523,38 +493,6 @@ void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
       dispatch_cpu<mx::bfloat16_t>(params, in, outputs);
     }
   });
-}
-
-// Row r of out is row r of a (n rows) followed by row r of b (S rows), in bytes.
-static void join_rows(char* out, const char* a, const char* b, int64_t rows, int64_t a_bytes, int64_t b_bytes) {
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(out + r * (a_bytes + b_bytes), a + r * a_bytes, (size_t)a_bytes);
-    std::memcpy(out + r * (a_bytes + b_bytes) + a_bytes, b + r * b_bytes, (size_t)b_bytes);
-  }
-}
-
-void CamFetch::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  for (auto& a : outputs) encoder.set_output_array(a);
-  encoder.dispatch([inputs, outputs]() mutable {
-    // Inputs are row-contiguous (fetch() made them so); an input may be a slice, whence
-    // data<char>(), which includes its offset.
-    for (int i = 0; i < 2; ++i) {
-      const mx::array& stored = inputs[i];
-      const mx::array& fresh = inputs[i + 2];
-      int64_t rows = stored.shape(0), item = (int64_t)stored.itemsize();
-      join_rows(outputs[i].data<char>(), stored.data<char>(), fresh.data<char>(), rows,
-                (int64_t)stored.shape(1) * stored.shape(2) * item, (int64_t)fresh.shape(1) * fresh.shape(2) * item);
-    }
-  });
-}
-
-void CamFetch::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("camkv._ext.fetch runs on the CPU; the GPU backends join rows with their own kernel");
 }
 
 // ----------------------------------------------------------------------------

@@ -52,22 +52,4 @@ std::vector<mx::array> update(
     const std::optional<mx::array>& queries, int offset, float scale, const UpdateOptions& options,
     mx::StreamOrDevice s = {});
 
-// The attention's view of a call on the CPU: stored rows [R, n, D] followed by new
-// rows [R, S, D], keys and values in one operation of two row copies each (MLX's CPU
-// concatenate walks elements through strides: about a third slower across a model's layers).
-class CamFetch : public mx::Primitive {
- public:
-  explicit CamFetch(mx::Stream stream) : mx::Primitive(stream) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-
-  const char* name() const override { return "CamFetch"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-};
-
-// Outputs: keys [R, n + S, Dk], values [R, n + S, Dv]. CPU streams only.
-std::vector<mx::array> fetch(const mx::array& stored_keys, const mx::array& stored_values,
-                             const mx::array& new_keys, const mx::array& new_values, mx::StreamOrDevice s = {});
-
 }  // namespace camkv

@@ -9,7 +9,6 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
 
 from camkv import CaMConfig, backends, merges, reference
 from camkv.backends import ext
@@ -188,33 +187,3 @@ def test_ext_on_the_apple_gpu_matches_the_cpu_kernel(prefill):
         np.testing.assert_array_equal(np.array(gpu_merges), np.array(cpu_merges))
         np.testing.assert_allclose(np.array(gpu.scores), np.array(cpu.scores), rtol=1e-4, atol=1e-6)
         offset += s_len
-
-
-@settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 4), n=st.integers(0, 9), s_len=st.integers(1, 5), k_dim=st.integers(1, 9),
-       v_dim=st.integers(1, 9), dtype=st.sampled_from([mx.float32, mx.float16, mx.bfloat16]),
-       strided=st.booleans(), seed=st.integers(0, 2**16))
-def test_fetch_equals_concatenation(rows, n, s_len, k_dim, v_dim, dtype, strided, seed):
-    rng = np.random.default_rng(seed)
-
-    def part(shape):
-        if strided:  # a transposed view: fetch must read it through its strides
-            return mx.array(rng.standard_normal(shape[::-1]).astype(np.float32)).astype(dtype).T
-        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
-
-    stored_k, new_k = part((rows, n, k_dim)), part((rows, s_len, k_dim))
-    stored_v, new_v = part((rows, n, v_dim)), part((rows, s_len, v_dim))
-    keys, values = ext.fetch(stored_k, stored_v, new_k, new_v)
-    assert keys.dtype == dtype and values.dtype == dtype, f"seed {seed}"
-    assert mx.array_equal(keys, mx.concatenate([stored_k, new_k], axis=1)).item(), f"seed {seed}"
-    assert mx.array_equal(values, mx.concatenate([stored_v, new_v], axis=1)).item(), f"seed {seed}"
-
-
-def test_fetch_rejects_mismatched_blocks_naming_them():
-    a, b = mx.zeros((2, 3, 4)), mx.zeros((2, 3, 5))
-    with pytest.raises(ValueError, match="new_keys must have dtype"):
-        ext._ext.fetch(a, b, mx.zeros((2, 1, 4), mx.float16), mx.zeros((2, 1, 5)))
-    with pytest.raises(ValueError, match="new_values"):
-        ext._ext.fetch(a, b, mx.zeros((2, 1, 4)), mx.zeros((2, 2, 5)))
-    with pytest.raises(ValueError, match="stored_values"):
-        ext._ext.fetch(a, mx.zeros((3, 3, 5)), mx.zeros((2, 1, 4)), mx.zeros((2, 1, 5)))

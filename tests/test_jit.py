@@ -76,47 +76,6 @@ def test_run_time_kernel_source_parses_against_the_stub(tmp_path, target):
     assert result.returncode == 0, result.stderr
 
 
-_FETCH_SIGNATURES = {
-    "metal": ("template <typename T>\n[[kernel]] void camkv_fetch(const device T* stored_keys, "
-              "const device T* stored_values, const device T* new_keys, const device T* new_values, "
-              "const constant int* stored_keys_shape, const constant int* stored_values_shape, "
-              "const constant int* new_keys_shape, device T* out_keys, device T* out_values, "
-              "uint3 thread_position_in_grid) {{\n{body}\n}}\n"),
-    "cuda": ("template <typename T>\n__global__ void camkv_fetch(const T* stored_keys, const T* stored_values, "
-             "const T* new_keys, const T* new_values, const int* stored_keys_shape, "
-             "const int* stored_values_shape, const int* new_keys_shape, T* out_keys, T* out_values) "
-             "{{\n{body}\n}}\n"),
-}
-
-
-@pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
-@pytest.mark.parametrize("target", ["metal", "cuda"])
-def test_fetch_kernel_source_parses_against_the_stub(tmp_path, target):
-    body = jit.fetch_source(target)
-    source = tmp_path / f"camkv_fetch_{target}.cpp"
-    source.write_text(_STUB[target] + _FETCH_SIGNATURES[target].format(body=body))
-    stub = ROOT / "tests" / ("metal_stub" if target == "metal" else "cuda_stub")
-    result = subprocess.run(
-        [COMPILER, "-std=c++17", "-fsyntax-only", "-x", "c++", "-Wall", "-Werror", "-Wno-attributes",
-         f"-I{stub}", str(source)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-
-
-@pytest.mark.parametrize("target", ["metal", "cuda"])
-@pytest.mark.parametrize("n, s_len, k_dim, v_dim", [(0, 3, 8, 8), (5, 1, 128, 64), (512, 1, 128, 128),
-                                                     (7, 33, 16, 24)])
-def test_fetch_kernel_equals_concatenation(target, n, s_len, k_dim, v_dim):
-    reason = jit.unavailable_reason(target)
-    if reason is not None:
-        pytest.skip(reason)
-    rng = np.random.default_rng(n + s_len)
-    parts = [mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.float16)
-             for shape in ((3, n, k_dim), (3, n, v_dim), (3, s_len, k_dim), (3, s_len, v_dim))]
-    keys, values = jit.fetch(*parts, target=target)
-    assert mx.array_equal(keys, mx.concatenate([parts[0], parts[2]], axis=1)).item()
-    assert mx.array_equal(values, mx.concatenate([parts[1], parts[3]], axis=1)).item()
-
-
 @pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
 def test_every_chunk_ablation_variant_of_the_bench_still_parses(tmp_path):
     """bench/ablate_chunk.py finds its cuts by their text in the core: keep them in step."""

@@ -31,12 +31,6 @@ def adopt_dtype(state: RowState, new_keys) -> RowState:
     return RowState.empty(state.keys.shape[0], state.keys.shape[-1], state.values.shape[-1], new_keys.dtype)
 
 
-def concatenate_rows(stored_keys, stored_values, new_keys, new_values) -> tuple[mx.array, mx.array]:
-    """Stored rows [R, n, D] followed by new rows [R, S, D], keys and values, by MLX's
-    concatenation: the attention's view for backends without a fetch of their own."""
-    return (mx.concatenate([stored_keys, new_keys], axis=1), mx.concatenate([stored_values, new_values], axis=1))
-
-
 SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scoring holds
 
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
-from ._common import adopt_dtype, check_kernel_inputs, concatenate_rows
+from ._common import adopt_dtype, check_kernel_inputs
 
 try:  # the package works without the extension (reference backend)
     from .. import _ext
@@ -85,13 +85,3 @@ def update(
         stream=stream,
     )
     return RowState(keys, values, scores, positions), merges
-
-
-def fetch(stored_keys, stored_values, new_keys, new_values) -> tuple[mx.array, mx.array]:
-    """Stored rows [R, n, D] followed by new rows [R, S, D], keys and values: on a CPU
-    one operation of row copies (a quarter less time than MLX's CPU concatenations across a
-    model's layers, bench/results/profile-decode-ext-smollm2.json), on a
-    GPU (an ext built with Metal) MLX's concatenation."""
-    if mx.default_device() == mx.cpu:
-        return _ext.fetch(stored_keys, stored_values, new_keys, new_values)
-    return concatenate_rows(stored_keys, stored_values, new_keys, new_values)

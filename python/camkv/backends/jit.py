@@ -276,51 +276,6 @@ def launch(target: str, inputs: list, n_out: int, v_dim: int, strides) -> list[m
     )
 
 
-# The attention's view of a decode step: stored rows ++ new rows, keys and values
-# in one launch (mx.concatenate would be two copies per array, four launches a
-# layer). Data movement only; one thread per output element, shapes read at run
-# time so a growing cache does not compile a kernel per length.
-_FETCH_BODY = """
-  long i = (long)(INDEX);
-  long R = stored_keys_shape[0], n = stored_keys_shape[1], S = new_keys_shape[1];
-  long Dk = stored_keys_shape[2], Dv = stored_values_shape[2];
-  long n_keys = R * (n + S) * Dk;
-  if (i < n_keys) {
-    long d = i % Dk, j = (i / Dk) % (n + S), r = i / (Dk * (n + S));
-    out_keys[i] = j < n ? stored_keys[(r * n + j) * Dk + d] : new_keys[(r * S + j - n) * Dk + d];
-  } else if (i < n_keys + R * (n + S) * Dv) {
-    i -= n_keys;
-    long d = i % Dv, j = (i / Dv) % (n + S), r = i / (Dv * (n + S));
-    out_values[i] = j < n ? stored_values[(r * n + j) * Dv + d] : new_values[(r * S + j - n) * Dv + d];
-  }
-"""
-_FETCH_INDEX = {"metal": "thread_position_in_grid.x", "cuda": "blockIdx.x * blockDim.x + threadIdx.x"}
-_fetch_kernels: dict[str, object] = {}
-
-
-def fetch_source(target: str) -> str:
-    """The fetch kernel's body for 'metal' or 'cuda'."""
-    return _FETCH_BODY.replace("INDEX", _FETCH_INDEX[target])
-
-
-def fetch(stored_keys, stored_values, new_keys, new_values, *, target: str):
-    """([R, n + S, Dk], [R, n + S, Dv]): stored rows [R, n, D] followed by new rows [R, S, D]."""
-    if target not in _fetch_kernels:
-        make = mx.fast.metal_kernel if target == "metal" else mx.fast.cuda_kernel
-        _fetch_kernels[target] = make(
-            name="camkv_fetch", input_names=["stored_keys", "stored_values", "new_keys", "new_values"],
-            output_names=["out_keys", "out_values"], source=fetch_source(target))
-    rows, n, k_dim = stored_keys.shape
-    s_len, v_dim = new_keys.shape[1], stored_values.shape[2]
-    total = rows * (n + s_len) * (k_dim + v_dim)
-    keys, values = _fetch_kernels[target](
-        inputs=[stored_keys, stored_values, new_keys, new_values],
-        grid=(total, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(rows, n + s_len, k_dim), (rows, n + s_len, v_dim)],
-        output_dtypes=[stored_keys.dtype, stored_values.dtype])
-    return keys, values
-
-
 class _Target:
     """A backend module-like object for one target (what camkv.backends.resolve returns)."""
 
@@ -330,9 +285,6 @@ class _Target:
 
     def update(self, state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
         return update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, target=self.target)
-
-    def fetch(self, stored_keys, stored_values, new_keys, new_values):
-        return fetch(stored_keys, stored_values, new_keys, new_values, target=self.target)
 
     def unavailable_reason(self):
         return unavailable_reason(self.target)
