@@ -1,4 +1,4 @@
-// camkv portable kernel core: ALGORITHM.md sections 2 to 7 for ONE row (one
+// camkv portable kernel core: docs/algorithm.md sections 2 to 7 for ONE row (one
 // batch element and KV head), executed by one work group whose threads cooperate
 // over the stored rows.
 //

@@ -1,4 +1,4 @@
-"""An independent, loop-by-loop NumPy reading of ALGORITHM.md sections 2-6 for one
+"""An independent, loop-by-loop NumPy reading of docs/algorithm.md sections 2-6 for one
 token of one row, written without looking at the MLX reference, so each can catch
 the other's mistakes."""
 

@@ -1,4 +1,4 @@
-"""Every backend against the reference, per ALGORITHM.md section 8.
+"""Every backend against the reference, per docs/algorithm.md section 8.
 
 positions, n, kept rows and merge counts exactly; with merge="drop" keys and values
 bit for bit; scores within rtol 1e-4 / atol 1e-6; blended keys and values within one

@@ -1,4 +1,4 @@
-"""ALGORITHM.md made executable: one test (or a few) per rule, on every backend."""
+"""docs/algorithm.md made executable: one test (or a few) per rule, on every backend."""
 
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ def test_drop_equals_a_gate_that_never_opens(monkeypatch):
 @pytest.mark.parametrize("merge", [m for m in MERGES if rules.rule(m).kind != rules.DROP])
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_gate_merges_at_a_rate_strictly_between_zero_and_one(backend, merge, prefill):
-    """The defect ALGORITHM.md fixes (newest token always evicted, gate never open) stays fixed."""
+    """The defect docs/algorithm.md fixes (newest token always evicted, gate never open) stays fixed."""
     cfg = CaMConfig(budget=16, n_sink=2, recent=4, merge=merge, prefill=prefill, gate=True, backend=backend)
     state, merges = run_calls(_update(backend), cfg, [1] * 120, rows=4, k_dim=16, v_dim=16)
     evictions = 4 * (120 - 16)

@@ -1,4 +1,4 @@
-"""CaMConfig: every knob of ALGORITHM.md section 1, validated before any state changes."""
+"""CaMConfig: every knob of docs/algorithm.md section 1, validated before any state changes."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 CaM needs no cross-head or cross-layer coordination, so every rank keeps the caches
 of the heads and layers it computes. Two things must still be global so that a
-sharded run makes the decisions an unsharded run makes (ALGORITHM.md sections 1, 6):
+sharded run makes the decisions an unsharded run makes (docs/algorithm.md sections 1, 6):
 
 - the gate's row id r = b * H + h uses the global KV head index h and count H
   (tensor parallelism, `model.shard(group)`): head_offset = tensor rank * local heads;

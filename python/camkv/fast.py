@@ -1,6 +1,6 @@
 """Chunk scoring and eviction in plain MLX operations, spread over the whole device.
 
-A compression (ALGORITHM.md section 7) scores S chunk tokens causally over the n rows
+A compression (docs/algorithm.md section 7) scores S chunk tokens causally over the n rows
 before them and themselves, then evicts the n + S - budget lowest-scoring candidates.
 Here both are a handful of batched operations: the logits as matrix products of the
 storage dtype's values cast to float32 (exact for float16 and bfloat16 inputs, and on a

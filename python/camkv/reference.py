@@ -1,4 +1,4 @@
-"""The pure-MLX reference of ALGORITHM.md: the oracle every kernel is checked against.
+"""The pure-MLX reference of docs/algorithm.md: the oracle every kernel is checked against.
 
 A literal transcription, vectorised over rows (r = b * H + h): no Python loop over
 batch or heads. Exact mode loops over the tokens of a call; chunk mode loops over
@@ -218,7 +218,7 @@ def update(
     queries: mx.array | None = None,
     scale: float | None = None,
 ) -> tuple[RowState, mx.array]:
-    """Absorb S new tokens per row (ALGORITHM.md sections 2 to 7).
+    """Absorb S new tokens per row (docs/algorithm.md sections 2 to 7).
 
     new_keys [R, S, Dk], new_values [R, S, Dv] in the storage dtype; offset is the
     absolute position of the first new token; row_ids [R] uint32 are the rows'

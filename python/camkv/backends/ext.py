@@ -2,7 +2,7 @@
 
 One MLX primitive per layer per call (scoring, eviction, merge, compaction). It runs
 on the CPU everywhere and on Apple GPUs through the Metal library built on macOS.
-Same signature and results (ALGORITHM.md section 8) as camkv.reference.update.
+Same signature and results (docs/algorithm.md section 8) as camkv.reference.update.
 """
 
 from __future__ import annotations
