@@ -176,9 +176,34 @@ class CaMKVCache(_BaseCache):
     def empty(self) -> bool:
         return self._layout is None
 
-    # No `merge` method on purpose: mlx-lm takes its presence to mean "batchable"
-    # (the server would then batch requests), and without it batch generation stops
-    # with mlx-lm's own error naming this class instead of losing the compression.
+    def merge(self, caches):
+        """One batch cache of per-request caches (mlx-lm's batch protocol, as KVCache.merge).
+
+        mlx-lm calls `caches[0][i].merge([...])` when it batches requests, and its server
+        batches only when every layer's cache has `merge`: a BatchCaMKVCache keeps every
+        row compressed (camkv.batch, docs/batching.md).
+        """
+        from .batch import BatchCaMKVCache  # batch imports this module
+
+        return BatchCaMKVCache.merge(caches)
+
+    def __deepcopy__(self, memo):
+        """An independent copy: mlx-lm copies caches (the server's prompt cache, splitting a
+        prompt batch). Slice assignment rebinds an mx.array object in place, so every array
+        gets a new object; the backend module (which cannot be copied) is resolved again."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        for name, value in self.__dict__.items():
+            if isinstance(value, mx.array):
+                setattr(clone, name, mx.array(value))
+        clone._merge_counts = list(self._merge_counts)
+        if self._queued is not None:
+            clone._queued = (self._queued[0], list(self._queued[1]))
+        clone._warned = set(self._warned)
+        clone._row_ids_for = None
+        clone._backend_for = None
+        memo[id(self)] = clone
+        return clone
 
     def is_trimmable(self) -> bool:
         return False
@@ -223,6 +248,11 @@ class CaMKVCache(_BaseCache):
                 f"{tuple(current.shape)}"
             )
         self._keys[:, :, : self._held] = value
+
+    @property
+    def values(self):
+        """Held values [B, H, n, Dv] (None while empty), as mlx-lm's KVCache.values."""
+        return None if self.empty() else self._values[:, :, : self._held]
 
     # ------------------------------------------------------------------ inspection
     def stored(self):
