@@ -10,10 +10,11 @@ throughput  --batch conversations of --context prompt tokens each go through mlx
             after one warm-up each.
 
 capacity    (--capacity) the largest number of concurrent requests of --capacity-context
-            tokens whose run stays within --limit-gb of MLX memory above the loaded
-            model (mx.set_memory_limit is set to it; "fits" means the peak memory of the
-            run, mx.get_peak_memory, stays within it): N doubles until a run does not
-            fit, then a bisection finds the largest N that does.
+            tokens that fit in --limit-gb of MLX memory above the loaded model: requests
+            are admitted one at a time into one BatchGenerator (each prefilled alone, as
+            a server admits them, then all decode together) until the run's peak memory
+            (mx.get_peak_memory, prefill transients included) passes the limit
+            (mx.set_memory_limit is set to it too, so MLX frees its buffer cache).
 
 Prompts are random token ids (seeded): throughput and memory do not depend on the text.
 Writes --out (JSON: settings, machine, every trial) and a PNG next to it.
@@ -50,7 +51,7 @@ def parse_args(argv=None):
                    help="camkv.models.load name or path, or random-tiny / random-demo / random-1b")
     p.add_argument("--batch", type=int, default=8, help="concurrent conversations (default 8)")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens each (default 4096)")
-    p.add_argument("--gen", type=int, default=64, help="tokens generated each (default 64)")
+    p.add_argument("--gen", type=int, default=128, help="tokens generated each (default 128)")
     p.add_argument("--budget", type=int, default=512, help="camkv budget (default 512)")
     p.add_argument("--slack", type=int, default=None, help="camkv slack (default budget // 8)")
     p.add_argument("--prefill-step", type=int, default=2048, help="prefill chunk (default 2048)")
@@ -59,9 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--capacity", action="store_true", help="also measure the capacity (see above)")
     p.add_argument("--capacity-model", default=None, help="model for the capacity runs (default --model)")
     p.add_argument("--capacity-context", type=int, default=16384, help="tokens per request (default 16384)")
-    p.add_argument("--capacity-gen", type=int, default=4, help="tokens generated per request (default 4)")
     p.add_argument("--limit-gb", type=float, default=8.0, help="memory limit above the model (default 8)")
-    p.add_argument("--max-n", type=int, default=256, help="largest N tried (default 256)")
+    p.add_argument("--max-n", type=int, default=256, help="most requests admitted (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write (PNG next to it)")
     return p.parse_args(argv)
@@ -69,7 +69,7 @@ def parse_args(argv=None):
 
 def load_model(name: str):
     if name.startswith("random-"):
-        return random_llama(name, dtype=mx.float16)
+        return random_llama(name)  # float32 on a CPU, bfloat16 on a GPU
     return load(name)[0]
 
 
@@ -77,7 +77,8 @@ def prompts_for(model, n: int, length: int, seed: int) -> list[list[int]]:
     vocab = model.args.vocab_size
     rng = random.Random(seed)
     # Token ids past the first 256 avoid byte / special tokens of real vocabularies.
-    return [[rng.randrange(256, vocab) for _ in range(length)] for _ in range(n)]
+    low = 256 if vocab > 512 else 0
+    return [[rng.randrange(low, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def run_batch(model, prompts, gen: int, prefill_step: int, completion_batch: int | None = None,
@@ -130,7 +131,7 @@ def throughput(model, args) -> dict:
     prompts = prompts_for(model, args.batch, args.context, args.seed)
     trials = {arm: [] for arm in ARMS}
     if not args.no_warmup:
-        warm = prompts_for(model, args.batch, min(args.context, 2 * args.prefill_step), args.seed + 1)
+        warm = prompts_for(model, min(args.batch, 2), min(args.context, 2 * args.budget), args.seed + 1)
         for arm in ARMS:
             with with_arm(model, arm, args.budget, args.slack):
                 run_batch(model, warm, min(args.gen, 8), args.prefill_step)
@@ -151,32 +152,33 @@ def throughput(model, args) -> dict:
     }
 
 
-def fits(model, arm: str, n: int, args, base: int, limit: int, log: list) -> bool:
-    prompts = prompts_for(model, n, args.capacity_context, args.seed + 2)
+def admitted(model, arm: str, args, base: int, limit: int, log: list) -> int:
+    """Admit --capacity-context-token requests one at a time into one BatchGenerator (as a
+    server admits them), each decoding until the end; stop at the first request whose
+    admission takes the run's peak memory past the limit. Returns how many fit."""
+    prompts = prompts_for(model, args.max_n + 1, args.capacity_context, args.seed + 2)
+    mx.clear_cache()
+    mx.reset_peak_memory()
     with with_arm(model, arm, args.budget, args.slack):
-        result = run_batch(model, prompts, args.capacity_gen, args.prefill_step)
-    used = result["peak_memory_bytes"] - base
-    ok = used <= limit
-    log.append({"arm": arm, "n": n, "used_bytes": used, "fits": ok, "wall_s": result["wall_s"],
-                "peak_kv_bytes": result["peak_kv_bytes"]})
-    print(f"[capacity] {arm} N={n}: {used / 2**30:.2f} GiB used ({'fits' if ok else 'over'}), "
-          f"{result['wall_s']:.1f} s", flush=True)
-    return ok
-
-
-def largest_fitting(model, arm: str, args, base: int, limit: int, log: list) -> int:
-    """Doubling, then bisection, on the number of concurrent requests."""
-    good, n = 0, 1
-    while n <= args.max_n and fits(model, arm, n, args, base, limit, log):
-        good, n = n, 2 * n
-    bad = min(n, args.max_n + 1)
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if fits(model, arm, mid, args, base, limit, log):
-            good = mid
-        else:
-            bad = mid
-    return good
+        generator = BatchGenerator(model, max_tokens=1 << 30, stop_tokens=[],
+                                   completion_batch_size=args.max_n + 1, prefill_batch_size=1,
+                                   prefill_step_size=args.prefill_step)
+        start, fitting = time.perf_counter(), 0
+        for n, prompt in enumerate(prompts, start=1):
+            generator.insert([prompt])
+            while len(generator._generation_batch) < n:
+                generator.next()
+            mx.synchronize()
+            used = mx.get_peak_memory() - base
+            kv = generator.prompt_cache_nbytes
+            log.append({"arm": arm, "n": n, "used_bytes": used, "kv_bytes": kv,
+                        "elapsed_s": time.perf_counter() - start})
+            print(f"[capacity] {arm} N={n}: peak {used / 2**30:.3f} GiB, KV {kv / 2**20:.1f} MiB", flush=True)
+            if used > limit:
+                break
+            fitting = n
+        generator.close()
+    return fitting
 
 
 def capacity(args) -> dict:
@@ -185,12 +187,12 @@ def capacity(args) -> dict:
     mx.clear_cache()
     base = mx.get_active_memory()  # the weights
     limit = int(args.limit_gb * 2**30)
-    mx.set_memory_limit(base + limit)
+    mx.set_memory_limit(base + limit)  # MLX frees its buffer cache to stay under it
     log: list = []
-    result = {arm: largest_fitting(model, arm, args, base, limit, log) for arm in ARMS}
+    result = {arm: admitted(model, arm, args, base, limit, log) for arm in ARMS}
     return {"max_concurrent": result, "ratio": result["camkv"] / max(result["batchkv"], 1), "runs": log,
             "model": args.capacity_model or args.model, "context": args.capacity_context,
-            "limit_gb": args.limit_gb}
+            "limit_gb": args.limit_gb, "capped": any(n == args.max_n + 1 for n in result.values())}
 
 
 def machine() -> dict:
