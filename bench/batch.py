@@ -22,7 +22,9 @@ Writes --out (JSON: settings, machine, every trial) and a PNG next to it.
 On this repository's CPU machine (2 cores):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python bench/batch.py --out bench/results/batch-cpu-smollm2.json
-On a GPU (the defaults finish in about 3 minutes on an H200):
+    LD_PRELOAD=... python bench/batch.py --no-warmup --capacity-only --capacity \
+        --capacity-model random-demo --limit-gb 1.5 --out bench/results/batch-cpu-capacity.json
+On a GPU (meant to finish within about 3 minutes on an H200):
     python bench/batch.py --capacity --out bench/results/batch-h200.json
 """
 
@@ -58,10 +60,12 @@ def parse_args(argv=None):
     p.add_argument("--trials", type=int, default=1, help="timed trials per arm (default 1)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
     p.add_argument("--capacity", action="store_true", help="also measure the capacity (see above)")
+    p.add_argument("--capacity-only", action="store_true", help="skip the throughput measurement")
     p.add_argument("--capacity-model", default=None, help="model for the capacity runs (default --model)")
     p.add_argument("--capacity-context", type=int, default=16384, help="tokens per request (default 16384)")
-    p.add_argument("--limit-gb", type=float, default=8.0, help="memory limit above the model (default 8)")
-    p.add_argument("--max-n", type=int, default=256, help="most requests admitted (default 256)")
+    p.add_argument("--limit-gb", type=float, default=2.0, help="memory limit above the model (default 2)")
+    p.add_argument("--max-n", type=int, default=64,
+                   help="most requests admitted (default 64; a count that reaches it is a lower bound)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write (PNG next to it)")
     return p.parse_args(argv)
@@ -156,12 +160,12 @@ def admitted(model, arm: str, args, base: int, limit: int, log: list) -> int:
     """Admit --capacity-context-token requests one at a time into one BatchGenerator (as a
     server admits them), each decoding until the end; stop at the first request whose
     admission takes the run's peak memory past the limit. Returns how many fit."""
-    prompts = prompts_for(model, args.max_n + 1, args.capacity_context, args.seed + 2)
+    prompts = prompts_for(model, args.max_n, args.capacity_context, args.seed + 2)
     mx.clear_cache()
     mx.reset_peak_memory()
     with with_arm(model, arm, args.budget, args.slack):
         generator = BatchGenerator(model, max_tokens=1 << 30, stop_tokens=[],
-                                   completion_batch_size=args.max_n + 1, prefill_batch_size=1,
+                                   completion_batch_size=args.max_n, prefill_batch_size=1,
                                    prefill_step_size=args.prefill_step)
         start, fitting = time.perf_counter(), 0
         for n, prompt in enumerate(prompts, start=1):
@@ -192,7 +196,7 @@ def capacity(args) -> dict:
     result = {arm: admitted(model, arm, args, base, limit, log) for arm in ARMS}
     return {"max_concurrent": result, "ratio": result["camkv"] / max(result["batchkv"], 1), "runs": log,
             "model": args.capacity_model or args.model, "context": args.capacity_context,
-            "limit_gb": args.limit_gb, "capped": any(n == args.max_n + 1 for n in result.values())}
+            "limit_gb": args.limit_gb, "capped": [arm for arm, n in result.items() if n == args.max_n]}
 
 
 def machine() -> dict:
@@ -205,31 +209,37 @@ def machine() -> dict:
     return info
 
 
+def _panels(record: dict) -> list[tuple[str, str, list[float]]]:
+    """(title, y label, [BatchKVCache value, camkv value]) for each bar chart."""
+    panels = []
+    if "throughput" in record:
+        t, st = record["throughput"]["trials"], record["settings"]
+        best = {a: max(t[a], key=lambda r: r["tokens_per_s"]) for a in ARMS}
+        title = f"{st['batch']} x {st['context']} + {st['gen']} tokens"
+        panels.append((title, "tokens / s (prompt + generated)", [best[a]["tokens_per_s"] for a in ARMS]))
+        panels.append((title, "generated tokens / s", [best[a]["generation_tps"] for a in ARMS]))
+        panels.append((f"KV ratio {record['throughput']['kv_ratio']:.3f}", "peak KV MiB (batch)",
+                       [best[a]["peak_kv_bytes"] / 2**20 for a in ARMS]))
+    if "capacity" in record:
+        c = record["capacity"]
+        panels.append((f"{c['model']}, {c['context']} tokens, {c['limit_gb']:g} GiB",
+                       "max concurrent requests", [c["max_concurrent"][a] for a in ARMS]))
+    return panels
+
+
 def plot(record: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 3 if "capacity" in record else 2
-    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 3.8))
-    t = record["throughput"]["trials"]
-    labels = ["BatchKVCache", f"camkv (budget {record['settings']['budget']})"]
-    tps = [max(r["tokens_per_s"] for r in t[a]) for a in ARMS]
-    kv = [max(r["peak_kv_bytes"] for r in t[a]) / 2**20 for a in ARMS]
-    axes[0].bar(labels, tps, color=["grey", "tab:blue"])
-    axes[0].set_ylabel("tokens / s (prompt + generated)")
-    axes[0].set_title(f"{record['settings']['batch']} x {record['settings']['context']} tokens")
-    axes[1].bar(labels, kv, color=["grey", "tab:blue"])
-    axes[1].set_ylabel("peak KV MiB (batch)")
-    axes[1].set_title(f"KV ratio {record['throughput']['kv_ratio']:.3f}")
-    if "capacity" in record:
-        c = record["capacity"]
-        axes[2].bar(labels, [c["max_concurrent"][a] for a in ARMS], color=["grey", "tab:blue"])
-        axes[2].set_ylabel("max concurrent requests")
-        axes[2].set_title(f"{c['context']} tokens, {c['limit_gb']:g} GiB limit")
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=8)
+    panels = _panels(record)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    labels = ["BatchKVCache", f"camkv {record['settings']['budget']}"]
+    for ax, (title, ylabel, values) in zip(axes[0], panels):
+        ax.bar(labels, values, color=["grey", "tab:blue"])
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel(ylabel)
     fig.suptitle(f"{record['settings']['model']} on {record['machine']['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -240,17 +250,19 @@ def main(argv=None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings["slack"] = args.slack if args.slack is not None else args.budget // 8
     record = {"command": " ".join(sys.argv), "settings": settings, "machine": machine()}
-    model = load_model(args.model)
-    record["throughput"] = throughput(model, args)
-    del model
+    if not args.capacity_only:
+        model = load_model(args.model)
+        record["throughput"] = throughput(model, args)
+        del model
     if args.capacity:
         record["capacity"] = capacity(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     plot(record, args.out.with_suffix(".png"))
-    tp = record["throughput"]
-    print(f"throughput camkv / BatchKVCache: {tp['speedup']:.2f}x (generation {tp['generation_speedup']:.2f}x), "
-          f"KV {tp['kv_ratio']:.3f} of BatchKVCache's")
+    tp = record.get("throughput")
+    if tp:
+        print(f"throughput camkv / BatchKVCache: {tp['speedup']:.2f}x (generation {tp['generation_speedup']:.2f}x), "
+              f"KV {tp['kv_ratio']:.3f} of BatchKVCache's")
     if args.capacity:
         c = record["capacity"]
         print(f"capacity: {c['max_concurrent']} ({c['ratio']:.1f}x)")
