@@ -254,6 +254,9 @@ class BatchCaMKVCache(_BaseCache):
         return row.keys, row.values
 
 
+CaMKVCache.batch_class = BatchCaMKVCache
+
+
 def _check_row(row) -> None:
     if not isinstance(row, CaMKVCache):
         raise ValueError(f"a BatchCaMKVCache row must be a CaMKVCache, got {type(row).__name__}")

@@ -45,6 +45,10 @@ class CaMKVCache(_BaseCache):
     block is scored with keys, and it warns once.
     """
 
+    # camkv.batch.BatchCaMKVCache, set by that module (which imports this one; the
+    # package imports it), so merge needs no import back into camkv.batch.
+    batch_class = None
+
     def __init__(
         self,
         config: CaMConfig | None = None,
@@ -183,9 +187,7 @@ class CaMKVCache(_BaseCache):
         batches only when every layer's cache has `merge`: a BatchCaMKVCache keeps every
         row compressed (camkv.batch, docs/batching.md).
         """
-        from .batch import BatchCaMKVCache  # batch imports this module
-
-        return BatchCaMKVCache.merge(caches)
+        return self.batch_class.merge(caches)
 
     def __deepcopy__(self, memo):
         """An independent copy: mlx-lm copies caches (the server's prompt cache, splitting a
