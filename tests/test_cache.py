@@ -112,12 +112,14 @@ def test_state_round_trip_restores_an_identical_cache_and_continues_identically(
     assert empty.empty() and empty.config == cfg
 
 
-def test_trim_and_quantize_raise_clear_errors_and_batching_is_refused():
+def test_trim_and_quantize_raise_clear_errors_and_batching_keeps_camkv():
+    from camkv.batch import BatchCaMKVCache
+
     cache = CaMKVCache(scoring="key", budget=10, n_sink=1, recent=2)
     with pytest.raises(NotImplementedError, match="trimmed"):
         cache.trim(1)
-    # mlx-lm batches (server, BatchGenerator) only caches that have `merge`.
-    assert not hasattr(cache, "merge")
+    # mlx-lm batches (server, BatchGenerator) caches through their `merge`.
+    assert isinstance(cache.merge([cache, CaMKVCache(budget=10)]), BatchCaMKVCache)
     with pytest.raises(NotImplementedError, match="quantized"):
         cache.to_quantized()
 

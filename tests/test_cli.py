@@ -204,15 +204,16 @@ def test_generate_with_a_missing_model_is_a_clear_error(capsys, tmp_path):
         assert f"camkv: error: no model at {missing}" in err and "Traceback" not in err
 
 
-def test_batch_generate_refuses_camkv_instead_of_silently_dropping_it(tiny_model_dir):
-    # Batching is not supported: camkv must fail loudly, never fall back to a full cache.
+def test_batch_generate_keeps_camkv_instead_of_silently_dropping_it(tiny_model_dir):
+    # Batching must never fall back to a full cache: every returned layer is camkv's.
     from mlx_lm import batch_generate, load
 
     model, tokenizer = load(tiny_model_dir)
     prompts = [tokenizer.encode("hello world " * 8), tokenizer.encode("world hello")]
     with camkv.applied(model, budget=24, n_sink=2, recent=4):
-        with pytest.raises(ValueError, match="CaMKVCache.*does not yet support batching"):
-            batch_generate(model, tokenizer, prompts, max_tokens=4)
+        result = batch_generate(model, tokenizer, prompts, max_tokens=4, return_prompt_caches=True)
+    assert all(isinstance(c, camkv.CaMKVCache) for caches in result.caches for c in caches)
+    assert result.caches[0][0].stats["evictions"] > 0
 
 
 def test_full_cache_bytes_are_the_keys_and_values_of_the_tokens_seen():

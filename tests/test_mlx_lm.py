@@ -92,12 +92,17 @@ def test_apply_twice_and_remove_restore_the_models_own_make_cache():
     assert type(m.make_cache()[0]) is KVCache
 
 
-def test_batch_generation_refuses_camkv_instead_of_dropping_the_compression(model):
+def test_batch_generation_keeps_camkv_instead_of_dropping_the_compression(model):
     from mlx_lm.generate import BatchGenerator
+
+    from camkv.batch import BatchCaMKVCache
 
     with camkv.applied(model, budget=48, recent=8):
         generator = BatchGenerator(model, max_tokens=4)
         generator.insert([[1, 2, 3, 4], [5, 6, 7]])
-        with pytest.raises(ValueError, match="CaMKVCache.*does not yet support batching"):
-            while generator.next():
-                pass
+        assert len(generator.next_generated()) == 2
+        batch = generator._generation_batch.prompt_cache
+        assert len(batch) == 2 and all(isinstance(c, BatchCaMKVCache) for c in batch)
+        while generator.next_generated():
+            pass
+        generator.close()

@@ -45,6 +45,10 @@ class CaMKVCache(_BaseCache):
     block is scored with keys, and it warns once.
     """
 
+    # camkv.batch.BatchCaMKVCache, set by that module (which imports this one; the
+    # package imports it), so merge needs no import back into camkv.batch.
+    batch_class = None
+
     def __init__(
         self,
         config: CaMConfig | None = None,
@@ -181,9 +185,32 @@ class CaMKVCache(_BaseCache):
     def empty(self) -> bool:
         return self._layout is None
 
-    # No `merge` method on purpose: mlx-lm takes its presence to mean "batchable"
-    # (the server would then batch requests), and without it batch generation stops
-    # with mlx-lm's own error naming this class instead of losing the compression.
+    def merge(self, caches):
+        """One batch cache of per-request caches (mlx-lm's batch protocol, as KVCache.merge).
+
+        mlx-lm calls `caches[0][i].merge([...])` when it batches requests, and its server
+        batches only when every layer's cache has `merge`: a BatchCaMKVCache keeps every
+        row compressed (camkv.batch, docs/batching.md).
+        """
+        return self.batch_class.merge(caches)
+
+    def __deepcopy__(self, memo):
+        """An independent copy: mlx-lm copies caches (the server's prompt cache, splitting a
+        prompt batch). Slice assignment rebinds an mx.array object in place, so every array
+        gets a new object; the backend module (which cannot be copied) is resolved again."""
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        for name, value in self.__dict__.items():
+            if isinstance(value, mx.array):
+                setattr(clone, name, mx.array(value))
+        clone._merge_counts = list(self._merge_counts)
+        if self._queued is not None:
+            clone._queued = (self._queued[0], list(self._queued[1]))
+        clone._warned = set(self._warned)
+        clone._row_ids_for = None
+        clone._backend_for = None
+        memo[id(self)] = clone
+        return clone
 
     def is_trimmable(self) -> bool:
         return False
@@ -228,6 +255,11 @@ class CaMKVCache(_BaseCache):
                 f"{tuple(current.shape)}"
             )
         self._keys[:, :, : self._held] = value
+
+    @property
+    def values(self):
+        """Held values [B, H, n, Dv] (None while empty), as mlx-lm's KVCache.values."""
+        return None if self.empty() else self._values[:, :, : self._held]
 
     # ------------------------------------------------------------------ inspection
     def stored(self):

@@ -125,7 +125,9 @@ def _add_serve_parser(subparsers) -> None:
         "serve", help="mlx-lm's OpenAI-compatible server with camkv caches",
         description="Run mlx_lm.server with every request's cache built by camkv. Flags other "
                     "than these (--host, --port, ...) go to mlx_lm.server unchanged: see "
-                    "`mlx_lm.server --help`. Requests are served one at a time (no batching).")
+                    "`mlx_lm.server --help`. Concurrent requests are batched as mlx_lm.server batches "
+                    "them (--decode-concurrency, --prompt-concurrency), every row kept within "
+                    "budget + slack (docs/batching.md).")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"the model to serve: '{DEFAULT_MODEL}' or a .gguf file (converted "
                         "first, as in generate), or any path or hub id mlx_lm.server accepts; "
