@@ -204,8 +204,6 @@ class CaMKVCache(_BaseCache):
             if isinstance(value, mx.array):
                 setattr(clone, name, mx.array(value))
         clone._merge_counts = list(self._merge_counts)
-        if self._queued is not None:
-            clone._queued = (self._queued[0], list(self._queued[1]))
         clone._warned = set(self._warned)
         clone._row_ids_for = None
         clone._backend_for = None
