@@ -21,6 +21,17 @@ class QueryScoringWarning(RuntimeWarning):
 _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
 _KEY_SCORED = "keys"  # how pending tokens scored by their own keys are queued
 
+def _with_room(before: list, block: mx.array, spare: int) -> mx.array:
+    """A buffer [B, H, n, D]: the arrays `before`, then block, then `spare` empty rows
+    (none when spare <= 0), joined along the token axis. Always a new array object, even
+    for block alone: later writes into the buffer must not reach the caller's array
+    (MLX's slice assignment rebinds the object it is given)."""
+    parts = [*before, block]
+    if spare > 0:
+        parts.append(mx.zeros((*block.shape[:2], spare, block.shape[3]), block.dtype))
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(block)
+
+
 class CaMKVCache(_BaseCache):
     """A KV cache that holds at most `budget + slack` tokens per (batch, KV head) row.
 
@@ -395,13 +406,7 @@ class CaMKVCache(_BaseCache):
 
     def _joined(self, buffer, block, spare: int):
         """The held rows of buffer (if any), then block, then spare empty rows."""
-        parts = [] if buffer is None else [buffer[:, :, : self._held]]
-        parts.append(block)
-        if spare:
-            parts.append(mx.zeros((*block.shape[:2], spare, block.shape[3]), block.dtype))
-        # A new array object even for one part: later writes into the buffer must not
-        # reach the caller's array (MLX's slice assignment rebinds the object it is given).
-        return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(block)
+        return _with_room([] if buffer is None else [buffer[:, :, : self._held]], block, spare)
 
     def _queue(self, scale, queries) -> None:
         """Keep what scoring the block of the last call needs (its queries under scale, or
@@ -428,12 +433,8 @@ class CaMKVCache(_BaseCache):
                 and end <= buffer.shape[2] and buffer.dtype == queries.dtype:
             self._query_buffer[:, :, start:end] = queries
             return
-        parts = [] if not start else [buffer[:, :, :start]]
-        parts.append(queries)
-        spare = self._config.slack + 1 - end
-        if spare > 0:
-            parts.append(mx.zeros((*queries.shape[:2], spare, queries.shape[3]), queries.dtype))
-        self._query_buffer = mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(queries)
+        self._query_buffer = _with_room([buffer[:, :, :start]] if start else [], queries,
+                                        self._config.slack + 1 - end)
 
     def _held_rows(self, end: int | None = None) -> RowState:
         """Rows [0, end) held as a RowState [B*H, end, ...]; pending rows score 0."""
