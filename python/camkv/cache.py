@@ -69,9 +69,7 @@ class CaMKVCache(_BaseCache):
         **fields,
     ):
         self._config = resolve_config(config, fields)
-        reason = backends.available().get(self._config.backend)
-        if reason is not None:
-            raise ValueError(f"backend {self._config.backend!r} cannot run here: {reason}; use backend='auto'")
+        backends.require_usable(self._config.backend)
         if head_offset < 0:
             raise ValueError(f"head_offset must be >= 0, got {head_offset}")
         if n_heads_global is not None and n_heads_global <= head_offset:

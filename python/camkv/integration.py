@@ -55,12 +55,7 @@ def usable_config(config: CaMConfig | None = None, fields: dict | None = None) -
     would fail in the middle of a generation.
     """
     base = resolve_config(config, fields or {})
-    if base.backend != "auto":
-        reason = backends.available().get(base.backend)
-        if reason is not None:
-            usable = [name for name, why in backends.available().items() if why is None]
-            raise ValueError(f"backend {base.backend!r} cannot run here: {reason}; usable "
-                             f"here: 'auto', {', '.join(repr(n) for n in usable)}")
+    backends.require_usable(base.backend)
     return base
 
 

@@ -57,6 +57,19 @@ def _auto():
     return reference
 
 
+def require_usable(name: str) -> None:
+    """Refuse now, with a ValueError naming why and what is usable, a backend name that
+    cannot run here ('auto' always can)."""
+    if name == "auto":
+        return
+    reasons = available()
+    reason = reasons.get(name)
+    if reason is not None:
+        usable = [n for n, why in reasons.items() if why is None]
+        raise ValueError(f"backend {name!r} cannot run here: {reason}; usable "
+                         f"here: 'auto', {', '.join(repr(n) for n in usable)}")
+
+
 def resolve(name: str):
     """The backend module for a CaMConfig.backend name ('auto' picks the best usable one)."""
     if name == "auto":
