@@ -95,7 +95,6 @@ class CaMKVCache(_BaseCache):
         # wait in _query_buffer [B, Hq, capacity, Dk] (written in place, as the keys are),
         # or _KEY_SCORED; None while nothing is pending.
         self._queued = None
-        self._queued_count = 0  # pending tokens _queued covers (all but a block waiting)
         self._query_buffer: mx.array | None = None
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
@@ -142,7 +141,7 @@ class CaMKVCache(_BaseCache):
         else:
             if self._config.scoring == "query":
                 self._warn_once("no_hook", self._no_hook_message(), stacklevel=3)
-            self._queue(_KEY_SCORED, None)
+            self._queue(_KEY_SCORED, keys.shape[2])
         return fetched
 
     def observe_queries(self, queries: mx.array, scale: float) -> None:
@@ -169,10 +168,10 @@ class CaMKVCache(_BaseCache):
                 f"of width {queries.shape[3]} over cached keys of width {Dk} "
                 "(a compressed latent cache); scoring those blocks with keys instead. Pass "
                 "scoring='key' to score all blocks the same way."))
-            self._queue(_KEY_SCORED, None)
+            self._queue(_KEY_SCORED, S)
             return
         self._query_scored += S
-        self._queue(float(scale), queries)
+        self._queue(float(scale), S, queries)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         self._flush_pending_with_keys()
@@ -406,18 +405,16 @@ class CaMKVCache(_BaseCache):
         """The held rows of buffer (if any), then block, then spare empty rows."""
         return _with_room([] if buffer is None else [buffer[:, :, : self._held]], block, spare)
 
-    def _queue(self, scale, queries) -> None:
-        """Keep what scoring the block of the last call needs (its queries under scale, or
-        _KEY_SCORED), then compress if the rows held passed budget + slack."""
+    def _queue(self, scale, block: int, queries=None) -> None:
+        """Keep what scoring the last `block` tokens held need (their queries under scale,
+        or _KEY_SCORED), then compress if the rows held passed budget + slack."""
         if self._queued is not None and self._queued != scale:
             # Pending tokens scored another way (keys, or another scale) are scored first.
-            block = self._held - self._settled - self._queued_count
             self._compress(self._held - block)
         if self._queued is None:
             self._queued = scale
         if queries is not None:
-            self._keep_queries(queries, self._held - self._settled - queries.shape[2])
-        self._queued_count = self._held - self._settled
+            self._keep_queries(queries, self._held - self._settled - block)
         if self._held > self._config.budget + self._config.slack:
             self._compress()
 
@@ -508,7 +505,7 @@ class CaMKVCache(_BaseCache):
         self._values = self._joined(None, state.values.reshape(B, H, n, -1), spare)
         self._scores, self._positions = state.scores, state.positions
         self._held = self._settled = n
-        self._queued, self._queued_count = None, 0
+        self._queued = None
         self._pending_start = next_position
 
     def _row_ids(self, B: int, H: int) -> mx.array:
@@ -574,5 +571,5 @@ class CaMKVCache(_BaseCache):
             "passing its queries to the cache (it bypasses mlx-lm's "
             "scaled_dot_product_attention); scoring that block with keys instead. Pass "
             "scoring='key' to score all blocks the same way."))
-        self._waiting = 0
-        self._queue(_KEY_SCORED, None)
+        block, self._waiting = self._waiting, 0
+        self._queue(_KEY_SCORED, block)
