@@ -123,7 +123,7 @@ def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
         parts[f"fast_mass_{mb}mb_ms"] = 1e3 * median_seconds(lambda: fast.attention_mass(q, joined, scale, n),
                                                            opts.repeats)
         fast.LOGIT_BYTES = default
-    if fast._on_cuda():  # noqa: SLF001
+    if fast.on_cuda():
         parts.update(_cuda_mass_parts(q, joined, scale, n, opts))
     return {
         **parts,

@@ -31,7 +31,7 @@ def score_rtol(queries, keys, scale, dtype) -> float:
     """Section 8's rtol, widened on the CUDA path by what its logits' rounding allows: a
     logit l is off by up to |l| 2^-(m+1), so a softmax weight by up to twice that
     relatively (its own logit and its row's normaliser), max |l| 2^-m over the call."""
-    if not fast._on_cuda():  # noqa: SLF001
+    if not fast.on_cuda():
         return RTOL
     q = np.array(queries.astype(mx.float32)).reshape(queries.shape[0], -1, queries.shape[-1])
     k = np.array(keys.astype(mx.float32))
@@ -263,7 +263,7 @@ def test_poisoned_token_is_evicted_first_and_leaves_other_rows_alone(poison, whe
         assert 10 not in np.array(got[3])[0, 1].tolist()  # no mass: evicted first
 
 
-@pytest.mark.skipif(not fast._on_cuda(), reason="the mass kernels run on an NVIDIA GPU only")  # noqa: SLF001
+@pytest.mark.skipif(not fast.on_cuda(), reason="the mass kernels run on an NVIDIA GPU only")
 @pytest.mark.parametrize("n_before, s_len", [(0, 300), (512, 2048), (100, 7)])
 def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     from camkv.backends import mass_cuda
@@ -295,3 +295,60 @@ def test_the_callers_arrays_are_never_written():
     for k, q, k_was, q_was in blocks:
         np.testing.assert_array_equal(np.array(k), k_was)
         np.testing.assert_array_equal(np.array(q), q_was)
+
+
+def _rank_keys(scores: np.ndarray, protected: np.ndarray) -> np.ndarray:
+    """Section 7's ranking as floats: protected rows first, a NaN score last."""
+    ranked = np.where(np.isnan(scores), -np.inf, scores)
+    return np.where(protected, np.inf, ranked)
+
+
+@pytest.mark.skipif(not fast.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+@given(st.integers(1, 5), st.integers(0, 700), st.integers(1, 300), st.integers(8, 600),
+       st.sampled_from([(128, 128), (12, 20), (64, 8)]), st.sampled_from(["random", "ties", "poisoned"]),
+       st.integers(0, 2**31))
+def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, budget, dims, scores_kind, seed):
+    # The one-launch eviction (backends.compact_cuda) against section 7's rule: the kept
+    # rows are `budget` of the best ranked (any of a tie at the boundary), in row order,
+    # with their scores, positions, keys and values copied exactly.
+    from camkv.backends import compact_cuda
+
+    note(f"seed={seed}")
+    rng = np.random.default_rng(seed)
+    n = min(n, budget)
+    N = n + s_len
+    if N <= budget:
+        return
+    Dk, Dv = dims
+    cfg = CaMConfig(budget=budget, n_sink=3, recent=max(1, budget // 4))
+    capacity = budget + 7
+    keys = mx.array(rng.standard_normal((1, rows, N + 2, Dk)).astype(np.float32)).astype(mx.bfloat16)
+    values = mx.array(rng.standard_normal((1, rows, N + 2, Dv)).astype(np.float32)).astype(mx.bfloat16)
+    settled = rng.standard_normal((rows, n)).astype(np.float32)
+    mass = rng.random((rows, N)).astype(np.float32)
+    if scores_kind == "ties":
+        settled, mass = np.round(settled), np.round(mass)
+    elif scores_kind == "poisoned":
+        mass[rng.random((rows, N)) < 0.1] = np.nan
+    settled_positions = np.array([np.sort(rng.choice(10 * n + 1, size=n, replace=False)) for _ in range(rows)],
+                                 np.int32).reshape(rows, n)
+    pending_start = 10 * n + 5
+    out = compact_cuda.drop_compact(keys, values, mx.array(settled), mx.array(settled_positions), mx.array(mass),
+                                    pending_start, pending_start + s_len - 1, cfg, capacity)
+    got_keys, got_values, got_scores, got_positions = (np.array(a.astype(mx.float32)) for a in out)
+    assert got_keys.shape == (1, rows, capacity, Dk) and got_scores.shape == (rows, budget)
+    scores = np.concatenate([settled, np.zeros((rows, s_len), np.float32)], axis=1) + mass
+    positions = np.concatenate([settled_positions, np.broadcast_to(pending_start + np.arange(s_len), (rows, s_len))],
+                               axis=1)
+    p_last = pending_start + s_len - 1
+    ranks = _rank_keys(scores, (positions < cfg.n_sink) | (positions > p_last - cfg.recent))
+    all_keys, all_values = np.array(keys.astype(mx.float32))[0], np.array(values.astype(mx.float32))[0]
+    for r in range(rows):
+        kept = np.searchsorted(positions[r], got_positions[r])  # positions are increasing along a row
+        assert (np.diff(kept) > 0).all() and (positions[r][kept] == got_positions[r]).all(), f"row {r}"
+        dropped = np.setdiff1d(np.arange(N), kept)
+        assert ranks[r][kept].min() >= ranks[r][dropped].max(), f"row {r}: a better ranked row was evicted"
+        np.testing.assert_array_equal(got_scores[r], scores[r][kept])
+        np.testing.assert_array_equal(got_keys[0, r, :budget], all_keys[r][kept])
+        np.testing.assert_array_equal(got_values[0, r, :budget], all_values[r][kept])

@@ -5,7 +5,8 @@
 #   python3 bench/profile_prefill.py --backend cuda --repeats 5 --logit-mb 8 32 128 --out $OUT
 #   python3 bench/peak_memory.py --model random-1b --prompt-lengths 1024 32768 --logit-mb 8 32 128 --out $OUT
 . bench/gpu/env.sh
-python3 bench/profile_decode.py --backend cuda --slacks 128 --out $OUT > $OUT/profile-decode.txt 2>&1
+timeout 120 python3 bench/profile_compress.py --out $OUT 2>&1 | tail -6
+python3 bench/profile_decode.py --backend cuda --slacks 128 256 --out $OUT > $OUT/profile-decode.txt 2>&1
 head -7 $OUT/profile-decode.txt
 timeout 300 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 128 \
   --trials 2 --budgets 512 --slacks 128 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -12

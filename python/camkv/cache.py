@@ -463,15 +463,34 @@ class CaMKVCache(_BaseCache):
         if self._queued is None or chunk <= 0:
             return
         queries, scale = self._chunk_queries(end)
-        state, merges = self._run_backend(queries, scale, end)
         self._evictions += max(0, end - self._config.budget) * queries.shape[0]
-        self._merge_counts.append(merges)
-        if len(self._merge_counts) >= _MERGE_BATCH:
-            self._total_merges()
         rest = (self._keys[:, :, end : self._held], self._values[:, :, end : self._held])
-        self._settle_rows(state, self._pending_start + chunk)
+        if self._drops_in_one_launch(end):
+            self._adopt_buffers(fast.compress_drop_buffers(
+                self._keys, self._values, end, self._scores, self._positions, queries, self._pending_start,
+                scale, self._config, self._capacity()), self._pending_start + chunk)
+        else:
+            state, merges = self._run_backend(queries, scale, end)
+            self._merge_counts.append(merges)
+            if len(self._merge_counts) >= _MERGE_BATCH:
+                self._total_merges()
+            self._settle_rows(state, self._pending_start + chunk)
         if rest[0].shape[2]:
             self._append(*rest)
+
+    def _drops_in_one_launch(self, end: int) -> bool:
+        """Whether this compression evicts with merge="drop" on an NVIDIA GPU, where one
+        kernel launch (backends.compact_cuda) chooses, compacts and copies the survivors."""
+        return (end > self._config.budget and merges.rule(self._config.merge).kind == merges.DROP
+                and getattr(self._backend(), "target", None) == "cuda" and fast.on_cuda())
+
+    def _adopt_buffers(self, compacted, next_position: int) -> None:
+        """Make compacted (keys, values) buffers [B, H, capacity, D], whose first budget rows
+        are the survivors, and their (scores, positions) the held rows."""
+        self._keys, self._values, self._scores, self._positions = compacted
+        self._held = self._settled = self._config.budget
+        self._queued = None
+        self._pending_start = next_position
 
     def _run_backend(self, queries, scale, end: int):
         """The compression of rows [settled, end) by the configured backend."""

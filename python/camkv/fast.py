@@ -18,7 +18,7 @@ import math
 
 import mlx.core as mx
 
-from .backends import mass_cuda
+from .backends import compact_cuda, mass_cuda
 from .rows import RowState
 
 _INF = float("inf")
@@ -46,17 +46,17 @@ def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: in
     rows, groups, s_len, k_dim = queries.shape
     total = keys.shape[1]
     # The kernels pay off on large chunks; a decode's compression is a few launches of MLX's own.
-    on_cuda = _on_cuda() and rows * groups * s_len * total >= CUDA_MIN_LOGITS
-    dtype = keys.dtype if on_cuda else mx.float32
+    use_kernels = on_cuda() and rows * groups * s_len * total >= CUDA_MIN_LOGITS
+    dtype = keys.dtype if use_kernels else mx.float32
     keys_t = keys.astype(dtype).transpose(0, 2, 1)
-    block = max(1, LOGIT_BYTES // (rows * groups * total * (dtype.size if on_cuda else 12)))
+    block = max(1, LOGIT_BYTES // (rows * groups * total * (dtype.size if use_kernels else 12)))
     mass = None
     for i0 in range(0, s_len, block):
         i1 = min(s_len, i0 + block)
         visible = total - s_len + i1  # token i1 - 1 sees no further
         q = queries[:, :, i0:i1].astype(dtype).reshape(rows, groups * (i1 - i0), k_dim)
         logits = q @ keys_t[:, :, :visible]
-        if on_cuda:
+        if use_kernels:
             part = mass_cuda.column_mass(logits, scale, n_before + i0, i1 - i0)
         else:
             part = _column_mass(logits.reshape(rows, groups, i1 - i0, visible), scale, n_before + i0)
@@ -78,7 +78,7 @@ def _column_mass(logits: mx.array, scale: float, n_before: int) -> mx.array:
     return mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2))
 
 
-def _on_cuda() -> bool:
+def on_cuda() -> bool:
     """Whether this computation runs on an NVIDIA GPU (MLX's CUDA backend)."""
     return (mx.default_device() == mx.gpu and not mx.metal.is_available()
             and hasattr(mx, "cuda") and mx.cuda.is_available())
@@ -134,3 +134,16 @@ def compress_drop(keys, values, settled_scores, settled_positions, queries, firs
         return joined
     p_last = first_pending + s_len - 1
     return joined.take(losers_and_kept(scores, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))
+
+
+def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positions, queries, first_pending: int,
+                          scale: float, cfg, capacity: int):
+    """compress_drop for rows [0, end) of the buffers keys [B, H, cap, Dk] and values [B, H, cap, Dv]
+    on an NVIDIA GPU, evicting in one launch (backends.compact_cuda): (keys, values) buffers
+    [B, H, capacity, D] whose first cfg.budget rows are the survivors, their scores and positions.
+    Only for end > cfg.budget (there is something to evict)."""
+    rows, n = settled_scores.shape
+    held = keys[:, :, :end].reshape(rows, end, -1)
+    mass = attention_mass(queries, held, scale, n)
+    return compact_cuda.drop_compact(keys, values, settled_scores, settled_positions, mass, first_pending,
+                                     first_pending + end - n - 1, cfg, capacity)
