@@ -7,8 +7,8 @@ n + S rows held and evicts back to the budget. For chunks of --chunks tokens int
 
   mass_ops        camkv.fast.attention_mass with MLX operations (float32 logits, softmax)
   mass_kernels    the same with the logits in the keys' dtype reduced by
-                  backends.mass_cuda's two kernels (NVIDIA GPUs)
-  mass            what camkv.fast.attention_mass picks for this size
+                  backends.mass_cuda's kernel (NVIDIA GPUs)
+  mass            what camkv.fast.attention_mass picks here
   evict_ops       eviction as MLX operations: scores and positions joined, a partition,
                   a sort and four gathers (camkv.fast.compress_drop less the mass)
   evict_kernel    eviction in one launch (backends.compact_cuda, NVIDIA GPUs)
@@ -85,14 +85,8 @@ def measure_chunk(opts, s_len: int) -> dict:
         keys, values, _, _, _, end = layers[i]
         return keys[:, :, :end].reshape(H, end, -1), values[:, :, :end].reshape(H, end, -1)
 
-    def mass(i, threshold=None):
-        default = fast.CUDA_MIN_LOGITS
-        if threshold is not None:
-            fast.CUDA_MIN_LOGITS = threshold
-        try:
-            return fast.attention_mass(layers[i][4], held(i)[0], scale, n)
-        finally:
-            fast.CUDA_MIN_LOGITS = default
+    def mass(i, kernels=None):
+        return fast.attention_mass(layers[i][4], held(i)[0], scale, n, kernels=kernels)
 
     masses = [mass(i) for i in range(opts.layers)]
     mx.eval(masses)
@@ -114,7 +108,7 @@ def measure_chunk(opts, s_len: int) -> dict:
         return [_with_room([], a.reshape(1, H, state.length, -1), spare) for a in state[:2]] + list(state[2:])
 
     result = {"chunk": s_len, "rows": n + s_len,
-              "mass_ops_ms": _per_layer(opts, lambda i: mass(i, threshold=1 << 62)),
+              "mass_ops_ms": _per_layer(opts, lambda i: mass(i, kernels=False)),
               "mass_ms": _per_layer(opts, mass),
               "evict_ops_ms": _per_layer(opts, evict_ops),
               "compress_ops_ms": _per_layer(opts, compress_ops)}
@@ -129,7 +123,7 @@ def measure_chunk(opts, s_len: int) -> dict:
             keys, values, scores, positions, queries, end = layers[i]
             return fast.compress_drop_buffers(keys, values, end, scores, positions, queries, n, scale, cfg, capacity)
 
-        result.update({"mass_kernels_ms": _per_layer(opts, lambda i: mass(i, threshold=0)),
+        result.update({"mass_kernels_ms": _per_layer(opts, lambda i: mass(i, kernels=True)),
                        "evict_kernel_ms": _per_layer(opts, evict_kernel),
                        "compress_kernel_ms": _per_layer(opts, compress_kernel)})
     return result

@@ -264,7 +264,7 @@ def test_poisoned_token_is_evicted_first_and_leaves_other_rows_alone(poison, whe
 
 
 @pytest.mark.skipif(not fast.on_cuda(), reason="the mass kernels run on an NVIDIA GPU only")
-@pytest.mark.parametrize("n_before, s_len", [(0, 300), (512, 2048), (100, 7)])
+@pytest.mark.parametrize("n_before, s_len", [(0, 300), (512, 2048), (100, 7), (30, 1)])
 def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     from camkv.backends import mass_cuda
 
@@ -274,8 +274,10 @@ def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     k = mx.array(rng.standard_normal((rows, n_before + s_len, dim)).astype(np.float32))
     logits = q @ k.transpose(0, 2, 1)
     logits[0, 5, 3] = float("nan")  # a poisoned logit counts as masked
-    got = mass_cuda.column_mass(logits, 0.2, n_before, s_len)
-    want = fast._column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)  # noqa: SLF001
+    width = n_before + s_len + 5  # columns past the logits' come back as zeros
+    got = mass_cuda.column_mass(logits, 0.2, n_before, s_len, width, 0.5)
+    want = 0.5 * fast._column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)  # noqa: SLF001
+    want = mx.pad(want, [(0, 0), (0, 5)])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
 
 

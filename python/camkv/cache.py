@@ -475,6 +475,8 @@ class CaMKVCache(_BaseCache):
             if len(self._merge_counts) >= _MERGE_BATCH:
                 self._total_merges()
             self._settle_rows(state, self._pending_start + chunk)
+        if self._query_buffer is not None and self._query_buffer.shape[2] > self._config.slack + 1:
+            self._query_buffer = None  # a prompt chunk's queries: decoding needs slack + 1 rows, not these
         if rest[0].shape[2]:
             self._append(*rest)
 

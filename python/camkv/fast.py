@@ -26,10 +26,10 @@ _INF = float("inf")
 # queries holds: a 2048-token chunk with 4 queries per KV head over 2.5k rows would
 # hold about a gigabyte at once, where a bounded cache must not spike memory.
 LOGIT_BYTES = 32 << 20
-CUDA_MIN_LOGITS = 1 << 22  # logits of a call below which MLX's operations score it on a GPU too
 
 
-def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int) -> mx.array:
+def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, kernels: bool | None = None
+                   ) -> mx.array:
     """Section 2's mass of a chunk, summed per row: [R, N] float32.
 
     queries [R, G, S, Dk] (any float dtype) are the chunk's queries, chunk token i at
@@ -38,31 +38,29 @@ def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: in
     and a query whose every logit is masked adds nothing, so a poisoned key gets no
     mass (it is evicted first) and a poisoned query leaves the other rows' scores alone.
 
-    On an NVIDIA GPU a large chunk's logits (CUDA_MIN_LOGITS and more) are a product in
-    the keys' dtype (float32 accumulation; section 8 allows it) reduced by two kernels
+    With kernels (default: on an NVIDIA GPU) the logits are a product in the keys' dtype
+    (float32 accumulation; section 8 allows it) reduced by one kernel
     (backends.mass_cuda); otherwise a float32 product reduced by MLX operations. In
     blocks of queries of at most LOGIT_BYTES of logits.
     """
     rows, groups, s_len, k_dim = queries.shape
     total = keys.shape[1]
-    # The kernels pay off on large chunks; a decode's compression is a few launches of MLX's own.
-    use_kernels = on_cuda() and rows * groups * s_len * total >= CUDA_MIN_LOGITS
-    dtype = keys.dtype if use_kernels else mx.float32
+    kernels = on_cuda() if kernels is None else kernels
+    dtype = keys.dtype if kernels else mx.float32
     keys_t = keys.astype(dtype).transpose(0, 2, 1)
-    block = max(1, LOGIT_BYTES // (rows * groups * total * (dtype.size if use_kernels else 12)))
+    block = max(1, LOGIT_BYTES // (rows * groups * total * (dtype.size if kernels else 12)))
     mass = None
     for i0 in range(0, s_len, block):
         i1 = min(s_len, i0 + block)
         visible = total - s_len + i1  # token i1 - 1 sees no further
         q = queries[:, :, i0:i1].astype(dtype).reshape(rows, groups * (i1 - i0), k_dim)
         logits = q @ keys_t[:, :, :visible]
-        if use_kernels:
-            part = mass_cuda.column_mass(logits, scale, n_before + i0, i1 - i0)
+        if kernels:
+            part = mass_cuda.column_mass(logits, scale, n_before + i0, i1 - i0, total, 1.0 / groups)
         else:
-            part = _column_mass(logits.reshape(rows, groups, i1 - i0, visible), scale, n_before + i0)
-        part = part / groups
-        if visible < total:
-            part = mx.pad(part, [(0, 0), (0, total - visible)])
+            part = _column_mass(logits.reshape(rows, groups, i1 - i0, visible), scale, n_before + i0) / groups
+            if visible < total:
+                part = mx.pad(part, [(0, 0), (0, total - visible)])
         mass = part if mass is None else mass + part
     return mass
 

@@ -2,11 +2,13 @@
 
 camkv.fast scores a compression chunk as softmax rows over logits [R, M, N] (M = G x S
 queries over N rows), summed down each column. As plain MLX operations that is five or
-six passes over the logits (mask, softmax, NaN guard, sum); here it is two reads: one
-warp a query row finds its log-sum-exp over the rows it sees, then each thread sums one
-column's weights over a slice of the chunk's tokens, every query of each (consecutive
-threads read consecutive columns of a query row, so the reads coalesce, and a thread
-starts at the first token that sees its column). The slices are summed by MLX.
+six passes over the logits (mask, softmax, NaN guard, sum); here it is one kernel, in
+which a work group takes ROWS_PER_GROUP query rows of one row r: its warps find each
+query row's log-sum-exp over the rows it sees (a warp a query row), then each thread sums
+one column's weights over the group's query rows (consecutive threads read consecutive
+columns, so the reads coalesce, and the group's logits, just read, come from cache). The
+groups' column sums are summed by MLX, in a fixed order: the result does not change from
+run to run.
 
 Masking is the same as the MLX path's: query m (chunk token i = m mod S) sees rows
 j <= n_before + i, a non-finite logit counts as masked, and a query with nothing
@@ -17,80 +19,74 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-_LSE = """
-  long warp = (long)(blockIdx.x * blockDim.x + threadIdx.x) / 32;
-  int lane = threadIdx.x % 32;
-  long R = logits_shape[0], M = logits_shape[1], N = logits_shape[2];
-  if (warp >= R * M) return;
-  long m = warp % M;
-  long visible = min((long)N, (long)dims[0] + m % dims[1] + 1);
-  const T* row = logits + warp * N;
-  float scale = scale_in[0];
-  float top = -INFINITY, total = 0.0f;
-  for (long j = lane; j < visible; j += 32) {
-    float x = static_cast<float>(row[j]) * scale;
-    if (!isfinite(x)) continue;
-    if (x > top) { total = total * expf(top - x) + 1.0f; top = x; }
-    else { total += expf(x - top); }
-  }
-  for (int o = 16; o > 0; o /= 2) {
-    float other_top = __shfl_xor_sync(0xffffffff, top, o);
-    float other_total = __shfl_xor_sync(0xffffffff, total, o);
-    float best = fmaxf(top, other_top);
-    total = (best == -INFINITY) ? 0.0f : total * expf(top - best) + other_total * expf(other_top - best);
-    top = best;
-  }
-  if (lane == 0) lse[warp] = total > 0.0f ? top + logf(total) : -INFINITY;
-"""
+ROWS_PER_GROUP = 16
 
-_COLUMNS = """
-  long t = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  long R = logits_shape[0], M = logits_shape[1], N = logits_shape[2];
-  long n_before = dims[0], S = dims[1], parts = dims[2];
-  if (t >= R * parts * N) return;
-  long j = t % N, p = (t / N) % parts, r = t / (N * parts);
-  long G = M / S, per = (S + parts - 1) / parts;
-  // Chunk token i sees row j once n_before + i >= j: start there, skip the masked triangle.
-  long i0 = max(p * per, j - n_before), i1 = min(S, p * per + per);
-  float scale = scale_in[0];
-  float sum = 0.0f;
-  for (long g = 0; g < G; ++g) {
-    const T* column = logits + (r * M + g * S) * N + j;
-    const float* row_lse = lse + r * M + g * S;
-    for (long i = i0; i < i1; ++i) {
-      float l = row_lse[i];
-      float x = static_cast<float>(column[i * N]) * scale;
-      if (l != -INFINITY && isfinite(x)) sum += expf(x - l);
+_SOURCE = """
+  // dims: n_before, S, work groups per row, columns of the output (>= N).
+  const long M = logits_shape[1], N = logits_shape[2];
+  const long n_before = dims[0], S = dims[1], groups_per_row = dims[2], width = dims[3];
+  const long r = blockIdx.x / groups_per_row, part = blockIdx.x % groups_per_row;
+  const long m0 = part * ROWS, m1 = min(M, m0 + ROWS);
+  const float scale = params[0], weight = params[1];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  __shared__ float lse[ROWS];
+  for (long m = m0 + warp; m < m1; m += warps) {
+    long visible = min(N, n_before + m % S + 1);
+    const T* row = logits + (r * M + m) * N;
+    float top = -INFINITY, total = 0.0f;
+    for (long j = lane; j < visible; j += 32) {
+      float x = static_cast<float>(row[j]) * scale;
+      if (!isfinite(x)) continue;
+      if (x > top) { total = total * expf(top - x) + 1.0f; top = x; }
+      else { total += expf(x - top); }
     }
+    for (int o = 16; o > 0; o /= 2) {
+      float other_top = __shfl_xor_sync(0xffffffff, top, o);
+      float other_total = __shfl_xor_sync(0xffffffff, total, o);
+      float best = fmaxf(top, other_top);
+      total = (best == -INFINITY) ? 0.0f : total * expf(top - best) + other_total * expf(other_top - best);
+      top = best;
+    }
+    if (lane == 0) lse[m - m0] = total > 0.0f ? top + logf(total) : -INFINITY;
   }
-  partial[t] = sum;
+  __syncthreads();
+  float* out = partial + (r * groups_per_row + part) * width;
+  for (long j = threadIdx.x; j < width; j += blockDim.x) {
+    float sum = 0.0f;
+    for (long m = m0; m < m1 && j < N; ++m) {
+      float l = lse[m - m0];
+      if (l == -INFINITY || j > n_before + m % S) continue;
+      float x = static_cast<float>(logits[(r * M + m) * N + j]) * scale;
+      if (isfinite(x)) sum += expf(x - l);
+    }
+    out[j] = sum * weight;
+  }
 """
 
 _kernels: dict[str, object] = {}
 _THREADS = 256
-_COLUMN_THREADS = 1 << 18  # enough threads in flight to stream the logits at full bandwidth
 
 
-def _kernel(name: str, source: str, inputs: list[str], outputs: list[str]):
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=source)
-    return _kernels[name]
+def _kernel():
+    if "mass" not in _kernels:
+        _kernels["mass"] = mx.fast.cuda_kernel(
+            name="camkv_column_mass", input_names=["logits", "dims", "params"], output_names=["partial"],
+            source=_SOURCE.replace("ROWS", str(ROWS_PER_GROUP)))
+    return _kernels["mass"]
 
 
-def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int) -> mx.array:
-    """sum over query rows m of softmax_m(scale * logits[r, m, :])[j], masked as above: [R, N] float32.
+def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int, width: int, weight: float = 1.0
+                ) -> mx.array:
+    """weight x the sum over query rows m of softmax_m(scale * logits[r, m, :])[j], masked as
+    above: [R, width] float32, zero past logits' N columns (width >= N).
 
     logits [R, M, N] (float32, float16 or bfloat16), M = G x S with m = g * S + i."""
-    rows, queries, total = logits.shape
-    parts = max(1, min(s_len, _COLUMN_THREADS // max(1, rows * total)))
-    dims = mx.array([n_before, s_len, parts], mx.int32)
-    scale_in = mx.array([scale], mx.float32)
-    lse = _kernel("camkv_mass_lse", _LSE, ["logits", "dims", "scale_in"], ["lse"])(
-        inputs=[logits, dims, scale_in], template=[("T", logits.dtype)],
-        grid=(rows * queries * 32, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, queries)], output_dtypes=[mx.float32])[0]
-    partial = _kernel("camkv_mass_columns", _COLUMNS, ["logits", "lse", "dims", "scale_in"], ["partial"])(
-        inputs=[logits, lse, dims, scale_in], template=[("T", logits.dtype)],
-        grid=(rows * parts * total, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, parts, total)], output_dtypes=[mx.float32])[0]
+    rows, queries, _ = logits.shape
+    groups_per_row = -(-queries // ROWS_PER_GROUP)
+    dims = mx.array([n_before, s_len, groups_per_row, width], mx.int32)
+    params = mx.array([scale, weight], mx.float32)
+    partial = _kernel()(
+        inputs=[logits, dims, params], template=[("T", logits.dtype)],
+        grid=(rows * groups_per_row * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, groups_per_row, width)], output_dtypes=[mx.float32])[0]
     return partial.sum(axis=1)

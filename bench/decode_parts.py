@@ -1,0 +1,143 @@
+"""Where a model's decode step loses time to camkv, end to end: the median step of a real
+model (default random-1b) after a prompt, for caches that each add one part of camkv's
+work to mlx-lm's plain caches.
+
+  full           mlx-lm's KVCache
+  rotating       mlx-lm's RotatingKVCache(budget, keep=sinks): StreamingLLM, the floor
+  buffer         a bare cache that writes each step into a preallocated buffer in place and
+                 returns views of the rows held, dropping back to budget rows every slack + 1
+                 steps without any work (camkv's memory layout, none of its scoring)
+  camkv-key      CaMKVCache scoring with keys (no attention hook, no query buffer)
+  camkv-nocomp   CaMKVCache (queries, the hook) with a slack so large that no compression
+                 falls in the timed steps
+  camkv          CaMKVCache as configured by default
+
+Arms take turns trial by trial; each trial prefills the prompt, then times --steps steps.
+Example (on the H200):
+    python bench/decode_parts.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_prefill import save_result  # noqa: E402
+
+from camkv import CaMConfig, hook, make_prompt_cache  # noqa: E402
+from camkv.cache import _with_room  # noqa: E402
+from camkv.models import random_llama  # noqa: E402
+
+ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv")
+
+
+class BufferCache(_BaseCache):
+    """camkv's decode-time memory layout without its scoring: rows written in place into a
+    [B, H, budget + slack + 1, D] buffer, views of the rows held returned, and every
+    slack + 1 steps the count of rows held reset to the budget (no copy, no scoring)."""
+
+    def __init__(self, budget: int, slack: int):
+        self.budget, self.slack = budget, slack
+        self.keys = self.values = None
+        self.held = self.offset = 0
+
+    def update_and_fetch(self, keys, values):
+        S, capacity = keys.shape[2], self.budget + self.slack + 1
+        self.offset += S
+        if S > 1 or self.keys is None:  # a prompt chunk: attend over all, keep the newest budget rows
+            held = [keys, values] if self.keys is None else [
+                mx.concatenate([old[:, :, : self.held], new], axis=2)
+                for old, new in ((self.keys, keys), (self.values, values))]
+            self.held = min(self.budget, held[0].shape[2])
+            self.keys, self.values = (_with_room([], a[:, :, -self.held:], capacity - self.held) for a in held)
+            return held
+        if self.held == capacity:
+            self.held = self.budget  # a "compression" that does no work
+        self.keys[:, :, self.held: self.held + 1] = keys
+        self.values[:, :, self.held: self.held + 1] = values
+        self.held += 1
+        return self.keys[:, :, : self.held], self.values[:, :, : self.held]
+
+    @property
+    def state(self):
+        return self.keys[:, :, : self.held], self.values[:, :, : self.held]
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        return None if N == 1 else "causal"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random-1b", help="random llama shape (default random-1b)")
+    parser.add_argument("--prompt-length", type=int, default=4096, help="prompt tokens (default 4096)")
+    parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+    parser.add_argument("--steps", type=int, default=130, help="timed decode steps per trial (default 130)")
+    parser.add_argument("--trials", type=int, default=3, help="trials per arm (default 3)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms (default all)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for decode-parts.json")
+    return parser.parse_args(argv)
+
+
+def make_arm(model, arm: str, budget: int) -> list:
+    cfg = CaMConfig(budget=budget)
+    layers = len(model.layers)
+    if arm == "full":
+        return [KVCache() for _ in range(layers)]
+    if arm == "rotating":
+        return [RotatingKVCache(max_size=budget, keep=cfg.n_sink) for _ in range(layers)]
+    if arm == "buffer":
+        return [BufferCache(budget, cfg.slack) for _ in range(layers)]
+    if arm == "camkv-key":
+        return make_prompt_cache(model, config=cfg.replace(scoring="key"))
+    if arm == "camkv-nocomp":
+        return make_prompt_cache(model, config=cfg.replace(slack=1 << 16))
+    return make_prompt_cache(model, config=cfg)
+
+
+def trial(model, arm: str, prompt: mx.array, opts) -> list[float]:
+    cache = make_arm(model, arm, opts.budget)
+    try:
+        for first in range(0, prompt.size - 1, 2048):
+            model(prompt[first: min(first + 2048, prompt.size - 1)][None], cache=cache)
+            mx.eval([c.state for c in cache])
+        token = prompt[-1:]
+        steps = []
+        for _ in range(opts.steps):
+            tick = time.perf_counter()
+            token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
+            mx.eval(token)
+            steps.append(time.perf_counter() - tick)
+        return steps
+    finally:
+        hook.uninstall(model)
+
+
+def main(argv=None) -> dict:
+    opts = parse_args(argv)
+    model = random_llama(opts.model)
+    prompt = mx.random.randint(0, 1000, (opts.prompt_length,))
+    steps = {arm: [] for arm in opts.arms}
+    trial(model, opts.arms[0], prompt, opts)  # warm-up: compiles and allocates
+    for _ in range(opts.trials):
+        for arm in opts.arms:
+            steps[arm].extend(trial(model, arm, prompt, opts))
+    result = {"setup": {**vars(opts), "out": str(opts.out), "device": str(mx.default_device()),
+                        "machine": platform.machine(), "mlx": mx.__version__},
+              "arms": {arm: {"median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s)}
+                       for arm, s in steps.items()}}
+    for arm, r in result["arms"].items():
+        print(f"{arm:14s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms")
+    save_result(result, opts.out, "decode-parts.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()
