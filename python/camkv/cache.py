@@ -98,6 +98,7 @@ class CaMKVCache(_BaseCache):
         self._query_buffer: mx.array | None = None
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
+        self._checked_block: tuple | None = None  # (keys shape, values shape, dtype) last checked
         self._merges = mx.zeros((), mx.int32)
         self._merge_counts: list[mx.array] = []  # per-compression [rows] counts not yet summed
         self._evictions = 0
@@ -129,38 +130,45 @@ class CaMKVCache(_BaseCache):
     # ------------------------------------------------------------------ protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Hold S new tokens per row; return (held ++ new keys, held ++ new values) [B, H, n + S, D]."""
-        self._check_block(keys, values)
-        self._flush_pending_with_keys()
-        self._layout = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
+        # A decode step repeats the last block's shapes: one comparison stands for the
+        # checks (host time is most of a GPU decode step's cost).
+        block = (keys.shape, values.shape, keys.dtype) if type(keys) is type(values) is mx.array else None
+        if block is None or block != self._checked_block:
+            self._check_block(keys, values)
+            self._layout = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
+            self._checked_block = block
+        if self._waiting:
+            self._flush_pending_with_keys()
         fetched = self._append(keys, values)
         # The model computed RoPE from offset before this call; it advances now, even
         # when scoring waits for the queries.
-        self.offset += keys.shape[2]
+        S = block[0][2]
+        self.offset += S
         if self._config.scoring == "query" and self._queries_can_come():
-            self._waiting = keys.shape[2]
+            self._waiting = S
         else:
             if self._config.scoring == "query":
                 self._warn_once("no_hook", self._no_hook_message(), stacklevel=3)
-            self._queue(_KEY_SCORED, keys.shape[2])
+            self._queue(_KEY_SCORED, S)
         return fetched
 
     def observe_queries(self, queries: mx.array, scale: float) -> None:
         """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring)."""
         if not self._waiting:
             return  # nothing waits: a model without camkv scoring, or a repeated call
-        B, H, Dk = self._layout[0], self._layout[1], self._layout[2]
-        S = self._waiting
-        if queries.ndim != 4 or queries.shape[0] != B or queries.shape[2] != S:
+        B, H, Dk = self._layout[:3]
+        S, shape = self._waiting, queries.shape
+        if len(shape) != 4 or shape[0] != B or shape[2] != S:
             raise ValueError(
-                f"queries {tuple(queries.shape)} do not match the block waiting for them "
+                f"queries {tuple(shape)} do not match the block waiting for them "
                 f"(B={B}, S={S}); expected [B, query heads, S, Dk]"
             )
-        if queries.shape[1] % H != 0:
+        if shape[1] % H != 0:
             raise ValueError(
-                f"query heads {queries.shape[1]} are not a multiple of the KV heads {H}"
+                f"query heads {shape[1]} are not a multiple of the KV heads {H}"
             )
         self._waiting = 0
-        if queries.shape[3] != Dk:
+        if shape[3] != Dk:
             # MLA models (deepseek_v3 and kin) cache a compressed latent, and their
             # prompt queries do not live in its space: there is nothing to score with.
             self._warn_once("width", (
@@ -422,12 +430,13 @@ class CaMKVCache(_BaseCache):
         """Write a block's queries [B, Hq, S, Dk] at pending index start of the query buffer
         (in place when it fits: a decode step's queries cost one write, not a copy each
         at the compression)."""
-        end = start + queries.shape[2]
-        buffer = self._query_buffer
-        if buffer is not None and buffer.shape[1:2] + buffer.shape[3:] == queries.shape[1:2] + queries.shape[3:] \
-                and end <= buffer.shape[2] and buffer.dtype == queries.dtype:
-            self._query_buffer[:, :, start:end] = queries
-            return
+        shape, buffer = queries.shape, self._query_buffer
+        end = start + shape[2]
+        if buffer is not None:
+            held = buffer.shape
+            if held[1] == shape[1] and held[3] == shape[3] and end <= held[2] and buffer.dtype == queries.dtype:
+                buffer[:, :, start:end] = queries
+                return
         self._query_buffer = _with_room([buffer[:, :, :start]] if start else [], queries,
                                         self._config.slack + 1 - end)
 

@@ -30,8 +30,10 @@ _SOURCE = """
   const float scale = params[0], weight = params[1];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   __shared__ float lse[ROWS];
+  __shared__ long last_seen[ROWS];  // the last column query row m sees (no division per logit)
   for (long m = m0 + warp; m < m1; m += warps) {
     long visible = min(N, n_before + m % S + 1);
+    if (lane == 0) last_seen[m - m0] = visible - 1;
     const T* row = logits + (r * M + m) * N;
     float top = -INFINITY, total = 0.0f;
     for (long j = lane; j < visible; j += 32) {
@@ -51,12 +53,13 @@ _SOURCE = """
   }
   __syncthreads();
   float* out = partial + (r * groups_per_row + part) * width;
+  const T* rows = logits + (r * M + m0) * N;
   for (long j = threadIdx.x; j < width; j += blockDim.x) {
     float sum = 0.0f;
-    for (long m = m0; m < m1 && j < N; ++m) {
-      float l = lse[m - m0];
-      if (l == -INFINITY || j > n_before + m % S) continue;
-      float x = static_cast<float>(logits[(r * M + m) * N + j]) * scale;
+    for (int k = 0; k < m1 - m0 && j < N; ++k) {
+      float l = lse[k];
+      if (l == -INFINITY || j > last_seen[k]) continue;
+      float x = static_cast<float>(rows[k * N + j]) * scale;
       if (isfinite(x)) sum += expf(x - l);
     }
     out[j] = sum * weight;
