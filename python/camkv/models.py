@@ -545,8 +545,8 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
     return model
 
 
-_PACKAGED_NAMES = " or ".join(f"'{name}'" for name in PACKAGED_MODELS)
-_ACCEPTED = (f"--model takes {_PACKAGED_NAMES}, a .gguf file, an mlx-lm model folder "
+PACKAGED_NAMES = " or ".join(f"'{name}'" for name in PACKAGED_MODELS)  # for messages and help
+_ACCEPTED = (f"--model takes {PACKAGED_NAMES}, a .gguf file, an mlx-lm model folder "
              f"(with config.json) or a Hugging Face id 'owner/name'")
 
 
@@ -561,7 +561,7 @@ def _check_model_name(model: str, path: Path) -> None:
         raise ValueError(f"--model {model!r} is a folder without config.json, not an mlx-lm "
                          f"model folder; {_ACCEPTED}")
     if not path.exists() and "/" not in model:
-        raise ValueError(f"--model {model!r} is neither a packaged model ({_PACKAGED_NAMES}), "
+        raise ValueError(f"--model {model!r} is neither a packaged model ({PACKAGED_NAMES}), "
                          f"a folder nor a file here, nor a Hugging Face id 'owner/name'; "
                          f"{_ACCEPTED}")
 
