@@ -73,12 +73,13 @@ def test_config_has_llama_cpps_fixed_gemma3_values(gemma_dir):
     assert config["rope_scaling"] is None and config["tie_word_embeddings"] is True
 
 
-def test_gemma3_27b_scales_queries_by_hidden_over_heads_and_rope_scaling_is_read():
+def test_gemma3_27b_scales_queries_by_hidden_over_heads_rope_scaling_is_read_keys_required():
     metadata = {"general.architecture": "gemma3", "tokenizer.ggml.tokens": ["a"],
                 "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 0}
     fields = {"embedding_length": 5376, "block_count": 62, "feed_forward_length": 21504,
               "attention.head_count": 32, "attention.key_length": 128,
               "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 1024,
+              "rope.freq_base": 1e6, "context_length": 131072,
               "rope.scaling.type": "linear", "rope.scaling.factor": 8.0}
     metadata.update({f"gemma3.{k}": v for k, v in fields.items()})
     config = models.config_from_gguf_metadata(metadata)
@@ -86,6 +87,9 @@ def test_gemma3_27b_scales_queries_by_hidden_over_heads_and_rope_scaling_is_read
     assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
     with pytest.raises(ValueError, match="RoPE scaling 'linear' or none, got 'yarn'"):
         models.config_from_gguf_metadata(dict(metadata, **{"gemma3.rope.scaling.type": "yarn"}))
+    del metadata["gemma3.context_length"]
+    with pytest.raises(ValueError, match="no 'gemma3.context_length', which a gemma3 model needs"):
+        models.config_from_gguf_metadata(metadata)
 
 
 def _sentencepiece_oracle():

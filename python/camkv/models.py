@@ -227,7 +227,7 @@ class GGUFArchitecture:
     layer_tensors: dict  # GGUF tensor name after "blk.N." -> mlx-lm module path in the layer
     rope_permuted: bool  # llama.cpp permuted the Q/K rows (undone on conversion)
     norm_offset: float  # llama.cpp stores each RMSNorm weight as norm_offset + w
-    config: Callable  # (metadata, get) -> the config fields of this family
+    config: Callable  # get(key[, default]) -> the config fields of this family
 
 
 _ATTENTION_AND_MLP = {
@@ -255,7 +255,7 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0
 _GEMMA3_27B_LAYERS = 62
 
 
-def _llama_config(metadata: dict, get) -> dict:
+def _llama_config(get) -> dict:
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     return {
         "model_type": "llama",
@@ -266,7 +266,7 @@ def _llama_config(metadata: dict, get) -> dict:
     }
 
 
-def _gemma3_config(metadata: dict, get) -> dict:
+def _gemma3_config(get) -> dict:
     hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // n_heads))
     is_27b = int(get("block_count")) == _GEMMA3_27B_LAYERS
@@ -277,10 +277,10 @@ def _gemma3_config(metadata: dict, get) -> dict:
         "query_pre_attn_scalar": hidden // n_heads if is_27b else head_dim,
         "sliding_window": int(get("attention.sliding_window")),
         "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
-        "rope_theta": float(get("rope.freq_base", 1_000_000.0)),
+        "rope_theta": float(get("rope.freq_base")),
         "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
         "rope_scaling": _linear_rope_scaling(get),
-        "max_position_embeddings": int(get("context_length", 32768)),
+        "max_position_embeddings": int(get("context_length")),
     }
 
 
@@ -320,13 +320,20 @@ def gguf_architecture(metadata: dict) -> tuple[str, GGUFArchitecture]:
     return name, GGUF_ARCHITECTURES[name]
 
 
+_REQUIRED = object()  # a metadata key without a default
+
+
 def config_from_gguf_metadata(metadata: dict) -> dict:
     """An mlx-lm config.json dict (llama or gemma3_text) from GGUF metadata."""
     name, arch = gguf_architecture(metadata)
 
-    def get(key, default=None):
+    def get(key, default=_REQUIRED):
         full = f"{name}.{key}"
-        return _scalar(metadata, full) if full in metadata else default
+        if full in metadata:
+            return _scalar(metadata, full)
+        if default is _REQUIRED:
+            raise ValueError(f"the GGUF metadata has no {full!r}, which a {name} model needs")
+        return default
 
     n_heads = int(get("attention.head_count"))
     return {
@@ -340,7 +347,7 @@ def config_from_gguf_metadata(metadata: dict) -> dict:
         "tie_word_embeddings": True,  # set to False on conversion when the file has output.weight
         "bos_token_id": int(_scalar(metadata, "tokenizer.ggml.bos_token_id")),
         "eos_token_id": [int(_scalar(metadata, "tokenizer.ggml.eos_token_id"))],
-        **arch.config(metadata, get),
+        **arch.config(get),
     }
 
 
