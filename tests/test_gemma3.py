@@ -92,9 +92,9 @@ def test_gemma3_27b_scales_queries_by_hidden_over_heads_rope_scaling_is_read_key
         models.config_from_gguf_metadata(metadata)
 
 
-def _sentencepiece_oracle():
+def _sentencepiece_oracle(space_prefix: bool = False):
     """sentencepiece itself, on a model made of the same vocabulary (Gemma's settings: BPE,
-    byte fallback, no dummy prefix, spaces escaped as "▁")."""
+    byte fallback, no dummy prefix unless space_prefix, spaces escaped as "▁")."""
     from sentencepiece import SentencePieceProcessor
     from sentencepiece import sentencepiece_model_pb2 as pb
 
@@ -106,7 +106,7 @@ def _sentencepiece_oracle():
     proto.trainer_spec.unk_id, proto.trainer_spec.bos_id = 3, BOS_ID
     proto.trainer_spec.eos_id, proto.trainer_spec.pad_id = 1, 0
     proto.normalizer_spec.name = "identity"
-    proto.normalizer_spec.add_dummy_prefix = False
+    proto.normalizer_spec.add_dummy_prefix = space_prefix
     proto.normalizer_spec.remove_extra_whitespaces = False
     proto.normalizer_spec.escape_whitespaces = True
     for token, score, kind in zip(tokens, scores, types):
@@ -124,6 +124,22 @@ def test_tokenizer_matches_sentencepiece_and_puts_bos_first(gemma_dir):
         assert tokenizer.decode(ids, skip_special_tokens=True) == text
     assert tokenizer.bos_token == "<bos>" and tokenizer.eos_token_ids == {1}
     assert tokenizer.encode("<start_of_turn>x")[1] == 4  # a control token stays whole
+
+
+def test_a_space_prefix_is_put_first_and_taken_off_again_as_sentencepiece_does():
+    # llama.cpp's default for SentencePiece files (Llama 2), which Gemma's turn off.
+    from camkv.gguf_tokenizer import tokenizer_from_gguf_metadata
+
+    tokens, scores, types = spm_vocab()
+    tokenizer = tokenizer_from_gguf_metadata({
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": BOS_ID, "tokenizer.ggml.unknown_token_id": 3})
+    oracle = _sentencepiece_oracle(space_prefix=True)
+    for text in ("hello world, the thing", "world", "Grüße in the x"):
+        ids = tokenizer.encode(text)  # no add_bos_token: no BOS
+        assert ids == oracle.encode(text) and ids[0] != BOS_ID, text
+        assert tokenizer.decode(ids) == text
 
 
 def test_quantized_dtype_is_refused_for_types_mlx_cannot_hold_packed(tmp_path):
