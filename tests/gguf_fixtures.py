@@ -136,3 +136,123 @@ def quantize_like_gguf(model):
 def logits(model, tokens) -> np.ndarray:
     out = model(mx.array(tokens)[None])
     return np.array(out.astype(mx.float32))
+
+
+# ---------------------------------------------------------------------------
+# Gemma 3: a SentencePiece vocabulary, RMSNorm weights stored as 1 + w
+# ---------------------------------------------------------------------------
+
+SPACE = "\u2581"
+# (token, llama.cpp token type): control 3, unknown 2, user-defined 4, byte 6, normal 1.
+SPM_SPECIALS = [("<pad>", 3), ("<eos>", 3), ("<bos>", 3), ("<unk>", 2), ("<start_of_turn>", 3)]
+SPM_USER_DEFINED = ["  ", "\n\n"]  # spelled with real spaces, as llama.cpp's GGUF files spell them
+SPM_PIECES = (
+    [SPACE] + list("abcdefghijklmnopqrstuvwxyz,.")
+    + ["he", "ll", "hell", "hello", SPACE + "w", "or", SPACE + "wor", "ld", SPACE + "world",
+       SPACE + "t", "th", SPACE + "th", SPACE + "the", "in", SPACE + "in"]
+)
+BOS_ID, EOS_ID = 2, 1
+
+# mlx-lm gemma3 module path (after model.layers.N.) -> GGUF tensor name (after blk.N.)
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "post_attention_layernorm"},
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types) of a tiny SentencePiece BPE vocabulary laid out like Gemma's:
+    specials, user-defined tokens, the 256 byte tokens, then normal pieces by falling score."""
+    tokens = [t for t, _ in SPM_SPECIALS] + SPM_USER_DEFINED + [f"<0x{b:02X}>" for b in range(256)]
+    types = [ty for _, ty in SPM_SPECIALS] + [4] * len(SPM_USER_DEFINED) + [6] * 256
+    scores = [0.0] * len(tokens)
+    tokens += SPM_PIECES
+    types += [1] * len(SPM_PIECES)
+    scores += [-float(i) for i in range(len(SPM_PIECES))]
+    return tokens, scores, types
+
+
+def tiny_gguf_gemma3(seed: int = 0):
+    """A random Gemma 3 as llama.cpp lays one out: a global layer after five sliding-window
+    ones (window 8), queries scaled by 1/sqrt(head dim), random RMSNorm weights."""
+    from mlx.utils import tree_flatten
+
+    from tiny_models import tiny_gemma3
+
+    model = tiny_gemma3(layers=6, seed=seed, vocab_size=len(spm_vocab()[0]), sliding_window=8,
+                        sliding_window_pattern=6, query_pre_attn_scalar=16)
+    model.sanitize({})  # no lm_head: the embedding is tied, as in every Gemma 3
+    rng = np.random.default_rng(seed)
+    model.load_weights([(name, mx.array(rng.normal(0.0, 0.5, w.shape).astype(np.float32)))
+                        for name, w in tree_flatten(model.parameters()) if "norm" in name],
+                       strict=False)
+    mx.eval(model.parameters())
+    return model
+
+
+def gemma3_gguf_name(mlx_name: str) -> str:
+    """'model.layers.3.pre_feedforward_layernorm.weight' -> 'blk.3.ffn_norm.weight'."""
+    if mlx_name.startswith("model.layers."):
+        _, _, layer, rest = mlx_name.split(".", 3)
+        module, leaf = rest.rsplit(".", 1)
+        return f"blk.{layer}.{_GEMMA3_LAYER_NAMES[module]}.{leaf}"
+    module, leaf = mlx_name.rsplit(".", 1)
+    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}[module] + f".{leaf}"
+
+
+def write_tiny_gemma3_gguf(path, seed: int = 0, quant: str = "F32"):
+    """Write a tiny Gemma 3 GGUF with llama.cpp's conventions (norms stored as 1 + w, no
+    Q/K permutation, tied embedding) through the gguf package; matrices of type `quant`
+    ("F32", or "Q5_0", which MLX cannot read, so the file is dequantized on conversion).
+
+    Returns the model the converted file must reproduce: the original, its matrices
+    rounded through `quant` as the file holds them."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from mlx.utils import tree_flatten
+
+    model = tiny_gguf_gemma3(seed)
+    qtype = GGMLQuantizationType[quant]
+    writer = GGUFWriter(str(path), "gemma3")
+    _gemma3_metadata(writer, model.args)
+    stored = []
+    for name, w in tree_flatten(model.parameters()):
+        values = np.array(w, dtype=np.float32)
+        if "norm" in name:
+            writer.add_tensor(gemma3_gguf_name(name), values + 1.0)  # llama.cpp's Gemma norms
+        elif quant != "F32":
+            packed = quants.quantize(values, qtype)
+            writer.add_tensor(gemma3_gguf_name(name), packed, raw_dtype=qtype)
+            values = quants.dequantize(packed, qtype)
+        else:
+            writer.add_tensor(gemma3_gguf_name(name), values)
+        stored.append((name, mx.array(values)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.load_weights(stored)
+    return model
+
+
+def _gemma3_metadata(writer, a) -> None:
+    tokens, scores, types = spm_vocab()
+    for key, value in {
+        "context_length": 4096, "embedding_length": a.hidden_size, "block_count": a.num_hidden_layers,
+        "feed_forward_length": a.intermediate_size, "attention.head_count": a.num_attention_heads,
+        "attention.head_count_kv": a.num_key_value_heads, "attention.key_length": a.head_dim,
+        "attention.value_length": a.head_dim, "attention.sliding_window": a.sliding_window,
+    }.items():
+        writer.add_uint32(f"gemma3.{key}", value)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", a.rms_norm_eps)
+    writer.add_float32("gemma3.rope.freq_base", a.rope_theta)
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_string("tokenizer.ggml.pre", "default")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.scores", scores)
+    writer.add_array("tokenizer.ggml.token_type", types)
+    for key, value in {"bos": BOS_ID, "eos": EOS_ID, "unknown": 3, "padding": 0}.items():
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    writer.add_bool("tokenizer.ggml.add_bos_token", True)
+    writer.add_bool("tokenizer.ggml.add_space_prefix", False)

@@ -102,10 +102,12 @@ def test_tokenizer_rebuilt_from_metadata():
 
 def test_unsupported_gguf_is_refused_with_what_is_supported():
     metadata = gguf_metadata(tiny_gguf_llama())
-    with pytest.raises(ValueError, match="'llama' architecture only, got 'qwen2'"):
+    with pytest.raises(ValueError, match=r"architectures \['gemma3', 'llama'\], got 'qwen2'"):
         models.config_from_gguf_metadata(dict(metadata, **{"general.architecture": "qwen2"}))
     with pytest.raises(ValueError, match="pre 'qwen2'"):
         models.tokenizer_from_gguf_metadata(dict(metadata, **{"tokenizer.ggml.pre": "qwen2"}))
+    with pytest.raises(ValueError, match=r"\['gpt2', 'llama'\].*got model 'bert'"):
+        models.tokenizer_from_gguf_metadata(dict(metadata, **{"tokenizer.ggml.model": "bert"}))
     with pytest.raises(ValueError, match="float32, float16, bfloat16, quantized.*'int4'"):
         models.resolve("whatever", dtype="int4")
 

@@ -133,6 +133,26 @@ def test_windows_are_exact_length_word_aligned_and_seeded():
         texts.sample_windows("builtin", docs, tokenizer, 9999, 1, seed=0)
 
 
+class BosByteTokenizer(ByteTokenizer):
+    """Bytes as tokens, with a BOS token (256) put first, as Gemma's tokenizer does."""
+
+    bos_token_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id] + super().encode(text)
+
+
+def test_windows_keep_the_bos_a_tokenizer_puts_first_unless_spliced():
+    docs = texts.load_source("builtin")
+    plain = texts.sample_windows("builtin", docs, ByteTokenizer(), 200, 2, seed=3)
+    with_bos = texts.sample_windows("builtin", docs, BosByteTokenizer(), 200, 2, seed=3)
+    spliced = texts.sample_windows("builtin", docs, BosByteTokenizer(), 200, 2, seed=3,
+                                   keep_bos=False)
+    for p, b, s in zip(plain, with_bos, spliced):
+        assert len(b.tokens) == 200 and b.tokens[0] == 256 and b.tokens[1:] == p.tokens[:199]
+        assert s.tokens == p.tokens and 256 not in s.tokens
+
+
 def test_files_and_folders_are_sources(tmp_path):
     (tmp_path / "a.txt").write_text("alpha text")
     (tmp_path / "b.txt").write_text("beta text")

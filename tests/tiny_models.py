@@ -44,15 +44,18 @@ def tiny_qwen3(*, layers: int = 2, seed: int = 0):
     return model
 
 
-def tiny_gemma3(*, layers: int = 4, seed: int = 0):
-    """A random gemma3 text model: sliding-window layers (RotatingKVCache) and global layers."""
+def tiny_gemma3(*, layers: int = 4, seed: int = 0, **overrides):
+    """A random gemma3 text model: sliding-window layers (RotatingKVCache) and global layers.
+
+    overrides: other gemma3_text.ModelArgs fields (vocab_size, sliding_window, ...)."""
     from mlx_lm.models import gemma3_text
 
-    args = gemma3_text.ModelArgs(
+    fields = dict(
         model_type="gemma3_text", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
         vocab_size=128, sliding_window=32, sliding_window_pattern=2,
     )
+    args = gemma3_text.ModelArgs(**{**fields, **overrides})
     mx.random.seed(seed)
     model = gemma3_text.Model(args)
     mx.eval(model.parameters())

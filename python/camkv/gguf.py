@@ -1,4 +1,4 @@
-"""Check a GGUF file's header and tensor table against its size before MLX reads it.
+"""Check a GGUF file's header and tensor table against its size, then read it.
 
 MLX's GGUF reader trusts the file: a valid magic followed by a corrupt header can
 make it read past the end and crash the process (a segmentation fault), and random
@@ -12,11 +12,17 @@ magic "GGUF", uint32 version, uint64 tensor count, uint64 metadata count, the
 metadata entries (string key, uint32 type, value), the tensor entries (string
 name, uint32 dimension count, uint64 dimensions, uint32 ggml type, uint64 offset),
 padding to the alignment (metadata "general.alignment", default 32), tensor data.
+
+``read`` returns the tensors and metadata as ``mx.load`` does. MLX reads F32 and F16
+tensors and keeps Q4_0, Q4_1 and Q8_0 blocks packed (as MLX affine triplets); a file
+with any other type (the K-quants, Q5_0, BF16, ...) is read with llama.cpp's ``gguf``
+package instead, every tensor dequantized to float32.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 from pathlib import Path
 
 MAGIC = b"GGUF"
@@ -37,6 +43,10 @@ GGML_TYPES = {
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
     28: ("F64", 1, 8), 30: ("BF16", 1, 2),
 }
+
+
+# The tensor types mx.load reads exactly (the quantized ones as MLX triplets).
+MLX_TYPES = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0"})
 
 
 class _Reader:
@@ -72,8 +82,9 @@ class _Reader:
             raise self.fail(f"{what} is not UTF-8") from None
 
 
-def check(path) -> None:
-    """Raise ValueError if the file is not a GGUF file whose tensors all lie inside it."""
+def check(path) -> dict[str, str]:
+    """Each tensor's ggml type name ("Q4_K", ...), by tensor name; ValueError if the file
+    is not a GGUF file whose tensors all lie inside it."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -87,12 +98,12 @@ def check(path) -> None:
     reader = _Reader(path, size, version)
     try:
         reader.take(8, "magic and version")
-        _check_body(reader)
+        return _check_body(reader)
     finally:
         reader.handle.close()
 
 
-def _check_body(reader: _Reader) -> None:
+def _check_body(reader: _Reader) -> dict[str, str]:
     n_tensors = reader.count("tensor count")
     n_metadata = reader.count("metadata count")
     # Every entry takes at least 8 bytes: larger counts cannot fit in the file.
@@ -107,11 +118,12 @@ def _check_body(reader: _Reader) -> None:
             alignment = _alignment(reader, value)
     tensors = [_tensor_entry(reader) for _ in range(n_tensors)]
     data_start = -(-reader.pos // alignment) * alignment
-    for name, nbytes, offset in tensors:
+    for name, _, nbytes, offset in tensors:
         end = data_start + offset + nbytes
         if end > reader.size:
             raise reader.fail(f"tensor {name!r} ({nbytes} bytes at data offset {offset}) "
                               f"ends at byte {end}, past the end of the file (truncated?)")
+    return {name: type_name for name, type_name, _, _ in tensors}
 
 
 def _alignment(reader: _Reader, value) -> int:
@@ -136,8 +148,8 @@ def _value(reader: _Reader, kind: int, key: str):
     raise reader.fail(f"metadata {key!r} has unknown value type {kind} (allowed: 0-12)")
 
 
-def _tensor_entry(reader: _Reader) -> tuple[str, int, int]:
-    """(name, bytes of data, offset from the data section) of one tensor entry."""
+def _tensor_entry(reader: _Reader) -> tuple[str, str, int, int]:
+    """(name, ggml type name, bytes of data, offset from the data section) of one tensor entry."""
     name = reader.string("tensor name")
     n_dims = reader.scalar("I", f"dimension count of {name!r}")
     if not 1 <= n_dims <= MAX_DIMS:
@@ -155,4 +167,52 @@ def _tensor_entry(reader: _Reader) -> tuple[str, int, int]:
     if elements == 0 or dims[0] % block:
         raise reader.fail(f"tensor {name!r} of type {type_name} has dimensions {dims}: "
                           f"none may be 0 and the first must be a multiple of {block}")
-    return name, elements // block * block_bytes, offset
+    return name, type_name, elements // block * block_bytes, offset
+
+
+def read(path, types: dict[str, str]) -> tuple[dict, dict]:
+    """(tensors, metadata) of a GGUF file that ``check`` passed, with the types it gave."""
+    import mlx.core as mx
+
+    if set(types.values()) <= MLX_TYPES:
+        return mx.load(str(path), return_metadata=True)
+    return _read_dequantized(Path(path))
+
+
+def _read_dequantized(path: Path) -> tuple[dict, dict]:
+    """Every tensor dequantized to float32 by llama.cpp's gguf package, and the metadata."""
+    import mlx.core as mx
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    reader = GGUFReader(path)
+    metadata = {name: _field_value(field) for name, field in reader.fields.items()
+                if not name.startswith("GGUF.")}  # the reader's own header entries
+    tensors = {}
+    for t in tqdm(reader.tensors, desc="dequantizing tensors", unit="tensor", file=sys.stderr,
+                  leave=False):
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"{path}: tensor {t.name!r} is of type {t.tensor_type.name}, which "
+                             f"the gguf package cannot dequantize") from None
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dimension first
+        tensors[t.name] = mx.array(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))
+    return tensors, metadata
+
+
+def scalar(value):
+    """A metadata number or flag as a Python value (mx.load gives 0-d arrays)."""
+    return value.item() if hasattr(value, "item") else value
+
+
+def _field_value(field):
+    """A metadata value as mx.load gives it: a str, a list of str, a number or an array."""
+    import numpy as np
+
+    value = field.contents()
+    if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        return np.array(value)
+    return value

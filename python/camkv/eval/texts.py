@@ -222,11 +222,14 @@ class Window:
 
 
 def sample_windows(source: str, docs: list[Document], tokenizer, n_tokens: int, count: int,
-                   seed: int) -> list[Window]:
+                   seed: int, keep_bos: bool = True) -> list[Window]:
     """`count` windows of exactly n_tokens tokens, at seeded word-aligned starts.
 
     A window that runs past its document continues into the following documents
-    (in order, wrapping around), so short documents still give long windows.
+    (in order, wrapping around), so short documents still give long windows. When
+    the tokenizer puts a BOS token first, a window keeps it as its first token unless
+    keep_bos is False (text spliced into a prompt): a model such as Gemma is far off
+    without it.
     """
     if sum(len(d.text) for d in docs) < n_tokens:
         raise ValueError(
@@ -234,10 +237,10 @@ def sample_windows(source: str, docs: list[Document], tokenizer, n_tokens: int, 
             f"than the {n_tokens} tokens asked for"
         )
     rng = random.Random(f"{seed}:{source}:{n_tokens}")
-    return [_window_at(source, docs, tokenizer, n_tokens, rng) for _ in range(count)]
+    return [_window_at(source, docs, tokenizer, n_tokens, rng, keep_bos) for _ in range(count)]
 
 
-def _window_at(source, docs, tokenizer, n_tokens, rng) -> Window:
+def _window_at(source, docs, tokenizer, n_tokens, rng, keep_bos) -> Window:
     index = rng.randrange(len(docs))
     text = docs[index].text
     start = rng.randrange(max(1, len(text) - 1))
@@ -256,7 +259,8 @@ def _window_at(source, docs, tokenizer, n_tokens, rng) -> Window:
     body = _drop_special_prefix(tokenizer, tokens)
     if len(body) < n_tokens:
         raise ValueError(f"text source {source!r} is too short for {n_tokens}-token windows")
-    return Window(sample_id, body[:n_tokens])
+    bos = tokens[: len(tokens) - len(body)] if keep_bos else []
+    return Window(sample_id, (bos + body)[:n_tokens])
 
 
 def _drop_special_prefix(tokenizer, tokens: list[int]) -> list[int]:
