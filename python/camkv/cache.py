@@ -544,7 +544,7 @@ class CaMKVCache(_BaseCache):
         # every backend whether it is usable, host work a decode step pays per layer.
         key = (self._config.backend, mx.default_device())
         if self._backend_for is None or self._backend_for[0] != key:
-            self._backend_for = (key, backends.resolve(self._config.backend))
+            self._backend_for = (key, backends.resolve(self._config.backend, self._config.merge))
         return self._backend_for[1]
 
     def _total_merges(self) -> mx.array:
