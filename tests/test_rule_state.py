@@ -1,6 +1,6 @@
 """Merge rules that carry per-row state (camkv.merges: d2o's moving threshold, keepkv's
 votes) through the cache: compressions, prompt-cache save and load, batching, and the
-attention hook that weighs each row by its votes (docs/algorithm.md sections 4.4, 4.5)."""
+attention hook that weighs each row by its votes (docs/algorithm.md sections 4.5, 4.6)."""
 
 from __future__ import annotations
 

@@ -444,7 +444,7 @@ def test_d2o_merges_above_a_threshold_that_moves_with_each_compression():
 
 @pytest.mark.parametrize("prefill, sizes", [("exact", [9, 1, 1, 5]), ("chunk", [6, 9, 1, 12])])
 def test_keepkv_leaves_the_current_querys_attention_output_unchanged(prefill, sizes):
-    """Section 4.5: with one query per KV head and every eviction merging, the last token's
+    """Section 4.6: with one query per KV head and every eviction merging, the last token's
     attention output over the rows (each weighed by its votes) is the same after the
     evictions as over every row before them; the votes add up to the tokens seen."""
     cfg = CaMConfig(budget=10, n_sink=2, recent=3, merge="keepkv", gate=False, prefill=prefill,

@@ -108,7 +108,7 @@ class CaMKVCache(_BaseCache):
         self._votes: mx.array | None = None
         self._threshold: mx.array | None = None
         # The log-votes of the rows the last call returned [B, H, n] (attention weighs each
-        # row by its votes, section 4.5), and whether attention has not asked for them yet.
+        # row by its votes, section 4.6), and whether attention has not asked for them yet.
         self._fetched_bias: mx.array | None = None
         self._bias_unread = False
         self._merges = mx.zeros((), mx.int32)
@@ -191,7 +191,7 @@ class CaMKVCache(_BaseCache):
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:
         the log of each row's votes (merge rules with keeps_votes, docs/algorithm.md section
-        4.5), or None when every row stands for one token. camkv's attention hook asks."""
+        4.6), or None when every row stands for one token. camkv's attention hook asks."""
         self._bias_unread = False
         return self._fetched_bias
 

@@ -156,8 +156,8 @@ class CaMConfig:
         rule = merges.rule(self.merge)
         if not rule.kernels and self.backend not in ("auto", "reference"):
             raise ValueError(
-                f"CaMConfig.merge={self.merge!r} runs on backend='reference' only (an experimental rule the "
-                f"kernels do not run), got backend={self.backend!r}; use backend='reference' or 'auto'"
+                f"CaMConfig.backend must be 'reference' or 'auto' with merge={self.merge!r} (an experimental "
+                f"rule only the reference runs), got {self.backend!r}"
             )
         # With drop nothing merges, so merge_keys is moot there (and accepted).
         if self.merge_keys and rule.kind != merges.DROP and not rule.keys_allowed:

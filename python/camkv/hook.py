@@ -11,7 +11,7 @@ block with keys and warns once).
 
 A cache whose merge rule keeps votes (camkv.merges, keeps_votes) also has attention
 weigh each row by the tokens it stands for: the hook adds the log of each row's votes
-to its logits (docs/algorithm.md section 4.5), which only the hook can do.
+to its logits (docs/algorithm.md section 4.6), which only the hook can do.
 """
 
 from __future__ import annotations

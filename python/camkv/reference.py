@@ -92,7 +92,7 @@ def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, sp
 
     queries [R, S, G, Dk] float32, keys [R, N, Dk] float32, visible [S, N] bool or None,
     bias [R, N] float32 or None: added to every logit of its key (the log of its votes,
-    section 4.5). Returns [R, N] float32. A NaN or infinite logit counts as masked, and a
+    section 4.6). Returns [R, N] float32. A NaN or infinite logit counts as masked, and a
     query whose every logit is masked adds nothing (section 2's rule for poisoned inputs).
     """
     rows, s_len, groups, k_dim = queries.shape
@@ -113,7 +113,7 @@ def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: in
     """A chunk's mass: chunk token i (absolute index n + i) sees every stored row and
     the chunk tokens up to itself. queries [R, S, G, Dk], keys [R, n + S, Dk] float32.
     split: keep float32 accuracy on a TF32 matmul (see _float32_product); bias [R, n + S]:
-    the log of each row's votes (section 4.5), or None."""
+    the log of each row's votes (section 4.6), or None."""
     s_len, total = queries.shape[1], keys.shape[1]
     visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
     return _attention_mass(queries, keys, scale, visible, split, bias)
@@ -216,7 +216,7 @@ def _merge_one(
 
 
 def _merge_keeping_output(rule, keys, values, targets, t, e, k_e, v_e, do, extra: _RuleState):
-    """Section 4.5 (keepkv): merge e into t so that the mean query sees the same attention
+    """Section 4.6 (keepkv): merge e into t so that the mean query sees the same attention
     output. Returns (keys, values, votes)."""
     q, scale = extra.query, extra.scale
     k_t = _take_rows(keys, t).astype(mx.float32)
@@ -326,7 +326,7 @@ def _appended_votes(votes, s_len: int):
 
 
 def _log_votes(votes):
-    """Each row's attention bias, the log of its votes (section 4.5), or None."""
+    """Each row's attention bias, the log of its votes (section 4.6), or None."""
     return None if votes is None else mx.log(votes)
 
 
@@ -344,7 +344,7 @@ def _compression_state(state: RowState, votes, keys, positions, survivor, loser_
 
 
 def _moved_threshold(threshold, keys, positions, survivor, loser_idx, cfg: CaMConfig):
-    """Section 4.4 (d2o): tau <- m at a row's first compression, else
+    """Section 4.5 (d2o): tau <- m at a row's first compression, else
     _D2O_KEEP tau + (1 - _D2O_KEEP) m, with m the mean over the losers of the cosine to
     their nearest survivor. Non-finite cosines are left out; a row with none keeps tau."""
     cosines = mx.stack([_nearest(keys, positions, survivor, loser_idx[:, j], cfg)[1]
