@@ -95,10 +95,10 @@ def blend_weights(model, scoring, budget, tokens, opts, settings) -> dict:
     cos_w, mass_w = [], []
     original = reference._merge_weight
 
-    def recording(rule, cos_t, s_in, s_t):
+    def recording(rule, cos_t, s_in, s_t, *norms):
         cos_w.append(mx.clip(cos_t, 0.0, 1.0).reshape(-1))
-        mass_w.append(merges.mass_weight(cos_t, s_in, s_t).reshape(-1))
-        return original(rule, cos_t, s_in, s_t)
+        mass_w.append(merges.mass_weight(cos_t, s_in, s_t, *norms).reshape(-1))
+        return original(rule, cos_t, s_in, s_t, *norms)
 
     method = arms.Arm(f"sim_weighted-nogate-{scoring}", "camkv", "sim_weighted", False, scoring)
     ref_settings = arms.CacheSettings(settings.n_sink, settings.recent, settings.window,
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     if "norms" in opts.parts:
         full = arms.Arm("full", "full")
         result["value_norms"]["full"] = norm_series(model, full, budget, tokens, opts, settings)
-        for merge in merges.names():  # every rule, drop included
+        for merge in merges.names(kernels=True):  # every rule the ext backend runs, drop included
             method = arms.Arm(merge, "camkv", merge, False, "key")
             result["value_norms"][merge] = norm_series(model, method, budget, tokens, opts, settings)
             print(f"{merge}: value norm mean {result['value_norms'][merge]['mean'][-1]:.2f}, "

@@ -245,6 +245,12 @@ CAMKV_INLINE float camkv_dot(const CAMKV_DEVICE A* a, const CAMKV_DEVICE B* b, i
   return sum;
 }
 
+// The L2 norm of a row of len elements, its squares summed in feature order (as camkv_dot).
+template <typename T>
+CAMKV_INLINE float camkv_norm(const CAMKV_DEVICE T* v, int len) {
+  return camkv_sqrt(camkv_dot(v, v, len));
+}
+
 // Copy one row of len elements, the group's threads striding over columns.
 template <typename T>
 CAMKV_INLINE void camkv_copy_row(CAMKV_DEVICE T* dst, const CAMKV_DEVICE T* src, int len, CamGroup g) {
@@ -776,7 +782,12 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   plan.w = 0.5f;
   if (plan.open != 0) {
     float c = r.cosines[camkv_column_of(r, plan.target)];  // written by camkv_nearest
-    plan.w = camkv_merge_weight(p->merge, c, s_e, *camkv_score(r, plan.target));
+    float norm_e = 0.0f, norm_t = 0.0f;
+    if (camkv_reads_value_norms(p->merge)) {  // every thread computes the same sums
+      norm_e = camkv_norm(camkv_value(r, e), r.Dv);
+      norm_t = camkv_norm(camkv_value(r, plan.target), r.Dv);
+    }
+    plan.w = camkv_merge_weight(p->merge, c, s_e, *camkv_score(r, plan.target), norm_e, norm_t);
   }
   return plan;
 }
@@ -840,7 +851,7 @@ CAMKV_INLINE int camkv_apply_merge(CamRows<T> r, CamMergePlan plan, const CAMKV_
       CAMKV_DEVICE T* v_j = camkv_value(r, j);
       if (rule.blends) {
         // Each target's weight is its own mass against the share it receives.
-        camkv_blend_row(v_j, v_e, camkv_merge_weight(p->merge, 0.0f, share, *camkv_score(r, j)), r.Dv, g);
+        camkv_blend_row(v_j, v_e, camkv_merge_weight(p->merge, 0.0f, share, *camkv_score(r, j), 0.0f, 0.0f), r.Dv, g);
         continue;
       }
       for (int d = camkv_tid(g); d < r.Dv; d += camkv_gsize(g)) {
@@ -1303,7 +1314,12 @@ CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams
     if (p->gate && camkv_gate_open(s_e, r.scores[t], p->seed, row_id, r.positions[e]) == 0) {
       continue;
     }
-    float w = camkv_merge_weight(p->merge, weights[k], s_e, r.scores[t]);
+    float norm_e = 0.0f, norm_t = 0.0f;
+    if (camkv_reads_value_norms(p->merge)) {
+      norm_e = camkv_norm(r.values + (long)e * r.Dv, r.Dv);
+      norm_t = camkv_norm(r.values + (long)t * r.Dv, r.Dv);  // as earlier merges into t left it
+    }
+    float w = camkv_merge_weight(p->merge, weights[k], s_e, r.scores[t], norm_e, norm_t);
     r.scores[t] += s_e;
     merged += 1;
     for (int d = 0; d < r.Dv; ++d) {

@@ -17,24 +17,40 @@
 
 // A blending rule's weight w, the target becoming (1 - w) target + w source:
 // from the cosine of the evicted key with the target's (nearest rules; 0 in a
-// window), the mass the target receives (s_e, or s_e / |W| in a window) and the
-// target's own score before the merge.
+// window), the mass the target receives (s_e, or s_e / |W| in a window), the
+// target's own score before the merge, and the L2 norms of the evicted value and of
+// the target's value before the merge (rules listed in CAMKV_VALUE_NORM_RULES; 0
+// for the others).
 
-CAMKV_INLINE float camkv_weight_cosine(float cosine, float s_in, float s_target) {
+CAMKV_INLINE float camkv_weight_cosine(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
   return cosine < 0.0f ? 0.0f : (cosine > 1.0f ? 1.0f : cosine);
 }
 
-CAMKV_INLINE float camkv_weight_half(float cosine, float s_in, float s_target) { return 0.5f; }
+CAMKV_INLINE float camkv_weight_half(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+  return 0.5f;
+}
 
 // s_in / (s_in + s_target), 0 if both are 0: blending with it makes the target the
 // attention-mass-weighted mean of itself and what it receives (scores are >= 0).
-CAMKV_INLINE float camkv_weight_mass(float cosine, float s_in, float s_target) {
+CAMKV_INLINE float camkv_weight_mass(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
   float total = s_in + s_target;
   return total > 0.0f ? s_in / total : 0.0f;
 }
 
+// w / (1 + w) with w = clamp(cos, 0, 1) |V_e| / (|V_e| + |V_t|) (0 where both norms
+// are 0): one merge of kvpress's MergingPress, V_t <- (V_t + w V_e) / (1 + w), as a blend.
+CAMKV_INLINE float camkv_weight_value_norm(float cosine, float s_in, float s_target, float norm_in,
+                                           float norm_target) {
+  float total = norm_in + norm_target;
+  float share = total > 0.0f ? norm_in / total : 0.0f;
+  float w = camkv_weight_cosine(cosine, s_in, s_target, norm_in, norm_target) * share;
+  return w / (1.0f + w);
+}
+
 // The weight of a rule that does not blend (never read).
-CAMKV_INLINE float camkv_weight_none(float cosine, float s_in, float s_target) { return 0.0f; }
+CAMKV_INLINE float camkv_weight_none(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+  return 0.0f;
+}
 
 // One row per rule, in code order: X(name, code, kind, blends, keys_allowed, weight).
 // blends 0: a window rule adds V_e / |W| to each target instead (a nearest rule always
@@ -45,7 +61,8 @@ CAMKV_INLINE float camkv_weight_none(float cosine, float s_in, float s_target) {
   X(window, 2, WINDOW, 0, 0, camkv_weight_none)               \
   X(drop, 3, DROP, 0, 0, camkv_weight_none)                   \
   X(mass_weighted, 4, NEAREST, 1, 1, camkv_weight_mass)       \
-  X(window_mass, 5, WINDOW, 1, 0, camkv_weight_mass)
+  X(window_mass, 5, WINDOW, 1, 0, camkv_weight_mass)         \
+  X(value_norm, 6, NEAREST, 1, 1, camkv_weight_value_norm)
 
 struct CamMergeRule {
   int kind;          // CAMKV_KIND_*, -1 for an unknown code
@@ -75,15 +92,33 @@ CAMKV_INLINE CamMergeRule camkv_merge_rule(int merge) {
 
 #define CAMKV_WEIGHT_CASE(name, code, kind_, blends_, keys_, weight_) \
   case code:                                                           \
-    return weight_(cosine, s_in, s_target);
+    return weight_(cosine, s_in, s_target, norm_in, norm_target);
 
 // Rule `merge`'s blend weight (see the weight functions above).
-CAMKV_INLINE float camkv_merge_weight(int merge, float cosine, float s_in, float s_target) {
+CAMKV_INLINE float camkv_merge_weight(int merge, float cosine, float s_in, float s_target, float norm_in,
+                                      float norm_target) {
   switch (merge) {
     CAMKV_MERGE_RULES(CAMKV_WEIGHT_CASE)
   }
   return 0.0f;
 }
 #undef CAMKV_WEIGHT_CASE
+
+// The rules whose weight reads the value norms, X(name, code): the core computes
+// |V_e| and |V_t| for these only (two dot products a merge), and passes 0 otherwise.
+#define CAMKV_VALUE_NORM_RULES(X) X(value_norm, 6)
+
+#define CAMKV_NORM_CASE(name, code) \
+  case code:                        \
+    return 1;
+
+// 1 if rule `merge`'s weight reads the value norms.
+CAMKV_INLINE int camkv_reads_value_norms(int merge) {
+  switch (merge) {
+    CAMKV_VALUE_NORM_RULES(CAMKV_NORM_CASE)
+  }
+  return 0;
+}
+#undef CAMKV_NORM_CASE
 
 #endif  // CAMKV_MERGES_H

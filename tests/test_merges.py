@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from camkv import CaMConfig, merges
+from camkv import CaMConfig, backends, merges, reference
 from camkv.config import MERGE_MODES
 
 
@@ -20,10 +20,21 @@ def test_every_rule_is_one_the_kernel_can_run(rule):
     assert rule.help and rule.name in merges.help_text()
 
 
+@pytest.mark.parametrize("rule", merges.RULES, ids=lambda r: r.name)
+def test_a_rule_with_state_is_reference_only_and_says_so(rule):
+    """The kernel core has no per-row threshold or votes: a rule that keeps either runs on
+    the reference only, and its help says it is experimental."""
+    if rule.moving_threshold or rule.keeps_votes:
+        assert not rule.kernels
+    if not rule.kernels:
+        assert "Experimental: reference backend only" in rule.help
+        assert rule.kind == merges.NEAREST, "the reference's stateful merges are nearest-survivor merges"
+
+
 def test_the_kernels_table_is_the_registrys():
     ext = pytest.importorskip("camkv._ext")
     kernel = [tuple(r) for r in ext.merge_rules()]
-    assert kernel == [(r.name, r.code, r.kind, r.blends, r.keys_allowed) for r in merges.RULES]
+    assert kernel == [(r.name, r.code, r.kind, r.blends, r.keys_allowed) for r in merges.RULES if r.kernels]
 
 
 def test_the_config_accepts_exactly_the_registrys_rules():
@@ -35,6 +46,16 @@ def test_the_config_accepts_exactly_the_registrys_rules():
         else:
             with pytest.raises(ValueError, match="merge_keys"):
                 CaMConfig(merge=rule.name, merge_keys=True)
+
+
+@pytest.mark.parametrize("merge", merges.names(kernels=False))
+def test_a_reference_only_rule_refuses_a_kernel_backend_and_auto_picks_the_reference(merge):
+    for backend in ("ext", "metal", "cuda"):
+        with pytest.raises(ValueError, match=f"'reference' or 'auto' with merge='{merge}'.*got '{backend}'"):
+            CaMConfig(merge=merge, backend=backend)
+    assert CaMConfig(merge=merge).backend == "auto"
+    assert backends.resolve("auto", merge) is reference
+    assert backends.resolve("reference", merge) is reference
 
 
 def test_queries_filter_by_property_and_unknown_names_are_named():

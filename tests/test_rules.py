@@ -22,7 +22,15 @@ def _update(backend):
 def _cfg(backend, **fields):
     base = dict(budget=8, n_sink=2, recent=3, gate=True, merge="mass_weighted", backend=backend)
     base.update(fields)
+    _skip_unless_it_runs(backend, base["merge"])
     return CaMConfig(**base)
+
+
+def _skip_unless_it_runs(backend: str, merge: str) -> None:
+    """A reference-only rule has nothing to check on a kernel backend but its refusal,
+    which tests/test_equivalence.py and tests/test_merges.py check."""
+    if backend != "reference" and not rules.rule(merge).kernels:
+        pytest.skip(f"merge={merge!r} runs on the reference backend only")
 
 
 def _np(state: RowState):
@@ -121,6 +129,7 @@ def test_exact_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, q
     mirror = [[np.zeros((0, k_dim), np.float32), np.zeros((0, v_dim), np.float32),
                np.zeros(0, np.float32), np.zeros(0, np.int64)] for _ in range(rows)]
     merged_total = np.zeros(rows, int)
+    rule_state = [{} for _ in range(rows)]  # the oracle's votes and threshold, per row
     for p in range(20):
         k, v = random_block(rng, rows, 1, k_dim, v_dim, mx.float32)
         q = mx.array(rng.standard_normal((rows, 1, queries_per_kv, k_dim)).astype(np.float32)) if queries_per_kv else None
@@ -129,14 +138,20 @@ def test_exact_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, q
         for r in range(rows):
             qr = np.array(q[r, 0]) if q is not None else np.array(k[r, 0])[None]
             sc = 0.4 if q is not None else 1 / np.sqrt(k_dim)
-            *mirror[r], did = oracle.step(*mirror[r], np.array(k[r, 0]), np.array(v[r, 0]), p, qr, sc, cfg, r + 5)
+            *mirror[r], did = oracle.step(*mirror[r], np.array(k[r, 0]), np.array(v[r, 0]), p, qr, sc, cfg, r + 5,
+                                          rule_state[r])
             merged_total[r] += did
-        K, V, S, P = _np(state)
+        K, V, S, P = _np(state)[:4]
         for r in range(rows):
             np.testing.assert_array_equal(P[r], mirror[r][3], err_msg=f"row {r} step {p}")
             np.testing.assert_allclose(S[r], mirror[r][2], rtol=1e-4, atol=1e-6)
             np.testing.assert_allclose(V[r], mirror[r][1], rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(K[r], mirror[r][0], rtol=1e-5, atol=1e-6)
+            if state.votes is not None:
+                np.testing.assert_array_equal(np.array(state.votes[r]), rule_state[r]["votes"])
+            if state.threshold is not None:
+                np.testing.assert_allclose(np.array(state.threshold[r]), rule_state[r].get("threshold", np.nan),
+                                           rtol=1e-5)
 
 
 # ---------------------------------------------------------------- section 7: calls
@@ -230,6 +245,7 @@ def test_drop_equals_a_gate_that_never_opens(monkeypatch):
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_gate_merges_at_a_rate_strictly_between_zero_and_one(backend, merge, prefill):
     """The defect docs/algorithm.md fixes (newest token always evicted, gate never open) stays fixed."""
+    _skip_unless_it_runs(backend, merge)
     cfg = CaMConfig(budget=16, n_sink=2, recent=4, merge=merge, prefill=prefill, gate=True, backend=backend)
     state, merges = run_calls(_update(backend), cfg, [1] * 120, rows=4, k_dim=16, v_dim=16)
     evictions = 4 * (120 - 16)
@@ -309,7 +325,8 @@ def _hand_state():
     return state, new_key, values, scores + mass[:6]
 
 
-@pytest.mark.parametrize("merge", [r.name for r in rules.RULES if r.weight is rules.mass_weight])
+# keepkv's masses are the current query's, not the scores (test_keepkv_* below).
+@pytest.mark.parametrize("merge", [r.name for r in rules.RULES if r.weight is rules.mass_weight and not r.keeps_votes])
 def test_mass_weighted_merges_make_the_attention_mass_weighted_mean(backend, merge):
     """The survivor's value becomes (s_t V_t + s_e V_e) / (s_t + s_e) (window_mass: with
     s_e / |W| per target), scores after this step's update; keys never change.
@@ -352,3 +369,109 @@ def test_only_the_additive_window_merge_leaves_the_range_of_the_inputs(backend, 
         assert stored.max() > 2.0
     else:
         assert stored.min() >= 0.5 - 1e-6 and stored.max() <= 1.0 + 1e-6
+
+
+# ---------------------------------------------------------------- section 4.1: value_norm, d2o, keepkv
+
+
+def test_value_norm_merges_one_token_as_kvpress_does(backend):
+    """kvpress's MergingPress for one evicted token: V_t <- (V_t + w V_e) / (1 + w) with
+    w = clamp(cos, 0, 1) |V_e| / (|V_e| + |V_t|); the score adds s_e; keys stay."""
+    state, new_key, values, s = _hand_state()
+    cfg = _cfg(backend, budget=6, n_sink=1, recent=2, merge="value_norm", gate=False, prefill="exact")
+    out, merged = _update(backend)(state, mx.array(new_key)[None, None], mx.full((1, 1, 3), 0.25), 6, cfg,
+                                   mx.zeros((1,), mx.uint32))
+    assert merged.tolist() == [1]
+    norm_e, norm_t = np.linalg.norm(values[2]), np.linalg.norm(values[4])
+    w = 1.0 * norm_e / (norm_e + norm_t)  # cos(K_2, K_4) = 1
+    want_v = values.copy()
+    want_v[4] = (values[4] + w * values[2]) / (1 + w)
+    kept = [0, 1, 3, 4, 5]
+    np.testing.assert_allclose(np.array(out.values[0, :5]), want_v[kept], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(out.scores[0, 3]), s[4] + s[2], rtol=1e-5)
+    np.testing.assert_array_equal(np.array(out.keys[0, :5]), np.array(state.keys[0])[kept])
+
+
+def test_value_norm_folds_several_tokens_into_a_survivor_one_at_a_time(backend):
+    """Two tokens evicted by one chunk into the same survivor merge in position order, the
+    second one's weight from the survivor's value as the first left it (section 4.1)."""
+    keys = np.array([[0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [3, 0, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0]],
+                    np.float32)
+    values = np.random.default_rng(14).standard_normal((6, 5)).astype(np.float32)
+    scores = np.array([9.0, 0.1, 5.0, 0.2, 4.0, 3.0], np.float32)
+    state = RowState(mx.array(keys)[None], mx.array(values)[None], mx.array(scores)[None],
+                     mx.arange(6, dtype=mx.int32)[None])
+    new_keys = mx.array([[[0, 0, 0, 1], [0, -1, 0, 0]]], mx.float32)
+    cfg = _cfg(backend, budget=6, n_sink=1, recent=2, merge="value_norm", gate=False, prefill="chunk")
+    out, merged = _update(backend)(state, new_keys, mx.zeros((1, 2, 5)), 6, cfg, mx.zeros((1,), mx.uint32))
+    assert merged.tolist() == [2] and np.array(out.positions[0]).tolist() == [0, 2, 4, 5, 6, 7]
+    survivor = values[4]
+    for e in (1, 3):  # both point the way K_4 does (cos 1), and only K_4 does
+        w = np.linalg.norm(values[e]) / (np.linalg.norm(values[e]) + np.linalg.norm(survivor))
+        survivor = (survivor + w * values[e]) / (1 + w)
+    np.testing.assert_allclose(np.array(out.values[0, 2]), survivor, rtol=1e-5, atol=1e-6)
+
+
+def _nearest_cosines(keys, kept, losers, n_sink):
+    """Each loser's cosine to its most similar non-sink survivor (keys [N, D], by position)."""
+    unit = keys / np.linalg.norm(keys, axis=1, keepdims=True)
+    targets = [j for j in kept if j >= n_sink]
+    return np.array([max(unit[e] @ unit[j] for j in targets) for e in losers])
+
+
+def test_d2o_merges_above_a_threshold_that_moves_with_each_compression():
+    """tau = m after a row's first compression, then tau <- 0.5 tau + 0.5 m, with m the mean
+    of the losers' nearest cosines; a loser merges when its cosine reaches the new tau."""
+    cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge="d2o", gate=False, prefill="chunk", backend="reference")
+    rng = np.random.default_rng(15)
+    all_keys = rng.standard_normal((1, 40, 6)).astype(np.float32)
+    all_keys[0, 20:] += 1.5  # the later tokens look alike: the second compression's cosines are higher
+    state, tau, offset = RowState.empty(1, 6, 4, mx.float32), None, 0
+    for s_len in (20, 20):
+        keys_before = np.concatenate([np.array(state.keys[0]), all_keys[0, offset:offset + s_len]])
+        before = np.array(state.positions[0]).tolist() + list(range(offset, offset + s_len))
+        state, merged = reference.update(state, mx.array(all_keys[:, offset:offset + s_len]),
+                                         mx.zeros((1, s_len, 4)), offset, cfg, mx.zeros((1,), mx.uint32))
+        offset += s_len
+        kept = np.array(state.positions[0]).tolist()
+        losers = [i for i, p in enumerate(before) if p not in kept]
+        cosines = _nearest_cosines(keys_before, [before.index(p) for p in kept], losers, cfg.n_sink)
+        tau = cosines.mean() if tau is None else 0.5 * tau + 0.5 * cosines.mean()
+        np.testing.assert_allclose(np.array(state.threshold), [tau], rtol=1e-5)
+        assert merged.tolist() == [int((cosines >= tau).sum())]
+        assert 0 < merged.item() < len(losers)
+
+
+@pytest.mark.parametrize("prefill, sizes", [("exact", [9, 1, 1, 5]), ("chunk", [6, 9, 1, 12])])
+def test_keepkv_leaves_the_current_querys_attention_output_unchanged(prefill, sizes):
+    """Section 4.6: with one query per KV head and every eviction merging, the last token's
+    attention output over the rows (each weighed by its votes) is the same after the
+    evictions as over every row before them; the votes add up to the tokens seen."""
+    cfg = CaMConfig(budget=10, n_sink=2, recent=3, merge="keepkv", gate=False, prefill=prefill,
+                    backend="reference")
+    rng = np.random.default_rng(16)
+    state, offset, scale = RowState.empty(3, 8, 6, mx.float32), 0, 0.4
+    rows = mx.arange(3).astype(mx.uint32)
+
+    def output(keys, values, votes, query):
+        weights = mx.softmax(scale * (keys @ query[:, :, None])[:, :, 0] + mx.log(votes), axis=-1)
+        return (weights[:, :, None] * values).sum(axis=1)
+
+    for s_len in sizes:
+        k, v = random_block(rng, 3, s_len, 8, 6, mx.float32)
+        q = mx.array(rng.standard_normal((3, s_len, 1, 8)).astype(np.float32))
+        for t in range(1 if prefill == "chunk" else s_len):
+            end = s_len if prefill == "chunk" else t + 1
+            block = slice(0 if prefill == "chunk" else t, end)
+            start = reference._with_rule_state(state, cfg)
+            every_row = [mx.concatenate([a, b], axis=1) for a, b in ((start.keys, k[:, block]),
+                                                                     (start.values, v[:, block]))]
+            votes = mx.concatenate([start.votes, mx.ones((3, end - block.start))], axis=1)
+            want = output(*every_row, votes, q[:, end - 1, 0])
+            state, _ = reference.update(state, k[:, block], v[:, block], offset + block.start, cfg, rows,
+                                        q[:, block], scale)
+            got = output(state.keys, state.values, state.votes, q[:, end - 1, 0])
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)
+        offset += s_len
+    np.testing.assert_array_equal(np.array(state.votes.sum(axis=1)), [offset] * 3)
+    assert (np.array(state.votes) > 1).any()

@@ -23,12 +23,12 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from camkv import CaMConfig, reference
 from camkv.backends import jit
 from camkv import merges
-from camkv.config import MERGE_MODES
 from test_equivalence import assert_states_match, feed
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 THREADS = 32  # one SIMD group: the smallest GPU work group the host allows
+KERNEL_MERGES = merges.names(kernels=True)  # the rules the kernel core runs
 
 
 # The two GPU preludes' loads: CUDA's 16-byte words, Metal's elements.
@@ -96,7 +96,7 @@ def _check(update, cfg, sizes, **shape):
 
 
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
-@pytest.mark.parametrize("merge", MERGE_MODES)
+@pytest.mark.parametrize("merge", KERNEL_MERGES)
 def test_every_merge_mode_matches_the_reference(threaded_update, merge, prefill):
     cfg = CaMConfig(budget=12, n_sink=2, recent=3, merge=merge, window=3, prefill=prefill, seed=7)
     _check(threaded_update, cfg, [5, 9, 1, 1, 14, 1, 3], rows=3, k_dim=16, v_dim=10, seed=1)
@@ -113,7 +113,7 @@ def test_query_blocks_and_wide_dots_match_the_reference(threaded_update, groups,
            queries_per_kv=groups)
 
 
-@pytest.mark.parametrize("merge", merges.names(blends=True))
+@pytest.mark.parametrize("merge", merges.names(blends=True, kernels=True))
 def test_merge_keys_and_the_gate_match_the_reference(threaded_update, merge):
     cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge=merge, merge_keys=merges.rule(merge).keys_allowed,
                     prefill="chunk", gate=True, seed=11)
@@ -123,7 +123,7 @@ def test_merge_keys_and_the_gate_match_the_reference(threaded_update, merge):
 # The patches of threaded_update are the same for every example, so sharing the
 # function-scoped fixture across them is what is meant.
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**16), merge=st.sampled_from(MERGE_MODES), prefill=st.sampled_from(["exact", "chunk"]),
+@given(seed=st.integers(0, 2**16), merge=st.sampled_from(KERNEL_MERGES), prefill=st.sampled_from(["exact", "chunk"]),
        sizes=st.lists(st.integers(1, 12), min_size=1, max_size=6), groups=st.integers(0, 6),
        k_dim=st.sampled_from([8, 16, 40, 64]))
 def test_fuzz_matches_the_reference(threaded_update, seed, merge, prefill, sizes, groups, k_dim):

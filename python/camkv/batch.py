@@ -50,6 +50,7 @@ class BatchCaMKVCache(_BaseCache):
         self._lengths: list[int | None] = [_UNLIMITED] * B  # set by prepare(lengths=...)
         self._consumed = 0  # positions of the padded stream fed since prepare
         self._block: list[tuple[int, int]] | None = None  # last call's per-row real slices
+        self._fetched: list[tuple[bool, int]] = []  # last call's rows: (took tokens, rows returned)
 
     # ------------------------------------------------------------------ batch protocol
     @classmethod
@@ -131,7 +132,22 @@ class BatchCaMKVCache(_BaseCache):
         self._consumed += keys.shape[2]
         fetched = [self._row_update(b, lo, hi, keys, values) for b, (lo, hi) in enumerate(block)]
         self._block = block
+        self._fetched = [(hi > lo, k.shape[2]) for (lo, hi), (k, _) in zip(block, fetched)]
         return _left_padded(fetched)
+
+    def attention_bias(self) -> mx.array | None:
+        """Each row's attention bias (CaMKVCache.attention_bias: the log of its rows' votes)
+        laid out as the rectangle attention gets [B, H, L], 0 over the left padding (which
+        the mask hides) and for rows without votes; None when no row has any."""
+        biases = [row.attention_bias() if took else row._votes_bias()
+                  for row, (took, _) in zip(self.rows, self._fetched)]
+        if all(b is None for b in biases):
+            return None
+        heads = next(b for b in biases if b is not None).shape[1]
+        width = max(n for _, n in self._fetched)
+        padded = [mx.pad(mx.zeros((1, heads, n), mx.float32) if b is None else b, [(0, 0), (0, 0), (width - n, 0)])
+                  for b, (_, n) in zip(biases, self._fetched)]
+        return mx.concatenate(padded, axis=0)
 
     def observe_queries(self, queries: mx.array, scale: float) -> None:
         """The attention hook's queries [B, Hq, S, Dk]: each row gets those of its real tokens."""

@@ -9,13 +9,17 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, fast, hook, merges
+from . import backends, fast, hook, merges, reference
 from .config import CaMConfig, resolve_config
 from .rows import RowState
 
 
 class QueryScoringWarning(RuntimeWarning):
     """scoring="query" scored a block with keys: the model's queries did not reach the cache."""
+
+
+class VotesWarning(RuntimeWarning):
+    """A merge rule that keeps votes (keepkv): the model attended without weighing rows by them."""
 
 
 _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
@@ -99,6 +103,15 @@ class CaMKVCache(_BaseCache):
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
         self._checked_block: tuple | None = None  # (keys shape, values shape, dtype) last checked
+        # The state of a merge rule that keeps one (camkv.merges): each settled row's votes
+        # [B*H, _settled] (pending rows stand for one token each) and each row's moving
+        # similarity threshold [B*H]; None for the other rules.
+        self._votes: mx.array | None = None
+        self._threshold: mx.array | None = None
+        # The log-votes of the rows the last call returned [B, H, n] (attention weighs each
+        # row by its votes, section 4.6), and whether attention has not asked for them yet.
+        self._fetched_bias: mx.array | None = None
+        self._bias_unread = False
         self._merges = mx.zeros((), mx.int32)
         self._merge_counts: list[mx.array] = []  # per-compression [rows] counts not yet summed
         self._evictions = 0
@@ -139,7 +152,9 @@ class CaMKVCache(_BaseCache):
             self._checked_block = block
         if self._waiting:
             self._flush_pending_with_keys()
+        self._warn_if_votes_unread()
         fetched = self._append(keys, values)
+        self._keep_fetched_bias()
         # The model computed RoPE from offset before this call; it advances now, even
         # when scoring waits for the queries.
         S = block[0][2]
@@ -180,6 +195,13 @@ class CaMKVCache(_BaseCache):
             return
         self._query_scored += S
         self._queue(float(scale), S, queries)
+
+    def attention_bias(self) -> mx.array | None:
+        """What attention adds to each logit of the rows the last call returned [B, H, n]:
+        the log of each row's votes (merge rules with keeps_votes, docs/algorithm.md section
+        4.6), or None when every row stands for one token. camkv's attention hook asks."""
+        self._bias_unread = False
+        return self._fetched_bias
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         self._flush_pending_with_keys()
@@ -246,7 +268,8 @@ class CaMKVCache(_BaseCache):
         if self._layout is None:
             return 0
         B, H, Dk, Dv, dtype = self._layout
-        return B * H * self._held * ((Dk + Dv) * dtype.size + 8)
+        rule_state = (4 * self._held if self._votes is not None else 0) + (4 if self._threshold is not None else 0)
+        return B * H * (self._held * ((Dk + Dv) * dtype.size + 8) + rule_state)
 
     @property
     def keys(self):
@@ -286,10 +309,18 @@ class CaMKVCache(_BaseCache):
         B, H = self._layout[:2]
         rows = self._held_rows()
         if self._queued is not None:
-            queries, scale = self._chunk_queries(self._held)
-            mass = fast.attention_mass(queries, rows.keys, scale, self._settled)
-            rows = rows._replace(scores=rows.scores + mass)
-        return tuple(a.reshape(B, H, self._held, *a.shape[2:]) for a in rows)
+            rows = rows._replace(scores=rows.scores + self._pending_mass(rows))
+        return tuple(a.reshape(B, H, self._held, *a.shape[2:]) for a in rows[:4])
+
+    def _pending_mass(self, rows: RowState) -> mx.array:
+        """The mass the pending rows' queries give every held row [B*H, held] (section 2;
+        weighed by the rows' votes where the rule keeps them)."""
+        queries, scale = self._chunk_queries(self._held)
+        if rows.votes is None:
+            return fast.attention_mass(queries, rows.keys, scale, self._settled)
+        return reference.attention_mass_causal(queries.transpose(0, 2, 1, 3).astype(mx.float32),
+                                               rows.keys.astype(mx.float32), scale, self._settled,
+                                               bias=mx.log(rows.votes))
 
     @property
     def stats(self) -> dict:
@@ -310,9 +341,10 @@ class CaMKVCache(_BaseCache):
     # ------------------------------------------------------------------ state
     @property
     def state(self):
-        """(keys, values, scores, positions, merges, meta JSON). Reading it first scores the
-        pending tokens (a compression, evicting back to the budget when more are held), so
-        a saved cache holds only scored rows."""
+        """(keys, values, scores, positions, merges, meta JSON), then (votes [B, H, n],
+        threshold [B, H]) for a merge rule that keeps them (None where it keeps only one, or
+        while empty). Reading it first scores the pending tokens (a compression, evicting
+        back to the budget when more are held), so a saved cache holds only scored rows."""
         self._flush_pending_with_keys()
         self._compress()
         meta = {
@@ -324,9 +356,21 @@ class CaMKVCache(_BaseCache):
             "query_scored": self._query_scored,
         }
         if self._keys is None:
-            return (None, None, None, None, self._total_merges(), json.dumps(meta))
+            return (None, None, None, None, self._total_merges(), json.dumps(meta)) + self._rule_state()
         keys, values, scores, positions = self.stored()
-        return (keys, values, scores, positions, self._total_merges(), json.dumps(meta))
+        return (keys, values, scores, positions, self._total_merges(), json.dumps(meta)) + self._rule_state()
+
+    def _rule_state(self) -> tuple:
+        """The state items of a merge rule that keeps votes or a threshold (none otherwise)."""
+        rule = merges.rule(self._config.merge)
+        if not (rule.keeps_votes or rule.moving_threshold):
+            return ()
+        if self._layout is None:
+            return (None, None)
+        B, H = self._layout[:2]
+        votes = None if self._votes is None else self._votes.reshape(B, H, -1)
+        threshold = None if self._threshold is None else self._threshold.reshape(B, H)
+        return (votes, threshold)
 
     @state.setter
     def state(self, v) -> None:
@@ -347,11 +391,14 @@ class CaMKVCache(_BaseCache):
         if n > config.budget:
             raise ValueError(f"a saved CaMKVCache holds {n} rows, more than its budget {config.budget}")
         self._layout = (B, H, Dk, values.shape[3], keys.dtype)
+        votes, threshold = tuple(v[6:8]) + (None,) * (8 - max(6, len(v)))  # absent for most rules
         self._settle_rows(RowState(
             keys.reshape(B * H, n, Dk),
             values.reshape(B * H, n, -1),
             scores.reshape(B * H, n).astype(mx.float32),
             positions.reshape(B * H, n).astype(mx.int32),
+            None if votes is None else votes.reshape(B * H, n).astype(mx.float32),
+            None if threshold is None else threshold.reshape(B * H).astype(mx.float32),
         ), self.offset)
 
     # ------------------------------------------------------------------ internals
@@ -451,6 +498,9 @@ class CaMKVCache(_BaseCache):
             self._values[:, :, :end].reshape(R, end, -1),
             mx.concatenate([self._scores, mx.zeros((R, pending), mx.float32)], axis=1),
             mx.concatenate([self._positions, mx.broadcast_to(positions, (R, pending))], axis=1),
+            None if self._votes is None else mx.concatenate([self._votes, mx.ones((R, pending), mx.float32)],
+                                                            axis=1),
+            self._threshold,
         )
 
     def _chunk_queries(self, end: int):
@@ -517,7 +567,7 @@ class CaMKVCache(_BaseCache):
                                       self._positions, queries, self._pending_start, scale, cfg)
             return kept, mx.zeros((R,), mx.int32)
         rows = self._held_rows(end)
-        before = RowState(*(a[:, :n] for a in rows))
+        before = rows.first(n)
         new = [a[:, n:end] for a in rows[:2]]
         key_scored = self._queued is _KEY_SCORED
         q = None if key_scored else queries.transpose(0, 2, 1, 3)
@@ -534,6 +584,7 @@ class CaMKVCache(_BaseCache):
         self._keys = self._joined(None, state.keys.reshape(B, H, n, -1), spare)
         self._values = self._joined(None, state.values.reshape(B, H, n, -1), spare)
         self._scores, self._positions = state.scores, state.positions
+        self._votes, self._threshold = state.votes, state.threshold
         self._held = self._settled = n
         self._queued = None
         self._pending_start = next_position
@@ -555,7 +606,7 @@ class CaMKVCache(_BaseCache):
         # every backend whether it is usable, host work a decode step pays per layer.
         key = (self._config.backend, mx.default_device())
         if self._backend_for is None or self._backend_for[0] != key:
-            self._backend_for = (key, backends.resolve(self._config.backend))
+            self._backend_for = (key, backends.resolve(self._config.backend, self._config.merge))
         return self._backend_for[1]
 
     def _total_merges(self) -> mx.array:
@@ -583,14 +634,41 @@ class CaMKVCache(_BaseCache):
         return (f"camkv: CaMKVCache(scoring='query') gets no queries: {why}. Scoring with "
                 "keys instead; pass scoring='key' to choose that and silence this warning.")
 
-    def _warn_once(self, kind: str, message: str, stacklevel: int = 4) -> None:
+    def _warn_once(self, kind: str, message: str, stacklevel: int = 4, category=QueryScoringWarning) -> None:
         # Once per cache and kind. Every layer's cache warns with the same text from the
         # same line of the model's attention (stacklevel points there), so Python's
         # default filter shows it once per model, not once per layer.
         if kind in self._warned:
             return
         self._warned.add(kind)
-        warnings.warn(message, QueryScoringWarning, stacklevel=stacklevel)
+        warnings.warn(message, category, stacklevel=stacklevel)
+
+    def _keep_fetched_bias(self) -> None:
+        """Record the attention bias of the rows just returned, before a compression this
+        call may run changes the rows."""
+        self._fetched_bias = self._votes_bias()
+        self._bias_unread = self._fetched_bias is not None
+
+    def _votes_bias(self) -> mx.array | None:
+        """The log votes of the rows held [B, H, held] (0 for pending rows: one token each),
+        or None when the rule keeps no votes."""
+        if self._votes is None:
+            return None
+        B, H = self._layout[:2]
+        pending = mx.zeros((B * H, self._held - self._settled), mx.float32)
+        return mx.concatenate([mx.log(self._votes), pending], axis=1).reshape(B, H, self._held)
+
+    def _warn_if_votes_unread(self) -> None:
+        """Rows that stand for several tokens whose attention never asked for their votes:
+        the model attended as if each stood for one (no hook, or a model bypassing it)."""
+        if self._bias_unread:
+            self._bias_unread = False
+            self._warn_once("votes", (
+                f"camkv: merge={self._config.merge!r} weighs each row by its votes in attention, "
+                f"but model {self.model_type or '(unknown type)'} attended without asking for them (no "
+                "camkv attention hook, or its attention bypasses mlx-lm's scaled_dot_product_attention); "
+                "its merged rows counted as one token each. Build the caches with "
+                "camkv.make_prompt_cache(model, ...) or call camkv.apply(model, ...)."), category=VotesWarning)
 
     def _flush_pending_with_keys(self) -> None:
         """A block the model never showed its queries for: score it with its keys, warn once."""

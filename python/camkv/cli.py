@@ -206,12 +206,14 @@ def read_prompt_cache(path: str) -> list:
 
 
 def attach_cache(model, prompt_cache: list) -> list:
-    """A loaded prompt cache, with the attention hook installed if its layers score with queries."""
+    """A loaded prompt cache, with the attention hook installed if its layers need it
+    (they score with queries, or weigh rows by votes)."""
     import camkv
 
     from . import hook
+    from .integration import needs_hook
 
-    if any(isinstance(c, camkv.CaMKVCache) and c.config.scoring == "query" for c in prompt_cache):
+    if any(isinstance(c, camkv.CaMKVCache) and needs_hook(c.config) for c in prompt_cache):
         hook.install(model)
     return prompt_cache
 

@@ -8,12 +8,17 @@ calls the original. A cache that no hook can feed scores with keys and warns onc
 (CaMKVCache.update_and_fetch asks `can_feed` before it waits for queries), and a
 model that bypasses an installed hook is caught by the cache itself (it scores the
 block with keys and warns once).
+
+A cache whose merge rule keeps votes (camkv.merges, keeps_votes) also has attention
+weigh each row by the tokens it stands for: the hook adds the log of each row's votes
+to its logits (docs/algorithm.md section 4.6), which only the hook can do.
 """
 
 from __future__ import annotations
 
 import sys
 
+import mlx.core as mx
 from mlx_lm.models import base
 
 _NAME = "scaled_dot_product_attention"
@@ -30,7 +35,31 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     observe = getattr(cache, "observe_queries", None)  # a camkv cache
     if observe is not None:
         observe(queries, scale)
+        mask = weighed_by_votes(mask, cache.attention_bias(), queries, keys)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+
+def weighed_by_votes(mask, bias, queries, keys):
+    """The attention mask with each key's bias added to its logits: an additive array
+    [B, Hq, S, N] in the queries' dtype (mask itself when bias is None).
+
+    mask: None, "causal" or an array (boolean: True attends; else additive), as mlx-lm
+    passes it; bias [B, H, N]: the log of each row's votes per KV head, shared by the
+    Hq / H query heads of its group (query head h * G + g reads KV head h).
+    """
+    if bias is None:
+        return mask
+    s_len, n_keys = queries.shape[2], keys.shape[2]
+    per_query_head = mx.repeat(bias, queries.shape[1] // bias.shape[1], axis=1)[:, :, None, :]
+    if isinstance(mask, str):  # "causal": bottom-right aligned, as mx.fast reads it
+        mask = base.create_causal_mask(s_len, n_keys - s_len)
+    if mask is None:
+        additive = per_query_head
+    elif mask.dtype == mx.bool_:
+        additive = mx.where(mask, per_query_head, -float("inf"))
+    else:
+        additive = mask + per_query_head
+    return additive.astype(queries.dtype)
 
 
 def _model_modules(model) -> set[str]:

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 from mlx_lm.models.cache import KVCache
 
-from . import backends, hook
+from . import backends, hook, merges
 from .cache import CaMKVCache
 from .config import UINT32_MAX, CaMConfig, resolve_config
 from .distributed import ShardInfo, kv_bytes, local_kv_heads, shard_info  # kv_bytes: cli.py's name for it
@@ -31,11 +31,12 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
     (model.shard(group), or a pipeline) i and the gate's head indices are global, so
     every rank draws what an unsharded run draws (camkv.distributed). Other cache
     kinds (rotating, arrays / SSM, chunked) are kept as the model makes them. With scoring="query"
-    (the default) the attention hook is installed in the model's modules; camkv.remove(model)
-    takes it out again once the caches are done with.
+    (the default), or a merge rule that weighs rows by their votes (keepkv), the attention hook
+    is installed in the model's modules; camkv.remove(model) takes it out again once the caches
+    are done with.
     """
     base = usable_config(config, fields)
-    hooked = hook.install(model) if base.scoring == "query" else None
+    hooked = hook.install(model) if needs_hook(base) else None
     caches = _model_default_cache(model)
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     shards = shard_info(model)
@@ -45,6 +46,12 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
             caches[i].model_type = model_type
             caches[i].hook_modules = hooked
     return caches
+
+
+def needs_hook(config: CaMConfig) -> bool:
+    """Whether caches of this config need camkv's attention hook: to score with the model's
+    queries, or to weigh each row by its votes in attention (rules with keeps_votes)."""
+    return config.scoring == "query" or merges.rule(config.merge).keeps_votes
 
 
 def usable_config(config: CaMConfig | None = None, fields: dict | None = None) -> CaMConfig:
@@ -73,13 +80,13 @@ def _camkv_cache(model, i: int, base: CaMConfig, shards: ShardInfo) -> CaMKVCach
 def apply(model, config: CaMConfig | None = None, **fields):
     """Make `model.make_cache` build camkv caches, so mlx_lm.generate and friends use them.
 
-    Returns the model. With scoring="query" (the default) the attention hook goes in
-    now, so caches built elsewhere (camkv.load_prompt_cache) get the model's queries
-    too. Undo both with `camkv.remove(model)`, or use `camkv.applied(...)` as a
+    Returns the model. With scoring="query" (the default), or a rule that weighs rows by
+    their votes, the attention hook goes in now, so caches built elsewhere
+    (camkv.load_prompt_cache) get what it hands over too. Undo both with `camkv.remove(model)`, or use `camkv.applied(...)` as a
     context manager.
     """
     base = usable_config(config, fields)
-    if base.scoring == "query":
+    if needs_hook(base):
         hook.install(model)
     if not hasattr(model, _ORIGINAL):
         object.__setattr__(model, _ORIGINAL, getattr(model, "make_cache", None))

@@ -9,6 +9,7 @@ float32 arithmetic; keys and values are rounded to the storage dtype once per me
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -20,6 +21,7 @@ _GOLDEN = 0x9E3779B9
 _MIX_MUL_1 = 0x7FEB352D
 _MIX_MUL_2 = 0x846CA68B
 _INF = float("inf")
+_D2O_KEEP = 0.5  # share of D2O's threshold kept at each compression (its alpha; the new mean gets 1 - alpha)
 
 
 # ----------------------------------------------------------------------------
@@ -84,17 +86,21 @@ def _float32_product(a: mx.array, b: mx.array, split: bool) -> mx.array:
     return a_hi @ b_hi + (a_hi @ (b - b_hi) + (a - a_hi) @ b_hi)
 
 
-def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, split: bool = False) -> mx.array:
+def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, split: bool = False,
+                    bias: mx.array | None = None) -> mx.array:
     """Section 2: softmax weights of each query over keys, summed over queries / G.
 
     queries [R, S, G, Dk] float32, keys [R, N, Dk] float32, visible [S, N] bool or None,
-    Returns [R, N] float32. A NaN or infinite logit counts as masked, and a query whose
-    every logit is masked adds nothing (section 2's rule for poisoned inputs).
+    bias [R, N] float32 or None: added to every logit of its key (the log of its votes,
+    section 4.6). Returns [R, N] float32. A NaN or infinite logit counts as masked, and a
+    query whose every logit is masked adds nothing (section 2's rule for poisoned inputs).
     """
     rows, s_len, groups, k_dim = queries.shape
     q = queries.reshape(rows, s_len * groups, k_dim)
     logits = scale * _float32_product(q, keys.transpose(0, 2, 1), split)  # [R, S*G, N]
     logits = logits.reshape(rows, s_len, groups, -1)
+    if bias is not None:
+        logits = logits + bias[:, None, None, :]
     usable = mx.isfinite(logits)
     if visible is not None:
         usable = usable & visible[None, :, None, :]
@@ -102,13 +108,15 @@ def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, sp
     return mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2)) / groups
 
 
-def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: int, split: bool = False) -> mx.array:
+def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: int, split: bool = False,
+                          bias: mx.array | None = None) -> mx.array:
     """A chunk's mass: chunk token i (absolute index n + i) sees every stored row and
     the chunk tokens up to itself. queries [R, S, G, Dk], keys [R, n + S, Dk] float32.
-    split: keep float32 accuracy on a TF32 matmul (see _float32_product)."""
+    split: keep float32 accuracy on a TF32 matmul (see _float32_product); bias [R, n + S]:
+    the log of each row's votes (section 4.6), or None."""
     s_len, total = queries.shape[1], keys.shape[1]
     visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
-    return _attention_mass(queries, keys, scale, visible, split)
+    return _attention_mass(queries, keys, scale, visible, split, bias)
 
 
 # ----------------------------------------------------------------------------
@@ -128,21 +136,53 @@ def _blend_rows(rows: mx.array, target_mask: mx.array, source: mx.array, weight,
     return mx.where((target_mask & do[:, None])[:, :, None], blended, rows)
 
 
+class _RuleState(NamedTuple):
+    """What the rules that carry state (camkv.merges) need in one compression; None where
+    the rule keeps none."""
+
+    votes: mx.array | None  # [R, N] float32: the tokens each row stands for (keeps_votes)
+    threshold: mx.array | None  # [R] float32: moved for this compression (moving_threshold)
+    query: mx.array | None  # [R, Dk] float32: the compression's last token's mean query (keeps_votes)
+    scale: float  # the attention scale of that query
+
+
+_NO_RULE_STATE = _RuleState(None, None, None, 1.0)
+
+
+def _nearest(keys, positions, survivor, e, cfg: CaMConfig):
+    """Section 4.1: each row's non-sink survivor t most similar to loser e (index [R]).
+    Returns t [R], cos(K_e, K_t) [R] and K_e [R, Dk] float32."""
+    k_e = _take_rows(keys, e).astype(mx.float32)
+    k_f = keys.astype(mx.float32)
+    dots = (k_f @ k_e[:, :, None])[:, :, 0]
+    norms = mx.sqrt((k_f * k_f).sum(axis=-1)) * mx.sqrt((k_e * k_e).sum(axis=-1))[:, None]
+    cos = dots / mx.maximum(norms, 1e-12)
+    eligible = survivor & (positions >= cfg.n_sink)
+    t = _first_argmax(mx.where(eligible, cos, -_INF))
+    return t, _take_rows(cos, t), k_e
+
+
+def _norm(x: mx.array) -> mx.array:
+    """L2 norm of each row of x [R, D] float32, summed in feature order as the kernels do."""
+    return mx.sqrt((x * x).sum(axis=-1))
+
+
 def _merge_one(
-    keys, values, scores, positions, survivor, e, row_ids, cfg: CaMConfig
+    keys, values, scores, positions, survivor, e, row_ids, cfg: CaMConfig, extra: _RuleState = _NO_RULE_STATE
 ):
     """Merge loser e (index [R]) into the survivors, returning updated arrays and the gate outcome.
 
     keys [R, N, Dk], values [R, N, Dv], scores [R, N] f32, positions [R, N] i32,
-    survivor [R, N] bool (rows that may receive mass; excludes e).
-    Returns (keys, values, scores, merged [R] bool).
+    survivor [R, N] bool (rows that may receive mass; excludes e); extra: the rule's state.
+    Returns (keys, values, scores, merged [R] bool, votes [R, N] or None).
     """
     rule = merges.rule(cfg.merge)
     if rule.kind == merges.DROP:
-        return keys, values, scores, mx.zeros((keys.shape[0],), mx.bool_)
+        return keys, values, scores, mx.zeros((keys.shape[0],), mx.bool_), extra.votes
     idx = mx.arange(keys.shape[1])[None, :]
     s_e = _take_rows(scores, e)
     v_e = _take_rows(values, e).astype(mx.float32)
+    norm_e = norm_t = None
     if rule.kind == merges.WINDOW:
         after = survivor & (idx > e[:, None])
         targets = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
@@ -151,20 +191,20 @@ def _merge_one(
         s_in = (s_e / width)[:, None]  # each target's share
         cos_t, s_t = None, scores  # each target's weight: its own mass against its share
     else:
-        k_e = _take_rows(keys, e).astype(mx.float32)
-        k_f = keys.astype(mx.float32)
-        dots = (k_f @ k_e[:, :, None])[:, :, 0]
-        norms = mx.sqrt((k_f * k_f).sum(axis=-1)) * mx.sqrt((k_e * k_e).sum(axis=-1))[:, None]
-        cos = dots / mx.maximum(norms, 1e-12)
-        eligible = survivor & (positions >= cfg.n_sink)
-        t = _first_argmax(mx.where(eligible, cos, -_INF))
+        t, cos_t, k_e = _nearest(keys, positions, survivor, e, cfg)
         s_target = _take_rows(scores, t)
         targets = idx == t[:, None]
-        s_in, cos_t, s_t = s_e[:, None], _take_rows(cos, t), s_target[:, None]
+        s_in, s_t = s_e[:, None], s_target[:, None]
+        norm_e, norm_t = _norm(v_e), _norm(_take_rows(values, t).astype(mx.float32))
 
     do = _gate(s_e, s_target, row_ids, _take_rows(positions, e), cfg)
-    if rule.blends:
-        weight = _merge_weight(rule, cos_t, s_in, s_t)
+    if rule.moving_threshold:
+        do = do & (cos_t >= extra.threshold)
+    votes = extra.votes
+    if rule.keeps_votes:
+        keys, values, votes = _merge_keeping_output(rule, keys, values, targets, t, e, k_e, v_e, do, extra)
+    elif rule.blends:
+        weight = _merge_weight(rule, cos_t, s_in, s_t, norm_e, norm_t)
         values = _blend_rows(values, targets, v_e, weight, do)
         if cfg.merge_keys:
             keys = _blend_rows(keys, targets, k_e, weight, do)
@@ -172,12 +212,39 @@ def _merge_one(
         summed = (values.astype(mx.float32) + (v_e / width[:, None])[:, None, :]).astype(values.dtype)
         values = mx.where((targets & do[:, None])[:, :, None], summed, values)
     scores = scores + mx.where(targets & do[:, None], s_in, 0.0)
-    return keys, values, scores, do
+    return keys, values, scores, do, votes
 
 
-def _merge_weight(rule: merges.MergeRule, cos_t, s_in, s_target):
+def _merge_keeping_output(rule, keys, values, targets, t, e, k_e, v_e, do, extra: _RuleState):
+    """Section 4.6 (keepkv): merge e into t so that the mean query sees the same attention
+    output. Returns (keys, values, votes)."""
+    q, scale = extra.query, extra.scale
+    k_t = _take_rows(keys, t).astype(mx.float32)
+    c_e, c_t = _take_rows(extra.votes, e), _take_rows(extra.votes, t)
+    logit_e, logit_t = scale * (k_e * q).sum(axis=-1), scale * (k_t * q).sum(axis=-1)
+    finite = mx.isfinite(logit_e) & mx.isfinite(logit_t)
+    top = mx.where(finite, mx.maximum(logit_e, logit_t), 0.0)
+    # Each row's share of the query's attention, up to the common factor exp(-top); a
+    # query with a non-finite logit falls back to the votes alone.
+    m_e = c_e * mx.where(finite, mx.exp(logit_e - top), 1.0)
+    m_t = c_t * mx.where(finite, mx.exp(logit_t - top), 1.0)
+    w = _merge_weight(rule, None, m_e, m_t, None, None)
+    values = _blend_rows(values, targets, v_e, w, do)
+    mean_key = (1.0 - w)[:, None] * k_t + w[:, None] * k_e
+    # The merged row (c_e + c_t votes) must get the pair's mass: its logit is
+    # log((m_e + m_t) / (c_e + c_t)) + top. The key moves along q, the least change that does it.
+    want = top + mx.log(m_e + m_t) - mx.log(c_e + c_t)
+    shift = (want - scale * (mean_key * q).sum(axis=-1)) / (scale * (q * q).sum(axis=-1))
+    shift = mx.where(finite & mx.isfinite(shift), shift, 0.0)
+    merged_key = (mean_key + shift[:, None] * q).astype(keys.dtype)
+    receive = targets & do[:, None]
+    keys = mx.where(receive[:, :, None], merged_key[:, None, :], keys)
+    return keys, values, extra.votes + mx.where(receive, c_e[:, None], 0.0)
+
+
+def _merge_weight(rule: merges.MergeRule, cos_t, s_in, s_target, norm_in, norm_target):
     """A blending rule's weight (bench/merge_diagnostics.py records the weights here)."""
-    return rule.weight(cos_t, s_in, s_target)
+    return rule.weight(cos_t, s_in, s_target, norm_in, norm_target)
 
 
 
@@ -227,6 +294,7 @@ def update(
     merges per row [R] int32.
     """
     q, s = _prepare(new_keys, queries, scale)
+    state = _with_rule_state(state, cfg)
     if cfg.prefill == "chunk":
         return _update_chunk(state, new_keys, new_values, offset, cfg, row_ids, q, s)
     merges = mx.zeros((new_keys.shape[0],), mx.int32)
@@ -238,25 +306,78 @@ def update(
     return state, merges
 
 
+def _with_rule_state(state: RowState, cfg: CaMConfig) -> RowState:
+    """state with the arrays its merge rule keeps, made where missing: one vote per
+    stored token, a threshold of NaN (no compression yet)."""
+    rule = merges.rule(cfg.merge)
+    rows, n = state.scores.shape
+    if rule.keeps_votes and state.votes is None:
+        state = state._replace(votes=mx.ones((rows, n), mx.float32))
+    if rule.moving_threshold and state.threshold is None:
+        state = state._replace(threshold=mx.full((rows,), float("nan"), mx.float32))
+    return state
+
+
+def _appended_votes(votes, s_len: int):
+    """The stored rows' votes followed by one for each of s_len new tokens (None: no votes kept)."""
+    if votes is None:
+        return None
+    return mx.concatenate([votes, mx.ones((votes.shape[0], s_len), mx.float32)], axis=1)
+
+
+def _log_votes(votes):
+    """Each row's attention bias, the log of its votes (section 4.6), or None."""
+    return None if votes is None else mx.log(votes)
+
+
+def _compression_state(state: RowState, votes, keys, positions, survivor, loser_idx, last_queries, scale,
+                       cfg: CaMConfig) -> _RuleState:
+    """The rule state one compression merges with: the threshold moved by its losers
+    (loser_idx [R, L], the survivors as they are before any merge) and the mean of its
+    last token's queries (last_queries [R, G, Dk])."""
+    rule = merges.rule(cfg.merge)
+    threshold = state.threshold
+    if rule.moving_threshold:
+        threshold = _moved_threshold(threshold, keys, positions, survivor, loser_idx, cfg)
+    query = last_queries.mean(axis=1) if rule.keeps_votes else None
+    return _RuleState(votes, threshold, query, scale)
+
+
+def _moved_threshold(threshold, keys, positions, survivor, loser_idx, cfg: CaMConfig):
+    """Section 4.5 (d2o): tau <- m at a row's first compression, else
+    _D2O_KEEP tau + (1 - _D2O_KEEP) m, with m the mean over the losers of the cosine to
+    their nearest survivor. Non-finite cosines are left out; a row with none keeps tau."""
+    cosines = mx.stack([_nearest(keys, positions, survivor, loser_idx[:, j], cfg)[1]
+                        for j in range(loser_idx.shape[1])], axis=1)
+    finite = mx.isfinite(cosines)
+    count = finite.sum(axis=1)
+    mean = mx.where(finite, cosines, 0.0).sum(axis=1) / mx.maximum(count, 1).astype(mx.float32)
+    moved = mx.where(mx.isnan(threshold), mean, _D2O_KEEP * threshold + (1.0 - _D2O_KEEP) * mean)
+    return mx.where(count > 0, moved, threshold)
+
+
 def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     """Exact mode, one token at position p: k [R, Dk], v [R, Dv], q [R, G, Dk]."""
     rows, n = k.shape[0], state.length
     keys = mx.concatenate([state.keys, k[:, None, :]], axis=1)
     values = mx.concatenate([state.values, v[:, None, :]], axis=1)
-    mass = _attention_mass(q[:, None], keys.astype(mx.float32), scale, None)
+    votes = _appended_votes(state.votes, 1)
+    mass = _attention_mass(q[:, None], keys.astype(mx.float32), scale, None, bias=_log_votes(votes))
     scores = mx.concatenate([state.scores, mx.zeros((rows, 1), mx.float32)], axis=1) + mass
     positions = mx.concatenate(
         [state.positions, mx.full((rows, 1), p, mx.int32)], axis=1
     )
     if n < cfg.budget:
-        return RowState(keys, values, scores, positions), mx.zeros((rows,), mx.bool_)
+        return RowState(keys, values, scores, positions, votes, state.threshold), mx.zeros((rows,), mx.bool_)
 
     e = _first_argmin(_ranked(scores, positions, p, cfg))
     idx = mx.arange(n + 1)[None, :]
     survivor = idx != e[:, None]
-    keys, values, scores, did = _merge_one(keys, values, scores, positions, survivor, e, row_ids, cfg)
+    extra = _compression_state(state, votes, keys, positions, survivor, e[:, None], q, scale, cfg)
+    keys, values, scores, did, votes = _merge_one(keys, values, scores, positions, survivor, e, row_ids, cfg,
+                                                  extra)
     keep = mx.arange(n)[None, :] + (mx.arange(n)[None, :] >= e[:, None])
-    return RowState(keys, values, scores, positions).take(keep), did
+    return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep), did
 
 
 def _ranked(scores, positions, p_last: int, cfg) -> mx.array:
@@ -284,13 +405,14 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     total = n + s_len
     keys = mx.concatenate([state.keys, new_keys], axis=1)
     values = mx.concatenate([state.values, new_values], axis=1)
-    mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n)
+    votes = _appended_votes(state.votes, s_len)
+    mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n, bias=_log_votes(votes))
     scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
     new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
     positions = mx.concatenate([state.positions, new_positions], axis=1)
     merges = mx.zeros((rows,), mx.int32)
     if total <= cfg.budget:
-        return RowState(keys, values, scores, positions), merges
+        return RowState(keys, values, scores, positions, votes, state.threshold), merges
 
     n_losers = total - cfg.budget
     loser = _chunk_losers(scores, positions, offset + s_len - 1, n_losers, cfg)
@@ -299,9 +421,10 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     order = mx.argsort(mx.where(loser, idx, idx + total), axis=1)
     loser_idx, keep_idx = order[:, :n_losers], mx.sort(order[:, n_losers:], axis=1)
     survivor = ~loser
+    extra = _compression_state(state, votes, keys, positions, survivor, loser_idx, q[:, -1], scale, cfg)
     for j in range(n_losers):
-        keys, values, scores, did = _merge_one(
-            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, cfg
+        keys, values, scores, did, votes = _merge_one(
+            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, cfg, extra._replace(votes=votes)
         )
         merges = merges + did.astype(mx.int32)
-    return RowState(keys, values, scores, positions).take(keep_idx), merges
+    return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep_idx), merges

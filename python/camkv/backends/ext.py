@@ -14,7 +14,7 @@ import mlx.core as mx
 from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
-from ._common import adopt_dtype, check_kernel_inputs
+from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule
 
 try:  # the package works without the extension (reference backend)
     from .. import _ext
@@ -56,6 +56,7 @@ def update(
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"backend 'ext' is not usable here: {reason}")
+    check_kernel_rule(cfg.merge, "the ext backend")
     check_kernel_inputs(state, new_keys, queries, scale, _ext.MAX_HEAD_DIM, "the ext backend")
     if queries is None:
         scale = 1.0 / math.sqrt(new_keys.shape[-1])

@@ -18,7 +18,7 @@ import mlx.core as mx
 from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
-from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk
+from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule, chunk_mass as prescore_chunk
 from .sources import inlined_source
 
 
@@ -218,6 +218,7 @@ _usable: set[str] = set()  # targets found usable: a GPU does not go away mid-pr
 def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
            queries=None, scale=None, *, target: str) -> tuple[RowState, mx.array]:
     """Absorb S new tokens per row in one kernel launch; see camkv.reference.update."""
+    check_kernel_rule(cfg.merge, f"backend {target!r}")
     if target not in _usable:
         reason = unavailable_reason(target)
         if reason is not None:

@@ -117,8 +117,9 @@ def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings) -> 
 
 
 def release_cache(model, arm: Arm) -> None:
-    """Undo what make_cache installed in the model (the attention hook of scoring="query")."""
-    if arm.kind == "camkv" and arm.scoring == "query":
+    """Undo what make_cache installed in the model (the attention hook of scoring="query",
+    or of a rule that weighs rows by their votes)."""
+    if arm.kind == "camkv" and (arm.scoring == "query" or merges.rule(arm.merge).keeps_votes):
         hook.uninstall(model)
 
 

@@ -1,0 +1,196 @@
+"""Merge rules that carry per-row state (camkv.merges: d2o's moving threshold, keepkv's
+votes) through the cache: compressions, prompt-cache save and load, batching, and the
+attention hook that weighs each row by its votes (docs/algorithm.md sections 4.5, 4.6)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import camkv
+from camkv import CaMConfig, CaMKVCache, VotesWarning, hook, merges, reference
+from camkv.batch import BatchCaMKVCache
+from camkv.rows import RowState
+from test_prompt_cache import _continue, _prefill
+from tiny_models import tiny_llama
+
+STATEFUL = [r.name for r in merges.RULES if r.keeps_votes or r.moving_threshold]
+# These tests drive caches without a model, so no attention asks for the votes.
+pytestmark = pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
+
+
+def _block(rng, B=1, H=2, S=4, Dk=8, Dv=6):
+    keys = mx.array(rng.standard_normal((B, H, S, Dk)).astype(np.float32))
+    values = mx.array(rng.standard_normal((B, H, S, Dv)).astype(np.float32))
+    return keys, values
+
+
+def _rule_arrays(cache: CaMKVCache):
+    """(votes [B*H, n] or None, threshold [B*H] or None) from the cache's saved state."""
+    votes, threshold = cache.state[6:8]
+    rows = cache.keys.shape[0] * cache.keys.shape[1]
+    return (None if votes is None else votes.reshape(rows, -1),
+            None if threshold is None else threshold.reshape(rows))
+
+
+@pytest.mark.parametrize("merge", STATEFUL)
+def test_the_cache_carries_the_rule_state_as_chunk_calls_do(merge):
+    """slack=0: every call over the budget is one compression, so the cache must hold what
+    the reference computes from the same calls, votes and threshold included."""
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, slack=0, scoring="key", merge=merge, backend="reference")
+    cache, rng = CaMKVCache(cfg), np.random.default_rng(1)
+    state, offset = RowState.empty(2, 8, 6, mx.float32), 0
+    for s_len in (10, 1, 1, 6, 1, 3):
+        keys, values = _block(rng, S=s_len)
+        cache.update_and_fetch(keys, values)
+        state, _ = reference.update(state, keys[0], values[0], offset, cfg, mx.arange(2).astype(mx.uint32))
+        offset += s_len
+    votes, threshold = _rule_arrays(cache)
+    for got, want in ((votes, state.votes), (threshold, state.threshold)):
+        assert (got is None) == (want is None)
+        if want is not None:
+            np.testing.assert_array_equal(np.array(got), np.array(want))
+    np.testing.assert_array_equal(np.array(cache.stored()[3][0]), np.array(state.positions))
+
+
+def test_votes_count_every_token_seen_when_every_eviction_merges():
+    cfg = CaMConfig(budget=12, n_sink=2, recent=3, slack=4, scoring="key", merge="keepkv")
+    cache, rng = CaMKVCache(cfg), np.random.default_rng(2)
+    for s_len in (20, 1, 1, 1, 1, 1, 1, 7, 1):
+        cache.update_and_fetch(*_block(rng, S=s_len))
+    votes, _ = _rule_arrays(cache)
+    assert cache.stats["merges"] == cache.stats["evictions"] > 0
+    np.testing.assert_array_equal(np.array(votes.sum(axis=1)), [cache.offset] * 2)
+    assert (np.array(votes) > 1).any()
+
+
+def test_the_threshold_is_nan_until_a_rows_first_compression_then_moves():
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, slack=0, scoring="key", merge="d2o")
+    cache, rng = CaMKVCache(cfg), np.random.default_rng(3)
+    cache.update_and_fetch(*_block(rng, S=6))
+    assert np.isnan(np.array(_rule_arrays(cache)[1])).all()
+    seen = []
+    for _ in range(4):
+        cache.update_and_fetch(*_block(rng, S=3))
+        seen.append(np.array(_rule_arrays(cache)[1]))
+    assert np.isfinite(seen).all() and not np.array_equal(seen[0], seen[-1])
+
+
+def test_nbytes_counts_the_votes_and_the_threshold():
+    rng = np.random.default_rng(4)
+    sizes = {}
+    for merge in ("mass_weighted", "keepkv", "d2o"):
+        cache = CaMKVCache(budget=8, n_sink=1, recent=2, slack=0, scoring="key", merge=merge)
+        cache.update_and_fetch(*_block(rng, S=12))
+        sizes[merge] = cache.nbytes
+    rows, held = 2, 8
+    assert sizes["keepkv"] - sizes["mass_weighted"] == rows * held * 4  # a float32 vote a row
+    assert sizes["d2o"] - sizes["mass_weighted"] == rows * 4  # a float32 threshold per (batch, head)
+
+
+@pytest.mark.parametrize("merge", STATEFUL)
+def test_a_saved_and_loaded_cache_keeps_the_rule_state_and_continues_identically(tmp_path, merge, remove_hooks):
+    model = tiny_llama()
+    remove_hooks(model)
+    prompt = np.random.default_rng(5).integers(0, 128, 100).tolist()
+    cache = camkv.make_prompt_cache(model, budget=40, n_sink=2, recent=8, merge=merge)
+    _prefill(model, cache, prompt[:-1])
+    path = tmp_path / "prompt.safetensors"
+    camkv.save_prompt_cache(str(path), cache)
+    loaded = camkv.load_prompt_cache(str(path))
+    for before, after in zip(cache, loaded):
+        for a, b in zip(_rule_arrays(before), _rule_arrays(after)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                np.testing.assert_array_equal(np.array(a), np.array(b))
+    tokens, logprobs = _continue(model, cache, prompt[-1])
+    tokens_loaded, logprobs_loaded = _continue(model, loaded, prompt[-1])
+    assert tokens_loaded == tokens
+    np.testing.assert_allclose(logprobs_loaded, logprobs, atol=1e-6)
+
+
+def _manual_attention(q, k, v, scale, votes, allowed):
+    """softmax(scale q.k + log votes) v over the allowed keys, in float64 NumPy.
+    q [B, Hq, S, D], k and v [B, H, N, D], votes [B, H, N], allowed [S, N] bool."""
+    q, k, v, votes = (np.array(a, np.float64) for a in (q, k, v, votes))
+    group = q.shape[1] // k.shape[1]
+    k, v, votes = (np.repeat(a, group, axis=1) for a in (k, v, votes))
+    logits = scale * q @ k.transpose(0, 1, 3, 2) + np.log(votes)[:, :, None, :]
+    logits = np.where(allowed, logits, -np.inf)
+    weights = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (weights / weights.sum(axis=-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive"])
+def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind):
+    rng = np.random.default_rng(6)
+    B, Hq, H, S, N, D = 2, 4, 2, 3 if mask_kind != "none" else 1, 7, 8
+    q = mx.array(rng.standard_normal((B, Hq, S, D)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((B, H, N, D)).astype(np.float32)) for _ in range(2))
+    votes = mx.array(rng.integers(1, 6, (B, H, N)).astype(np.float32))
+    causal = np.arange(N)[None, :] <= (N - S + np.arange(S))[:, None]
+    mask = {"none": None, "causal": "causal", "boolean": mx.array(causal),
+            "additive": mx.where(mx.array(causal), 0.0, -math.inf)}[mask_kind]
+    weighed = hook.weighed_by_votes(mask, mx.log(votes), q, k)
+    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=weighed)
+    allowed = causal if mask_kind != "none" else np.ones((S, N), bool)
+    np.testing.assert_allclose(np.array(got), _manual_attention(q, k, v, 0.3, votes, allowed), atol=1e-5)
+    assert hook.weighed_by_votes(mask, None, q, k) is mask  # no votes: the mask as it was
+
+
+def test_attention_gets_the_votes_of_the_rows_it_was_handed_before_they_compress():
+    """With scoring="query" a block's compression runs when its queries arrive, before
+    attention: the bias must still be the returned rows', not the compressed ones'."""
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, slack=2, merge="keepkv")
+    cache, rng = CaMKVCache(cfg), np.random.default_rng(7)
+    cache.hook_modules = frozenset({"a hooked model"})
+    hook._users["a hooked model"] = 1  # a hook is installed: the cache waits for queries
+    queries = lambda s_len: mx.array(rng.standard_normal((1, 4, s_len, 8)).astype(np.float32))  # noqa: E731
+    try:
+        cache.update_and_fetch(*_block(rng, S=12))
+        cache.observe_queries(queries(12), 0.35)
+        assert cache.attention_bias() is None  # no compression yet: every row is one token
+        for _ in range(3):
+            fetched, _ = cache.update_and_fetch(*_block(rng, S=1))
+            want = cache._votes_bias()
+            cache.observe_queries(queries(1), 0.35)
+            bias = cache.attention_bias()
+            assert bias.shape[2] == fetched.shape[2]
+            np.testing.assert_array_equal(np.array(bias), np.array(want))
+        assert cache.size() < fetched.shape[2]  # the last queries compressed the rows
+        assert (np.array(bias) > 0).any()  # and the rows attention got stood for several tokens
+    finally:
+        del hook._users["a hooked model"]
+
+
+def test_a_model_that_attends_without_the_votes_is_warned_once():
+    cache, rng = CaMKVCache(budget=8, n_sink=1, recent=2, slack=0, scoring="key", merge="keepkv"), \
+        np.random.default_rng(8)
+    cache.update_and_fetch(*_block(rng, S=12))  # compressed: rows now stand for several tokens
+    cache.update_and_fetch(*_block(rng, S=1))  # attention did not ask for the votes of these
+    with pytest.warns(VotesWarning, match="merge='keepkv' weighs each row by its votes"):
+        cache.update_and_fetch(*_block(rng, S=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cache.attention_bias()
+        cache.update_and_fetch(*_block(rng, S=1))  # asked for this time
+        cache.update_and_fetch(*_block(rng, S=1))  # and once per cache only
+
+
+def test_a_batch_lays_each_rows_votes_out_like_its_keys():
+    rng = np.random.default_rng(9)
+    rows = [CaMKVCache(budget=8, n_sink=1, recent=2, slack=0, scoring="key", merge="keepkv") for _ in range(2)]
+    rows[0].update_and_fetch(*_block(rng, S=14))  # compressed: votes above one
+    rows[1].update_and_fetch(*_block(rng, S=3))  # below budget: one each
+    batch = BatchCaMKVCache(rows)
+    keys, values = _block(rng, B=2, S=1)
+    fetched, _ = batch.update_and_fetch(keys, values)
+    bias = batch.attention_bias()
+    assert bias.shape == (2, 2, fetched.shape[2])
+    own = rows[0].attention_bias()  # the rows it returned, before this call's compression
+    np.testing.assert_array_equal(np.array(bias[0]), np.array(own[0]))
+    assert (np.array(own) > 0).any() and not np.array(bias[1]).any()  # row 1: no votes, and padding
