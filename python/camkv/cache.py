@@ -95,6 +95,10 @@ class CaMKVCache(_BaseCache):
         # wait in _query_buffer [B, Hq, capacity, Dk] (written in place, as the keys are),
         # or _KEY_SCORED; None while nothing is pending.
         self._queued = None
+        # With prefill_scoring="window": whether the pending tokens came in blocks of
+        # several (prompt chunks, scored by their last queries) or one at a time (decode
+        # steps, scored by every query). The two never share a compression.
+        self._windowed = False
         self._query_buffer: mx.array | None = None
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
@@ -279,7 +283,7 @@ class CaMKVCache(_BaseCache):
         rows = self._held_rows()
         if self._queued is not None:
             queries, scale = self._chunk_queries(self._held)
-            mass = fast.attention_mass(queries, rows.keys, scale, self._settled)
+            mass = fast.chunk_mass(queries, rows.keys, scale, self._settled, self._chunk_config())
             rows = rows._replace(scores=rows.scores + mass)
         return tuple(a.reshape(B, H, self._held, *a.shape[2:]) for a in rows)
 
@@ -408,11 +412,13 @@ class CaMKVCache(_BaseCache):
     def _queue(self, scale, block: int, queries=None) -> None:
         """Keep what scoring the last `block` tokens held need (their queries under scale,
         or _KEY_SCORED), then compress if the rows held passed budget + slack."""
-        if self._queued is not None and self._queued != scale:
-            # Pending tokens scored another way (keys, or another scale) are scored first.
+        windowed = self._config.prefill_scoring == "window" and block > 1
+        if self._queued is not None and (self._queued != scale or self._windowed != windowed):
+            # Pending tokens scored another way (keys, another scale, or under window
+            # scoring prompt blocks against decode steps) are scored first.
             self._compress(self._held - block)
         if self._queued is None:
-            self._queued = scale
+            self._queued, self._windowed = scale, windowed
         if queries is not None:
             self._keep_queries(queries, self._held - self._settled - block)
         if self._held > self._config.budget + self._config.slack:
@@ -475,7 +481,7 @@ class CaMKVCache(_BaseCache):
 
     def _run_backend(self, queries, scale, end: int):
         """The compression of rows [settled, end) by the configured backend."""
-        cfg = self._config
+        cfg = self._chunk_config()
         backend = self._backend()
         n, R = self._settled, queries.shape[0]
         if merges.rule(cfg.merge).kind == merges.DROP and getattr(backend, "target", None) and end - n > 1:
@@ -493,6 +499,13 @@ class CaMKVCache(_BaseCache):
         q = None if key_scored else queries.transpose(0, 2, 1, 3)
         return backend.update(before, *new, self._pending_start, cfg, self._row_ids(*self._layout[:2]),
                               q, None if key_scored else scale)
+
+    def _chunk_config(self) -> CaMConfig:
+        """The config the pending tokens are compressed under: prefill_scoring="window"
+        applies to prompt blocks only; decode steps are scored by every query."""
+        if self._config.prefill_scoring == "window" and not self._windowed:
+            return self._config.replace(prefill_scoring="causal", pool=1)
+        return self._config
 
     def _settle_rows(self, state: RowState, next_position: int) -> None:
         """Make state [B*H, n, ...] the held rows, all scored, in a buffer with room to
