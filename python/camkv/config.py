@@ -226,9 +226,10 @@ class CaMConfig:
         return cls(**json.loads(text))
 
 
-# CaM as its authors ran it (zyxxmu/cam, its StreamingLLM cache): recency eviction
-# keeping the sinks, each evicted token's value added to the 32 tokens after it
-# (V += V_e / 32), gated by clamp(s_e / the mean score of those 32, 0, 1).
+# CaM as its authors ran it, over StreamingLLM (zyxxmu/cam's streaming cache): recency
+# eviction keeping the sinks, each evicted token's value added to the 32 tokens after
+# it (V += V_e / 32), gated by clamp(s_e / the mean score of those 32, 0, 1); that
+# code spreads over 16 (docs/algorithm.md section 11 lists what else differs).
 # CaMConfig(**CAM_STREAMING, budget=...) or config.replace(**CAM_STREAMING).
 CAM_STREAMING = {"eviction": "recency", "merge": "window", "window": 32, "gate": True}
 
