@@ -22,8 +22,10 @@ std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array> update_py(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
     const std::optional<mx::array>& queries, int offset, float scale, int budget, int n_sink, int recent,
-    int window, int merge, bool merge_keys, bool gate, bool chunk, uint32_t seed, mx::StreamOrDevice stream) {
-  camkv::UpdateOptions options{budget, n_sink, recent, window, merge, merge_keys, gate, chunk, seed};
+    int window, int merge, bool merge_keys, bool gate, bool chunk, uint32_t seed, bool recency,
+    int observation_window, int pool, mx::StreamOrDevice stream) {
+  camkv::UpdateOptions options{budget, n_sink, recent, window, merge, merge_keys, gate, chunk, seed,
+                               recency, observation_window, pool};
   std::vector<mx::array> out = camkv::update(keys, values, scores, positions, new_keys, new_values, row_ids,
                                              queries, offset, scale, options, stream);
   return {out[0], out[1], out[2], out[3], out[4]};
@@ -74,9 +76,12 @@ NB_MODULE(_ext, m) {
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
         "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "offset"_a, "scale"_a, "budget"_a, "n_sink"_a,
         "recent"_a, "window"_a, "merge"_a, "merge_keys"_a, "gate"_a, "chunk"_a, "seed"_a,
-        "stream"_a = nb::none(),
+        "recency"_a = false, "observation_window"_a = 0, "pool"_a = 1, "stream"_a = nb::none(),
         R"(Absorb S new tokens per row: score, evict, merge and compact in one launch.
 
 Returns (keys, values, scores, positions, merges); merge is an index into MERGE_CODES.
+recency: evict the oldest candidate first instead of the lowest score. observation_window:
+a chunk's last queries that score it (0: every query); pool: the odd width of the
+max-pooling of its mass (1: none).
 Raises ValueError naming any argument with a bad shape, dtype or value.)");
 }

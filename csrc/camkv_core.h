@@ -72,7 +72,10 @@
   X(float, scale)      /* attention scale of the logits */                        \
   X(int, f32_stride)   /* floats of scratch per row */                            \
   X(int, i32_stride)   /* ints of scratch per row */                              \
-  X(int, store_stride) /* storage-dtype elements of scratch per row */
+  X(int, store_stride) /* storage-dtype elements of scratch per row */            \
+  X(int, recency)      /* 1: eviction "recency" (the oldest candidate first) */   \
+  X(int, observe)      /* a chunk's last queries that score it (1..S) */          \
+  X(int, pool)         /* max-pooling width of a chunk's mass (1: none) */
 
 #define CAMKV_PARAM_MEMBER(type, name) type name;
 struct CamParams {
@@ -970,14 +973,21 @@ CAMKV_INLINE float camkv_rank(float s) {
   return s == s ? s : -CAMKV_INF;
 }
 
-// Section 3: the unprotected stored row with the smallest score (ties: smaller index).
+// Row j's eviction rank: its score, or with eviction "recency" its index (rows are
+// in position order, so the oldest ranks lowest). Indexes are exact in float32.
+template <typename T>
+CAMKV_INLINE float camkv_rank_row(CamRows<T> r, int j, CAMKV_CONSTANT const CamParams* p) {
+  return p->recency ? (float)j : camkv_rank(r.scores[j]);
+}
+
+// Section 3: the unprotected stored row with the lowest rank (ties: smaller index).
 template <typename T>
 CAMKV_INLINE int camkv_pick_evicted(CamRows<T> r, int p_now, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
   float best = CAMKV_INF;
   int best_j = r.count;
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
-    if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_now) && camkv_rank(r.scores[j]) < best) {
-      best = camkv_rank(r.scores[j]);
+    if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_now) && camkv_rank_row(r, j, p) < best) {
+      best = camkv_rank_row(r, j, p);
       best_j = j;
     }
   }
@@ -1127,7 +1137,21 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
 // ----------------------------------------------------------------------------
 // Chunk mode (section 7, "chunk"): score the whole block causally, evict once.
 
+// Row j of a chunk's mass max-pooled: the largest entry within pool / 2 rows of j.
+CAMKV_INLINE float camkv_pooled(const CAMKV_DEVICE float* mass, int j, int count, int pool) {
+  int half = pool / 2;
+  int i0 = j - half > 0 ? j - half : 0;
+  int i1 = j + half < count - 1 ? j + half : count - 1;
+  float best = mass[i0];
+  for (int i = i0 + 1; i <= i1; ++i) {
+    best = mass[i] > best ? mass[i] : best;
+  }
+  return best;
+}
+
 // Every chunk token i queries rows [0, n + i]; the weights are summed, then / G.
+// Only the last p->observe tokens' queries count (prefill_scoring "window"), and the
+// mass is then max-pooled over p->pool rows.
 // A host may compute that mass as a matrix product before the launch (prescored):
 // a GPU's few row blocks would otherwise score thousands of queries one by one.
 template <typename T>
@@ -1142,28 +1166,29 @@ CAMKV_INLINE void camkv_score_chunk(CamRows<T> r, CAMKV_CONSTANT const CamParams
     return;
   }
   camkv_zero(mass, r.count, g);
-  for (int i = 0; i < p->S; ++i) {
+  for (int i = p->S - p->observe; i < p->S; ++i) {
     camkv_token_attention(r, i, (const CAMKV_DEVICE T*)(r.keys + (long)(p->n + i) * p->Dk), p, queries,
                           p->n + i + 1, logits, r.count, mass, g);
   }
   float groups = (float)p->G;
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
-    r.scores[j] += mass[j] / groups;
+    // max(mass) / G is max(mass / G): dividing by G keeps the order.
+    r.scores[j] += (p->pool > 1 ? camkv_pooled(mass, j, r.count, p->pool) : mass[j]) / groups;
   }
   camkv_barrier(g);
 }
 
-// The k lowest-scoring unprotected rows (ties to the smaller index) get loser = 1.
+// The k lowest-ranked unprotected rows (ties to the smaller index) get loser = 1.
 template <typename T>
 CAMKV_INLINE void camkv_mark_losers(CamRows<T> r, int k, int p_last, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     int is_loser = 0;
     if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_last)) {
-      float s = camkv_rank(r.scores[j]);
+      float s = camkv_rank_row(r, j, p);
       int rank = 0;
       for (int i = 0; i < r.count && rank < k; ++i) {
         if (i != j && !camkv_protected(r.positions[i], p->n_sink, p->recent, p_last)) {
-          float s_i = camkv_rank(r.scores[i]);
+          float s_i = camkv_rank_row(r, i, p);
           if (s_i < s || (s_i == s && i < j)) {
             rank += 1;
           }

@@ -132,6 +132,12 @@ void check_options(const UpdateOptions& o, int n) {
         << ", window=" << o.window << " (need budget > n_sink + recent, n_sink >= 0, recent >= 1, window >= 1)";
     bad(out.str());
   }
+  if (o.observation_window < 0 || o.pool < 1 || o.pool % 2 == 0) {
+    std::ostringstream out;
+    out << "invalid chunk scoring options: observation_window=" << o.observation_window << ", pool=" << o.pool
+        << " (need observation_window >= 0, 0 for every query, and an odd pool >= 1)";
+    bad(out.str());
+  }
   if (camkv_merge_rule(o.merge).kind < 0) {
     bad("merge code " + std::to_string(o.merge) + " is not one of " + merge_codes_text());
   }
@@ -221,7 +227,8 @@ bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
   const UpdateOptions& b = o.options_;
   return a.budget == b.budget && a.n_sink == b.n_sink && a.recent == b.recent && a.window == b.window &&
          a.merge == b.merge && a.merge_keys == b.merge_keys && a.gate == b.gate && a.chunk == b.chunk &&
-         a.seed == b.seed && offset_ == o.offset_ && scale_ == o.scale_ && key_scoring_ == o.key_scoring_;
+         a.seed == b.seed && a.recency == b.recency && a.observation_window == b.observation_window &&
+         a.pool == b.pool && offset_ == o.offset_ && scale_ == o.scale_ && key_scoring_ == o.key_scoring_;
 }
 
 // ----------------------------------------------------------------------------
@@ -259,6 +266,9 @@ CamParams make_params(const std::vector<mx::array>& inputs, const std::vector<mx
   p.f32_stride = outputs[SCRATCH_F32].shape(1);
   p.i32_stride = outputs[SCRATCH_I32].shape(1);
   p.store_stride = outputs[SCRATCH_STORE].shape(1);
+  p.recency = o.recency ? 1 : 0;
+  p.observe = o.observation_window > 0 && o.observation_window < p.S ? o.observation_window : p.S;
+  p.pool = o.pool;
   return p;
 }
 

@@ -24,6 +24,9 @@ struct UpdateOptions {
   bool gate;
   bool chunk;
   uint32_t seed;
+  bool recency = false;        // eviction "recency": the oldest candidate goes first
+  int observation_window = 0;  // a chunk's last queries that score it; 0: every query
+  int pool = 1;                // max-pooling width of a chunk's mass (odd; 1: none)
 };
 
 class CamUpdate : public mx::Primitive {

@@ -72,7 +72,8 @@ def step(K, V, S, P, k, v, p, q, scale, cfg, row, rule_state=None):
         return K, V, S, P, False
 
     cands = [j for j in range(n + 1) if not (P[j] < cfg.n_sink or P[j] > p - cfg.recent)]
-    loser = min(cands, key=lambda j: (S[j], P[j]))
+    recency = cfg.eviction == "recency"  # the oldest candidate goes, whatever its score
+    loser = min(cands, key=lambda j: (P[j],) if recency else (S[j], P[j]))
     merged = False
     if rule.kind != merges.DROP:
         if rule.kind == merges.WINDOW:

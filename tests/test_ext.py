@@ -102,6 +102,8 @@ def test_donated_state_is_updated_in_place_and_matches_a_copy():
         (dict(merge=-1), "merge code -1"),
         (dict(budget=3), "budget=3"),
         (dict(offset=-1), "offset must be >= 0"),
+        (dict(pool=4), "pool=4 .*an odd pool >= 1"),
+        (dict(observation_window=-1), "observation_window=-1"),
     ],
 )
 def test_bad_options_raise_value_error(change, message):

@@ -132,13 +132,20 @@ def test_the_parameter_fields_are_the_compiled_structs():
 
 def test_parameters_pack_in_the_cores_field_order():
     cfg = CaMConfig(budget=64, n_sink=3, recent=5, merge="window", window=2, gate=False, seed=2**32 - 2,
-                    prefill="exact")
+                    prefill="exact", eviction="recency")
     words = jit.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9), True).tolist()
-    assert len(words) == 24  # sizeof(CamParams) / 4
+    assert len(words) == 27  # sizeof(CamParams) / 4
     assert words[:19] == [6, 10, 1, 32, 16, 2, 11, 64, 3, 5, 2, 2, 0, 0, 0, 0, 0, 77, 1]
     assert struct.unpack("<I", struct.pack("<i", words[19]))[0] == 2**32 - 2
     assert struct.unpack("<f", struct.pack("<i", words[20]))[0] == 0.125
-    assert words[21:] == [7, 8, 9]
+    assert words[21:] == [7, 8, 9, 1, 1, 1]  # strides; recency, the one token's query, no pooling
+
+
+def test_window_scoring_packs_the_chunks_observed_queries_and_pool():
+    cfg = CaMConfig(budget=64, prefill_scoring="window", observation_window=4, pool=5)
+    for s_len, observed in ((10, 4), (3, 3), (1, 1)):
+        words = jit.pack_params(cfg, 6, 10, s_len, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9)).tolist()
+        assert words[2] == s_len and words[24:] == [0, observed, 5]
 
 
 def test_a_decode_steps_parameters_are_a_row_of_a_shared_table():

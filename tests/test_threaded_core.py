@@ -130,3 +130,15 @@ def test_fuzz_matches_the_reference(threaded_update, seed, merge, prefill, sizes
     cfg = CaMConfig(budget=9, n_sink=1, recent=2, merge=merge, window=2, prefill=prefill, seed=seed,
                     scoring="query" if groups else "key")
     _check(threaded_update, cfg, sizes, rows=2, k_dim=k_dim, v_dim=8, seed=seed, queries_per_kv=groups)
+
+
+# Recency eviction (CamParams.recency) and window scoring (the host's prescored mass of
+# the last observation_window queries, max-pooled).
+@pytest.mark.parametrize("fields", [dict(eviction="recency"), dict(prefill_scoring="window", observation_window=4),
+                                    dict(prefill_scoring="window", observation_window=4, pool=3,
+                                         eviction="recency")])
+@pytest.mark.parametrize("merge", ["window", "drop", "sim_weighted"])
+def test_recency_and_window_scoring_match_the_reference(threaded_update, merge, fields):
+    cfg = CaMConfig(budget=12, n_sink=2, recent=3, merge=merge, window=3, gate=True, seed=5, scoring="query",
+                    **fields)
+    _check(threaded_update, cfg, [5, 9, 1, 1, 14, 1, 3], rows=3, k_dim=16, v_dim=10, seed=6, queries_per_kv=2)

@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, fast, hook, merges, reference
+from . import backends, fast, hook, merges, policy, reference
 from .config import CaMConfig, resolve_config
 from .rows import RowState
 
@@ -99,6 +99,10 @@ class CaMKVCache(_BaseCache):
         # wait in _query_buffer [B, Hq, capacity, Dk] (written in place, as the keys are),
         # or _KEY_SCORED; None while nothing is pending.
         self._queued = None
+        # With prefill_scoring="window": whether the pending tokens came in blocks of
+        # several (prompt chunks, scored by their last queries) or one at a time (decode
+        # steps, scored by every query). The two never share a compression.
+        self._windowed = False
         self._query_buffer: mx.array | None = None
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
@@ -313,14 +317,19 @@ class CaMKVCache(_BaseCache):
         return tuple(a.reshape(B, H, self._held, *a.shape[2:]) for a in rows[:4])
 
     def _pending_mass(self, rows: RowState) -> mx.array:
-        """The mass the pending rows' queries give every held row [B*H, held] (section 2;
-        weighed by the rows' votes where the rule keeps them)."""
+        """The mass the pending rows' queries give every held row [B*H, held] (sections 2
+        and 3: only the observation window's with prefill_scoring="window"; weighed by the
+        rows' votes where the rule keeps them)."""
         queries, scale = self._chunk_queries(self._held)
+        cfg = self._chunk_config()
         if rows.votes is None:
-            return fast.attention_mass(queries, rows.keys, scale, self._settled)
-        return reference.attention_mass_causal(queries.transpose(0, 2, 1, 3).astype(mx.float32),
-                                               rows.keys.astype(mx.float32), scale, self._settled,
-                                               bias=mx.log(rows.votes))
+            return fast.chunk_mass(queries, rows.keys, scale, self._settled, cfg)
+        s_len = queries.shape[2]
+        observed = policy.observed(cfg, s_len)
+        mass = reference.attention_mass_causal(
+            queries[:, :, s_len - observed:].transpose(0, 2, 1, 3).astype(mx.float32),
+            rows.keys.astype(mx.float32), scale, self._settled + s_len - observed, bias=mx.log(rows.votes))
+        return policy.pooled(mass, cfg, s_len)
 
     @property
     def stats(self) -> dict:
@@ -463,11 +472,13 @@ class CaMKVCache(_BaseCache):
     def _queue(self, scale, block: int, queries=None) -> None:
         """Keep what scoring the last `block` tokens held need (their queries under scale,
         or _KEY_SCORED), then compress if the rows held passed budget + slack."""
-        if self._queued is not None and self._queued != scale:
-            # Pending tokens scored another way (keys, or another scale) are scored first.
+        windowed = self._config.prefill_scoring == "window" and block > 1
+        if self._queued is not None and (self._queued != scale or self._windowed != windowed):
+            # Pending tokens scored another way (keys, another scale, or under window
+            # scoring prompt blocks against decode steps) are scored first.
             self._compress(self._held - block)
         if self._queued is None:
-            self._queued = scale
+            self._queued, self._windowed = scale, windowed
         if queries is not None:
             self._keep_queries(queries, self._held - self._settled - block)
         if self._held > self._config.budget + self._config.slack:
@@ -527,7 +538,7 @@ class CaMKVCache(_BaseCache):
         if self._drops_in_one_launch(end):
             self._adopt_buffers(fast.compress_drop_buffers(
                 self._keys, self._values, end, self._scores, self._positions, queries, self._pending_start,
-                scale, self._config, self._capacity()), self._pending_start + chunk)
+                scale, self._chunk_config(), self._capacity()), self._pending_start + chunk)
         else:
             state, merges = self._run_backend(queries, scale, end)
             self._merge_counts.append(merges)
@@ -543,7 +554,7 @@ class CaMKVCache(_BaseCache):
         """Whether this compression evicts with merge="drop" on an NVIDIA GPU, where one
         kernel launch (backends.compact_cuda) chooses, compacts and copies the survivors."""
         return (end > self._config.budget and merges.rule(self._config.merge).kind == merges.DROP
-                and getattr(self._backend(), "target", None) == "cuda" and fast.on_cuda())
+                and self._config.eviction == "score" and getattr(self._backend(), "target", None) == "cuda" and fast.on_cuda())
 
     def _adopt_buffers(self, compacted, next_position: int) -> None:
         """Make compacted (keys, values) buffers [B, H, capacity, D], whose first budget rows
@@ -555,7 +566,7 @@ class CaMKVCache(_BaseCache):
 
     def _run_backend(self, queries, scale, end: int):
         """The compression of rows [settled, end) by the configured backend."""
-        cfg = self._config
+        cfg = self._chunk_config()
         backend = self._backend()
         n, R = self._settled, queries.shape[0]
         if merges.rule(cfg.merge).kind == merges.DROP and getattr(backend, "target", None) and end - n > 1:
@@ -573,6 +584,13 @@ class CaMKVCache(_BaseCache):
         q = None if key_scored else queries.transpose(0, 2, 1, 3)
         return backend.update(before, *new, self._pending_start, cfg, self._row_ids(*self._layout[:2]),
                               q, None if key_scored else scale)
+
+    def _chunk_config(self) -> CaMConfig:
+        """The config the pending tokens are compressed under: prefill_scoring="window"
+        applies to prompt blocks only; decode steps are scored by every query."""
+        if self._config.prefill_scoring == "window" and not self._windowed:
+            return self._config.replace(prefill_scoring="causal", pool=1)
+        return self._config
 
     def _settle_rows(self, state: RowState, next_position: int) -> None:
         """Make state [B*H, n, ...] the held rows, all scored, in a buffer with room to

@@ -12,6 +12,8 @@ MERGE_MODES = merges.names()  # the rules of camkv.merges, in kernel-code order
 SCORING_MODES = ("key", "query")
 PREFILL_MODES = ("exact", "chunk")
 BACKENDS = ("auto", "reference", "ext", "metal", "cuda")
+EVICTION_MODES = ("score", "recency")
+PREFILL_SCORING_MODES = ("causal", "window")
 UINT32_MAX = 2**32 - 1
 
 
@@ -103,6 +105,18 @@ class CaMConfig:
       step (the exact per-token rule). None (the default) means budget // 8 and follows
       the budget through replace(budget=...); slack > 0 needs prefill="chunk".
     - backend ["auto"]: "auto", "reference", "ext", "metal" or "cuda".
+    - eviction ["score"]: which unprotected token goes first. "score": the one with the
+      least accumulated attention (H2O); "recency": the oldest, so a row keeps its sinks
+      and its newest tokens (StreamingLLM's rule). Scores are kept either way: the gate
+      and the mass-weighted rules read them. CAM_STREAMING is CaM as its authors ran it.
+    - prefill_scoring ["causal"]: how a chunk of several tokens from prompt calls is
+      scored. "causal": every chunk token's query over the rows up to itself; "window":
+      only the chunk's last observation_window queries (SnapKV's observation window),
+      their mass then max-pooled over pool rows. Compressions of decode steps keep every
+      query either way (docs/algorithm.md section 7).
+    - observation_window [32]: queries that score a chunk with prefill_scoring="window".
+    - pool [1]: odd width of the max-pooling of a window-scored chunk's mass along the
+      rows (1: none; SnapKV pools over 5 to 7); only with prefill_scoring="window".
 
     Requires n_sink + recent < budget. Invalid values raise ValueError naming the
     field, the bad value and what is allowed.
@@ -130,6 +144,15 @@ class CaMConfig:
                                "--kv-budget with --kv-prefill chunk, else 0)")
     backend: str = _field("auto", "backend", "kernel backend ('auto' picks the best one available)",
                           choices=BACKENDS)
+    eviction: str = _field("score", "eviction", "which unprotected token goes first: 'score' the least "
+                           "attended (H2O), 'recency' the oldest (StreamingLLM)", choices=EVICTION_MODES)
+    prefill_scoring: str = _field("causal", "prefill-scoring", "'causal' scores a prompt chunk with every "
+                                  "query; 'window' with its last --kv-observation-window queries only "
+                                  "(SnapKV)", choices=PREFILL_SCORING_MODES)
+    observation_window: int = _field(32, "observation-window", "queries that score a prompt chunk with "
+                                     "--kv-prefill-scoring window")
+    pool: int = _field(1, "pool", "odd width of the max-pooling of a window-scored chunk's attention "
+                       "mass along the tokens (1: none)")
 
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
@@ -148,6 +171,7 @@ class CaMConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_bool("merge_keys", self.merge_keys)
         _check_bool("gate", self.gate)
+        self._check_scoring_policy()
         if self.slack and self.prefill != "chunk":
             raise ValueError(
                 f"CaMConfig.slack={self.slack} needs prefill='chunk' (the buffered tokens are "
@@ -171,6 +195,21 @@ class CaMConfig:
                 f"{self.recent} = {self.n_sink + self.recent}, got budget={self.budget}"
             )
 
+    def _check_scoring_policy(self) -> None:
+        """eviction, prefill_scoring, observation_window and pool."""
+        _check_choice("eviction", self.eviction, EVICTION_MODES)
+        _check_choice("prefill_scoring", self.prefill_scoring, PREFILL_SCORING_MODES)
+        _check_int("observation_window", self.observation_window, 1)
+        _check_int("pool", self.pool, 1)
+        if self.pool % 2 == 0:
+            raise ValueError(f"CaMConfig.pool must be odd (a window centred on each token), got {self.pool}")
+        if self.pool != 1 and self.prefill_scoring != "window":
+            raise ValueError(f"CaMConfig.pool={self.pool} needs prefill_scoring='window', got "
+                             f"prefill_scoring={self.prefill_scoring!r}; use pool=1")
+        if self.prefill_scoring == "window" and self.prefill != "chunk":
+            raise ValueError(f"CaMConfig.prefill_scoring='window' needs prefill='chunk' (it scores a "
+                             f"chunk by its last queries), got prefill={self.prefill!r}")
+
     def replace(self, **changes) -> "CaMConfig":
         """A copy with some fields changed (validated like a new config)."""
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -190,6 +229,14 @@ class CaMConfig:
     @classmethod
     def from_json(cls, text: str) -> "CaMConfig":
         return cls(**json.loads(text))
+
+
+# CaM as its authors ran it, over StreamingLLM (zyxxmu/cam's streaming cache): recency
+# eviction keeping the sinks, each evicted token's value added to the 32 tokens after
+# it (V += V_e / 32), gated by clamp(s_e / the mean score of those 32, 0, 1); that
+# code spreads over 16 (docs/algorithm.md section 11 lists what else differs).
+# CaMConfig(**CAM_STREAMING, budget=...) or config.replace(**CAM_STREAMING).
+CAM_STREAMING = {"eviction": "recency", "merge": "window", "window": 32, "gate": True}
 
 
 def resolve_config(config: "CaMConfig | None", fields: dict) -> CaMConfig:

@@ -18,6 +18,7 @@ import math
 
 import mlx.core as mx
 
+from . import policy
 from .backends import compact_cuda, mass_cuda
 from .rows import RowState
 
@@ -63,6 +64,16 @@ def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: in
                 part = mx.pad(part, [(0, 0), (0, total - visible)])
         mass = part if mass is None else mass + part
     return mass
+
+
+def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, cfg) -> mx.array:
+    """attention_mass of a chunk under cfg.prefill_scoring: with "window" only the chunk's
+    last observation_window queries add mass, which is then max-pooled (camkv.policy)."""
+    s_len = queries.shape[2]
+    observed = policy.observed(cfg, s_len)
+    if observed < s_len:
+        queries = queries[:, :, s_len - observed :]
+    return policy.pooled(attention_mass(queries, keys, scale, n_before + s_len - observed), cfg, s_len)
 
 
 def _column_mass(logits: mx.array, scale: float, n_before: int) -> mx.array:
@@ -125,13 +136,14 @@ def compress_drop(keys, values, settled_scores, settled_positions, queries, firs
     s_len = keys.shape[1] - n
     positions = mx.concatenate(
         [settled_positions, mx.broadcast_to(first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
-    mass = attention_mass(queries, keys, scale, n)
+    mass = chunk_mass(queries, keys, scale, n, cfg)
     scores = mx.concatenate([settled_scores + mass[:, :n], mass[:, n:]], axis=1)
     joined = RowState(keys, values, scores, positions)
     if n + s_len <= cfg.budget:
         return joined
     p_last = first_pending + s_len - 1
-    return joined.take(losers_and_kept(scores, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))
+    ranks = policy.eviction_ranks(scores, cfg)
+    return joined.take(losers_and_kept(ranks, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))
 
 
 def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positions, queries, first_pending: int,
@@ -139,9 +151,10 @@ def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positi
     """compress_drop for rows [0, end) of the buffers keys [B, H, cap, Dk] and values [B, H, cap, Dv]
     on an NVIDIA GPU, evicting in one launch (backends.compact_cuda): (keys, values) buffers
     [B, H, capacity, D] whose first cfg.budget rows are the survivors, their scores and positions.
-    Only for end > cfg.budget (there is something to evict)."""
+    Only for end > cfg.budget (there is something to evict) and eviction="score" (the kernel
+    ranks by score)."""
     rows, n = settled_scores.shape
     held = keys[:, :, :end].reshape(rows, end, -1)
-    mass = attention_mass(queries, held, scale, n)
+    mass = chunk_mass(queries, held, scale, n, cfg)
     return compact_cuda.drop_compact(keys, values, settled_scores, settled_positions, mass, first_pending,
                                      first_pending + end - n - 1, cfg, capacity)

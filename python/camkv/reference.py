@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import merges
+from . import merges, policy
 from .config import CaMConfig
 from .rows import RowState
 
@@ -382,9 +382,10 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
 
 def _ranked(scores, positions, p_last: int, cfg) -> mx.array:
     """Eviction ranks (section 3): protected rows (sinks, and the recent window before
-    p_last) +inf, a NaN score -inf (a poisoned token goes first), else the score."""
+    p_last) +inf, else the score (a NaN score -inf: a poisoned token goes first), or
+    with eviction="recency" the row index (the oldest goes first)."""
     protected = (positions < cfg.n_sink) | (positions > p_last - cfg.recent)
-    return mx.where(protected, _INF, mx.where(mx.isnan(scores), -_INF, scores))
+    return mx.where(protected, _INF, policy.eviction_ranks(scores, cfg))
 
 
 def _chunk_losers(scores, positions, p_last, n_losers, cfg) -> mx.array:
@@ -399,14 +400,18 @@ def _chunk_losers(scores, positions, p_last, n_losers, cfg) -> mx.array:
 
 
 def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q, scale):
-    """Chunk mode: score all S tokens at once, then evict and merge once."""
+    """Chunk mode: score all S tokens at once (with prefill_scoring="window" by the last
+    observation_window queries, their mass max-pooled), then evict and merge once."""
     rows, s_len = new_keys.shape[:2]
     n = state.length
     total = n + s_len
     keys = mx.concatenate([state.keys, new_keys], axis=1)
     values = mx.concatenate([state.values, new_values], axis=1)
     votes = _appended_votes(state.votes, s_len)
-    mass = attention_mass_causal(q, keys.astype(mx.float32), scale, n, bias=_log_votes(votes))
+    observed = policy.observed(cfg, s_len)  # the last queries that score the chunk
+    mass = attention_mass_causal(q[:, s_len - observed :], keys.astype(mx.float32), scale, total - observed,
+                                 bias=_log_votes(votes))
+    mass = policy.pooled(mass, cfg, s_len)
     scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
     new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
     positions = mx.concatenate([state.positions, new_positions], axis=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import merges
+from .. import policy
 from ..reference import attention_mass_causal
 from ..rows import RowState
 
@@ -42,7 +43,8 @@ def adopt_dtype(state: RowState, new_keys) -> RowState:
 SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scoring holds
 
 
-def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split: bool = False) -> mx.array:
+def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split: bool = False,
+               cfg=None) -> mx.array:
     """A chunk call's attention mass [R, n + S] (section 2) as matrix products, for a
     kernel to take instead of scoring the chunk itself (CamParams.prescored).
 
@@ -51,7 +53,9 @@ def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split
     queries per KV head would hold gigabytes, and a bounded cache must not spike memory
     while it fills (block i0..i1 sees only the first n + i1 keys). split: keep float32
     accuracy on a matmul that rounds to TF32 (MLX's CUDA one), see
-    reference._float32_product.
+    reference._float32_product. cfg (a CaMConfig; None scores causally) with
+    prefill_scoring="window": only the chunk's last observation_window queries score it,
+    their mass max-pooled (camkv.policy).
     """
     rows, s_len, _ = new_keys.shape
     n = state.length
@@ -62,11 +66,12 @@ def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split
     total, groups = n + s_len, queries.shape[2]
     block = max(1, SCORE_BYTES // (rows * groups * total * 4 * 4))  # logits, mask, weights, split parts
     mass = None
-    for i0 in range(0, s_len, block):
+    first = 0 if cfg is None else s_len - policy.observed(cfg, s_len)
+    for i0 in range(first, s_len, block):
         i1 = min(s_len, i0 + block)
         part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=split)
         part = mx.pad(part, [(0, 0), (0, s_len - i1)])
         mass = part if mass is None else mass + part
         if i1 < s_len:
             mx.eval(mass)
-    return mass
+    return mass if cfg is None else policy.pooled(mass, cfg, s_len)

@@ -83,6 +83,9 @@ def update(
         gate=cfg.gate,
         chunk=cfg.prefill == "chunk",
         seed=cfg.seed,
+        recency=cfg.eviction == "recency",
+        observation_window=cfg.observation_window if cfg.prefill_scoring == "window" else 0,
+        pool=cfg.pool,
         stream=stream,
     )
     return RowState(keys, values, scores, positions), merges

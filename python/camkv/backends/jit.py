@@ -15,6 +15,7 @@ import struct
 
 import mlx.core as mx
 
+from .. import policy
 from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
@@ -154,6 +155,7 @@ PARAM_FIELDS = (
     ("budget", "i"), ("n_sink", "i"), ("recent", "i"), ("window", "i"), ("merge", "i"), ("merge_keys", "i"),
     ("gate", "i"), ("chunk", "i"), ("key_scoring", "i"), ("in_place", "i"), ("offset", "i"), ("prescored", "i"),
     ("seed", "I"), ("scale", "f"), ("f32_stride", "i"), ("i32_stride", "i"), ("store_stride", "i"),
+    ("recency", "i"), ("observe", "i"), ("pool", "i"),
 )
 PARAM_FORMAT = "<" + "".join(code for _, code in PARAM_FIELDS)
 
@@ -166,7 +168,8 @@ def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, off
         n_sink=cfg.n_sink, recent=cfg.recent, window=cfg.window, merge=merge_code(cfg.merge),
         merge_keys=int(cfg.merge_keys), gate=int(cfg.gate), chunk=int(cfg.prefill == "chunk"),
         key_scoring=int(key_scoring), in_place=0, offset=offset, prescored=int(prescored), seed=cfg.seed,
-        scale=scale, f32_stride=strides[0], i32_stride=strides[1], store_stride=strides[2])
+        scale=scale, f32_stride=strides[0], i32_stride=strides[1], store_stride=strides[2],
+        recency=int(cfg.eviction == "recency"), observe=policy.observed(cfg, s_len), pool=cfg.pool)
     packed = struct.pack(PARAM_FORMAT, *(fields[name] for name, _ in PARAM_FIELDS))
     return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
 
@@ -242,7 +245,7 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     chunk_mass = None
     if cfg.prefill == "chunk" and s_len > 1:
         chunk_mass = prescore_chunk(state, new_keys, None if key_scoring else queries, scale,
-                                    split=target == "cuda")
+                                    split=target == "cuda", cfg=cfg)
     prescored = chunk_mass is not None
     if not prescored:
         chunk_mass = _placeholder()  # unused by the core

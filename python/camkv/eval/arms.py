@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .. import hook, merges
-from ..config import default_recent
+from ..config import CAM_STREAMING, default_recent
 from ..distributed import kv_bytes
 from ..integration import make_prompt_cache as camkv_prompt_cache
 
@@ -25,6 +25,8 @@ class Arm:
     gate: bool = False
     scoring: str = "key"
     merge_keys: bool = False
+    eviction: str = "score"
+    window: int | None = None  # survivors of a window rule; None: the run's --window
 
 
 MERGE_ARMS = merges.names(kind=merges.NEAREST) + merges.names(kind=merges.WINDOW)  # every rule but drop (h2o)
@@ -43,6 +45,9 @@ def method_catalog() -> dict[str, Arm]:
                 methods.append(Arm(name, "camkv", merge, gate, scoring))
         for merge in KEY_MERGE_ARMS:  # blending the keys too (merge_keys), ungated
             methods.append(Arm(merge + "-keys-nogate" + suffix, "camkv", merge, False, scoring, True))
+    # CaM as its authors ran it: StreamingLLM's eviction, the window merge over 32, gated
+    # by the accumulated attention of the model's queries.
+    methods.append(Arm("cam", "camkv", scoring="query", **CAM_STREAMING))
     return {m.name: m for m in methods}
 
 
@@ -84,6 +89,9 @@ class CacheSettings:
     seed: int
     backend: str
     slack: int | None = None  # camkv's rows over the budget; None: CaMConfig's default
+    prefill_scoring: str = "causal"  # CaMConfig.prefill_scoring of every camkv arm
+    observation_window: int = 32
+    pool: int = 1
 
     def recent_for(self, budget: int) -> int:
         """The recent window (tokens) of a cache of this budget."""
@@ -111,8 +119,10 @@ def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings) -> 
     return camkv_prompt_cache(
         model, budget=budget, n_sink=settings.n_sink, recent=settings.recent_for(budget),
         merge=arm.merge, gate=arm.gate, scoring=arm.scoring, merge_keys=arm.merge_keys,
-        window=settings.window,
+        window=settings.window if arm.window is None else arm.window,
         seed=settings.seed, prefill="chunk", backend=settings.backend, slack=settings.slack,
+        eviction=arm.eviction, prefill_scoring=settings.prefill_scoring,
+        observation_window=settings.observation_window, pool=settings.pool,
     )
 
 

@@ -8,7 +8,13 @@ changes results on some MLX models):
 - h2o: camkv with merge="drop" (attention-mass eviction, sinks, recent window);
 - camkv with merge = sim_weighted / mean / mass_weighted / window / window_mass, each
   with the gate on and off;
-- the camkv arms again with scoring="query" (suffix "-query").
+- the camkv arms again with scoring="query" (suffix "-query");
+- cam: CaM as its authors ran it (camkv.config.CAM_STREAMING): StreamingLLM's recency
+  eviction, each evicted token's value added to the 32 tokens after it, gated by the
+  attention of the model's queries.
+
+--prefill-scoring window scores every camkv arm's prompt chunks by their last
+--observation-window queries (SnapKV), optionally max-pooled (--pool).
 
 Tasks:
 
@@ -29,9 +35,11 @@ OUT/table.md and the PNG plots (camkv.eval.report).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
+from ..config import PREFILL_SCORING_MODES, CaMConfig
 from ..models import DEFAULT_MODEL, PACKAGED_NAMES
 from .arms import method_catalog
 from .budgets import _share_or_count
@@ -39,6 +47,7 @@ from .loading import TINY_MODEL
 from .sweep import run
 
 ALL_BUDGETS = "10%,20%,50%,256,512"
+_CAMKV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CaMConfig)}
 
 PRESETS = {
     # CI-sized: a tiny random llama on the built-in text, a few arms; seconds on a CPU.
@@ -117,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--n-sink", type=int, help="sink tokens kept by camkv, H2O and StreamingLLM (keep)")
     a("--recent", help="recent window protected by camkv and H2O: tokens, or N%% of each budget")
     a("--window", type=int, default=4, help="survivors per eviction in merge=window (default 4)")
+    a("--prefill-scoring", choices=PREFILL_SCORING_MODES, default=_CAMKV_DEFAULTS["prefill_scoring"],
+      help="how the camkv arms score a prompt chunk: 'causal' with every query, 'window' with its "
+      "last --observation-window queries (SnapKV; CaMConfig.prefill_scoring) (default %(default)s)")
+    a("--observation-window", type=int, default=_CAMKV_DEFAULTS["observation_window"],
+      help="queries that score a prompt chunk with --prefill-scoring window (default %(default)s)")
+    a("--pool", type=int, default=_CAMKV_DEFAULTS["pool"],
+      help="odd width of the max-pooling of a window-scored chunk's mass (default %(default)s: none)")
     a("--seed", type=int, default=0, help="seed of text windows, passkeys and camkv's gate")
     a("--backend", default="auto", help="camkv backend (auto, reference, ext, metal, cuda)")
     a("--out", help="output folder (default ./camkv-eval-PRESET, in the current folder)")
@@ -163,6 +179,9 @@ def resolve_options(argv, default_out: str = "camkv-eval-{preset}") -> argparse.
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(opts, flag)}")
     if opts.n_sink < 0:
         raise ValueError(f"--n-sink must be >= 0, got {opts.n_sink}")
+    # The scoring flags as CaMConfig checks them (it names the field and what is allowed).
+    CaMConfig(prefill_scoring=opts.prefill_scoring, observation_window=opts.observation_window,
+              pool=opts.pool)
     if not 1 <= opts.stream_prefill < opts.stream_tokens:
         raise ValueError(f"--stream-prefill must be in [1, --stream-tokens), got "
                          f"{opts.stream_prefill} with --stream-tokens {opts.stream_tokens}")

@@ -11,7 +11,10 @@ from pathlib import Path
 
 # Flags that change what a record means: a folder's records must all share them.
 IDENTITY_KEYS = ("model", "dtype", "stream_tokens", "stream_prefill", "chunk", "answer_tokens",
-                 "n_sink", "recent", "window", "seed", "backend")
+                 "n_sink", "recent", "window", "seed", "backend", "prefill_scoring",
+                 "observation_window", "pool")
+# What a folder written before an identity key existed ran with.
+IDENTITY_BEFORE = {"prefill_scoring": "causal", "observation_window": 32, "pool": 1}
 # Flags that only pick which records to make: they may change between runs into one
 # folder (e.g. --methods core first, then --methods all adds the other arms).
 SELECTION_KEYS = ("texts", "tasks", "methods", "budgets", "stream_samples", "passkey_lengths",
@@ -43,6 +46,7 @@ class RecordStore:
         if not (self.records_path.exists() and self.config_path.exists()):
             return
         before = json.loads(self.config_path.read_text())
+        before = {**IDENTITY_BEFORE, **before}
         differ = [k for k in IDENTITY_KEYS if before.get(k) != run_config.get(k)]
         if differ:
             details = ", ".join(f"{k}: {before.get(k)!r} -> {run_config.get(k)!r}" for k in differ)

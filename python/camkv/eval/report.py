@@ -127,6 +127,15 @@ def _metric_table(title: str, table: dict, methods, labels, fmt) -> list[str]:
     return rows + [""]
 
 
+def _prefill_scoring_note(config: dict) -> str:
+    """How the camkv arms scored prompt chunks, when not causally (older runs: causally)."""
+    if config.get("prefill_scoring", "causal") == "causal":
+        return ""
+    pool = f", their mass max-pooled over {config['pool']} tokens" if config["pool"] > 1 else ""
+    return (f" camkv arms score a prompt chunk by its last {config['observation_window']} "
+            f"queries{pool} (prefill_scoring {config['prefill_scoring']}).")
+
+
 def markdown_tables(summary: dict) -> str:
     """Markdown tables to embed in a page: one table per metric, methods by budget."""
     methods, labels = summary["methods"], summary["budget_labels"]
@@ -135,7 +144,7 @@ def markdown_tables(summary: dict) -> str:
     lines = [
         f"Model `{config['model']}`, texts {', '.join(config['texts'])}, prefill chunk "
         f"{config['chunk']}, n_sink {config['n_sink']}, recent {config['recent']}, seed "
-        f"{config['seed']}. Budgets in % are of the context.",
+        f"{config['seed']}. Budgets in % are of the context.{_prefill_scoring_note(config)}",
         "",
     ]
     if stream:

@@ -205,7 +205,9 @@ def run(opts) -> dict:
     if opts.report_only:
         return report.write_report(opts.out)
     methods, budgets = parse_methods(opts.methods), parse_budgets(opts.budgets)
-    settings = CacheSettings(opts.n_sink, opts.recent, opts.window, opts.seed, opts.backend)
+    settings = CacheSettings(opts.n_sink, opts.recent, opts.window, opts.seed, opts.backend,
+                             prefill_scoring=opts.prefill_scoring,
+                             observation_window=opts.observation_window, pool=opts.pool)
     if opts.plan:
         print(describe_plan(opts, methods, budgets, settings))
         return {}

@@ -1,0 +1,46 @@
+"""What eviction ranks by (CaMConfig.eviction) and which queries of a chunk score it
+(CaMConfig.prefill_scoring, observation_window, pool): docs/algorithm.md sections 3 and 7.
+
+One definition for the reference, camkv.fast and the kernels' host code; the kernel
+core computes the same in C++ (camkv_rank_row, camkv_score_chunk).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def eviction_ranks(scores: mx.array, cfg) -> mx.array:
+    """What a row's candidates are ranked by, lowest evicted first, [R, N] float32.
+
+    "score": the accumulated attention (a NaN score ranks lowest: a poisoned token goes
+    first). "recency": the row index, which orders rows by position (rows are stored in
+    ascending position), so the oldest candidate goes first and scores play no part.
+    """
+    if cfg.eviction == "recency":
+        return mx.broadcast_to(mx.arange(scores.shape[1], dtype=mx.float32), scores.shape)
+    return mx.where(mx.isnan(scores), -float("inf"), scores)
+
+
+def observed(cfg, s_len: int) -> int:
+    """How many of a chunk's last queries add mass: the observation window with
+    prefill_scoring="window" (all of a chunk shorter than it), every query otherwise.
+    A single token's call is never windowed."""
+    if cfg.prefill_scoring == "window" and s_len > 1:
+        return min(s_len, cfg.observation_window)
+    return s_len
+
+
+def pooled(mass: mx.array, cfg, s_len: int) -> mx.array:
+    """A chunk's mass [R, N] max-pooled along the rows: each entry becomes the largest
+    within pool // 2 rows either side (rows past either end do not count). Only with
+    prefill_scoring="window" and a chunk of more than one token; else mass unchanged."""
+    half = cfg.pool // 2
+    if half == 0 or cfg.prefill_scoring != "window" or s_len <= 1:
+        return mass
+    padded = mx.pad(mass, [(0, 0), (half, half)], constant_values=-float("inf"))
+    width = mass.shape[1]
+    out = mass
+    for shift in range(2 * half + 1):
+        out = mx.maximum(out, padded[:, shift : shift + width])
+    return out
