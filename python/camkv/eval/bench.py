@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .. import backends, hook, models
 from ..cache import CaMKVCache
-from ..config import CaMConfig
+from ..config import PREFILL_SCORING_MODES, CaMConfig
 from ..distributed import kv_bytes
 from .arms import Arm, CacheSettings, make_cache, release_cache
 from .loading import load_model
@@ -42,25 +42,30 @@ class BenchArm:
     arm: Arm
     budget: int | None = None
     slack: int | None = None  # camkv only; None: CaMConfig's default
+    prefill_scoring: str | None = None  # camkv only; None: CaMConfig's default
 
     @property
     def name(self) -> str:
         name = self.arm.name if self.budget is None else f"{self.arm.name}-{self.budget}"
-        return name if self.slack is None else f"{name}-slack{self.slack}"
+        name = name if self.slack is None else f"{name}-slack{self.slack}"
+        return name if self.prefill_scoring is None else f"{name}-{self.prefill_scoring}"
 
 
-def default_arms(budgets: list[int], slacks: list[int] = ()) -> list[BenchArm]:
+def default_arms(budgets: list[int], slacks: list[int] = (), prefill_scorings: list[str] = ()) -> list[BenchArm]:
     """The full cache, then StreamingLLM and camkv at each budget, and camkv again with each
-    of `slacks`."""
+    of `slacks` and each of `prefill_scorings`."""
     return ([BenchArm(FULL)] + [BenchArm(a, b) for a in (STREAMING, CAMKV) for b in budgets]
-            + [BenchArm(CAMKV, b, slack) for b in budgets for slack in slacks])
+            + [BenchArm(CAMKV, b, slack) for b in budgets for slack in slacks]
+            + [BenchArm(CAMKV, b, prefill_scoring=p) for b in budgets for p in prefill_scorings])
 
 
-def cache_settings(backend: str, slack: int | None = None) -> CacheSettings:
-    """CaMConfig's defaults (4 sinks, a quarter of the budget recent, an eighth slack unless
-    `slack` says otherwise), on `backend`; the StreamingLLM arm keeps the same 4 sinks."""
+def cache_settings(backend: str, slack: int | None = None, prefill_scoring: str | None = None) -> CacheSettings:
+    """CaMConfig's defaults (4 sinks, a quarter of the budget recent, an eighth slack and
+    causal prefill scoring unless `slack` / `prefill_scoring` say otherwise), on `backend`;
+    the StreamingLLM arm keeps the same 4 sinks."""
     defaults = CaMConfig()
-    return CacheSettings(defaults.n_sink, None, defaults.window, defaults.seed, backend, slack)
+    return CacheSettings(defaults.n_sink, None, defaults.window, defaults.seed, backend, slack,
+                         prefill_scoring or defaults.prefill_scoring, defaults.observation_window, defaults.pool)
 
 
 @dataclass
@@ -74,7 +79,7 @@ class Trial:
 
 def run_trial(model, arm: BenchArm, prompt: mx.array, gen_tokens: int, prefill_step: int, backend: str) -> Trial:
     """Prefill the prompt in chunks, then generate greedily, timing each part."""
-    cache = make_cache(model, arm.arm, arm.budget, cache_settings(backend, arm.slack))
+    cache = make_cache(model, arm.arm, arm.budget, cache_settings(backend, arm.slack, arm.prefill_scoring))
     try:
         return _timed_generation(model, cache, prompt, gen_tokens, prefill_step)
     finally:
@@ -344,6 +349,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="camkv and StreamingLLM (rotating-cache) budgets")
     parser.add_argument("--slacks", type=int, nargs="*", default=[],
                         help="also camkv arms with these slack values (rows over the budget between compressions)")
+    parser.add_argument("--prefill-scorings", nargs="*", default=[], choices=PREFILL_SCORING_MODES,
+                        help="also camkv arms scoring prompt chunks these ways (CaMConfig.prefill_scoring)")
     parser.add_argument("--trials", type=int, default=3, help="measured trials per arm (after a warm-up)")
     parser.add_argument("--prefill-step", type=int, default=2048, help="prompt chunk size, as mlx-lm's prefill_step_size")
     parser.add_argument("--backend", default="auto", help="camkv backend (auto picks the best here)")
@@ -369,7 +376,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     model = load_model(args.model)[0]
     if any(v < 0 for v in args.slacks):
         raise SystemExit(f"camkv bench: --slacks must be integers >= 0, got {args.slacks}")
-    arms = default_arms(args.budgets, args.slacks)
+    arms = default_arms(args.budgets, args.slacks, args.prefill_scorings)
     device = _device_name()
     results = {
         "model": args.model, "device": device, "backend": backends.resolve_name(args.backend),
