@@ -147,8 +147,8 @@ def test_attention_gets_the_votes_of_the_rows_it_was_handed_before_they_compress
     attention: the bias must still be the returned rows', not the compressed ones'."""
     cfg = CaMConfig(budget=8, n_sink=1, recent=2, slack=2, merge="keepkv")
     cache, rng = CaMKVCache(cfg), np.random.default_rng(7)
-    cache.hook_modules = frozenset({"a hooked model"})
-    hook._users["a hooked model"] = 1  # a hook is installed: the cache waits for queries
+    model = tiny_llama()
+    hook.install(model)  # some model's hook: a cache built directly then waits for queries
     queries = lambda s_len: mx.array(rng.standard_normal((1, 4, s_len, 8)).astype(np.float32))  # noqa: E731
     try:
         cache.update_and_fetch(*_block(rng, S=12))
@@ -164,7 +164,7 @@ def test_attention_gets_the_votes_of_the_rows_it_was_handed_before_they_compress
         assert cache.size() < fetched.shape[2]  # the last queries compressed the rows
         assert (np.array(bias) > 0).any()  # and the rows attention got stood for several tokens
     finally:
-        del hook._users["a hooked model"]
+        hook.uninstall(model)
 
 
 def test_a_model_that_attends_without_the_votes_is_warned_once():
