@@ -41,15 +41,18 @@ def tiny_gguf_llama(seed: int = 0):
     return tiny_llama(vocab=len(tiny_tokens()), seed=seed)
 
 
-def gguf_name(mlx_name: str) -> str:
-    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight'."""
+_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(mlx_name: str, layer_names: dict = _LAYER_NAMES) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight' (llama.cpp's names,
+    a layer's modules named by layer_names)."""
     if mlx_name.startswith("model.layers."):
         _, _, layer, rest = mlx_name.split(".", 3)
         module, leaf = rest.rsplit(".", 1)
-        return f"blk.{layer}.{_LAYER_NAMES[module]}.{leaf}"
+        return f"blk.{layer}.{layer_names[module]}.{leaf}"
     module, leaf = mlx_name.rsplit(".", 1)
-    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-            "lm_head": "output"}[module] + f".{leaf}"
+    return _TOP_NAMES[module] + f".{leaf}"
 
 
 def gguf_tensors(model, quantize: bool = False) -> dict:
@@ -194,12 +197,7 @@ def tiny_gguf_gemma3(seed: int = 0):
 
 def gemma3_gguf_name(mlx_name: str) -> str:
     """'model.layers.3.pre_feedforward_layernorm.weight' -> 'blk.3.ffn_norm.weight'."""
-    if mlx_name.startswith("model.layers."):
-        _, _, layer, rest = mlx_name.split(".", 3)
-        module, leaf = rest.rsplit(".", 1)
-        return f"blk.{layer}.{_GEMMA3_LAYER_NAMES[module]}.{leaf}"
-    module, leaf = mlx_name.rsplit(".", 1)
-    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm"}[module] + f".{leaf}"
+    return gguf_name(mlx_name, _GEMMA3_LAYER_NAMES)
 
 
 def write_tiny_gemma3_gguf(path, seed: int = 0, quant: str = "F32"):

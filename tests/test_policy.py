@@ -346,7 +346,7 @@ def test_window_scoring_matches_the_reference(backend, merge, pool):
     (dict(prefill_scoring="window", observation_window=0), ["observation_window", ">= 1", "0"]),
     (dict(prefill_scoring="window", pool=4), ["pool", "odd", "4"]),
     (dict(prefill_scoring="window", pool=0), ["pool", ">= 1", "0"]),
-    (dict(pool=3), ["pool=3", "prefill_scoring='window'", "'causal'"]),
+    (dict(pool=3, prefill_scoring="causal"), ["pool=3", "prefill_scoring='window'", "'causal'"]),
     (dict(prefill_scoring="window", prefill="exact", slack=0), ["prefill_scoring='window'", "prefill='chunk'",
                                                                  "'exact'"]),
 ])

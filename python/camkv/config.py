@@ -36,6 +36,13 @@ def default_slack(budget: int, prefill: str) -> int:
     return budget // 8 if prefill == "chunk" else 0
 
 
+def default_prefill_scoring(prefill: str) -> str:
+    """How prompt chunks are scored by default: by their last observation_window queries
+    with chunk prefill (cheaper than every query and closer to the full cache on the
+    measured models: bench/results/README.md), causally token by token with "exact"."""
+    return "window" if prefill == "chunk" else "causal"
+
+
 def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
     # bool is an int subclass; a True budget is a bug, not a 1.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -109,10 +116,10 @@ class CaMConfig:
       least accumulated attention (H2O); "recency": the oldest, so a row keeps its sinks
       and its newest tokens (StreamingLLM's rule). Scores are kept either way: the gate
       and the mass-weighted rules read them. CAM_STREAMING is CaM as its authors ran it.
-    - prefill_scoring ["causal"]: how a chunk of several tokens from prompt calls is
-      scored. "causal": every chunk token's query over the rows up to itself; "window":
-      only the chunk's last observation_window queries (SnapKV's observation window),
-      their mass then max-pooled over pool rows. Compressions of decode steps keep every
+    - prefill_scoring ["window" with prefill="chunk", else "causal"]: how a chunk of
+      several tokens from prompt calls is scored. "causal": every chunk token's query
+      over the rows up to itself; "window": only the chunk's last observation_window
+      queries (SnapKV's observation window), their mass then max-pooled over pool rows. Compressions of decode steps keep every
       query either way (docs/algorithm.md section 7).
     - observation_window [32]: queries that score a chunk with prefill_scoring="window".
     - pool [1]: odd width of the max-pooling of a window-scored chunk's mass along the
@@ -146,9 +153,10 @@ class CaMConfig:
                           choices=BACKENDS)
     eviction: str = _field("score", "eviction", "which unprotected token goes first: 'score' the least "
                            "attended (H2O), 'recency' the oldest (StreamingLLM)", choices=EVICTION_MODES)
-    prefill_scoring: str = _field("causal", "prefill-scoring", "'causal' scores a prompt chunk with every "
-                                  "query; 'window' with its last --kv-observation-window queries only "
-                                  "(SnapKV)", choices=PREFILL_SCORING_MODES)
+    prefill_scoring: str | None = _field(None, "prefill-scoring", "'causal' scores a prompt chunk with every "
+                                         "query; 'window' with its last --kv-observation-window queries "
+                                         "only (SnapKV) (default: window with --kv-prefill chunk, else "
+                                         "causal)", choices=PREFILL_SCORING_MODES)
     observation_window: int = _field(32, "observation-window", "queries that score a prompt chunk with "
                                      "--kv-prefill-scoring window")
     pool: int = _field(1, "pool", "odd width of the max-pooling of a window-scored chunk's attention "
@@ -162,6 +170,8 @@ class CaMConfig:
         _check_int("recent", self.recent, 1)
         if self.slack is None:
             object.__setattr__(self, "slack", default_slack(self.budget, self.prefill))
+        if self.prefill_scoring is None:
+            object.__setattr__(self, "prefill_scoring", default_prefill_scoring(self.prefill))
         _check_int("slack", self.slack, 0)
         _check_int("window", self.window, 1)
         _check_int("seed", self.seed, 0, UINT32_MAX)
@@ -221,6 +231,9 @@ class CaMConfig:
         if ({"budget", "prefill"} & set(changes) and "slack" not in changes
                 and self.slack == default_slack(self.budget, self.prefill)):
             changes = {**changes, "slack": None}
+        if ("prefill" in changes and "prefill_scoring" not in changes
+                and self.prefill_scoring == default_prefill_scoring(self.prefill)):
+            changes = {**changes, "prefill_scoring": None}
         return dataclasses.replace(self, **changes)
 
     def to_json(self) -> str:

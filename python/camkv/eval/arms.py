@@ -89,7 +89,7 @@ class CacheSettings:
     seed: int
     backend: str
     slack: int | None = None  # camkv's rows over the budget; None: CaMConfig's default
-    prefill_scoring: str = "causal"  # CaMConfig.prefill_scoring of every camkv arm
+    prefill_scoring: str | None = None  # CaMConfig.prefill_scoring of every camkv arm; None: its default
     observation_window: int = 32
     pool: int = 1
 

@@ -61,7 +61,7 @@ def default_arms(budgets: list[int], slacks: list[int] = (), prefill_scorings: l
 
 def cache_settings(backend: str, slack: int | None = None, prefill_scoring: str | None = None) -> CacheSettings:
     """CaMConfig's defaults (4 sinks, a quarter of the budget recent, an eighth slack and
-    causal prefill scoring unless `slack` / `prefill_scoring` say otherwise), on `backend`;
+    prefill scoring unless `slack` / `prefill_scoring` say otherwise), on `backend`;
     the StreamingLLM arm keeps the same 4 sinks."""
     defaults = CaMConfig()
     return CacheSettings(defaults.n_sink, None, defaults.window, defaults.seed, backend, slack,

@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--n-sink", type=int, help="sink tokens kept by camkv, H2O and StreamingLLM (keep)")
     a("--recent", help="recent window protected by camkv and H2O: tokens, or N%% of each budget")
     a("--window", type=int, default=4, help="survivors per eviction in merge=window (default 4)")
-    a("--prefill-scoring", choices=PREFILL_SCORING_MODES, default=_CAMKV_DEFAULTS["prefill_scoring"],
+    a("--prefill-scoring", choices=PREFILL_SCORING_MODES, default=CaMConfig().prefill_scoring,
       help="how the camkv arms score a prompt chunk: 'causal' with every query, 'window' with its "
       "last --observation-window queries (SnapKV; CaMConfig.prefill_scoring) (default %(default)s)")
     a("--observation-window", type=int, default=_CAMKV_DEFAULTS["observation_window"],
