@@ -58,6 +58,11 @@ class CaMKVCache(_BaseCache):
     removed) the block is scored with its keys, with one QueryScoringWarning per cache.
     A model that bypasses an installed hook is caught at the next call: the waiting
     block is scored with keys, and it warns once.
+
+    A merge rule that carries state (camkv.merges: keepkv's votes, d2o's threshold)
+    keeps it beside the rows, through compressions, copies and the saved state; with
+    votes, attention_bias() hands the hook each returned row's log votes, and a model
+    that attends without asking for them is warned once (VotesWarning).
     """
 
     # camkv.batch.BatchCaMKVCache, set by that module (which imports this one; the
