@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, fast, hook, merges, policy, reference
+from . import backends, fast, hook, merges, reference
 from .config import CaMConfig, resolve_config
 from .rows import RowState
 
@@ -329,12 +329,8 @@ class CaMKVCache(_BaseCache):
         cfg = self._chunk_config()
         if rows.votes is None:
             return fast.chunk_mass(queries, rows.keys, scale, self._settled, cfg)
-        s_len = queries.shape[2]
-        observed = policy.observed(cfg, s_len)
-        mass = reference.attention_mass_causal(
-            queries[:, :, s_len - observed:].transpose(0, 2, 1, 3).astype(mx.float32),
-            rows.keys.astype(mx.float32), scale, self._settled + s_len - observed, bias=mx.log(rows.votes))
-        return policy.pooled(mass, cfg, s_len)
+        return reference.chunk_mass(queries.transpose(0, 2, 1, 3).astype(mx.float32), rows.keys.astype(mx.float32),
+                                    scale, self._settled, cfg, bias=mx.log(rows.votes))
 
     @property
     def stats(self) -> dict:
@@ -541,7 +537,7 @@ class CaMKVCache(_BaseCache):
         self._evictions += max(0, end - self._config.budget) * queries.shape[0]
         rest = (self._keys[:, :, end : self._held], self._values[:, :, end : self._held])
         if self._drops_in_one_launch(end):
-            self._adopt_buffers(fast.compress_drop_buffers(
+            self._adopt_buffers(*fast.compress_drop_buffers(
                 self._keys, self._values, end, self._scores, self._positions, queries, self._pending_start,
                 scale, self._chunk_config(), self._capacity()), self._pending_start + chunk)
         else:
@@ -561,11 +557,13 @@ class CaMKVCache(_BaseCache):
         return (end > self._config.budget and merges.rule(self._config.merge).kind == merges.DROP
                 and self._config.eviction == "score" and getattr(self._backend(), "target", None) == "cuda" and fast.on_cuda())
 
-    def _adopt_buffers(self, compacted, next_position: int) -> None:
-        """Make compacted (keys, values) buffers [B, H, capacity, D], whose first budget rows
-        are the survivors, and their (scores, positions) the held rows."""
-        self._keys, self._values, self._scores, self._positions = compacted
-        self._held = self._settled = self._config.budget
+    def _adopt_buffers(self, keys, values, scores, positions, next_position: int, votes=None, threshold=None
+                       ) -> None:
+        """Make buffers keys, values [B, H, capacity, D], whose first n rows (n = scores' [B*H, n])
+        are scored, the held rows, all settled; the next token held will be at next_position."""
+        self._keys, self._values, self._scores, self._positions = keys, values, scores, positions
+        self._votes, self._threshold = votes, threshold
+        self._held = self._settled = scores.shape[1]
         self._queued = None
         self._pending_start = next_position
 
@@ -603,14 +601,8 @@ class CaMKVCache(_BaseCache):
         B, H = self._layout[:2]
         n = state.length
         spare = max(0, self._capacity() - n)
-        self._held = 0
-        self._keys = self._joined(None, state.keys.reshape(B, H, n, -1), spare)
-        self._values = self._joined(None, state.values.reshape(B, H, n, -1), spare)
-        self._scores, self._positions = state.scores, state.positions
-        self._votes, self._threshold = state.votes, state.threshold
-        self._held = self._settled = n
-        self._queued = None
-        self._pending_start = next_position
+        keys, values = (_with_room([], a.reshape(B, H, n, -1), spare) for a in state[:2])
+        self._adopt_buffers(keys, values, state.scores, state.positions, next_position, state.votes, state.threshold)
 
     def _row_ids(self, B: int, H: int) -> mx.array:
         # Made once per shape: on a GPU every small array op of a decode step costs a

@@ -325,6 +325,17 @@ def _appended_votes(votes, s_len: int):
     return mx.concatenate([votes, mx.ones((votes.shape[0], s_len), mx.float32)], axis=1)
 
 
+def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n: int, cfg: CaMConfig,
+               bias: mx.array | None = None) -> mx.array:
+    """attention_mass_causal of a chunk (queries [R, S, G, Dk] after n stored rows) under
+    cfg.prefill_scoring: with "window" only the last observation_window queries add mass,
+    which is then max-pooled (camkv.policy)."""
+    s_len = queries.shape[1]
+    observed = policy.observed(cfg, s_len)  # the last queries that score the chunk
+    mass = attention_mass_causal(queries[:, s_len - observed :], keys, scale, n + s_len - observed, bias=bias)
+    return policy.pooled(mass, cfg, s_len)
+
+
 def _log_votes(votes):
     """Each row's attention bias, the log of its votes (section 4.6), or None."""
     return None if votes is None else mx.log(votes)
@@ -408,10 +419,7 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     keys = mx.concatenate([state.keys, new_keys], axis=1)
     values = mx.concatenate([state.values, new_values], axis=1)
     votes = _appended_votes(state.votes, s_len)
-    observed = policy.observed(cfg, s_len)  # the last queries that score the chunk
-    mass = attention_mass_causal(q[:, s_len - observed :], keys.astype(mx.float32), scale, total - observed,
-                                 bias=_log_votes(votes))
-    mass = policy.pooled(mass, cfg, s_len)
+    mass = chunk_mass(q, keys.astype(mx.float32), scale, n, cfg, bias=_log_votes(votes))
     scores = mx.concatenate([state.scores, mx.zeros((rows, s_len), mx.float32)], axis=1) + mass
     new_positions = mx.broadcast_to(offset + mx.arange(s_len, dtype=mx.int32), (rows, s_len))
     positions = mx.concatenate([state.positions, new_positions], axis=1)
