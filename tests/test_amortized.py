@@ -354,3 +354,19 @@ def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, bu
         np.testing.assert_array_equal(got_scores[r], scores[r][kept])
         np.testing.assert_array_equal(got_keys[0, r, :budget], all_keys[r][kept])
         np.testing.assert_array_equal(got_values[0, r, :budget], all_values[r][kept])
+
+
+def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_budget():
+    """Buffers grow by at most 256 empty rows at a time (as mlx-lm's KVCache), so a
+    short prompt does not pay for budget + slack rows; decoding past a step still holds
+    every token in order."""
+    cfg = CaMConfig(budget=4096, slack=512, scoring="key", backend="reference")
+    cache = CaMKVCache(cfg)
+    rng = np.random.default_rng(0)
+    block = [mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for n in (100, 300)]
+    cache.update_and_fetch(block[0], block[0])
+    assert cache._keys.shape[2] == 100 + 256
+    for t in range(300):
+        cache.update_and_fetch(block[1][:, :, t : t + 1], block[1][:, :, t : t + 1])
+    assert cache._keys.shape[2] <= 400 + 256
+    assert mx.array_equal(cache.keys, mx.concatenate(block, axis=2)).item()

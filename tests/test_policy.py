@@ -286,6 +286,40 @@ def test_the_cache_scores_prompt_blocks_by_the_window_and_decode_steps_by_every_
     assert not mx.array_equal(plain.stored()[2], whole.stored()[2]).item()
 
 
+def _feed_with_queries(cache, sizes, seed=3, heads=2, groups=2):
+    """Feed one random prompt [1, heads, sum(sizes), D] in blocks of the given sizes,
+    each with its queries (query scoring, as camkv's attention hook hands them over)."""
+    rng = np.random.default_rng(seed)
+    total = sum(sizes)
+    keys = mx.array(rng.standard_normal((1, heads, total, K_DIM)).astype(np.float32))
+    values = mx.array(rng.standard_normal((1, heads, total, V_DIM)).astype(np.float32))
+    queries = mx.array(rng.standard_normal((1, heads * groups, total, K_DIM)).astype(np.float32))
+    first = 0
+    for size in sizes:
+        block = slice(first, first + size)
+        cache.update_and_fetch(keys[:, :, block], values[:, :, block])
+        cache.observe_queries(queries[:, :, block], 0.5)
+        first += size
+    return cache
+
+
+@pytest.mark.parametrize("observation_window", [4, 9, 40])
+def test_a_pending_span_of_several_prompt_blocks_is_scored_by_its_last_queries(
+        backend, observation_window, monkeypatch):
+    """The window may span blocks shorter than it: the cache keeps only the window's
+    queries, and scores the span as one block of it is scored."""
+    monkeypatch.setattr(CaMKVCache, "_queries_can_come", lambda self: True)
+    cfg = CaMConfig(budget=12, n_sink=1, recent=2, slack=20, scoring="query", prefill_scoring="window",
+                    observation_window=observation_window, pool=3, backend=backend)
+    sizes = [3, 5, 2, 7, 4]
+    pieces = _feed_with_queries(CaMKVCache(cfg), sizes)
+    assert pieces._query_buffer.shape[2] == min(observation_window, sum(sizes))
+    whole = _feed_with_queries(CaMKVCache(cfg), [sum(sizes)])
+    for x, y in zip(pieces.state[:4], whole.state[:4]):
+        assert mx.allclose(x, y, rtol=1e-5, atol=1e-6).item()
+    assert pieces.size() == whole.size() == cfg.budget
+
+
 def test_decode_steps_alone_are_untouched_by_window_scoring():
     causal = CaMConfig(budget=16, n_sink=2, recent=3, slack=4, scoring="key", backend="reference")
     blocks = _blocks([1] * 40)

@@ -24,6 +24,7 @@ class VotesWarning(RuntimeWarning):
 
 _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
 _KEY_SCORED = "keys"  # how pending tokens scored by their own keys are queued
+_GROWTH_STEP = 256  # most empty rows a buffer is given at once (mlx-lm KVCache's step)
 
 def _with_room(before: list, block: mx.array, spare: int) -> mx.array:
     """A buffer [B, H, n, D]: the arrays `before`, then block, then `spare` empty rows
@@ -447,6 +448,12 @@ class CaMKVCache(_BaseCache):
         """Rows a decode needs in place: budget + slack held, plus the step that compresses."""
         return self._config.budget + self._config.slack + 1
 
+    def _room_after(self, held: int) -> int:
+        """Empty rows a new buffer gets after `held` rows: up to the capacity, at most
+        _GROWTH_STEP (a short prompt under a large budget would otherwise allocate the
+        whole budget + slack at once; mlx-lm's KVCache grows in the same steps)."""
+        return max(0, min(self._capacity() - held, _GROWTH_STEP))
+
     def _append(self, keys, values):
         """Write the block after the held rows (in place when it fits); return the views
         [B, H, held + S, D] of keys and values."""
@@ -460,7 +467,7 @@ class CaMKVCache(_BaseCache):
             self._values[:, :, self._held : end] = values
         else:
             # A first call or a long block: one new buffer, with room for decoding after.
-            spare = max(0, self._capacity() - end)
+            spare = self._room_after(end)
             self._keys = self._joined(self._keys, keys, spare)
             self._values = self._joined(self._values, values, spare)
         self._held = end
@@ -489,6 +496,9 @@ class CaMKVCache(_BaseCache):
         """Write a block's queries [B, Hq, S, Dk] at pending index start of the query buffer
         (in place when it fits: a decode step's queries cost one write, not a copy each
         at the compression)."""
+        if self._windowed:
+            self._keep_window_queries(queries, start)
+            return
         shape, buffer = queries.shape, self._query_buffer
         end = start + shape[2]
         if buffer is not None:
@@ -498,6 +508,15 @@ class CaMKVCache(_BaseCache):
                 return
         self._query_buffer = _with_room([buffer[:, :, :start]] if start else [], queries,
                                         self._config.slack + 1 - end)
+
+    def _keep_window_queries(self, queries, start: int) -> None:
+        """Window scoring reads only the last observation_window queries of the pending
+        span (docs/algorithm.md section 3): keep a copy of those, not the prompt block's
+        [B, Hq, S, Dk], which every layer would otherwise hold until its compression runs
+        (the peak memory of a short prompt)."""
+        earlier = [self._query_buffer] if start and self._query_buffer is not None else []
+        joined = mx.concatenate([*earlier, queries], axis=2) if earlier else queries
+        self._query_buffer = mx.contiguous(joined[:, :, -self._config.observation_window :])
 
     def _held_rows(self, end: int | None = None) -> RowState:
         """Rows [0, end) held as a RowState [B*H, end, ...]; pending rows score 0."""
@@ -523,6 +542,10 @@ class CaMKVCache(_BaseCache):
             keys = self._keys[:, :, self._settled : end]
             return fast.key_queries(keys.reshape(B * H, S, -1))
         queries = self._query_buffer[:, :, :S]
+        if self._windowed and queries.shape[2] < S:
+            # Only the window's queries were kept; the earlier ones add no mass.
+            unread = mx.zeros((*queries.shape[:2], S - queries.shape[2], queries.shape[3]), queries.dtype)
+            queries = mx.concatenate([unread, queries], axis=2)
         # Query head h * G + g belongs to KV head h.
         return queries.reshape(B * H, queries.shape[1] // H, S, -1), self._queued
 
@@ -546,7 +569,7 @@ class CaMKVCache(_BaseCache):
             if len(self._merge_counts) >= _MERGE_BATCH:
                 self._total_merges()
             self._settle_rows(state, self._pending_start + chunk)
-        if self._query_buffer is not None and self._query_buffer.shape[2] > self._config.slack + 1:
+        if self._query_buffer is not None and (self._windowed or self._query_buffer.shape[2] > self._config.slack + 1):
             self._query_buffer = None  # a prompt chunk's queries: decoding needs slack + 1 rows, not these
         if rest[0].shape[2]:
             self._append(*rest)
@@ -600,7 +623,7 @@ class CaMKVCache(_BaseCache):
         decode; the next token held will be at next_position."""
         B, H = self._layout[:2]
         n = state.length
-        spare = max(0, self._capacity() - n)
+        spare = self._room_after(n)
         keys, values = (_with_room([], a.reshape(B, H, n, -1), spare) for a in state[:2])
         self._adopt_buffers(keys, values, state.scores, state.positions, next_position, state.votes, state.threshold)
 
