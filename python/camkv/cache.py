@@ -134,6 +134,7 @@ class CaMKVCache(_BaseCache):
         self._warned: set[str] = set()
         self._row_ids_for: tuple | None = None  # ((B, H), row ids) of _row_ids
         self._backend_for: tuple | None = None  # ((name, device), module) of _backend
+        self._decode_config_for: tuple | None = None  # (config, its decode-step form) of _chunk_config
 
     # ------------------------------------------------------------------ config
     @property
@@ -615,7 +616,11 @@ class CaMKVCache(_BaseCache):
         """The config the pending tokens are compressed under: prefill_scoring="window"
         applies to prompt blocks only; decode steps are scored by every query."""
         if self._config.prefill_scoring == "window" and not self._windowed:
-            return self._config.replace(prefill_scoring="causal", pool=1)
+            # Made once per config: a decode compression would otherwise validate a new
+            # CaMConfig per layer (host time, most of a GPU decode step's cost).
+            if self._decode_config_for is None or self._decode_config_for[0] is not self._config:
+                self._decode_config_for = (self._config, self._config.replace(prefill_scoring="causal", pool=1))
+            return self._decode_config_for[1]
         return self._config
 
     def _settle_rows(self, state: RowState, next_position: int) -> None:
