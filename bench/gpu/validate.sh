@@ -1,16 +1,29 @@
-# On the H200 (device tool), after install.sh: the cuda equivalence suite (with the
-# amortized-eviction and whole-device compression tests, the cache and mlx-lm tests), the
-# end-to-end run, the decode, compression and prefill profiles and the batch run,
-# results under $OUT. The peak-memory run goes the same way:
-#   python3 bench/peak_memory.py --model random-1b --prompt-lengths 1024 32768 --out $OUT
+# On the H200 (device tool), after install.sh, results under $OUT. Two parts, each
+# within one device call (at most 10 minutes):
+#   bash bench/gpu/validate.sh tests   the cuda equivalence suite (with the amortized-
+#                                      eviction, window-scoring and whole-device
+#                                      compression tests, the cache and mlx-lm tests) and
+#                                      the peak memory of a 1k and a 32k prompt
+#   bash bench/gpu/validate.sh bench   the end-to-end run (defaults), more prefill
+#                                      trials at 8k-32k, and the batch run
+# The profiles of the compression, prefill and decode parts go the same way:
+#   python3 bench/decode_parts.py --out $OUT
+#   python3 bench/profile_compress.py --chunks 65 257 2048 --out $OUT
+#   python3 bench/profile_prefill.py --backend cuda --groups 2 --repeats 5 --logit-mb 32 64 128 --out $OUT
 . bench/gpu/env.sh
-timeout ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_amortized.py tests/test_policy.py \
-  tests/test_cache.py tests/test_mlx_lm.py tests/test_equivalence.py tests/test_query_scoring.py tests/test_rules.py \
-  tests/test_jit.py > $OUT/pytest-cuda-h200.txt 2>&1; tail -3 $OUT/pytest-cuda-h200.txt
-timeout 130 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 128 \
-  --trials ${TRIALS:-3} --budgets 512 --prefill-scorings causal --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
-timeout 60 python3 bench/decode_parts.py --out $OUT 2>&1 | tail -7
-timeout 40 python3 bench/profile_compress.py --chunks 65 257 2048 --out $OUT 2>&1 | tail -5
-timeout 40 python3 bench/profile_prefill.py --backend cuda --groups 2 --repeats 5 --logit-mb 32 64 128 --out $OUT \
-  2>&1 | tail -3
-timeout 100 python3 bench/batch.py --model random-1b --capacity --out $OUT/batch-h200.json 2>&1 | tail -6
+part=${1:-tests}
+if [ "$part" = tests ]; then
+  timeout ${PYTEST_S:-400} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_amortized.py \
+    tests/test_policy.py tests/test_cache.py tests/test_mlx_lm.py tests/test_equivalence.py \
+    tests/test_query_scoring.py tests/test_rules.py tests/test_jit.py tests/test_batch.py \
+    > $OUT/pytest-cuda-h200.txt 2>&1; tail -3 $OUT/pytest-cuda-h200.txt
+  timeout 90 python3 bench/peak_memory.py --model random-1b --prompt-lengths 1024 32768 --out $OUT 2>&1 | tail -4
+elif [ "$part" = bench ]; then
+  timeout 170 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 128 \
+    --trials ${TRIALS:-3} --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
+  timeout 120 python3 bench/e2e.py --model random-1b --prompt-lengths 8192 16384 32768 --gen-tokens 4 \
+    --trials 7 --budgets 512 --out $OUT --tag e2e-h200-prefill 2>&1 | grep -v "it/s\]" | tail -4
+  timeout 150 python3 bench/batch.py --model random-1b --capacity --out $OUT/batch-h200.json 2>&1 | tail -8
+else
+  echo "usage: bash bench/gpu/validate.sh tests|bench" >&2; exit 2
+fi
