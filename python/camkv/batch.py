@@ -68,11 +68,15 @@ class BatchCaMKVCache(_BaseCache):
         self._kv: _RightAligned | None = None
         self._queries: _RightAligned | None = None
         self._lent: list[bool] = []
+        # offset as an array, kept between calls (the model reads it in every layer), or
+        # None when it must be built again from the rows.
+        self._offsets: mx.array | None = None
 
     @property
     def rows(self) -> list[CaMKVCache]:
         """The requests' caches, each whole (holding its own buffers)."""
         self._make_whole()
+        self._offsets = None  # the caller may update a row itself
         return self._rows
 
     # ------------------------------------------------------------------ batch protocol
@@ -157,6 +161,7 @@ class BatchCaMKVCache(_BaseCache):
         if self._is_decode_step(keys.shape[2]):
             return self._decode_update(keys, values)
         self._make_whole()
+        self._offsets = None
         block = self._real_slices(keys.shape[2])
         self._consumed += keys.shape[2]
         fetched = [self._row_update(b, lo, hi, keys, values) for b, (lo, hi) in enumerate(block)]
@@ -168,6 +173,8 @@ class BatchCaMKVCache(_BaseCache):
         """Each row's attention bias (CaMKVCache.attention_bias: the log of its rows' votes)
         laid out as the rectangle attention gets [B, H, L], 0 over the left padding (which
         the mask hides) and for rows without votes; None when no row has any."""
+        if self._lent and all(self._lent):
+            return None  # lent rows have no votes (CaMKVCache._decodes_plainly)
         biases = [row.attention_bias() if took else row._votes_bias()
                   for row, (took, _) in zip(self._rows, self._fetched)]
         if all(b is None for b in biases):
@@ -212,9 +219,10 @@ class BatchCaMKVCache(_BaseCache):
     def offset(self) -> mx.array:
         """Per-row RoPE offsets [B]: the position of each row's next real token, less the
         left padding before it in the coming block (the model adds a token's index in it)."""
-        return mx.array(
-            [row.offset - self._left_pending(b) for b, row in enumerate(self._rows)], mx.int32
-        )
+        if self._offsets is None:
+            self._offsets = mx.array(
+                [row.offset - self._left_pending(b) for b, row in enumerate(self._rows)], mx.int32)
+        return self._offsets
 
     @property
     def state(self):
@@ -276,7 +284,9 @@ class BatchCaMKVCache(_BaseCache):
         return max(0, self._left[b] - self._consumed)
 
     def _settle_left_padding(self) -> None:
-        """Restart the padded stream's count at 0, keeping the left padding still to come."""
+        """Restart the padded stream's count at 0, keeping the left padding still to come
+        (every change of the rows or their padding comes through here)."""
+        self._offsets = None
         self._left = [self._left_pending(b) for b in range(len(self._rows))]
         self._consumed = 0
 
@@ -345,6 +355,8 @@ class BatchCaMKVCache(_BaseCache):
                 self._kv.write_row(b, row.update_and_fetch(keys[b : b + 1], values[b : b + 1]))
             fetched.append((True, row.size() if self._lent[b] else self._kv.last_written))
         self._consumed += 1
+        if self._offsets is not None:
+            self._offsets = self._offsets + 1  # every row's next token is one further on
         self._block = [(0, 1)] * len(rows)
         self._fetched = fetched
         return self._kv.view(max(n for _, n in fetched))
