@@ -108,7 +108,7 @@ def _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, cach
         for batched, single in zip(row_caches, alone):
             _, _, scores, positions = batched.stored()
             _, _, alone_scores, alone_positions = single.stored()
-            assert batched.offset == single.offset
+            assert batched.stats == single.stats  # tokens seen and query-scored, evictions, merges
             assert mx.array_equal(positions, alone_positions)
             assert mx.allclose(scores, alone_scores, rtol=1e-5, atol=1e-6)
 

@@ -68,6 +68,16 @@ class BatchCaMKVCache(_BaseCache):
         self._kv: _RightAligned | None = None
         self._queries: _RightAligned | None = None
         self._lent: list[bool] = []
+        # Lent rows are told their plain steps only when something reads them (_tell_rows):
+        # steps written since, whether a step's queries are still to come, how many more
+        # steps every lent row can take plainly, the most rows and pending queries a lent row
+        # holds, and the scale of the lent rows' pending queries.
+        self._untold = 0
+        self._in_step = False
+        self._plain_left = 0
+        self._lent_held = 0
+        self._lent_queries = 0
+        self._scale: float | None = None
         # offset as an array, kept between calls (the model reads it in every layer), or
         # None when it must be built again from the rows.
         self._offsets: mx.array | None = None
@@ -205,6 +215,7 @@ class BatchCaMKVCache(_BaseCache):
                 "BatchCaMKVCache serves full-attention layers only; sliding-window layers keep "
                 "mlx-lm's own BatchRotatingKVCache"
             )
+        self._tell_rows()
         held = [self._held_before_block(b) for b in range(len(self._rows))]
         block = self._real_slices(N)
         if all(h == held[0] for h in held) and all(s == (0, N) for s in block):
@@ -220,6 +231,7 @@ class BatchCaMKVCache(_BaseCache):
         """Per-row RoPE offsets [B]: the position of each row's next real token, less the
         left padding before it in the coming block (the model adds a token's index in it)."""
         if self._offsets is None:
+            self._tell_rows()
             self._offsets = mx.array(
                 [row.offset - self._left_pending(b) for b, row in enumerate(self._rows)], mx.int32)
         return self._offsets
@@ -248,6 +260,7 @@ class BatchCaMKVCache(_BaseCache):
 
     def size(self) -> int:
         """Width of the rectangle attention gets: the most tokens any row holds."""
+        self._tell_rows()
         return max((row.size() for row in self._rows), default=0)
 
     def empty(self) -> bool:
@@ -256,6 +269,7 @@ class BatchCaMKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes the rows hold (the rectangle handed to attention is transient)."""
+        self._tell_rows()
         return sum(row.nbytes for row in self._rows)
 
     def is_trimmable(self) -> bool:
@@ -306,8 +320,6 @@ class BatchCaMKVCache(_BaseCache):
         # A block the model never showed its queries for is scored (and maybe evicted)
         # at the row's next update; do it now so the mask is built for what the row holds.
         row = self._rows[b]
-        if row._waiting and self._lent and self._lent[b]:
-            self._take_back(b)
         row._flush_pending_with_keys()
         return row.size()
 
@@ -322,7 +334,6 @@ class BatchCaMKVCache(_BaseCache):
                     mx.zeros((1, H, 0, values.shape[3]), values.dtype))
         return row.keys, row.values
 
-
     # ------------------------------------------------------------------ decoding
     def _is_decode_step(self, S: int) -> bool:
         """Every row takes one real token (no padding to cut): the rectangle's work."""
@@ -334,26 +345,30 @@ class BatchCaMKVCache(_BaseCache):
         other rows update themselves; returns views [B, H, L, D] of the rectangle's last
         columns (L: the most rows any row holds now)."""
         rows = self._rows
+        if self._in_step:
+            # The model attended without handing over the last step's queries (it bypasses
+            # the hook): each row scores that step with its keys, as when alone.
+            self._make_whole()
         if self._kv is None:
             B = len(rows)
             self._kv, self._queries, self._lent = _RightAligned(B), _RightAligned(B), [False] * B
-        for b, row in enumerate(rows):
-            if self._lent[b] and not row._decodes_plainly():
-                self._take_back(b)
-        held = [row.size() for row in rows]
-        # Every row's held rows end at the shared column; an owning row's update returns
-        # at most held + 1 rows, which end one column later.
-        self._kv.fit([keys, values], keep=max((n for n, lent in zip(held, self._lent) if lent), default=0),
-                     before=max(held))
-        self._lend([b for b, row in enumerate(rows) if not self._lent[b] and row._decodes_plainly()])
+        if self._plain_left <= 0 or not all(self._lent):
+            self._regroup(keys, values)
+        owning = [b for b, lent in enumerate(self._lent) if not lent]
+        self._kv.fit([keys, values], keep=self._lent_held,
+                     before=max([self._lent_held] + [rows[b].size() for b in owning]))
         self._kv.write_column([keys, values])
-        fetched = []
-        for b, row in enumerate(rows):
-            if self._lent[b]:
-                row._appended_elsewhere()
-            else:
-                self._kv.write_row(b, row.update_and_fetch(keys[b : b + 1], values[b : b + 1]))
-            fetched.append((True, row.size() if self._lent[b] else self._kv.last_written))
+        self._in_step = True
+        self._plain_left -= 1
+        if len(owning) < len(rows):
+            self._lent_held += 1
+        # An owning row returns at most held + 1 rows; they end at the rectangle's end too.
+        fetched = [(True, self._lent_held)] * len(rows)
+        for b in owning:
+            self._kv.write_row(b, rows[b].update_and_fetch(keys[b : b + 1], values[b : b + 1]))
+            fetched[b] = (True, self._kv.last_written)
+        if owning:  # the lent rows were told this step (_regroup): their exact widths, for the bias
+            fetched = [(True, row.size() + 1) if lent else f for row, lent, f in zip(rows, self._lent, fetched)]
         self._consumed += 1
         if self._offsets is not None:
             self._offsets = self._offsets + 1  # every row's next token is one further on
@@ -363,33 +378,75 @@ class BatchCaMKVCache(_BaseCache):
 
     def _decode_observe(self, queries, scale: float) -> None:
         """The step's queries [B, Hq, 1, Dk]: lent rows keep theirs in the query rectangle
-        (one write); a lent row whose pending rows were scored otherwise takes its buffers
-        back and, as every other row, observes its own query."""
+        (one write); if the lent rows' pending queries cannot take them (another scale or
+        shape), the lent rows take their buffers back. Owning rows observe their own."""
         rows = self._rows
+        if self._in_step and not self._queries_join(queries, scale):
+            self._tell_rows()  # the lent rows, told the step in flight, take their buffers back
+        if self._in_step:
+            if any(self._lent):
+                self._queries.fit([queries], keep=self._lent_queries, before=self._lent_queries)
+                self._queries.write_column([queries])
+                self._lent_queries += 1
+                self._scale = scale
+                self._untold += 1
+            self._in_step = False
         for b, row in enumerate(rows):
-            if self._lent[b] and not self._queries_fit(row, queries, scale):
-                self._take_back(b)
-        pending = [row._pending_queries() for row, lent in zip(rows, self._lent) if lent]
-        if pending:
-            width = max(pending)
-            self._queries.fit([queries], keep=width, before=width)
-            self._queries.write_column([queries])
-        for b, row in enumerate(rows):
-            if self._lent[b]:
-                row._observed_elsewhere(scale)
-            else:
+            if not self._lent[b]:
                 row.observe_queries(queries[b : b + 1], scale)
 
-    @staticmethod
-    def _queries_fit(row: CaMKVCache, queries, scale: float) -> bool:
-        """Whether row's query can join the rectangle: the shape its pending queries have,
-        the same scale (or none pending)."""
-        H, Dk = row._layout[1], row._layout[2]
+    def _queries_join(self, queries, scale: float) -> bool:
+        """Whether the step's queries can join the lent rows' pending ones: their shape, the
+        same scale (or none pending)."""
+        lent = next((row for row, on in zip(self._rows, self._lent) if on), None)
+        if lent is None:
+            return True
+        H, Dk = lent._layout[1], lent._layout[2]
         return (queries.shape[3] == Dk and queries.shape[1] % H == 0
-                and (row._queued is None or row._queued == scale))
+                and (self._scale is None or self._scale == scale))
+
+    def _regroup(self, keys, values) -> None:
+        """Between steps: tell the lent rows their steps; a lent row whose next step does more
+        than append takes its buffers back, an owning row whose next step only appends lends
+        them; count the steps every lent row can now take without a look at each."""
+        self._tell_rows()
+        rows = self._rows
+        for b, row in enumerate(rows):
+            if self._lent[b] and not row._decodes_plainly():
+                self._take_back(b)
+        lent = [row for row, on in zip(rows, self._lent) if on]
+        self._scale = next((row._queued for row in lent if row._queued is not None), None)
+        lending = []
+        for b, row in enumerate(rows):
+            if not self._lent[b] and row._decodes_plainly() and row._queued in (None, self._scale or row._queued):
+                lending.append(b)
+                self._scale = row._queued if row._queued is not None else self._scale
+        held = max((row.size() for row in lent), default=0)
+        self._kv.fit([keys, values], keep=held, before=max([held] + [rows[b].size() for b in lending]))
+        self._lend(lending)
+        lent = [row for row, on in zip(rows, self._lent) if on]
+        self._lent_held = max((row.size() for row in lent), default=0)
+        self._lent_queries = max((row._pending_queries() for row in lent), default=0)
+        self._plain_left = min((row.config.budget + row.config.slack - row.size() for row in lent), default=0)
+
+    def _tell_rows(self) -> None:
+        """Tell every lent row the steps written for it since it was last told. A step in
+        flight (its queries not come) is told too, and then the lent rows, waiting for those
+        queries, take their buffers back and observe them themselves."""
+        steps, in_step = self._untold, self._in_step
+        self._untold = 0
+        for b, (row, lent) in enumerate(zip(self._rows, self._lent)):
+            if lent:
+                row._decoded_elsewhere(steps, self._scale)
+                if in_step:
+                    row._appended_elsewhere()
+                    self._take_back(b)
+        if in_step:
+            self._lent_held = self._lent_queries = self._plain_left = 0
 
     def _lend(self, indices: list[int]) -> None:
-        """Rows `indices` (whose next step only appends) hand their buffers to the rectangles."""
+        """Rows `indices` (whose next step only appends) hand their buffers to the rectangles,
+        whose room the caller made."""
         lent = [(b, *self._rows[b]._lend_buffers()) for b in indices]
         queries = [q for *_, q in lent if q is not None]
         if queries:
@@ -402,7 +459,7 @@ class BatchCaMKVCache(_BaseCache):
             self._lent[b] = True
 
     def _take_back(self, b: int) -> None:
-        """Row b holds its own buffers again: its rows of the rectangles."""
+        """Row b (told its steps) holds its own buffers again: its rows of the rectangles."""
         row = self._rows[b]
         p = row._pending_queries()
         row._take_back_buffers(*self._kv.row(b, row.size()), self._queries.row(b, p)[0] if p else None)
@@ -412,11 +469,15 @@ class BatchCaMKVCache(_BaseCache):
         """Leave decoding: every row holds its own buffers; the rectangles are freed."""
         if self._kv is None:
             return
+        self._tell_rows()
         for b, lent in enumerate(self._lent):
             if lent:
                 self._take_back(b)
         self._kv = self._queries = None
         self._lent = []
+        self._in_step = False
+        self._plain_left = self._lent_held = self._lent_queries = 0
+        self._scale = None
 
 
 CaMKVCache.batch_class = BatchCaMKVCache

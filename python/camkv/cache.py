@@ -205,13 +205,8 @@ class CaMKVCache(_BaseCache):
                 "scoring='key' to score all blocks the same way."))
             self._queue(_KEY_SCORED, S)
             return
-        self._scored_by_queries(float(scale), S, queries)
-
-    def _scored_by_queries(self, scale: float, S: int, queries=None) -> None:
-        """The waiting block of S tokens gets its queries (None: a batch keeps them, see
-        _observed_elsewhere)."""
         self._query_scored += S
-        self._queue(scale, S, queries)
+        self._queue(float(scale), S, queries)
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:
@@ -421,9 +416,10 @@ class CaMKVCache(_BaseCache):
 
     # ------------------------------------------------------------------ batch hooks
     # camkv.batch decodes rows that only append in one shared rectangle: it writes every
-    # such row's key, value and query itself and tells the row (_appended_elsewhere,
-    # _observed_elsewhere); the row's buffers live in the rectangle meanwhile
-    # (_lend_buffers) and come back before the row does anything else (_take_back_buffers).
+    # such row's key, value and query itself and tells the row later (_decoded_elsewhere,
+    # and _appended_elsewhere for a step whose queries have not come); the row's buffers
+    # live in the rectangle meanwhile (_lend_buffers) and come back before the row does
+    # anything else (_take_back_buffers).
 
     def _decodes_plainly(self) -> bool:
         """Whether a one-token step would only write its key, value and query after the
@@ -441,11 +437,18 @@ class CaMKVCache(_BaseCache):
         self._held += 1
         self._took(1)
 
-    def _observed_elsewhere(self, scale: float) -> None:
-        """The waiting token's query, which a batch keeps (the pending rows are scored
-        under scale, or none are pending): what observe_queries does besides the write."""
-        self._waiting = 0
-        self._scored_by_queries(scale, 1)
+    def _decoded_elsewhere(self, steps: int, scale: float) -> None:
+        """`steps` one-token steps whose keys, values and queries (under scale) a batch
+        wrote, each allowed by _decodes_plainly: what their update_and_fetch and
+        observe_queries calls would have counted, at once."""
+        if not steps:
+            return
+        self._held += steps
+        self.offset += steps
+        self._query_scored += steps
+        if self._queued is None:
+            self._queued, self._windowed = scale, False
+        self._fetched_bias, self._bias_unread = None, False
 
     def _pending_queries(self) -> int:
         """Pending rows whose queries the query buffer holds (its first ones)."""
