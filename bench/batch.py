@@ -16,16 +16,23 @@ capacity    (--capacity) the largest number of concurrent requests of --capacity
             (mx.get_peak_memory, prefill transients included) passes the limit
             (mx.set_memory_limit is set to it too, so MLX frees its buffer cache).
 
+Each throughput trial also reports the median wall time of a BatchGenerator step (decode
+steps far outnumber prompt calls) and, with --profile, the host time spent in the batch
+caches' methods per step (on a GPU, graph building the device waits for).
+
+Slack 16 keeps camkv's peak KV within 1/8 of BatchKVCache's at 4096 tokens (the default,
+budget // 8 = 64, gives 0.134; docs/batching.md, "Memory").
+
 Prompts are random token ids (seeded): throughput and memory do not depend on the text.
 Writes --out (JSON: settings, machine, every trial) and a PNG next to it.
 
 On this repository's CPU machine (2 cores):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python bench/batch.py --out bench/results/batch-cpu-smollm2.json
+        python bench/batch.py --slack 16 --profile --out bench/results/batch-cpu-smollm2.json
     LD_PRELOAD=... python bench/batch.py --no-warmup --capacity-only --capacity \
         --capacity-model random-demo --limit-gb 1.5 --out bench/results/batch-cpu-capacity.json
-On a GPU (meant to finish within about 3 minutes on an H200):
-    python bench/batch.py --capacity --out bench/results/batch-h200.json
+On a GPU (meant to finish within 100 s on an H200):
+    python bench/batch.py --model random-1b --slack 16 --profile --capacity --out bench/results/batch-h200.json
 """
 
 from __future__ import annotations

@@ -13,4 +13,4 @@ timeout 60 python3 bench/decode_parts.py --out $OUT 2>&1 | tail -7
 timeout 40 python3 bench/profile_compress.py --chunks 65 257 2048 --out $OUT 2>&1 | tail -5
 timeout 40 python3 bench/profile_prefill.py --backend cuda --groups 2 --repeats 5 --logit-mb 32 64 128 --out $OUT \
   2>&1 | tail -3
-timeout 100 python3 bench/batch.py --model random-1b --capacity --out $OUT/batch-h200.json 2>&1 | tail -6
+timeout 100 python3 bench/batch.py --model random-1b --slack 16 --profile --capacity --out $OUT/batch-h200.json 2>&1 | grep -v Warn | tail -7
