@@ -16,16 +16,23 @@ capacity    (--capacity) the largest number of concurrent requests of --capacity
             (mx.get_peak_memory, prefill transients included) passes the limit
             (mx.set_memory_limit is set to it too, so MLX frees its buffer cache).
 
+Each throughput trial also reports the median wall time of a BatchGenerator step (decode
+steps far outnumber prompt calls) and, with --profile, the host time spent in the batch
+caches' methods per step (on a GPU, graph building the device waits for).
+
+Slack 16 keeps camkv's peak KV within 1/8 of BatchKVCache's at 4096 tokens (the default,
+budget // 8 = 64, gives 0.134; docs/batching.md, "Memory").
+
 Prompts are random token ids (seeded): throughput and memory do not depend on the text.
 Writes --out (JSON: settings, machine, every trial) and a PNG next to it.
 
 On this repository's CPU machine (2 cores):
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-        python bench/batch.py --out bench/results/batch-cpu-smollm2.json
+        python bench/batch.py --slack 16 --profile --out bench/results/batch-cpu-smollm2.json
     LD_PRELOAD=... python bench/batch.py --no-warmup --capacity-only --capacity \
         --capacity-model random-demo --limit-gb 1.5 --out bench/results/batch-cpu-capacity.json
-On a GPU (meant to finish within about 3 minutes on an H200):
-    python bench/batch.py --capacity --out bench/results/batch-h200.json
+On a GPU (meant to finish within 100 s on an H200):
+    python bench/batch.py --model random-1b --slack 16 --profile --capacity --out bench/results/batch-h200.json
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--limit-gb", type=float, default=2.0, help="memory limit above the model (default 2)")
     p.add_argument("--max-n", type=int, default=64,
                    help="most requests admitted (default 64; a count that reaches it is a lower bound)")
+    p.add_argument("--profile", action="store_true",
+                   help="also time the batch caches' methods (host clock) per decode step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write (PNG next to it)")
     return p.parse_args(argv)
@@ -98,8 +107,15 @@ def run_batch(model, prompts, gen: int, prefill_step: int, completion_batch: int
     start = time.perf_counter()
     generator.insert(prompts, [gen] * len(prompts))
     generated, peak_kv, kv_row_max = 0, 0, 0
+    step_s, cache_s = [], []  # each call's wall time, and the cache methods' host time in it
     with generator.stats() as stats:
-        while responses := generator.next_generated():
+        while True:
+            step_start, cache_before = time.perf_counter(), _CACHE_HOST_S[0]
+            responses = generator.next_generated()
+            if not responses:
+                break
+            step_s.append(time.perf_counter() - step_start)
+            cache_s.append(_CACHE_HOST_S[0] - cache_before)
             generated += len(responses)
             peak_kv = max(peak_kv, generator.prompt_cache_nbytes)
             for r in responses:
@@ -118,7 +134,44 @@ def run_batch(model, prompts, gen: int, prefill_step: int, completion_batch: int
         "peak_kv_bytes": peak_kv,
         "max_request_kv_bytes": kv_row_max,
         "peak_memory_bytes": mx.get_peak_memory(),
+        # Median over calls: decode steps far outnumber the prompt calls.
+        "decode_step_ms": 1e3 * _median(step_s),
+        "cache_host_ms_per_step": 1e3 * _median(cache_s) if _PROFILING[0] else None,
     }
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else float("nan")
+
+
+_CACHE_HOST_S = [0.0]  # host seconds spent in the batch caches' methods (--profile)
+_PROFILING = [False]
+
+
+def profile_caches() -> None:
+    """Time (host clock) every call of the batch caches' per-layer methods: on a GPU, the
+    graph building a decode step pays before the device runs (--profile)."""
+    import functools
+
+    from mlx_lm.models.cache import BatchKVCache
+
+    from camkv.batch import BatchCaMKVCache
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _CACHE_HOST_S[0] += time.perf_counter() - start
+        return wrapper
+
+    for cls, names in ((BatchKVCache, ("update_and_fetch", "make_mask")),
+                       (BatchCaMKVCache, ("update_and_fetch", "make_mask", "observe_queries", "attention_bias"))):
+        for name in names:
+            setattr(cls, name, timed(getattr(cls, name)))
+    _PROFILING[0] = True
 
 
 def with_arm(model, arm: str, budget: int, slack: int | None):
@@ -143,9 +196,12 @@ def throughput(model, args) -> dict:
         for arm in ARMS if t % 2 == 0 else ARMS[::-1]:
             with with_arm(model, arm, args.budget, args.slack):
                 result = run_batch(model, prompts, args.gen, args.prefill_step)
+            host = result["cache_host_ms_per_step"]
             print(f"[throughput] trial {t} {arm}: {result['wall_s']:.1f} s, "
-                  f"{result['tokens_per_s']:.0f} tok/s, peak KV {result['peak_kv_bytes'] / 2**20:.1f} MiB",
-                  flush=True)
+                  f"{result['tokens_per_s']:.0f} tok/s (prompt {result['prompt_tps']:.0f}, generation "
+                  f"{result['generation_tps']:.1f}), decode step {result['decode_step_ms']:.1f} ms"
+                  + ("" if host is None else f" ({host:.1f} ms host in the cache)")
+                  + f", peak KV {result['peak_kv_bytes'] / 2**20:.1f} MiB", flush=True)
             trials[arm].append(result)
     best = {arm: max(trials[arm], key=lambda r: r["tokens_per_s"]) for arm in ARMS}
     return {
@@ -250,6 +306,8 @@ def main(argv=None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings["slack"] = args.slack if args.slack is not None else args.budget // 8
     record = {"command": " ".join(sys.argv), "settings": settings, "machine": machine()}
+    if args.profile:
+        profile_caches()
     if not args.capacity_only:
         model = load_model(args.model)
         record["throughput"] = throughput(model, args)

@@ -23,7 +23,7 @@ elif [ "$part" = bench ]; then
     --trials ${TRIALS:-3} --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
   timeout 120 python3 bench/e2e.py --model random-1b --prompt-lengths 8192 16384 32768 --gen-tokens 4 \
     --trials 7 --budgets 512 --out $OUT --tag e2e-h200-prefill 2>&1 | grep -v "it/s\]" | tail -4
-  timeout 150 python3 bench/batch.py --model random-1b --capacity --out $OUT/batch-h200.json 2>&1 | tail -8
+  timeout 150 python3 bench/batch.py --model random-1b --slack 16 --profile --capacity --out $OUT/batch-h200.json 2>&1 | grep -v Warn | tail -8
 else
   echo "usage: bash bench/gpu/validate.sh tests|bench" >&2; exit 2
 fi

@@ -19,6 +19,17 @@ exactly as if its request ran alone (docs/batching.md):
 
 A row's evictions depend only on its own tokens and queries and on how its tokens
 were chunked, never on the other rows. Rows of different budgets may share a batch.
+
+Decoding (every row takes one real token a call) runs in one shared rectangle per
+layer instead: keys and values [B, H, capacity, D] and queries [B, Hq, capacity, Dk],
+every row's columns ending at one shared column (its left padding before them, hidden
+by make_mask). A row whose step only appends (CaMKVCache._decodes_plainly) lends its
+buffers to the rectangle: the batch writes every such row's key, value and query at
+once (one write each, as BatchKVCache) and tells the row. A row that must do more
+(compress, score a waiting block, weigh by votes) takes its buffers back and runs its
+own code, exactly as alone; its rows go back into the rectangle at the next step. Any
+other call (a prompt block, extract, filter, extend, state, reading `rows`) first
+hands every row its buffers back.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from mlx_lm.models.cache import _BaseCache
 from .cache import CaMKVCache
 
 _UNLIMITED = None  # a row's real-token count in the coming block: no right padding
+_ROOM = 64  # free columns a rectangle gets when it is (re)built: steps between copies
 
 
 class BatchCaMKVCache(_BaseCache):
@@ -42,15 +54,40 @@ class BatchCaMKVCache(_BaseCache):
     """
 
     def __init__(self, rows: list[CaMKVCache], left_padding: list[int] | None = None):
-        self.rows = list(rows)
-        for row in self.rows:
+        self._rows = list(rows)
+        for row in self._rows:
             _check_row(row)
-        B = len(self.rows)
+        B = len(self._rows)
         self._left = _padding_list(left_padding, B, "left_padding")
         self._lengths: list[int | None] = [_UNLIMITED] * B  # set by prepare(lengths=...)
         self._consumed = 0  # positions of the padded stream fed since prepare
         self._block: list[tuple[int, int]] | None = None  # last call's per-row real slices
         self._fetched: list[tuple[bool, int]] = []  # last call's rows: (took tokens, rows returned)
+        # Decoding: the rectangles of keys and values and of queries (None outside decoding),
+        # and which rows have lent them their buffers.
+        self._kv: _RightAligned | None = None
+        self._queries: _RightAligned | None = None
+        self._lent: list[bool] = []
+        # Lent rows are told their plain steps only when something reads them (_tell_rows):
+        # steps written since, whether a step's queries are still to come, how many more
+        # steps every lent row can take plainly, the most rows and pending queries a lent row
+        # holds, and the scale of the lent rows' pending queries.
+        self._untold = 0
+        self._in_step = False
+        self._plain_left = 0
+        self._lent_held = 0
+        self._lent_queries = 0
+        self._scale: float | None = None
+        # offset as an array, kept between calls (the model reads it in every layer), or
+        # None when it must be built again from the rows.
+        self._offsets: mx.array | None = None
+
+    @property
+    def rows(self) -> list[CaMKVCache]:
+        """The requests' caches, each whole (holding its own buffers)."""
+        self._make_whole()
+        self._offsets = None  # the caller may update a row itself
+        return self._rows
 
     # ------------------------------------------------------------------ batch protocol
     @classmethod
@@ -70,7 +107,8 @@ class BatchCaMKVCache(_BaseCache):
     def extract(self, idx: int) -> CaMKVCache:
         """Row idx as a request's own CaMKVCache (a copy: the batch may go on)."""
         self._check_index(idx)
-        return copy.deepcopy(self.rows[idx])
+        self._make_whole()
+        return copy.deepcopy(self._rows[idx])
 
     def filter(self, batch_indices) -> None:
         """Keep the rows batch_indices, in that order (in place)."""
@@ -78,7 +116,8 @@ class BatchCaMKVCache(_BaseCache):
         for i in indices:
             self._check_index(i)
         self._settle_left_padding()
-        self.rows = [self.rows[i] for i in indices]
+        self._make_whole()
+        self._rows = [self._rows[i] for i in indices]
         self._left = [self._left[i] for i in indices]
         self._lengths = [self._lengths[i] for i in indices]
 
@@ -93,7 +132,8 @@ class BatchCaMKVCache(_BaseCache):
             raise ValueError("cannot extend a batch in the middle of a padded prompt (before finalize)")
         self._settle_left_padding()
         other._settle_left_padding()
-        self.rows += other.rows
+        self._make_whole()
+        self._rows += other.rows
         self._left += other._left
         self._lengths += other._lengths
 
@@ -104,7 +144,7 @@ class BatchCaMKVCache(_BaseCache):
         lengths: each row's real tokens in the coming prompt; the rest of each row's
         blocks (right_padding) is padding until finalize.
         """
-        B = len(self.rows)
+        B = len(self._rows)
         if left_padding is not None:
             if not self.empty():
                 raise ValueError("Left padding can only be added to an empty BatchCaMKVCache")
@@ -117,17 +157,21 @@ class BatchCaMKVCache(_BaseCache):
     def finalize(self) -> None:
         """The padded prompt is over: every row's blocks are real tokens again."""
         self._settle_left_padding()
-        self._lengths = [_UNLIMITED] * len(self.rows)
+        self._lengths = [_UNLIMITED] * len(self._rows)
 
     # ------------------------------------------------------------------ attention
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Give each row its real tokens; return the left-padded rectangle of every row's
         held keys and values [B, H, L, D] (L: the most any row holds now)."""
-        B = len(self.rows)
+        B = len(self._rows)
         if keys.ndim != 4 or keys.shape[0] != B:
             raise ValueError(
                 f"keys {tuple(keys.shape)} do not match this batch of {B} rows; expected [{B}, H, S, D]"
             )
+        if self._is_decode_step(keys.shape[2]):
+            return self._decode_update(keys, values)
+        self._make_whole()
+        self._offsets = None
         block = self._real_slices(keys.shape[2])
         self._consumed += keys.shape[2]
         fetched = [self._row_update(b, lo, hi, keys, values) for b, (lo, hi) in enumerate(block)]
@@ -139,8 +183,10 @@ class BatchCaMKVCache(_BaseCache):
         """Each row's attention bias (CaMKVCache.attention_bias: the log of its rows' votes)
         laid out as the rectangle attention gets [B, H, L], 0 over the left padding (which
         the mask hides) and for rows without votes; None when no row has any."""
+        if self._lent and all(self._lent):
+            return None  # lent rows have no votes (CaMKVCache._decodes_plainly)
         biases = [row.attention_bias() if took else row._votes_bias()
-                  for row, (took, _) in zip(self.rows, self._fetched)]
+                  for row, (took, _) in zip(self._rows, self._fetched)]
         if all(b is None for b in biases):
             return None
         heads = next(b for b in biases if b is not None).shape[1]
@@ -154,7 +200,10 @@ class BatchCaMKVCache(_BaseCache):
         block, self._block = self._block, None
         if block is None:
             return  # nothing waits: a repeated call
-        for b, (row, (lo, hi)) in enumerate(zip(self.rows, block)):
+        if self._kv is not None:
+            self._decode_observe(queries, float(scale))
+            return
+        for b, (row, (lo, hi)) in enumerate(zip(self._rows, block)):
             if hi > lo:
                 row.observe_queries(queries[b : b + 1, :, lo:hi], scale)
 
@@ -166,7 +215,8 @@ class BatchCaMKVCache(_BaseCache):
                 "BatchCaMKVCache serves full-attention layers only; sliding-window layers keep "
                 "mlx-lm's own BatchRotatingKVCache"
             )
-        held = [self._held_before_block(row) for row in self.rows]
+        self._tell_rows()
+        held = [self._held_before_block(b) for b in range(len(self._rows))]
         block = self._real_slices(N)
         if all(h == held[0] for h in held) and all(s == (0, N) for s in block):
             # Every row alike (decode of rows holding the same count): no padding anywhere.
@@ -180,9 +230,11 @@ class BatchCaMKVCache(_BaseCache):
     def offset(self) -> mx.array:
         """Per-row RoPE offsets [B]: the position of each row's next real token, less the
         left padding before it in the coming block (the model adds a token's index in it)."""
-        return mx.array(
-            [row.offset - self._left_pending(b) for b, row in enumerate(self.rows)], mx.int32
-        )
+        if self._offsets is None:
+            self._tell_rows()
+            self._offsets = mx.array(
+                [row.offset - self._left_pending(b) for b, row in enumerate(self._rows)], mx.int32)
+        return self._offsets
 
     @property
     def state(self):
@@ -190,6 +242,14 @@ class BatchCaMKVCache(_BaseCache):
         CaMKVCache's does, so mlx-lm's mx.eval of it after each prompt chunk runs the same
         compressions as when the request runs alone)."""
         return [row.state for row in self.rows]
+
+    def __deepcopy__(self, memo):
+        """An independent copy, its rows whole (the rectangles are not copied)."""
+        self._make_whole()
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return clone
 
     @state.setter
     def state(self, v) -> None:
@@ -200,15 +260,17 @@ class BatchCaMKVCache(_BaseCache):
 
     def size(self) -> int:
         """Width of the rectangle attention gets: the most tokens any row holds."""
-        return max((row.size() for row in self.rows), default=0)
+        self._tell_rows()
+        return max((row.size() for row in self._rows), default=0)
 
     def empty(self) -> bool:
-        return all(row.empty() for row in self.rows)
+        return all(row.empty() for row in self._rows)
 
     @property
     def nbytes(self) -> int:
         """Bytes the rows hold (the rectangle handed to attention is transient)."""
-        return sum(row.nbytes for row in self.rows)
+        self._tell_rows()
+        return sum(row.nbytes for row in self._rows)
 
     def is_trimmable(self) -> bool:
         return False
@@ -222,12 +284,12 @@ class BatchCaMKVCache(_BaseCache):
         raise NotImplementedError("BatchCaMKVCache cannot be quantized (kv_bits); use it without kv_bits")
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._rows)
 
     # ------------------------------------------------------------------ internals
     def _check_index(self, i) -> None:
-        if not isinstance(i, int) or not -len(self.rows) <= i < len(self.rows):
-            raise IndexError(f"row {i!r} is not in this batch of {len(self.rows)} rows")
+        if not isinstance(i, int) or not -len(self._rows) <= i < len(self._rows):
+            raise IndexError(f"row {i!r} is not in this batch of {len(self._rows)} rows")
 
     def _in_padded_prompt(self) -> bool:
         return any(n is not _UNLIMITED for n in self._lengths)
@@ -236,15 +298,17 @@ class BatchCaMKVCache(_BaseCache):
         return max(0, self._left[b] - self._consumed)
 
     def _settle_left_padding(self) -> None:
-        """Restart the padded stream's count at 0, keeping the left padding still to come."""
-        self._left = [self._left_pending(b) for b in range(len(self.rows))]
+        """Restart the padded stream's count at 0, keeping the left padding still to come
+        (every change of the rows or their padding comes through here)."""
+        self._offsets = None
+        self._left = [self._left_pending(b) for b in range(len(self._rows))]
         self._consumed = 0
 
     def _real_slices(self, S: int) -> list[tuple[int, int]]:
         """Per row, the [lo, hi) of the coming block of S positions holding its real tokens:
         they start after its left padding and end after `lengths` tokens (right padding)."""
         slices = []
-        for b in range(len(self.rows)):
+        for b in range(len(self._rows)):
             start = self._left[b] - self._consumed
             n = self._lengths[b]
             end = S if n is _UNLIMITED else start + n
@@ -252,15 +316,16 @@ class BatchCaMKVCache(_BaseCache):
             slices.append((lo, max(lo, hi)))
         return slices
 
-    def _held_before_block(self, row: CaMKVCache) -> int:
+    def _held_before_block(self, b: int) -> int:
         # A block the model never showed its queries for is scored (and maybe evicted)
         # at the row's next update; do it now so the mask is built for what the row holds.
+        row = self._rows[b]
         row._flush_pending_with_keys()
         return row.size()
 
     def _row_update(self, b: int, lo: int, hi: int, keys, values):
         """Row b's held keys and values [1, H, n, D] after taking its tokens [lo, hi)."""
-        row = self.rows[b]
+        row = self._rows[b]
         if hi > lo:
             return row.update_and_fetch(keys[b : b + 1, :, lo:hi], values[b : b + 1, :, lo:hi])
         if row.empty():
@@ -269,8 +334,205 @@ class BatchCaMKVCache(_BaseCache):
                     mx.zeros((1, H, 0, values.shape[3]), values.dtype))
         return row.keys, row.values
 
+    # ------------------------------------------------------------------ decoding
+    def _is_decode_step(self, S: int) -> bool:
+        """Every row takes one real token (no padding to cut): the rectangle's work."""
+        return S == 1 and not self._in_padded_prompt() and all(
+            self._left_pending(b) == 0 for b in range(len(self._rows)))
+
+    def _decode_update(self, keys, values):
+        """One token a row: lent rows get theirs in one write each of keys and values, the
+        other rows update themselves; returns views [B, H, L, D] of the rectangle's last
+        columns (L: the most rows any row holds now)."""
+        rows = self._rows
+        if self._in_step:
+            # The model attended without handing over the last step's queries (it bypasses
+            # the hook): each row scores that step with its keys, as when alone.
+            self._make_whole()
+        if self._kv is None:
+            B = len(rows)
+            self._kv, self._queries, self._lent = _RightAligned(B), _RightAligned(B), [False] * B
+        if self._plain_left <= 0 or not all(self._lent):
+            self._regroup(keys, values)
+        owning = [b for b, lent in enumerate(self._lent) if not lent]
+        self._kv.fit([keys, values], keep=self._lent_held,
+                     before=max([self._lent_held] + [rows[b].size() for b in owning]))
+        self._kv.write_column([keys, values])
+        self._in_step = True
+        self._plain_left -= 1
+        if len(owning) < len(rows):
+            self._lent_held += 1
+        # An owning row returns at most held + 1 rows; they end at the rectangle's end too.
+        fetched = [(True, self._lent_held)] * len(rows)
+        for b in owning:
+            self._kv.write_row(b, rows[b].update_and_fetch(keys[b : b + 1], values[b : b + 1]))
+            fetched[b] = (True, self._kv.last_written)
+        if owning:  # the lent rows were told this step (_regroup): their exact widths, for the bias
+            fetched = [(True, row.size() + 1) if lent else f for row, lent, f in zip(rows, self._lent, fetched)]
+        self._consumed += 1
+        if self._offsets is not None:
+            self._offsets = self._offsets + 1  # every row's next token is one further on
+        self._block = [(0, 1)] * len(rows)
+        self._fetched = fetched
+        return self._kv.view(max(n for _, n in fetched))
+
+    def _decode_observe(self, queries, scale: float) -> None:
+        """The step's queries [B, Hq, 1, Dk]: lent rows keep theirs in the query rectangle
+        (one write); if the lent rows' pending queries cannot take them (another scale or
+        shape), the lent rows take their buffers back. Owning rows observe their own."""
+        rows = self._rows
+        if self._in_step and not self._queries_join(queries, scale):
+            self._tell_rows()  # the lent rows, told the step in flight, take their buffers back
+        if self._in_step:
+            if any(self._lent):
+                self._queries.fit([queries], keep=self._lent_queries, before=self._lent_queries)
+                self._queries.write_column([queries])
+                self._lent_queries += 1
+                self._scale = scale
+                self._untold += 1
+            self._in_step = False
+        for b, row in enumerate(rows):
+            if not self._lent[b]:
+                row.observe_queries(queries[b : b + 1], scale)
+
+    def _queries_join(self, queries, scale: float) -> bool:
+        """Whether the step's queries can join the lent rows' pending ones: their shape, the
+        same scale (or none pending)."""
+        lent = next((row for row, on in zip(self._rows, self._lent) if on), None)
+        if lent is None:
+            return True
+        H, Dk = lent._layout[1], lent._layout[2]
+        return (queries.shape[3] == Dk and queries.shape[1] % H == 0
+                and (self._scale is None or self._scale == scale))
+
+    def _regroup(self, keys, values) -> None:
+        """Between steps: tell the lent rows their steps; a lent row whose next step does more
+        than append takes its buffers back, an owning row whose next step only appends lends
+        them; count the steps every lent row can now take without a look at each."""
+        self._tell_rows()
+        rows = self._rows
+        for b, row in enumerate(rows):
+            if self._lent[b] and not row._decodes_plainly():
+                self._take_back(b)
+        lent = [row for row, on in zip(rows, self._lent) if on]
+        self._scale = next((row._queued for row in lent if row._queued is not None), None)
+        lending = []
+        for b, row in enumerate(rows):
+            if not self._lent[b] and row._decodes_plainly() and row._queued in (None, self._scale or row._queued):
+                lending.append(b)
+                self._scale = row._queued if row._queued is not None else self._scale
+        held = max((row.size() for row in lent), default=0)
+        self._kv.fit([keys, values], keep=held, before=max([held] + [rows[b].size() for b in lending]))
+        self._lend(lending)
+        lent = [row for row, on in zip(rows, self._lent) if on]
+        self._lent_held = max((row.size() for row in lent), default=0)
+        self._lent_queries = max((row._pending_queries() for row in lent), default=0)
+        self._plain_left = min((row.config.budget + row.config.slack - row.size() for row in lent), default=0)
+
+    def _tell_rows(self) -> None:
+        """Tell every lent row the steps written for it since it was last told. A step in
+        flight (its queries not come) is told too, and then the lent rows, waiting for those
+        queries, take their buffers back and observe them themselves."""
+        steps, in_step = self._untold, self._in_step
+        self._untold = 0
+        for b, (row, lent) in enumerate(zip(self._rows, self._lent)):
+            if lent:
+                row._decoded_elsewhere(steps, self._scale)
+                if in_step:
+                    row._appended_elsewhere()
+                    self._take_back(b)
+        if in_step:
+            self._lent_held = self._lent_queries = self._plain_left = 0
+
+    def _lend(self, indices: list[int]) -> None:
+        """Rows `indices` (whose next step only appends) hand their buffers to the rectangles,
+        whose room the caller made."""
+        lent = [(b, *self._rows[b]._lend_buffers()) for b in indices]
+        queries = [q for *_, q in lent if q is not None]
+        if queries:
+            kept = max((r._pending_queries() for r, on in zip(self._rows, self._lent) if on), default=0)
+            self._queries.fit([queries[0]], keep=kept, before=max(kept, *(q.shape[2] for q in queries)))
+        for b, keys, values, q in lent:
+            self._kv.write_row(b, (keys, values), end=self._kv.end)
+            if q is not None:
+                self._queries.write_row(b, (q,), end=self._queries.end)
+            self._lent[b] = True
+
+    def _take_back(self, b: int) -> None:
+        """Row b (told its steps) holds its own buffers again: its rows of the rectangles."""
+        row = self._rows[b]
+        p = row._pending_queries()
+        row._take_back_buffers(*self._kv.row(b, row.size()), self._queries.row(b, p)[0] if p else None)
+        self._lent[b] = False
+
+    def _make_whole(self) -> None:
+        """Leave decoding: every row holds its own buffers; the rectangles are freed."""
+        if self._kv is None:
+            return
+        self._tell_rows()
+        for b, lent in enumerate(self._lent):
+            if lent:
+                self._take_back(b)
+        self._kv = self._queries = None
+        self._lent = []
+        self._in_step = False
+        self._plain_left = self._lent_held = self._lent_queries = 0
+        self._scale = None
+
 
 CaMKVCache.batch_class = BatchCaMKVCache
+
+
+class _RightAligned:
+    """Rows of a batch in shared buffers [B, H, capacity, D] (keys and values, or queries):
+    each row's columns end at column `end`, its left padding before them."""
+
+    def __init__(self, B: int):
+        self.B = B
+        self.buffers: list[mx.array] | None = None
+        self.end = 0
+        self.last_written = 0  # rows of the last write_row
+
+    def fit(self, templates: list[mx.array], keep: int, before: int) -> None:
+        """Make at least `before` columns before end and one after it, keeping the last
+        `keep` columns (rows still lent); a new buffer (templates give H, D and dtype of
+        each) only when they do not fit, with _ROOM free columns after end."""
+        if self.buffers is not None and before <= self.end < self.buffers[0].shape[2]:
+            return
+        end = max(before, keep)
+        new = []
+        for i, template in enumerate(templates):
+            parts = [self.buffers[i][:, :, self.end - keep : self.end]] if keep else []
+            shape = (self.B, template.shape[1], 0, template.shape[3])
+            parts = ([_zeros(shape, end - keep, template.dtype)] + parts + [_zeros(shape, _ROOM, template.dtype)])
+            new.append(mx.concatenate(parts, axis=2))
+        self.buffers, self.end = new, end
+
+    def write_column(self, arrays) -> None:
+        """Each buffer's one new column [B, H, 1, D] at end; end moves past it."""
+        for buffer, a in zip(self.buffers, arrays):
+            buffer[:, :, self.end : self.end + 1] = a
+        self.end += 1
+
+    def write_row(self, b: int, arrays, end: int | None = None) -> None:
+        """Row b's columns [1, H, n, D] of each buffer, ending at end (default: self.end)."""
+        end = self.end if end is None else end
+        n = arrays[0].shape[2]
+        for buffer, a in zip(self.buffers, arrays):
+            buffer[b : b + 1, :, end - n : end] = a
+        self.last_written = n
+
+    def row(self, b: int, n: int) -> list[mx.array]:
+        """Row b's last n columns of each buffer [1, H, n, D]."""
+        return [buffer[b : b + 1, :, self.end - n : self.end] for buffer in self.buffers]
+
+    def view(self, width: int):
+        """Every row's last `width` columns of each buffer [B, H, width, D]."""
+        return tuple(buffer[:, :, self.end - width : self.end] for buffer in self.buffers)
+
+
+def _zeros(shape: tuple, n: int, dtype) -> mx.array:
+    return mx.zeros((shape[0], shape[1], n, shape[3]), dtype)
 
 
 def _check_row(row) -> None:

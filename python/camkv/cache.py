@@ -165,18 +165,21 @@ class CaMKVCache(_BaseCache):
             self._flush_pending_with_keys()
         self._warn_if_votes_unread()
         fetched = self._append(keys, values)
+        self._took(keys.shape[2])
+        return fetched
+
+    def _took(self, S: int) -> None:
+        """What follows the write of S new tokens after the held rows."""
         self._keep_fetched_bias()
         # The model computed RoPE from offset before this call; it advances now, even
         # when scoring waits for the queries.
-        S = block[0][2]
         self.offset += S
         if self._config.scoring == "query" and self._queries_can_come():
             self._waiting = S
         else:
             if self._config.scoring == "query":
-                self._warn_once("no_hook", self._no_hook_message(), stacklevel=3)
+                self._warn_once("no_hook", self._no_hook_message(), stacklevel=4)
             self._queue(_KEY_SCORED, S)
-        return fetched
 
     def observe_queries(self, queries: mx.array, scale: float) -> None:
         """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring)."""
@@ -412,6 +415,64 @@ class CaMKVCache(_BaseCache):
             None if votes is None else votes.reshape(B * H, n).astype(mx.float32),
             None if threshold is None else threshold.reshape(B * H).astype(mx.float32),
         ), self.offset)
+
+    # ------------------------------------------------------------------ batch hooks
+    # camkv.batch decodes rows that only append in one shared rectangle: it writes every
+    # such row's key, value and query itself and tells the row later (_decoded_elsewhere,
+    # and _appended_elsewhere for a step whose queries have not come); the row's buffers
+    # live in the rectangle meanwhile (_lend_buffers) and come back before the row does
+    # anything else (_take_back_buffers).
+
+    def _decodes_plainly(self) -> bool:
+        """Whether a one-token step would only write its key, value and query after the
+        held rows: no compression due, no block waiting, scored by the model's queries
+        like the pending rows, no votes to weigh attention by."""
+        cfg = self._config
+        return (self._layout is not None and not self._waiting and self._votes is None
+                and cfg.scoring == "query" and self._held + 1 <= cfg.budget + cfg.slack
+                and (self._queued is None or (self._queued is not _KEY_SCORED and not self._windowed))
+                and self._queries_can_come())
+
+    def _appended_elsewhere(self) -> None:
+        """A one-token step whose key and value a batch wrote (_decodes_plainly was true):
+        what update_and_fetch does besides the write."""
+        self._held += 1
+        self._took(1)
+
+    def _decoded_elsewhere(self, steps: int, scale: float) -> None:
+        """`steps` one-token steps whose keys, values and queries (under scale) a batch
+        wrote, each allowed by _decodes_plainly: what their update_and_fetch and
+        observe_queries calls would have counted, at once."""
+        if not steps:
+            return
+        self._held += steps
+        self.offset += steps
+        self._query_scored += steps
+        if self._queued is None:
+            self._queued, self._windowed = scale, False
+        self._fetched_bias, self._bias_unread = None, False
+
+    def _pending_queries(self) -> int:
+        """Pending rows whose queries the query buffer holds (its first ones)."""
+        if self._queued is None or self._queued is _KEY_SCORED:
+            return 0
+        return self._held - self._settled - self._waiting
+
+    def _lend_buffers(self):
+        """(held keys [B, H, held, Dk], values, the pending rows' queries [B, Hq, p, Dk] or
+        None); this cache holds no buffers until _take_back_buffers."""
+        p = self._pending_queries()
+        lent = (self.keys, self.values, self._query_buffer[:, :, :p] if p else None)
+        self._keys = self._values = self._query_buffer = None
+        return lent
+
+    def _take_back_buffers(self, keys, values, queries) -> None:
+        """Hold again what _lend_buffers handed over (the same rows, maybe moved), with room
+        to decode in place."""
+        spare = self._room_after(self._held)
+        self._keys, self._values = _with_room([], keys, spare), _with_room([], values, spare)
+        self._query_buffer = None if queries is None else _with_room(
+            [], queries, self._config.slack + 1 - queries.shape[2])
 
     # ------------------------------------------------------------------ internals
     def _check_block(self, keys, values) -> None:
