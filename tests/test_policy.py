@@ -407,3 +407,20 @@ def test_the_cam_arm_is_cam_streaming_with_the_models_queries(tmp_path):
         want = CaMConfig(budget=64, n_sink=4, recent=16, scoring="query", seed=i, backend="reference",
                          prefill_scoring="window", observation_window=8, pool=3, **CAM_STREAMING)
         assert cache.config == want
+
+
+@pytest.mark.parametrize("s_len", [3, 12])
+def test_fast_scores_a_window_chunk_from_its_last_queries_alone(s_len):
+    """camkv.fast takes the chunk's length from its keys: the window's queries alone (what
+    a cache keeps of a prompt block) score it as all of them do."""
+    cfg = CaMConfig(budget=10, n_sink=1, recent=2, prefill_scoring="window", observation_window=5, pool=3)
+    rng = np.random.default_rng(4)
+    R, n, G = 3, 8, 2
+    keys, values = (mx.array(rng.standard_normal((R, n + s_len, d)).astype(np.float32)) for d in (K_DIM, V_DIM))
+    scores = mx.array(rng.uniform(0, 3, (R, n)).astype(np.float32))
+    positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (R, n))
+    queries = mx.array(rng.standard_normal((R, G, s_len, K_DIM)).astype(np.float32))
+    every = fast.compress_drop(keys, values, scores, positions, queries, n, 0.5, cfg)
+    window = fast.compress_drop(keys, values, scores, positions, queries[:, :, -5:], n, 0.5, cfg)
+    for a, b in zip(every[:4], window[:4]):
+        assert mx.array_equal(a, b).item()

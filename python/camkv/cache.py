@@ -26,6 +26,16 @@ _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
 _KEY_SCORED = "keys"  # how pending tokens scored by their own keys are queued
 _GROWTH_STEP = 256  # most empty rows a buffer is given at once (mlx-lm KVCache's step)
 
+def _every_query(queries: mx.array, s_len: int) -> mx.array:
+    """A chunk's queries [R, G, S, Dk] from its last T kept ones [R, G, T, Dk] (window
+    scoring keeps only those): zeros in front, which window scoring never reads."""
+    kept = queries.shape[2]
+    if kept == s_len:
+        return queries
+    unread = mx.zeros((*queries.shape[:2], s_len - kept, queries.shape[3]), queries.dtype)
+    return mx.concatenate([unread, queries], axis=2)
+
+
 def _with_room(before: list, block: mx.array, spare: int) -> mx.array:
     """A buffer [B, H, n, D]: the arrays `before`, then block, then `spare` empty rows
     (none when spare <= 0), joined along the token axis. Always a new array object, even
@@ -333,7 +343,8 @@ class CaMKVCache(_BaseCache):
         queries, scale = self._chunk_queries(self._held)
         cfg = self._chunk_config()
         if rows.votes is None:
-            return fast.chunk_mass(queries, rows.keys, scale, self._settled, cfg)
+            return fast.chunk_mass(queries, rows.keys, scale, self._settled, cfg, self._held - self._settled)
+        queries = _every_query(queries, self._held - self._settled)
         return reference.chunk_mass(queries.transpose(0, 2, 1, 3).astype(mx.float32), rows.keys.astype(mx.float32),
                                     scale, self._settled, cfg, bias=mx.log(rows.votes))
 
@@ -597,19 +608,19 @@ class CaMKVCache(_BaseCache):
         )
 
     def _chunk_queries(self, end: int):
-        """The queries of pending rows [settled, end) as [B*H, G, S, Dk] and their scale."""
+        """The queries of pending rows [settled, end) as [B*H, G, T, Dk] and their scale:
+        T = S, every pending row's, except for prompt blocks under window scoring, where
+        only the last min(S, observation_window) were kept (the only ones that add mass;
+        camkv.fast takes the chunk's length apart from its queries, _every_query pads
+        them for the backends that take one query block per token)."""
         B, H = self._layout[:2]
         S = end - self._settled
         if self._queued is _KEY_SCORED:
             keys = self._keys[:, :, self._settled : end]
             return fast.key_queries(keys.reshape(B * H, S, -1))
         queries = self._query_buffer[:, :, :S]
-        if self._windowed and queries.shape[2] < S:
-            # Only the window's queries were kept; the earlier ones add no mass.
-            unread = mx.zeros((*queries.shape[:2], S - queries.shape[2], queries.shape[3]), queries.dtype)
-            queries = mx.concatenate([unread, queries], axis=2)
         # Query head h * G + g belongs to KV head h.
-        return queries.reshape(B * H, queries.shape[1] // H, S, -1), self._queued
+        return queries.reshape(B * H, queries.shape[1] // H, queries.shape[2], -1), self._queued
 
     def _compress(self, end: int | None = None) -> None:
         """Score pending rows [settled, end) as one chunk and evict back to the budget
@@ -669,7 +680,7 @@ class CaMKVCache(_BaseCache):
         before = rows.first(n)
         new = [a[:, n:end] for a in rows[:2]]
         key_scored = self._queued is _KEY_SCORED
-        q = None if key_scored else queries.transpose(0, 2, 1, 3)
+        q = None if key_scored else _every_query(queries, end - n).transpose(0, 2, 1, 3)
         return backend.update(before, *new, self._pending_start, cfg, self._row_ids(*self._layout[:2]),
                               q, None if key_scored else scale)
 

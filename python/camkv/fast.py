@@ -66,13 +66,15 @@ def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: in
     return mass
 
 
-def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, cfg) -> mx.array:
-    """attention_mass of a chunk under cfg.prefill_scoring: with "window" only the chunk's
-    last observation_window queries add mass, which is then max-pooled (camkv.policy)."""
-    s_len = queries.shape[2]
+def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, cfg, s_len: int | None = None
+               ) -> mx.array:
+    """attention_mass of a chunk of s_len tokens under cfg.prefill_scoring: with "window"
+    only the chunk's last observation_window queries add mass, which is then max-pooled
+    (camkv.policy). queries [R, G, T, Dk] are the chunk's last T (T >= the queries that
+    add mass; s_len defaults to T: every query given)."""
+    s_len = queries.shape[2] if s_len is None else s_len
     observed = policy.observed(cfg, s_len)
-    if observed < s_len:
-        queries = queries[:, :, s_len - observed :]
+    queries = queries[:, :, queries.shape[2] - observed :]
     return policy.pooled(attention_mass(queries, keys, scale, n_before + s_len - observed), cfg, s_len)
 
 
@@ -130,13 +132,14 @@ def update_drop(state: RowState, new_keys, new_values, offset: int, cfg, row_ids
 def compress_drop(keys, values, settled_scores, settled_positions, queries, first_pending: int, scale: float,
                   cfg) -> RowState:
     """Rows held [R, N, D] whose first n (= settled_scores' [R, n]) are scored: score the
-    rest, at positions first_pending.., as one chunk (queries [R, G, S, Dk]) and evict
+    rest, at positions first_pending.., as one chunk (queries [R, G, T, Dk]: its last T,
+    every one or at least those chunk_mass reads) and evict
     down to the budget without merging."""
     rows, n = settled_scores.shape
     s_len = keys.shape[1] - n
     positions = mx.concatenate(
         [settled_positions, mx.broadcast_to(first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
-    mass = chunk_mass(queries, keys, scale, n, cfg)
+    mass = chunk_mass(queries, keys, scale, n, cfg, s_len)
     scores = mx.concatenate([settled_scores + mass[:, :n], mass[:, n:]], axis=1)
     joined = RowState(keys, values, scores, positions)
     if n + s_len <= cfg.budget:
@@ -155,6 +158,6 @@ def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positi
     ranks by score)."""
     rows, n = settled_scores.shape
     held = keys[:, :, :end].reshape(rows, end, -1)
-    mass = chunk_mass(queries, held, scale, n, cfg)
+    mass = chunk_mass(queries, held, scale, n, cfg, end - n)
     return compact_cuda.drop_compact(keys, values, settled_scores, settled_positions, mass, first_pending,
                                      first_pending + end - n - 1, cfg, capacity)
