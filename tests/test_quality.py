@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from camkv import merges
@@ -13,7 +14,9 @@ from camkv.eval.arms import CacheSettings, make_cache, method_catalog, parse_met
 from camkv.eval.budgets import budgets_for, parse_budgets
 from camkv.eval.cli import PRESETS, build_parser, main
 from camkv.eval.loading import tiny_random_model
-from camkv.eval.passkey import PASSKEY_QUESTION, build_passkey, is_correct, passkey_depths, spread_order
+from camkv.eval.passkey import (PASSKEY_QUESTION, build_passkey, greedy_answer, is_correct, output_head,
+                                passkey_depths, prefill_last_logits, spread_order)
+from camkv.eval.stream import feed
 from camkv.eval.records import RecordStore
 from camkv.eval.stream import full_reference, stream_arm, summarize_positions
 from camkv.eval.sweep import OutOfTime
@@ -96,6 +99,47 @@ def test_passkey_prompt_has_the_exact_length_and_hides_the_key_once(tiny):
     assert passkey_depths(20)[-1] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="cannot hold the passkey prompt"):
         build_passkey(tokenizer, "builtin", docs, 100, 0.5, 0, seed=1)
+
+
+class _OtherModel:
+    """A model camkv.eval.passkey does not know the head of: called as a whole."""
+
+    def __init__(self, model):
+        self.inner = model
+
+    def __call__(self, inputs, cache=None):
+        return self.inner(inputs, cache=cache)
+
+
+@pytest.mark.parametrize("method_name", ["full", "h2o-query", "keepkv-nogate-query"])
+def test_a_passkey_prefill_gives_the_last_logits_and_answer_of_a_whole_model_call(tiny, method_name):
+    """The passkey prefill sends only the last position through the output head: the
+    logits, the cache it leaves and the greedy answer are those of whole-model calls."""
+    model, tokenizer = tiny
+    assert output_head(model) is not None and output_head(_OtherModel(model)) is None
+    docs = texts.load_source("builtin")
+    prompt = build_passkey(tokenizer, "builtin", docs, 360, 0.5, 0, seed=1).tokens
+    method = method_catalog()[method_name]
+    results = []
+    for runner in (model, _OtherModel(model)):
+        caches = make_cache(model, method, 48, SETTINGS)
+        try:
+            if runner is model:
+                last = prefill_last_logits(model, caches, prompt, 64)
+            else:
+                for _, logits in feed(runner, caches, prompt, len(prompt), 64):
+                    pass
+                last = logits[-1]
+            state = [np.array(a) for c in caches for a in c.state if a is not None]
+            caches = make_cache(model, method, 48, SETTINGS)
+            answer = greedy_answer(runner, caches, prompt, 64, 6, tokenizer)
+        finally:
+            release_cache(model, method)
+        results.append((np.array(last), state, answer))
+    (a, state_a, answer_a), (b, state_b, answer_b) = results
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert len(state_a) == len(state_b) and all(np.array_equal(x, y) for x, y in zip(state_a, state_b))
+    assert answer_a == answer_b
 
 
 @pytest.mark.parametrize("answer,correct", [

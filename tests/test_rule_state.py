@@ -194,3 +194,45 @@ def test_a_batch_lays_each_rows_votes_out_like_its_keys():
     own = rows[0].attention_bias()  # the rows it returned, before this call's compression
     np.testing.assert_array_equal(np.array(bias[0]), np.array(own[0]))
     assert (np.array(own) > 0).any() and not np.array(bias[1]).any()  # row 1: no votes, and padding
+
+
+@pytest.mark.parametrize("gate", [False, True])
+@pytest.mark.parametrize("merge", [r.name for r in merges.RULES if r.kind != merges.DROP])
+def test_a_compiled_chunk_merge_is_the_plain_merge_bit_for_bit(merge, gate):
+    """The chunk loop runs _merge_one under mx.compile: forty merges in a row, each seeing
+    what the one before left, give the same keys, values, scores, gate outcomes and votes."""
+    rng = np.random.default_rng(7)
+    rows, n, dim = 3, 40, 8
+    cfg = CaMConfig(budget=16, recent=4, merge=merge, gate=gate, scoring="query")
+    rule = merges.rule(merge)
+
+    def arr(shape, low=None):
+        a = rng.standard_normal(shape) if low is None else rng.uniform(low, low + 2, shape)
+        return mx.array(a.astype(np.float32))
+
+    keys, values, scores = arr((rows, n, dim)), arr((rows, n, dim)), arr((rows, n), 0.0)
+    positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n))
+    survivor = mx.array(rng.uniform(size=(rows, n)) > 0.4)
+    row_ids = mx.arange(rows, dtype=mx.uint32)
+    votes = arr((rows, n), 1.0) if rule.keeps_votes else None
+    fixed = {}
+    if rule.moving_threshold:
+        fixed["threshold"] = arr((rows,), 0.0) - 1.0
+    if rule.keeps_votes:
+        fixed["query"] = arr((rows, dim))
+    extra = reference._RuleState(votes, fixed.get("threshold"), fixed.get("query"), 0.3)
+    step = reference._compiled_merge(cfg, 0.3)
+    plain = (keys, values, scores, votes)
+    compiled = (keys, values, scores, {} if votes is None else {"votes": votes})
+    merged = 0
+    for j in range(n // 2):
+        e = mx.array([j, j + 1, j + 2])
+        k, v, s, did, vo = reference._merge_one(*plain[:3], positions, survivor, e, row_ids, cfg,
+                                                extra._replace(votes=plain[3]))
+        k2, v2, s2, did2, carried = step(*compiled[:3], positions, survivor, e, row_ids,
+                                         compiled[3], fixed)
+        for a, b in [(k, k2), (v, v2), (s, s2), (did, did2)] + ([(vo, carried["votes"])] if votes is not None else []):
+            assert np.array_equal(np.array(a), np.array(b))
+        merged += int(did.sum())
+        plain, compiled = (k, v, s, vo), (k2, v2, s2, carried)
+    assert merged > 0

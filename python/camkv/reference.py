@@ -242,6 +242,27 @@ def _merge_keeping_output(rule, keys, values, targets, t, e, k_e, v_e, do, extra
     return keys, values, extra.votes + mx.where(receive, c_e[:, None], 0.0)
 
 
+_COMPILED_MERGES: dict = {}
+
+
+def _compiled_merge(cfg: CaMConfig, scale: float):
+    """_merge_one for one configuration and attention scale under mx.compile: a chunk's
+    merges run one after another (each sees the state the previous one left), and
+    compiled, each is a few fused kernels rather than some sixty small MLX operations
+    (keepkv's prefill on SmolLM2-135M: most of its time). The same arithmetic in the
+    same order, float32 throughout."""
+    key = (cfg, scale)
+    if key not in _COMPILED_MERGES:
+        def step(keys, values, scores, positions, survivor, e, row_ids, carried, fixed):
+            extra = _RuleState(carried.get("votes"), fixed.get("threshold"), fixed.get("query"), scale)
+            keys, values, scores, did, votes = _merge_one(keys, values, scores, positions, survivor, e,
+                                                          row_ids, cfg, extra)
+            return keys, values, scores, did, ({"votes": votes} if votes is not None else {})
+
+        _COMPILED_MERGES[key] = mx.compile(step)
+    return _COMPILED_MERGES[key]
+
+
 def _merge_weight(rule: merges.MergeRule, cos_t, s_in, s_target, norm_in, norm_target):
     """A blending rule's weight (bench/merge_diagnostics.py records the weights here)."""
     return rule.weight(cos_t, s_in, s_target, norm_in, norm_target)
@@ -435,9 +456,13 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     loser_idx, keep_idx = order[:, :n_losers], mx.sort(order[:, n_losers:], axis=1)
     survivor = ~loser
     extra = _compression_state(state, votes, keys, positions, survivor, loser_idx, q[:, -1], scale, cfg)
+    merge_step = _compiled_merge(cfg, scale)
+    carried = {"votes": votes} if votes is not None else {}
+    fixed = {k: a for k, a in (("threshold", extra.threshold), ("query", extra.query)) if a is not None}
     for j in range(n_losers):
-        keys, values, scores, did, votes = _merge_one(
-            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, cfg, extra._replace(votes=votes)
+        keys, values, scores, did, carried = merge_step(
+            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, carried, fixed
         )
         merges = merges + did.astype(mx.int32)
+    votes = carried.get("votes")
     return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep_idx), merges
