@@ -9,7 +9,7 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import camkv
-from camkv import CaMKVCache
+from camkv import CaMKVCache, fast
 from camkv.batch import _ROOM, BatchCaMKVCache
 from tiny_models import byte_tokenizer, tiny_llama
 
@@ -105,7 +105,7 @@ def _generate_batched(model, tokenizer, prompts, max_tokens, watch=None, **gener
     return [tokens[uid] for uid in uids], [caches[uid] for uid in uids]
 
 
-def _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches):
+def _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches, score_rtol=SCORE_RTOL):
     for prompt, m, row_tokens, row_caches in zip(prompts, max_tokens, tokens, caches):
         alone_tokens, alone = _alone(model, prompt, m, tokenizer.eos_token_ids)
         assert row_tokens == alone_tokens
@@ -114,7 +114,7 @@ def _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, cach
             _, _, alone_scores, alone_positions = single.stored()
             assert batched.stats == single.stats  # tokens seen and query-scored, evictions, merges
             assert mx.array_equal(positions, alone_positions)
-            assert mx.allclose(scores, alone_scores, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+            assert mx.allclose(scores, alone_scores, rtol=score_rtol, atol=SCORE_ATOL)
 
 
 def test_decoding_shares_one_rectangle_and_rows_still_match_alone(model, tokenizer):
@@ -145,7 +145,10 @@ def test_rows_weighed_by_votes_decode_as_alone(model, tokenizer):
     with camkv.applied(model, budget=BUDGET, merge="keepkv"):
         tokens, caches = _generate_batched(model, tokenizer, prompts, max_tokens,
                                            prefill_batch_size=3, completion_batch_size=3)
-        _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches)
+        # A merged row's score adds its absorbed rows' (votes weigh them): on a GPU the
+        # last-bit differences of the batch's masked attention compound over merges.
+        rtol = 1e-2 if fast.on_cuda() else SCORE_RTOL
+        _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches, score_rtol=rtol)
 
 
 def test_continuous_batching_rows_join_and_leave_without_changing_each_other(model, tokenizer):
