@@ -370,3 +370,23 @@ def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_bu
         cache.update_and_fetch(block[1][:, :, t : t + 1], block[1][:, :, t : t + 1])
     assert cache._keys.shape[2] <= 400 + 256
     assert mx.array_equal(cache.keys, mx.concatenate(block, axis=2)).item()
+
+
+def test_decode_steps_below_the_budget_write_their_queries_in_place(monkeypatch):
+    """A row below its budget gathers many pending decode steps: their queries are written
+    into room made a step's worth at a time, not copied anew at every step; and they score
+    the steps as the reference's chunk call does."""
+    monkeypatch.setattr(CaMKVCache, "_queries_can_come", lambda self: True)
+    cfg = CaMConfig(budget=64, slack=8, scoring="query", backend="reference")
+    cache = CaMKVCache(cfg)
+    rng = np.random.default_rng(1)
+    block = lambda n, heads=2: mx.array(rng.standard_normal((1, heads, n, 8)).astype(np.float32))  # noqa: E731
+    cache.update_and_fetch(block(10), block(10))
+    cache.observe_queries(block(10, heads=4), 0.5)
+    buffers = []  # held, so no object's id is reused
+    for _ in range(40):
+        cache.update_and_fetch(block(1), block(1))
+        cache.observe_queries(block(1, heads=4), 0.5)
+        buffers.append(cache._query_buffer)
+    assert all(b is buffers[0] for b in buffers)
+    assert cache._held == 50 and cache._query_buffer.shape[2] >= 40

@@ -579,8 +579,11 @@ class CaMKVCache(_BaseCache):
             if held[1] == shape[1] and held[3] == shape[3] and end <= held[2] and buffer.dtype == queries.dtype:
                 buffer[:, :, start:end] = queries
                 return
-        self._query_buffer = _with_room([buffer[:, :, :start]] if start else [], queries,
-                                        self._config.slack + 1 - end)
+        # Room for the decode steps up to the next compression; a row below its budget
+        # gathers more pending steps than that, so a step grows the buffer by a step's
+        # worth at once (copying every pending query at each step would cost O(n) each).
+        room = max(self._config.slack + 1 - end, _GROWTH_STEP if shape[2] == 1 else 0)
+        self._query_buffer = _with_room([buffer[:, :, :start]] if start else [], queries, room)
 
     def _keep_window_queries(self, queries, start: int) -> None:
         """Window scoring reads only the last observation_window queries of the pending
