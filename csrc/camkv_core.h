@@ -1181,6 +1181,20 @@ CAMKV_INLINE void camkv_score_chunk(CamRows<T> r, CAMKV_CONSTANT const CamParams
 // The k lowest-ranked unprotected rows (ties to the smaller index) get loser = 1.
 template <typename T>
 CAMKV_INLINE void camkv_mark_losers(CamRows<T> r, int k, int p_last, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
+#if CAMKV_HOST_SELECT
+  // A lone CPU thread: the same set by one partial sort (prelude's camkv_select_lowest),
+  // O(n log n) where the parallel form below compares every pair, O(n^2).
+  int candidates = 0;
+  for (int j = 0; j < r.count; ++j) {
+    bool open = !camkv_protected(r.positions[j], p->n_sink, p->recent, p_last);
+    r.loser[j] = 0;
+    if (open) {
+      camkv_select_put(candidates++, camkv_rank_row(r, j, p), j);
+    }
+  }
+  camkv_select_lowest(candidates, k, r.loser);
+  return;
+#endif
   for (int j = camkv_tid(g); j < r.count; j += camkv_gsize(g)) {
     int is_loser = 0;
     if (!camkv_protected(r.positions[j], p->n_sink, p->recent, p_last)) {

@@ -5,9 +5,12 @@
 #ifndef CAMKV_PRELUDE_CPU_H
 #define CAMKV_PRELUDE_CPU_H
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #define CAMKV_DEVICE
 #define CAMKV_CONSTANT
@@ -52,6 +55,27 @@ inline float camkv_madd(float acc, float a, float b) { return acc + a * b; }
 template <typename T>
 inline float camkv_float(T x) {
   return static_cast<float>(x);
+}
+
+// Loser selection of one thread a row (camkv_mark_losers): the k lowest of the
+// candidates put, ordered by (rank, row) as the pairwise rule orders them, flagged in
+// loser[row]. The candidates live in a per-thread vector (rows run on pool threads).
+#define CAMKV_HOST_SELECT 1
+static inline std::vector<std::pair<float, int>>& camkv_select_buffer() {
+  static thread_local std::vector<std::pair<float, int>> buffer;
+  return buffer;
+}
+static inline void camkv_select_put(int i, float rank, int row) {
+  auto& buffer = camkv_select_buffer();
+  if ((int)buffer.size() <= i) buffer.resize(i + 1);
+  buffer[i] = {rank, row};
+}
+static inline void camkv_select_lowest(int candidates, int k, int* loser) {
+  auto& buffer = camkv_select_buffer();
+  int losers = k < candidates ? k : candidates;
+  if (losers <= 0) return;
+  std::nth_element(buffer.begin(), buffer.begin() + (losers - 1), buffer.begin() + candidates);
+  for (int i = 0; i < losers; ++i) loser[buffer[i].second] = 1;
 }
 
 #endif  // CAMKV_PRELUDE_CPU_H
