@@ -137,6 +137,8 @@ def run_batch(model, prompts, gen: int, prefill_step: int, completion_batch: int
         # Median over calls: decode steps far outnumber the prompt calls.
         "decode_step_ms": 1e3 * _median(step_s),
         "cache_host_ms_per_step": 1e3 * _median(cache_s) if _PROFILING[0] else None,
+        # Every call's wall time: the slow calls (prompts, compressions) beside the median.
+        "call_ms": [round(1e3 * s, 3) for s in step_s],
     }
 
 
