@@ -117,7 +117,8 @@ def measure_chunk(opts, s_len: int) -> dict:
 
         def evict_kernel(i):
             keys, values, scores, positions, _, end = layers[i]
-            return compact_cuda.drop_compact(keys, values, scores, positions, masses[i], n, end - 1, cfg, capacity)
+            return compact_cuda.drop_compact(keys, values, scores, positions, masses[i], mx.array([n], mx.int32), cfg,
+                                             capacity)
 
         def compress_kernel(i):
             keys, values, scores, positions, queries, end = layers[i]

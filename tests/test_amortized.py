@@ -337,7 +337,7 @@ def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, bu
                                  np.int32).reshape(rows, n)
     pending_start = 10 * n + 5
     out = compact_cuda.drop_compact(keys, values, mx.array(settled), mx.array(settled_positions), mx.array(mass),
-                                    pending_start, pending_start + s_len - 1, cfg, capacity)
+                                    mx.array([pending_start], mx.int32), cfg, capacity)
     got_keys, got_values, got_scores, got_positions = (np.array(a.astype(mx.float32)) for a in out)
     assert got_keys.shape == (1, rows, capacity, Dk) and got_scores.shape == (rows, budget)
     scores = np.concatenate([settled, np.zeros((rows, s_len), np.float32)], axis=1) + mass
@@ -354,6 +354,30 @@ def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, bu
         np.testing.assert_array_equal(got_scores[r], scores[r][kept])
         np.testing.assert_array_equal(got_keys[0, r, :budget], all_keys[r][kept])
         np.testing.assert_array_equal(got_values[0, r, :budget], all_values[r][kept])
+
+
+@pytest.mark.skipif(not fast.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
+def test_cuda_drop_compaction_of_sequences_at_different_positions_equals_each_alone():
+    """A batch's rows compressed together stand at different positions: each sequence's
+    survivors are those of the same call for it alone (its own sinks and recent window)."""
+    from camkv.backends import compact_cuda
+
+    rng = np.random.default_rng(5)
+    B, H, n, s_len, D = 3, 2, 20, 9, 16
+    cfg = CaMConfig(budget=16, n_sink=2, recent=6)
+    keys = mx.array(rng.standard_normal((B, H, n + s_len, D)).astype(np.float32))
+    settled = mx.array(rng.standard_normal((B * H, n)).astype(np.float32))
+    positions = mx.array(np.stack([np.sort(rng.choice(100, n, replace=False)) for _ in range(B * H)]).astype(np.int32))
+    mass = mx.array(rng.random((B * H, n + s_len)).astype(np.float32))
+    starts = [100, 250, 400]
+    together = compact_cuda.drop_compact(keys, keys, settled, positions, mass, mx.array(starts, mx.int32), cfg, 20)
+    for b, start in enumerate(starts):
+        rows = slice(b * H, (b + 1) * H)
+        alone = compact_cuda.drop_compact(keys[b : b + 1], keys[b : b + 1], settled[rows], positions[rows], mass[rows],
+                                          mx.array([start], mx.int32), cfg, 20)
+        assert mx.array_equal(together[0][b : b + 1, :, : cfg.budget], alone[0][:, :, : cfg.budget]).item()
+        for got, want in zip(together[2:], alone[2:]):
+            assert mx.array_equal(got[rows], want).item()
 
 
 def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_budget():

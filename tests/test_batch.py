@@ -273,3 +273,39 @@ def test_a_layer_mlx_lm_cannot_batch_stops_with_mlx_lms_error(model):
             generator.close()
     finally:
         object.__delattr__(model, "make_cache")
+
+
+def _drop_buffers_on_cpu(keys, values, end, scores, positions, queries, first_pending, scale, cfg, capacity):
+    """fast.compress_drop_buffers' results from fast.compress_drop, sequence by sequence
+    (the one-launch kernel needs an NVIDIA GPU): what a CPU test stands in for it with."""
+    B, H = keys.shape[:2]
+    starts = [first_pending] * B if isinstance(first_pending, int) else first_pending.tolist()
+    parts = []
+    for b, start in enumerate(starts):
+        heads = slice(b * H, (b + 1) * H)
+        kept = fast.compress_drop(keys[b, :, :end], values[b, :, :end], scores[heads], positions[heads],
+                                  queries[heads], start, scale, cfg)
+        parts.append([mx.pad(a[None], [(0, 0), (0, 0), (0, capacity - kept.length), (0, 0)]) for a in kept[:2]]
+                     + [kept.scores, kept.positions])
+    return tuple(mx.concatenate([p[i] for p in parts], axis=0) for i in range(4))
+
+
+def test_rows_due_at_the_same_step_compress_in_one_launch_as_each_alone(model, tokenizer, monkeypatch):
+    """Rows whose prompts outgrew the budget reach budget + slack together and share one
+    compression launch (at their own positions); each still equals its prompt run alone."""
+    launches = []
+
+    def counted(keys, *args):
+        launches.append(keys.shape[0])
+        return _drop_buffers_on_cpu(keys, *args)
+
+    monkeypatch.setattr(fast, "compress_drop_buffers", counted)
+    monkeypatch.setattr(CaMKVCache, "_drops_in_one_launch", lambda self, end: end > self._config.budget)
+    # Prompts a token apart: the rows hold the same count after them, at other positions.
+    prompts = [[(5 * i + 11 * j + 3) % 250 for i in range(200 + j)] for j in range(3)]
+    max_tokens = [40, 40, 40]
+    with camkv.applied(model, budget=BUDGET):
+        tokens, caches = _generate_batched(model, tokenizer, prompts, max_tokens,
+                                           prefill_batch_size=3, completion_batch_size=3)
+        _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches)
+    assert max(launches) == 3  # the three rows, in one launch

@@ -40,6 +40,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from . import fast
 from .cache import CaMKVCache
 
 _UNLIMITED = None  # a row's real-token count in the coming block: no right padding
@@ -391,9 +392,17 @@ class BatchCaMKVCache(_BaseCache):
                 self._scale = scale
                 self._untold += 1
             self._in_step = False
-        for b, row in enumerate(rows):
-            if not self._lent[b]:
-                row.observe_queries(queries[b : b + 1], scale)
+        owning = [rows[b] for b, lent in enumerate(self._lent) if not lent]
+        for row in owning:
+            row._defer_one_launch = True
+        try:
+            for b, row in enumerate(rows):
+                if not self._lent[b]:
+                    row.observe_queries(queries[b : b + 1], scale)
+        finally:
+            for row in owning:
+                row._defer_one_launch = False
+        _compress_together([row for row in owning if row._deferred is not None])
 
     def _queries_join(self, queries, scale: float) -> bool:
         """Whether the step's queries can join the lent rows' pending ones: their shape, the
@@ -533,6 +542,39 @@ class _RightAligned:
 
 def _zeros(shape: tuple, n: int, dtype) -> mx.array:
     return mx.zeros((shape[0], shape[1], n, shape[3]), dtype)
+
+
+def _compress_together(rows: list[CaMKVCache]) -> None:
+    """Run the one-launch compressions these rows deferred at this step, one launch for
+    each set of rows alike in shapes, config and scale. Rows of a batch whose prompts
+    outgrew the budget hold the same count afterwards and reach budget + slack at the same
+    step; each row's survivors are those of its own call (rows are evicted independently,
+    each at its own positions)."""
+    while rows:
+        first = rows[0]._deferred[0]
+        group = [row for row in rows if _launches_alike(row._deferred[0], first)]
+        rows = [row for row in rows if all(row is not other for other in group)]
+        launches = [row._deferred[0] for row in group]
+        if len(group) == 1:
+            group[0]._finish_deferred(fast.compress_drop_buffers(*launches[0]))
+            continue
+        keys, values, end, _, _, _, _, scale, cfg, capacity = launches[0]
+        joined = [mx.concatenate([launch[i] for launch in launches], axis=0) for i in (0, 1, 3, 4, 5)]
+        starts = mx.array([launch[6] for launch in launches], mx.int32)
+        out = fast.compress_drop_buffers(joined[0], joined[1], end, joined[2], joined[3], joined[4], starts, scale,
+                                         cfg, capacity)
+        H = keys.shape[1]
+        for g, row in enumerate(group):
+            heads = slice(g * H, (g + 1) * H)
+            row._finish_deferred((out[0][g : g + 1], out[1][g : g + 1], out[2][heads], out[3][heads]))
+
+
+def _launches_alike(a: tuple, b: tuple) -> bool:
+    """Whether two deferred compressions (compress_drop_buffers' arguments) can share a
+    launch: the same buffer, row and query shapes and dtypes, end, scale, config and capacity."""
+    arrays = (0, 1, 3, 4, 5)
+    return (all(a[i].shape == b[i].shape and a[i].dtype == b[i].dtype for i in arrays)
+            and a[2] == b[2] and a[7] == b[7] and a[8] == b[8] and a[9] == b[9])
 
 
 def _check_row(row) -> None:

@@ -145,6 +145,12 @@ class CaMKVCache(_BaseCache):
         self._row_ids_for: tuple | None = None  # ((B, H), row ids) of _row_ids
         self._backend_for: tuple | None = None  # ((name, device), module) of _backend
         self._decode_config_for: tuple | None = None  # (config, its decode-step form) of _chunk_config
+        # camkv.batch sets _defer_one_launch around a decode step's observe_queries so that
+        # rows due at the same step compress in one launch together: a one-launch
+        # compression then waits in _deferred ((compress_drop_buffers' arguments, next
+        # position)) for _finish_deferred.
+        self._defer_one_launch = False
+        self._deferred: tuple | None = None
 
     # ------------------------------------------------------------------ config
     @property
@@ -636,19 +642,35 @@ class CaMKVCache(_BaseCache):
         self._evictions += max(0, end - self._config.budget) * queries.shape[0]
         rest = (self._keys[:, :, end : self._held], self._values[:, :, end : self._held])
         if self._drops_in_one_launch(end):
-            self._adopt_buffers(*fast.compress_drop_buffers(
-                self._keys, self._values, end, self._scores, self._positions, queries, self._pending_start,
-                scale, self._chunk_config(), self._capacity()), self._pending_start + chunk)
+            launch = (self._keys, self._values, end, self._scores, self._positions, queries, self._pending_start,
+                      scale, self._chunk_config(), self._capacity())
+            if self._defer_one_launch and end == self._held:
+                # camkv.batch runs it with the other rows due at this step (_finish_deferred).
+                self._deferred = (launch, self._pending_start + chunk)
+                return
+            self._adopt_buffers(*fast.compress_drop_buffers(*launch), self._pending_start + chunk)
         else:
             state, merges = self._run_backend(queries, scale, end)
             self._merge_counts.append(merges)
             if len(self._merge_counts) >= _MERGE_BATCH:
                 self._total_merges()
             self._settle_rows(state, self._pending_start + chunk)
-        if self._query_buffer is not None and (self._windowed or self._query_buffer.shape[2] > self._config.slack + 1):
-            self._query_buffer = None  # a prompt chunk's queries: decoding needs slack + 1 rows, not these
+        self._release_prompt_queries()
         if rest[0].shape[2]:
             self._append(*rest)
+
+    def _release_prompt_queries(self) -> None:
+        """After a compression: a prompt chunk's queries go (decoding needs slack + 1 rows)."""
+        if self._query_buffer is not None and (self._windowed or self._query_buffer.shape[2] > self._config.slack + 1):
+            self._query_buffer = None
+
+    def _finish_deferred(self, outputs) -> None:
+        """Adopt what the one-launch compression deferred under _defer_one_launch returned
+        (keys, values, scores, positions: compress_drop_buffers' outputs for this row)."""
+        next_position = self._deferred[1]
+        self._deferred = None
+        self._adopt_buffers(*outputs, next_position)
+        self._release_prompt_queries()
 
     def _drops_in_one_launch(self, end: int) -> bool:
         """Whether this compression evicts with merge="drop" on an NVIDIA GPU, where one

@@ -149,15 +149,19 @@ def compress_drop(keys, values, settled_scores, settled_positions, queries, firs
     return joined.take(losers_and_kept(ranks, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))
 
 
-def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positions, queries, first_pending: int,
+def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positions, queries, first_pending,
                           scale: float, cfg, capacity: int):
     """compress_drop for rows [0, end) of the buffers keys [B, H, cap, Dk] and values [B, H, cap, Dv]
     on an NVIDIA GPU, evicting in one launch (backends.compact_cuda): (keys, values) buffers
     [B, H, capacity, D] whose first cfg.budget rows are the survivors, their scores and positions.
-    Only for end > cfg.budget (there is something to evict) and eviction="score" (the kernel
-    ranks by score)."""
+    first_pending: the first pending position, an int, or an int32 array [B] when the B
+    sequences stand at different positions (a batch's rows compressed together). Only for
+    end > cfg.budget (there is something to evict) and eviction="score" (the kernel ranks
+    by score)."""
     rows, n = settled_scores.shape
     held = keys[:, :, :end].reshape(rows, end, -1)
     mass = chunk_mass(queries, held, scale, n, cfg, end - n)
-    return compact_cuda.drop_compact(keys, values, settled_scores, settled_positions, mass, first_pending,
-                                     first_pending + end - n - 1, cfg, capacity)
+    if isinstance(first_pending, int):
+        first_pending = mx.full((keys.shape[0],), first_pending, mx.int32)
+    return compact_cuda.drop_compact(keys, values, settled_scores, settled_positions, mass, first_pending, cfg,
+                                     capacity)

@@ -68,12 +68,13 @@ __device__ inline void camkv_copy_rows(const T* source, T* dest, const int* kept
 """
 
 _SOURCE = """
-  // dims: n settled rows, N rows held, budget, sinks, recent, first pending position,
-  // last position, rows of the input buffers, rows of the output buffers, Dk, Dv.
+  // dims: n settled rows, N rows held, budget, sinks, recent, KV heads, rows of the
+  // input buffers, rows of the output buffers, Dk, Dv. starts: each sequence's first
+  // pending position (its pending rows n.. are at starts[b], starts[b] + 1, ...).
   const int r = blockIdx.x;
   const int n = dims[0], N = dims[1], budget = dims[2], n_sink = dims[3], recent = dims[4];
-  const int pending_start = dims[5], p_last = dims[6];
-  const long cap_in = dims[7], cap_out = dims[8], Dk = dims[9], Dv = dims[10];
+  const int pending_start = starts[r / dims[5]], p_last = pending_start + (N - n) - 1;
+  const long cap_in = dims[6], cap_out = dims[7], Dk = dims[8], Dv = dims[9];
   auto score_at = [&](int j) -> float {
     float m = mass[(long)r * N + j];
     return j < n ? settled_scores[(long)r * n + j] + m : m;
@@ -152,28 +153,27 @@ def _compact_kernel():
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
             name="camkv_drop_compact",
-            input_names=["keys", "values", "settled_scores", "settled_positions", "mass", "dims"],
+            input_names=["keys", "values", "settled_scores", "settled_positions", "mass", "dims", "starts"],
             output_names=["keys_out", "values_out", "scores_out", "positions_out", "kept"],
             source=_SOURCE, header=_HEADER)
     return _kernel
 
 
-def drop_compact(keys, values, settled_scores, settled_positions, mass, pending_start: int, p_last: int,
-                 cfg, capacity: int):
+def drop_compact(keys, values, settled_scores, settled_positions, mass, pending_starts, cfg, capacity: int):
     """Evict rows [0, N) of the buffers keys [B, H, cap, Dk] and values [B, H, cap, Dv] down
     to cfg.budget. settled_scores / settled_positions [R, n] are the scored rows' (R = B x H),
-    mass [R, N] float32 every held row's new mass; rows n.. are pending at positions
-    pending_start... Returns (keys, values) buffers [B, H, capacity, D] whose first budget
-    rows are the survivors (the rest unwritten), and their scores [R, budget] float32 and
-    positions [R, budget] int32."""
+    mass [R, N] float32 every held row's new mass; sequence b's rows n.. are pending at
+    positions pending_starts[b].. (an int32 array [B]; the sequences of one call may stand
+    at different positions). Returns (keys, values) buffers [B, H, capacity, D] whose first
+    budget rows are the survivors (the rest unwritten), and their scores [R, budget]
+    float32 and positions [R, budget] int32."""
     B, H, cap_in, Dk = keys.shape
     Dv = values.shape[3]
     rows, n = settled_scores.shape
     N, budget = mass.shape[1], cfg.budget
-    dims = mx.array([n, N, budget, cfg.n_sink, cfg.recent, pending_start, p_last, cap_in, capacity, Dk, Dv],
-                    mx.int32)
+    dims = mx.array([n, N, budget, cfg.n_sink, cfg.recent, H, cap_in, capacity, Dk, Dv], mx.int32)
     outputs = _compact_kernel()(
-        inputs=[keys, values, settled_scores, settled_positions, mass, dims],
+        inputs=[keys, values, settled_scores, settled_positions, mass, dims, pending_starts],
         template=[("T", keys.dtype)],
         grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(B, H, capacity, Dk), (B, H, capacity, Dv), (rows, budget), (rows, budget), (rows, budget)],
