@@ -1,0 +1,62 @@
+"""A prompt chunk's whole update on the CPU extension, per layer: --chunk tokens into a
+full cache of --budget rows (window scoring, the default), for merge="drop" and
+"mass_weighted", every layer's call evaluated at once. Medians of --repeats.
+
+    python bench/profile_chunk_cpu.py --heads 3 --head-dim 64 --groups 3   # SmolLM2-135M's layer
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import mlx.core as mx
+
+from camkv import CaMConfig, backends
+from camkv.rows import RowState
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=128, help="key and value width (default 128)")
+    p.add_argument("--groups", type=int, default=2, help="queries per KV head (default 2)")
+    p.add_argument("--layers", type=int, default=4, help="layers evaluated at once (default 4)")
+    p.add_argument("--budget", type=int, default=512, help="rows held (default 512)")
+    p.add_argument("--chunk", type=int, default=2048, help="prompt chunk tokens (default 2048)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up (default 3)")
+    return p.parse_args(argv)
+
+
+def _state(heads: int, n: int, dim: int, seed: int) -> RowState:
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    return RowState(mx.random.normal((heads, n, dim), key=k1), mx.random.normal((heads, n, dim), key=k2),
+                    mx.random.uniform(shape=(heads, n), key=k3),
+                    mx.broadcast_to(mx.arange(n, dtype=mx.int32), (heads, n)))
+
+
+def main(argv=None) -> None:
+    opts = parse_args(argv)
+    mx.set_default_device(mx.cpu)
+    H, D, n, S = opts.heads, opts.head_dim, opts.budget, opts.chunk
+    update = backends.resolve("ext").update
+    for merge in ("drop", "mass_weighted"):
+        cfg = CaMConfig(budget=n, backend="ext", merge=merge)
+        states = [_state(H, n, D, seed) for seed in range(opts.layers)]
+        new = mx.random.normal((H, S, D), key=mx.random.key(99))
+        queries = mx.random.normal((H, S, opts.groups, D), key=mx.random.key(98))
+        row_ids = mx.arange(H, dtype=mx.uint32)
+        mx.eval(states, new, queries)
+        times = []
+        for _ in range(opts.repeats + 1):
+            start = time.perf_counter()
+            mx.eval([update(s, new, new, n, cfg, row_ids, queries, 1 / math.sqrt(D)) for s in states])
+            times.append(time.perf_counter() - start)
+        print(f"{merge:14s} chunk {S} into {n}: {statistics.median(times[1:]) * 1e3 / opts.layers:8.1f} ms a layer",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
