@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
-from camkv import CaMConfig, backends
-from camkv.rows import RowState
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_prefill import random_state  # noqa: E402
+
+from camkv import CaMConfig, backends  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -30,13 +34,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _state(heads: int, n: int, dim: int, seed: int) -> RowState:
-    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
-    return RowState(mx.random.normal((heads, n, dim), key=k1), mx.random.normal((heads, n, dim), key=k2),
-                    mx.random.uniform(shape=(heads, n), key=k3),
-                    mx.broadcast_to(mx.arange(n, dtype=mx.int32), (heads, n)))
-
-
 def main(argv=None) -> None:
     opts = parse_args(argv)
     mx.set_default_device(mx.cpu)
@@ -44,7 +41,7 @@ def main(argv=None) -> None:
     update = backends.resolve("ext").update
     for merge in ("drop", "mass_weighted"):
         cfg = CaMConfig(budget=n, backend="ext", merge=merge)
-        states = [_state(H, n, D, seed) for seed in range(opts.layers)]
+        states = [random_state(H, n, D, mx.float32) for _ in range(opts.layers)]
         new = mx.random.normal((H, S, D), key=mx.random.key(99))
         queries = mx.random.normal((H, S, opts.groups, D), key=mx.random.key(98))
         row_ids = mx.arange(H, dtype=mx.uint32)

@@ -556,25 +556,26 @@ def _compress_together(rows: list[CaMKVCache]) -> None:
         rows = [row for row in rows if all(row is not other for other in group)]
         launches = [row._deferred[0] for row in group]
         if len(group) == 1:
-            group[0]._finish_deferred(fast.compress_drop_buffers(*launches[0]))
+            group[0]._finish_deferred(fast.compress_drop_buffers(*first))
             continue
-        keys, values, end, _, _, _, _, scale, cfg, capacity = launches[0]
-        joined = [mx.concatenate([launch[i] for launch in launches], axis=0) for i in (0, 1, 3, 4, 5)]
-        starts = mx.array([launch[6] for launch in launches], mx.int32)
-        out = fast.compress_drop_buffers(joined[0], joined[1], end, joined[2], joined[3], joined[4], starts, scale,
-                                         cfg, capacity)
-        H = keys.shape[1]
+        joined = first._replace(
+            first_pending=mx.array([launch.first_pending for launch in launches], mx.int32),
+            **{name: mx.concatenate([getattr(launch, name) for launch in launches], axis=0)
+               for name in fast.DropLaunch.ARRAYS})
+        keys, values, scores, positions = fast.compress_drop_buffers(*joined)
+        H = first.keys.shape[1]
         for g, row in enumerate(group):
             heads = slice(g * H, (g + 1) * H)
-            row._finish_deferred((out[0][g : g + 1], out[1][g : g + 1], out[2][heads], out[3][heads]))
+            row._finish_deferred((keys[g : g + 1], values[g : g + 1], scores[heads], positions[heads]))
 
 
-def _launches_alike(a: tuple, b: tuple) -> bool:
-    """Whether two deferred compressions (compress_drop_buffers' arguments) can share a
-    launch: the same buffer, row and query shapes and dtypes, end, scale, config and capacity."""
-    arrays = (0, 1, 3, 4, 5)
-    return (all(a[i].shape == b[i].shape and a[i].dtype == b[i].dtype for i in arrays)
-            and a[2] == b[2] and a[7] == b[7] and a[8] == b[8] and a[9] == b[9])
+def _launches_alike(a: fast.DropLaunch, b: fast.DropLaunch) -> bool:
+    """Whether two deferred compressions can share a launch: the same array shapes and
+    dtypes, end, scale, config and capacity (first_pending may differ)."""
+    arrays = fast.DropLaunch.ARRAYS
+    same_arrays = all(getattr(a, n).shape == getattr(b, n).shape and getattr(a, n).dtype == getattr(b, n).dtype
+                      for n in arrays)
+    return same_arrays and (a.end, a.scale, a.cfg, a.capacity) == (b.end, b.scale, b.cfg, b.capacity)
 
 
 def _check_row(row) -> None:

@@ -26,6 +26,7 @@ _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
 _KEY_SCORED = "keys"  # how pending tokens scored by their own keys are queued
 _GROWTH_STEP = 256  # most empty rows a buffer is given at once (mlx-lm KVCache's step)
 
+
 def _every_query(queries: mx.array, s_len: int) -> mx.array:
     """A chunk's queries [R, G, S, Dk] from its last T kept ones [R, G, T, Dk] (window
     scoring keeps only those): zeros in front, which window scoring never reads."""
@@ -147,8 +148,8 @@ class CaMKVCache(_BaseCache):
         self._decode_config_for: tuple | None = None  # (config, its decode-step form) of _chunk_config
         # camkv.batch sets _defer_one_launch around a decode step's observe_queries so that
         # rows due at the same step compress in one launch together: a one-launch
-        # compression then waits in _deferred ((compress_drop_buffers' arguments, next
-        # position)) for _finish_deferred.
+        # compression then waits in _deferred ((its fast.DropLaunch, next position)) for
+        # _finish_deferred.
         self._defer_one_launch = False
         self._deferred: tuple | None = None
 
@@ -642,8 +643,8 @@ class CaMKVCache(_BaseCache):
         self._evictions += max(0, end - self._config.budget) * queries.shape[0]
         rest = (self._keys[:, :, end : self._held], self._values[:, :, end : self._held])
         if self._drops_in_one_launch(end):
-            launch = (self._keys, self._values, end, self._scores, self._positions, queries, self._pending_start,
-                      scale, self._chunk_config(), self._capacity())
+            launch = fast.DropLaunch(self._keys, self._values, end, self._scores, self._positions, queries,
+                                     self._pending_start, scale, self._chunk_config(), self._capacity())
             if self._defer_one_launch and end == self._held:
                 # camkv.batch runs it with the other rows due at this step (_finish_deferred).
                 self._deferred = (launch, self._pending_start + chunk)

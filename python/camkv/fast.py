@@ -15,6 +15,7 @@ tie-aware tolerances, not bit for bit.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -147,6 +148,25 @@ def compress_drop(keys, values, settled_scores, settled_positions, queries, firs
     p_last = first_pending + s_len - 1
     ranks = policy.eviction_ranks(scores, cfg)
     return joined.take(losers_and_kept(ranks, positions, p_last, cfg.budget, cfg.n_sink, cfg.recent))
+
+
+class DropLaunch(NamedTuple):
+    """compress_drop_buffers' arguments, in its order: a compression a cache may hand to
+    camkv.batch, which runs the ones alike (ARRAYS of one shape and dtype, the rest equal)
+    in one launch with each sequence's first_pending."""
+
+    keys: mx.array
+    values: mx.array
+    end: int
+    settled_scores: mx.array
+    settled_positions: mx.array
+    queries: mx.array
+    first_pending: int
+    scale: float
+    cfg: object
+    capacity: int
+
+    ARRAYS = ("keys", "values", "settled_scores", "settled_positions", "queries")
 
 
 def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positions, queries, first_pending,
