@@ -351,9 +351,9 @@ class CaMKVCache(_BaseCache):
         cfg = self._chunk_config()
         if rows.votes is None:
             return fast.chunk_mass(queries, rows.keys, scale, self._settled, cfg, self._held - self._settled)
-        queries = _every_query(queries, self._held - self._settled)
         return reference.chunk_mass(queries.transpose(0, 2, 1, 3).astype(mx.float32), rows.keys.astype(mx.float32),
-                                    scale, self._settled, cfg, bias=mx.log(rows.votes))
+                                    scale, self._settled, cfg, bias=mx.log(rows.votes),
+                                    s_len=self._held - self._settled)
 
     @property
     def stats(self) -> dict:

@@ -347,13 +347,15 @@ def _appended_votes(votes, s_len: int):
 
 
 def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n: int, cfg: CaMConfig,
-               bias: mx.array | None = None) -> mx.array:
-    """attention_mass_causal of a chunk (queries [R, S, G, Dk] after n stored rows) under
+               bias: mx.array | None = None, s_len: int | None = None) -> mx.array:
+    """attention_mass_causal of a chunk of s_len tokens after n stored rows under
     cfg.prefill_scoring: with "window" only the last observation_window queries add mass,
-    which is then max-pooled (camkv.policy)."""
-    s_len = queries.shape[1]
+    which is then max-pooled (camkv.policy). queries [R, T, G, Dk] are the chunk's last T
+    (at least the queries that add mass; s_len defaults to T), as camkv.fast.chunk_mass."""
+    s_len = queries.shape[1] if s_len is None else s_len
     observed = policy.observed(cfg, s_len)  # the last queries that score the chunk
-    mass = attention_mass_causal(queries[:, s_len - observed :], keys, scale, n + s_len - observed, bias=bias)
+    mass = attention_mass_causal(queries[:, queries.shape[1] - observed :], keys, scale, n + s_len - observed,
+                                 bias=bias)
     return policy.pooled(mass, cfg, s_len)
 
 
