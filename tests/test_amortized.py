@@ -396,21 +396,28 @@ def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_bu
     assert mx.array_equal(cache.keys, mx.concatenate(block, axis=2)).item()
 
 
-def test_decode_steps_below_the_budget_write_their_queries_in_place(monkeypatch):
-    """A row below its budget gathers many pending decode steps: their queries are written
-    into room made a step's worth at a time, not copied anew at every step; and they score
-    the steps as the reference's chunk call does."""
+def test_decode_steps_keep_their_queries_as_given_and_join_them_once(monkeypatch):
+    """A decode step's queries are kept as the model handed them (no write into a buffer,
+    no copy of the pending ones at every step) and joined once when a compression or an
+    inspection reads them; reading them at every step instead changes no score."""
     monkeypatch.setattr(CaMKVCache, "_queries_can_come", lambda self: True)
     cfg = CaMConfig(budget=64, slack=8, scoring="query", backend="reference")
-    cache = CaMKVCache(cfg)
     rng = np.random.default_rng(1)
     block = lambda n, heads=2: mx.array(rng.standard_normal((1, heads, n, 8)).astype(np.float32))  # noqa: E731
-    cache.update_and_fetch(block(10), block(10))
-    cache.observe_queries(block(10, heads=4), 0.5)
-    buffers = []  # held, so no object's id is reused
-    for _ in range(40):
-        cache.update_and_fetch(block(1), block(1))
-        cache.observe_queries(block(1, heads=4), 0.5)
-        buffers.append(cache._query_buffer)
-    assert all(b is buffers[0] for b in buffers)
-    assert cache._held == 50 and cache._query_buffer.shape[2] >= 40
+    prompt = (block(10), block(10), block(10, heads=4))
+    steps = [(block(1), block(1), block(1, heads=4)) for _ in range(70)]
+    once, every = CaMKVCache(cfg), CaMKVCache(cfg)
+    for cache in (once, every):
+        cache.update_and_fetch(*prompt[:2])
+        cache.observe_queries(prompt[2], 0.5)
+    for t, (k, v, q) in enumerate(steps):
+        for cache in (once, every):
+            cache.update_and_fetch(k, v)
+            cache.observe_queries(q, 0.5)
+        every.stored()  # joins the kept queries at every step
+        if t == 39:
+            assert once._held == 50 and once._query_buffer is None
+            assert len(once._query_steps) == 40 and all(a is s[2] for a, s in zip(once._query_steps, steps))
+    assert once._held == every._held == 64 + 7  # 80 tokens: compressed at 73 rows to 64, 7 more since
+    for got, want in zip(once.stored(), every.stored()):
+        assert mx.array_equal(got, want).item()
