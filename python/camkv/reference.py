@@ -263,6 +263,11 @@ def _compiled_merge(cfg: CaMConfig, scale: float):
     return _COMPILED_MERGES[key]
 
 
+def _fixed_state(extra) -> dict:
+    """What a compression's merges read but never change (the compiled step's `fixed`)."""
+    return {k: a for k, a in (("threshold", extra.threshold), ("query", extra.query)) if a is not None}
+
+
 def _merge_weight(rule: merges.MergeRule, cos_t, s_in, s_target, norm_in, norm_target):
     """A blending rule's weight (bench/merge_diagnostics.py records the weights here)."""
     return rule.weight(cos_t, s_in, s_target, norm_in, norm_target)
@@ -408,8 +413,12 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     idx = mx.arange(n + 1)[None, :]
     survivor = idx != e[:, None]
     extra = _compression_state(state, votes, keys, positions, survivor, e[:, None], q, scale, cfg)
-    keys, values, scores, did, votes = _merge_one(keys, values, scores, positions, survivor, e, row_ids, cfg,
-                                                  extra)
+    # Through the compiled step a chunk's merges take: on a GPU, fused kernels round
+    # otherwise than separate ones, and a one-token chunk must equal exact mode (section 7).
+    carried = {"votes": votes} if votes is not None else {}
+    keys, values, scores, did, carried = _compiled_merge(cfg, scale)(
+        keys, values, scores, positions, survivor, e, row_ids, carried, _fixed_state(extra))
+    votes = carried.get("votes")
     keep = mx.arange(n)[None, :] + (mx.arange(n)[None, :] >= e[:, None])
     return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep), did
 
@@ -460,7 +469,7 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     extra = _compression_state(state, votes, keys, positions, survivor, loser_idx, q[:, -1], scale, cfg)
     merge_step = _compiled_merge(cfg, scale)
     carried = {"votes": votes} if votes is not None else {}
-    fixed = {k: a for k, a in (("threshold", extra.threshold), ("query", extra.query)) if a is not None}
+    fixed = _fixed_state(extra)
     for j in range(n_losers):
         keys, values, scores, did, carried = merge_step(
             keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, carried, fixed
