@@ -150,6 +150,15 @@ def test_generate_streams_and_reports(capsys, tiny_model_dir, remove_hooks):
     assert captured.out == generate(model, tokenizer, prompt, max_tokens=6, prompt_cache=cache) + "\n"
 
 
+def test_a_retired_merge_rule_runs_and_says_it_is_retired(capsys, tiny_model_dir):
+    argv = ["generate", "--model", tiny_model_dir, "--prompt", "hello world " * 20, "--max-tokens", "2",
+            *SMALL_KV, "--kv-merge", "sim_weighted"]
+    assert _main_scoring_with_queries(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("--kv-merge 'sim_weighted' is retired") == 1 and "running it as an experiment" in err
+    assert "merges: 0" not in err, err.splitlines()[-1]  # it merged
+
+
 def test_generate_with_key_scoring_says_so(capsys, tiny_model_dir):
     argv = ["generate", "--model", tiny_model_dir, "--prompt", "hello", "--max-tokens", "2",
             *SMALL_KV, "--kv-scoring", "key"]

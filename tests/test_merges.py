@@ -3,6 +3,8 @@ properties every rule must have for the kernel core to run it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from camkv import CaMConfig, backends, merges, reference
@@ -35,6 +37,20 @@ def test_the_kernels_table_is_the_registrys():
     ext = pytest.importorskip("camkv._ext")
     kernel = [tuple(r) for r in ext.merge_rules()]
     assert kernel == [(r.name, r.code, r.kind, r.blends, r.keys_allowed) for r in merges.RULES if r.kernels]
+
+
+def test_retired_rules_say_why_and_stay_experiments_the_lists_leave_out():
+    """A retired rule keeps running (CaMConfig and the reference accept it) but no list of
+    the command line offers it: not --kv-merge's choices, not its help's descriptions."""
+    assert set(merges.retired()) == {"sim_weighted", "window_mass"}
+    assert set(merges.offered()) | set(merges.retired()) == set(merges.names())
+    choices = {f.name: f for f in dataclasses.fields(CaMConfig)}["merge"].metadata["choices"]
+    assert choices == merges.offered()
+    described = merges.help_text().split("Retired")[0]
+    for name in merges.retired():
+        rule = merges.rule(name)
+        assert "every measurement" in rule.retired and rule.help not in described
+        assert CaMConfig(merge=name).merge == name
 
 
 def test_the_config_accepts_exactly_the_registrys_rules():

@@ -10,7 +10,7 @@ import pytest
 
 from camkv import merges
 from camkv.eval import sweep, texts
-from camkv.eval.arms import CacheSettings, make_cache, method_catalog, parse_methods, release_cache
+from camkv.eval.arms import CacheSettings, is_retired, make_cache, method_catalog, parse_methods, release_cache
 from camkv.eval.budgets import budgets_for, parse_budgets
 from camkv.eval.cli import PRESETS, build_parser, main
 from camkv.eval.loading import tiny_random_model
@@ -183,8 +183,12 @@ def test_methods_cover_every_arm_of_the_issue_and_reject_unknown_names():
     assert {"full", "streamingllm", "h2o", "h2o-query"} <= names
     assert parse_methods("h2o")[0].name == "full"  # always measured against
     merge_group = [m.name for m in parse_methods("merge")]
-    assert "mass_weighted-nogate-query" in merge_group and "window_mass-nogate" in merge_group
+    assert "mass_weighted-nogate-query" in merge_group and "value_norm-nogate" in merge_group
     assert all(name in names for name in merge_group)
+    # Retired rules: left out of every group, still run when named.
+    grouped = {m.name for group in ("all", "key", "core", "merge") for m in parse_methods(group)}
+    assert not any(is_retired(method_catalog()[n]) for n in grouped)
+    assert parse_methods("sim_weighted-nogate-query")[1].merge == "sim_weighted"
     with pytest.raises(ValueError, match="unknown method 'h20'"):
         parse_methods("h2o,h20")
 

@@ -14,6 +14,7 @@ import dataclasses
 import sys
 import time
 
+from . import merges
 from .config import CaMConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(CaMConfig)}
@@ -183,6 +184,16 @@ def kv_fields(args: argparse.Namespace) -> dict:
     return {field: getattr(args, flag) for flag, field in _KV_FLAGS.items()}
 
 
+def _kv_fields_to_run(args: argparse.Namespace) -> dict:
+    """kv_fields for the cache that runs, saying once on stderr when the merge rule is retired."""
+    fields = kv_fields(args)
+    retired = merges.rule(fields["merge"]).retired
+    if retired:
+        print(f"camkv: --kv-merge {fields['merge']!r} is retired ({retired}); running it as an experiment",
+              file=sys.stderr)
+    return fields
+
+
 def make_cache(model, args: argparse.Namespace) -> list:
     """The prompt cache for one generation: camkv's, or mlx-lm's with --full-cache.
 
@@ -195,7 +206,7 @@ def make_cache(model, args: argparse.Namespace) -> list:
         return make_prompt_cache(model)
     import camkv
 
-    return camkv.make_prompt_cache(model, **kv_fields(args))
+    return camkv.make_prompt_cache(model, **_kv_fields_to_run(args))
 
 
 def read_prompt_cache(path: str) -> list:
@@ -596,7 +607,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     path = models.resolve(args.model)
-    serve(["--model", path, *args.server_argv], CaMConfig(**kv_fields(args)), name=args.model)
+    serve(["--model", path, *args.server_argv], CaMConfig(**_kv_fields_to_run(args)), name=args.model)
     return 0
 
 

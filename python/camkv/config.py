@@ -134,7 +134,7 @@ class CaMConfig:
     n_sink: int = _field(4, "sinks", "first positions never evicted, the attention sinks")
     recent: int | None = _field(None, "recent", "newest positions never evicted; sinks + recent must be "
                                 "below the budget (default: a quarter of --kv-budget)")
-    merge: str = _field("drop", "merge", merges.help_text(), choices=MERGE_MODES)
+    merge: str = _field("drop", "merge", merges.help_text(), choices=merges.offered())
     merge_keys: bool = _field(False, "merge-keys", "blend keys as well as values (merge rules that "
                               f"may: {', '.join(merges.names(keys_allowed=True))})")
     window: int = _field(4, "window", "survivors an evicted token is spread over by the window rules")

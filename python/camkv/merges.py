@@ -88,12 +88,20 @@ class MergeRule:
     kernels: bool = True  # the kernel core runs it (a row in csrc/camkv_merges.h); False: reference only
     moving_threshold: bool = False  # merges only above its row's moving similarity threshold (RowState.threshold)
     keeps_votes: bool = False  # each row stands for RowState.votes tokens, which weigh its attention
+    # Why the rule is retired (empty: offered): a rule that lost to dropping in every
+    # measurement stays an experiment (CaMConfig and the reference accept it, its results
+    # stay), but the command line's lists no longer offer it.
+    retired: str = ""
 
+
+_LOST_TO_DROP = ("with the model's queries scoring, it came out farther from the full cache than dropping "
+                 "in every measurement (bench/results/README.md, \"Retired merge rules\")")
 
 # Append only: a rule's code is its kernel code, and results name rules by these names.
 RULES: tuple[MergeRule, ...] = (
     MergeRule("sim_weighted", 0, NEAREST, True, True, False,
-              "blends it into its most similar survivor with weight clamp(cos, 0, 1)", _cosine_weight),
+              "blends it into its most similar survivor with weight clamp(cos, 0, 1)", _cosine_weight,
+              retired=_LOST_TO_DROP),
     MergeRule("mean", 1, NEAREST, True, True, False,
               "blends it into its most similar survivor with weight 0.5", _half_weight),
     MergeRule("window", 2, WINDOW, False, False, False,
@@ -105,7 +113,7 @@ RULES: tuple[MergeRule, ...] = (
               "becomes the attention-mass-weighted mean of the two", mass_weight),
     MergeRule("window_mass", 5, WINDOW, True, False, True,
               "makes each of the `window` survivors after it the mass-weighted mean "
-              "(s_j V_j + (s_e/|W|) V_e) / (s_j + s_e/|W|)", mass_weight),
+              "(s_j V_j + (s_e/|W|) V_e) / (s_j + s_e/|W|)", mass_weight, retired=_LOST_TO_DROP),
     MergeRule("value_norm", 6, NEAREST, True, True, False,
               "blends it into its most similar survivor as (V_t + w V_e) / (1 + w) with w = clamp(cos, 0, 1) "
               "|V_e| / (|V_e| + |V_t|) (kvpress's MergingPress, one merge at a time)", _value_norm_weight),
@@ -143,8 +151,19 @@ def code(name: str) -> int:
     return rule(name).code
 
 
+def offered() -> tuple[str, ...]:
+    """The rules a command line lists: every rule not retired."""
+    return names(retired="")
+
+
+def retired() -> tuple[str, ...]:
+    """The retired rules (experiments the command line no longer lists)."""
+    return tuple(r.name for r in RULES if r.retired)
+
+
 def help_text() -> str:
-    """One sentence per rule, for a command line's --merge help."""
-    return "what happens to an evicted token: " + "; ".join(f"'{r.name}' {r.help}" for r in RULES) + \
-        ". Every merging rule adds the evicted mass to the targets' scores."
+    """One sentence per offered rule, for a command line's --merge help, then the retired ones."""
+    return ("what happens to an evicted token: " + "; ".join(f"'{r.name}' {r.help}" for r in RULES if not r.retired)
+            + ". Every merging rule adds the evicted mass to the targets' scores. Retired, kept as experiments "
+            + "(CaMConfig accepts them): " + ", ".join(f"'{name}'" for name in retired()))
 

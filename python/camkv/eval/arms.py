@@ -51,15 +51,24 @@ def method_catalog() -> dict[str, Arm]:
     return {m.name: m for m in methods}
 
 
+def is_retired(arm: Arm) -> bool:
+    """Whether the arm merges by a retired rule (camkv.merges): named, it still runs; no
+    group and no list of the command line offers it."""
+    return arm.kind == "camkv" and bool(merges.rule(arm.merge).retired)
+
+
+def offered_methods() -> list[str]:
+    """The arms the command line lists, in catalog order: all but the retired rules'."""
+    return [n for n, m in method_catalog().items() if not is_retired(m)]
+
+
 METHOD_GROUPS = {
-    "all": list(method_catalog()),
-    "key": [n for n, m in method_catalog().items() if m.scoring == "key"],
-    "core": ["full", "streamingllm", "h2o", "sim_weighted", "sim_weighted-nogate",
-             "mass_weighted-nogate", "window"],
-    # How to merge: every blend rule against dropping, ungated, both scorings.
+    "all": offered_methods(),
+    "key": [n for n in offered_methods() if method_catalog()[n].scoring == "key"],
+    "core": ["full", "streamingllm", "h2o", "h2o-query", "mass_weighted-nogate", "window"],
+    # How to merge: every offered blend rule against dropping, ungated, both scorings.
     "merge": ["full"] + [name + suffix for suffix in ("", "-query") for name in
-                         ("h2o", "sim_weighted-nogate", "mass_weighted-nogate", "window-nogate",
-                          "window_mass-nogate")],
+                         ("h2o", "mass_weighted-nogate", "value_norm-nogate", "window-nogate")],
 }
 
 

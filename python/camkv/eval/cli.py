@@ -39,9 +39,10 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from .. import merges
 from ..config import PREFILL_SCORING_MODES, CaMConfig
 from ..models import DEFAULT_MODEL, PACKAGED_NAMES
-from .arms import method_catalog
+from .arms import offered_methods
 from .budgets import _share_or_count
 from .loading import TINY_MODEL
 from .sweep import run
@@ -52,7 +53,7 @@ _CAMKV_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CaMConfig)}
 PRESETS = {
     # CI-sized: a tiny random llama on the built-in text, a few arms; seconds on a CPU.
     "smoke": dict(model=TINY_MODEL, texts="builtin", tasks="stream,passkey",
-                  methods="full,streamingllm,h2o,sim_weighted,window-nogate,sim_weighted-query",
+                  methods="full,streamingllm,h2o,mass_weighted,window-nogate,mass_weighted-query",
                   budgets="20%,50%", stream_tokens=96, stream_prefill=48, stream_samples=1,
                   chunk=48, passkey_lengths="320", passkey_placements=2, answer_tokens=6,
                   n_sink=2, recent=4),
@@ -111,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--fetch-only", action="store_true", help="fetch and cache the texts, then exit")
     a("--tasks", help="comma-separated: stream, passkey")
     a("--methods", help="comma-separated method names or groups (all, key, core, merge); full is "
-      f"always included. Methods: {', '.join(method_catalog())}")
+      f"always included. Methods: {', '.join(offered_methods())}. The arms of retired merge rules "
+      f"({', '.join(merges.retired())}) "
+      "still run when named")
     a("--budgets", help="comma-separated budgets: percentages of the context (10%%) or token "
       "counts (256)")
     a("--stream-tokens", type=int, help="tokens per streaming window (the context)")
