@@ -9,6 +9,7 @@ float32 arithmetic; keys and values are rounded to the storage dtype once per me
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -242,7 +243,11 @@ def _merge_keeping_output(rule, keys, values, targets, t, e, k_e, v_e, do, extra
     return keys, values, extra.votes + mx.where(receive, c_e[:, None], 0.0)
 
 
-_COMPILED_MERGES: dict = {}
+# (config, scale) -> its compiled merge step, the most recently used last. Bounded: a
+# process that tries many configurations (a sweep, the tests) would otherwise keep every
+# compiled graph; a model's layers share one entry.
+_COMPILED_MERGES: OrderedDict = OrderedDict()
+_COMPILED_MERGES_KEPT = 32
 
 
 def _compiled_merge(cfg: CaMConfig, scale: float):
@@ -260,6 +265,9 @@ def _compiled_merge(cfg: CaMConfig, scale: float):
             return keys, values, scores, did, ({"votes": votes} if votes is not None else {})
 
         _COMPILED_MERGES[key] = mx.compile(step)
+        if len(_COMPILED_MERGES) > _COMPILED_MERGES_KEPT:
+            _COMPILED_MERGES.popitem(last=False)
+    _COMPILED_MERGES.move_to_end(key)
     return _COMPILED_MERGES[key]
 
 
