@@ -3,7 +3,8 @@ every arm finished (with the paired counts: prompts only one of the two found), 
 stream KL from the full cache per window and over all windows.
 
     python bench/merge_verdict.py --passkeys bench/results/quality-cpu-passkeys-MODEL \
-        --streams bench/results/quality-cpu-streams-MODEL [--drop h2o-query] [--merge keepkv-nogate-query]
+        --streams bench/results/quality-cpu-streams-MODEL [--drop h2o-query] [--merge keepkv-nogate-query] \
+        [--pair streamingllm:cam]
 
 Prints markdown tables; reads records.jsonl only (no model is loaded).
 """
@@ -26,8 +27,10 @@ def _label(record: dict) -> str:
     return "full" if record["budget"] is None else "/".join(record.get("labels") or [str(record["budget"])])
 
 
-def passkey_table(records: list[dict], drop: str, merge: str) -> list[str]:
-    """Keys found per method and budget over the prompts on which every (method, budget) finished."""
+def passkey_table(records: list[dict], pairs: list[tuple[str, str]]) -> list[str]:
+    """Keys found per method and budget, each budget over the prompts on which the full
+    cache and every method at that budget finished; then, per pair (a, b) and budget, the
+    prompts only one of the two found and the sign test of those."""
     found: dict[tuple[str, str], dict[str, bool]] = defaultdict(dict)
     seconds: dict[tuple[str, str], list[float]] = defaultdict(list)
     for r in records:
@@ -39,27 +42,27 @@ def passkey_table(records: list[dict], drop: str, merge: str) -> list[str]:
         return ["(no passkey records)"]
     labels = sorted({lab for _, lab in found if lab != "full"}, key=lambda s: float(s.rstrip("%")))
     methods = list(dict.fromkeys(m for m, _ in found))
-    grid = [(m, lab) for m in methods for lab in (["full"] if m == "full" else labels)]
-    common = set.intersection(*(set(found.get(cell, {})) for cell in grid))
-    lines = [f"Passkeys found over the n = {len(common)} prompts every arm finished:", "",
-             "| method | " + " | ".join(labels) + " | mean seconds per run |",
+    common = {lab: set(found.get(("full", "full"), {})).intersection(
+        *(set(found.get((m, lab), {})) for m in methods if m != "full")) for lab in labels}
+    lines = ["Passkeys found, each budget over the n prompts every arm finished at it:", "",
+             "| method | " + " | ".join(f"{lab} (n = {len(common[lab])})" for lab in labels)
+             + " | mean seconds per run |",
              "| --- |" + " --- |" * (len(labels) + 1)]
     for m in methods:
         cells = []
-        for lab in (["full"] if m == "full" else labels):
-            hits = sum(found[(m, lab)][s] for s in common)
-            cells.append(f"{hits} / {len(common)} ({100 * hits / max(len(common), 1):.0f}%)")
-        if m == "full":
-            cells = cells * len(labels)
+        for lab in labels:
+            hits = sum(found[(m, "full" if m == "full" else lab)][s] for s in common[lab])
+            cells.append(f"{hits} ({100 * hits / max(len(common[lab]), 1):.0f}%)")
         spent = [x for lab in (["full"] if m == "full" else labels) for x in seconds[(m, lab)]]
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {sum(spent) / max(len(spent), 1):.1f} |")
     lines.append("")
-    for lab in labels:
-        if (drop, lab) in found and (merge, lab) in found:
-            only_drop = sum(found[(drop, lab)][s] and not found[(merge, lab)][s] for s in common)
-            only_merge = sum(found[(merge, lab)][s] and not found[(drop, lab)][s] for s in common)
-            lines.append(f"- {lab}: found by {drop} only: {only_drop}, by {merge} only: {only_merge} "
-                         f"(two-sided sign test p = {sign_test(only_drop, only_merge):.2f})")
+    for a, b in pairs:
+        for lab in labels:
+            if (a, lab) in found and (b, lab) in found:
+                only_a = sum(found[(a, lab)][s] and not found[(b, lab)][s] for s in common[lab])
+                only_b = sum(found[(b, lab)][s] and not found[(a, lab)][s] for s in common[lab])
+                lines.append(f"- {lab}: found by {a} only: {only_a}, by {b} only: {only_b} "
+                             f"(two-sided sign test p = {sign_test(only_a, only_b):.2f})")
     return lines
 
 
@@ -107,12 +110,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--passkeys", type=Path, action="append", default=[])
     p.add_argument("--streams", type=Path, action="append", default=[])
-    p.add_argument("--drop", default="h2o-query")
-    p.add_argument("--merge", default="keepkv-nogate-query")
+    p.add_argument("--drop", default="h2o-query", help="the dropping arm (default h2o-query)")
+    p.add_argument("--merge", default="keepkv-nogate-query", help="the merging arm (default keepkv-nogate-query)")
+    p.add_argument("--pair", action="append", default=[], metavar="A:B",
+                   help="another pair of arms whose passkeys are compared prompt by prompt (e.g. streamingllm:cam)")
     opts = p.parse_args(argv)
+    pairs = [(opts.drop, opts.merge)] + [tuple(pair.split(":", 1)) for pair in opts.pair]
     for folder in opts.passkeys:
         print(f"## {folder}\n")
-        print("\n".join(passkey_table(read_records(folder), opts.drop, opts.merge)) + "\n")
+        print("\n".join(passkey_table(read_records(folder), pairs)) + "\n")
     for folder in opts.streams:
         print(f"## {folder}\n")
         print("\n".join(stream_table(read_records(folder), opts.drop, opts.merge)) + "\n")
