@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Stages what the quality sweep needs on the H200 (no registry there): both packaged
+# models' GGUF files, the cached texts and llama.cpp's `gguf` package (Gemma 3's
+# K-quant tensors need it), as one tar split into git-ignored folders .gpu-stage/m1,
+# m2, ... of at most 50 MB each, so that each fits one device call beside the working
+# tree. Run on a machine that has fetched the models once (camkv.models.load).
+#
+# On the device, one call per folder, back to back (the machine forgets between cold calls):
+#   call k (carry [".gpu-stage/mk"]):  mkdir -p /root/parts && cp .gpu-stage/mk/* /root/parts/
+# then bench/gpu/quality.sh joins and unpacks them (/root/ckv, gguf into /tmp/site).
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+grep -qx '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
+cache=${CAMKV_CACHE_DIR:-$HOME/.cache/camkv}
+gguf_parent=$(python3 -c 'import gguf, os; print(os.path.dirname(os.path.dirname(gguf.__file__)))')
+rm -rf .gpu-stage && mkdir -p .gpu-stage
+tar cf .gpu-stage/bundle.tar -C "$cache" downloads/SmolLM2-135M-Instruct.Q4_1.gguf \
+  downloads/gemma-3-270m-q4_k_m.gguf texts -C "$gguf_parent" gguf
+split -b 50M -d -a 2 .gpu-stage/bundle.tar .gpu-stage/part_
+rm .gpu-stage/bundle.tar
+n=0
+for part in .gpu-stage/part_*; do
+  n=$((n + 1))
+  mkdir -p ".gpu-stage/m$n" && mv "$part" ".gpu-stage/m$n/"
+done
+echo "staged $n folders: .gpu-stage/m1 .. m$n (carry one per call, in order)"
