@@ -9,26 +9,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_prefill import random_state  # noqa: E402
+from profile_prefill import add_layer_shape_args, median_seconds, random_state  # noqa: E402
 
 from camkv import CaMConfig, backends  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--head-dim", type=int, default=128, help="key and value width (default 128)")
-    p.add_argument("--groups", type=int, default=2, help="queries per KV head (default 2)")
+    add_layer_shape_args(p, groups=2)
     p.add_argument("--layers", type=int, default=4, help="layers evaluated at once (default 4)")
-    p.add_argument("--budget", type=int, default=512, help="rows held (default 512)")
     p.add_argument("--chunk", type=int, default=2048, help="prompt chunk tokens (default 2048)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up (default 3)")
     return p.parse_args(argv)
@@ -46,13 +41,9 @@ def main(argv=None) -> None:
         queries = mx.random.normal((H, S, opts.groups, D), key=mx.random.key(98))
         row_ids = mx.arange(H, dtype=mx.uint32)
         mx.eval(states, new, queries)
-        times = []
-        for _ in range(opts.repeats + 1):
-            start = time.perf_counter()
-            mx.eval([update(s, new, new, n, cfg, row_ids, queries, 1 / math.sqrt(D)) for s in states])
-            times.append(time.perf_counter() - start)
-        print(f"{merge:14s} chunk {S} into {n}: {statistics.median(times[1:]) * 1e3 / opts.layers:8.1f} ms a layer",
-              flush=True)
+        seconds = median_seconds(lambda: [update(s, new, new, n, cfg, row_ids, queries, 1 / math.sqrt(D))
+                                          for s in states], opts.repeats)
+        print(f"{merge:14s} chunk {S} into {n}: {seconds * 1e3 / opts.layers:8.1f} ms a layer", flush=True)
 
 
 if __name__ == "__main__":

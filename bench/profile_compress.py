@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_prefill import median_seconds, save_result  # noqa: E402
+from profile_prefill import add_layer_shape_args, median_seconds, save_result  # noqa: E402
 
 from camkv import CaMConfig, fast  # noqa: E402
 from camkv.cache import _with_room  # noqa: E402
@@ -44,10 +44,7 @@ from camkv.cache import _with_room  # noqa: E402
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=16, help="layers evaluated at once (default 16)")
-    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
-    parser.add_argument("--groups", type=int, default=2, help="queries per KV head (default 2, random-1b's)")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+    add_layer_shape_args(parser, groups=2)  # random-1b's layer
     parser.add_argument("--chunks", type=int, nargs="+", default=[65, 129, 257, 2048],
                         help="pending tokens per compression (default 65 129 257 2048)")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per part (default 20)")

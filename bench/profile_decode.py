@@ -39,7 +39,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_prefill import random_state, save_result  # noqa: E402
+from profile_prefill import add_layer_shape_args, random_state, save_result  # noqa: E402
 
 from camkv import CaMConfig, CaMKVCache, backends  # noqa: E402
 from camkv.backends import jit  # noqa: E402
@@ -51,10 +51,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", help="camkv backend (auto, cuda, metal, ext, reference)")
     parser.add_argument("--layers", type=int, default=16, help="layers updated per step (default 16)")
-    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
-    parser.add_argument("--groups", type=int, default=4, help="queries per KV head (default 4)")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+    add_layer_shape_args(parser, groups=4)
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per part (default 30)")
     parser.add_argument("--cycles", type=int, default=4, help="compression cycles cache_mean spans (default 4)")
     parser.add_argument("--slacks", type=int, nargs="*", default=[],

@@ -28,13 +28,19 @@ from camkv.backends._common import chunk_mass
 from camkv.rows import RowState
 
 
+def add_layer_shape_args(parser: argparse.ArgumentParser, groups: int) -> None:
+    """The flags the profiles share: one layer's KV heads, queries per KV head, head dim
+    and rows kept per head."""
+    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--groups", type=int, default=groups, help=f"queries per KV head (default {groups})")
+    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", help="camkv backend (auto, cuda, metal, ext, reference)")
-    parser.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
-    parser.add_argument("--groups", type=int, default=4, help="queries per KV head (default 4)")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+    add_layer_shape_args(parser, groups=4)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048, e2e's step)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per part (default 5)")
     parser.add_argument("--logit-mb", type=int, nargs="*", default=[],
