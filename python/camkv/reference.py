@@ -271,6 +271,14 @@ def _compiled_merge(cfg: CaMConfig, scale: float):
     return _COMPILED_MERGES[key]
 
 
+def _merge_by(step, keys, values, scores, positions, survivor, e, row_ids, votes, fixed):
+    """One merge through a compiled step of _compiled_merge: (keys, values, scores, did,
+    votes), votes None for a rule that keeps none."""
+    carried = {"votes": votes} if votes is not None else {}
+    keys, values, scores, did, carried = step(keys, values, scores, positions, survivor, e, row_ids, carried, fixed)
+    return keys, values, scores, did, carried.get("votes")
+
+
 def _fixed_state(extra) -> dict:
     """What a compression's merges read but never change (the compiled step's `fixed`)."""
     return {k: a for k, a in (("threshold", extra.threshold), ("query", extra.query)) if a is not None}
@@ -423,10 +431,8 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     extra = _compression_state(state, votes, keys, positions, survivor, e[:, None], q, scale, cfg)
     # Through the compiled step a chunk's merges take: on a GPU, fused kernels round
     # otherwise than separate ones, and a one-token chunk must equal exact mode (section 7).
-    carried = {"votes": votes} if votes is not None else {}
-    keys, values, scores, did, carried = _compiled_merge(cfg, scale)(
-        keys, values, scores, positions, survivor, e, row_ids, carried, _fixed_state(extra))
-    votes = carried.get("votes")
+    keys, values, scores, did, votes = _merge_by(_compiled_merge(cfg, scale), keys, values, scores, positions,
+                                                 survivor, e, row_ids, votes, _fixed_state(extra))
     keep = mx.arange(n)[None, :] + (mx.arange(n)[None, :] >= e[:, None])
     return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep), did
 
@@ -475,13 +481,9 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     loser_idx, keep_idx = order[:, :n_losers], mx.sort(order[:, n_losers:], axis=1)
     survivor = ~loser
     extra = _compression_state(state, votes, keys, positions, survivor, loser_idx, q[:, -1], scale, cfg)
-    merge_step = _compiled_merge(cfg, scale)
-    carried = {"votes": votes} if votes is not None else {}
-    fixed = _fixed_state(extra)
+    merge_step, fixed = _compiled_merge(cfg, scale), _fixed_state(extra)
     for j in range(n_losers):
-        keys, values, scores, did, carried = merge_step(
-            keys, values, scores, positions, survivor, loser_idx[:, j], row_ids, carried, fixed
-        )
+        keys, values, scores, did, votes = _merge_by(merge_step, keys, values, scores, positions, survivor,
+                                                     loser_idx[:, j], row_ids, votes, fixed)
         merges = merges + did.astype(mx.int32)
-    votes = carried.get("votes")
     return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep_idx), merges
