@@ -475,7 +475,7 @@ class CaMKVCache(_BaseCache):
         self._fetched_bias, self._bias_unread = None, False
 
     def _pending_queries(self) -> int:
-        """Pending rows whose queries the query buffer holds (its first ones)."""
+        """Pending rows whose queries are kept (_kept_queries: the buffer's, then the steps')."""
         if self._queued is None or self._queued is _KEY_SCORED:
             return 0
         return self._held - self._settled - self._waiting
@@ -485,7 +485,8 @@ class CaMKVCache(_BaseCache):
         None); this cache holds no buffers until _take_back_buffers."""
         p = self._pending_queries()
         lent = (self.keys, self.values, self._kept_queries()[:, :, :p] if p else None)
-        self._keys = self._values = self._query_buffer = None
+        self._keys = self._values = None
+        self._release_queries()
         return lent
 
     def _take_back_buffers(self, keys, values, queries) -> None:
