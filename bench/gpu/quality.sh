@@ -16,12 +16,12 @@ fi
 seconds=${1:-420}
 shift || true
 if [ $# -eq 0 ]; then set -- --preset gpu; fi
-out=bench/results/quality-gpu
+out=""
 prev=""
 for arg in "$@"; do
   if [ "$prev" = "--out" ]; then out=$arg; fi
   prev=$arg
 done
-case " $* " in *" --out "*) ;; *) set -- "$@" --out "$out" ;; esac
+if [ -z "$out" ]; then out=bench/results/quality-gpu; set -- "$@" --out "$out"; fi
 timeout $(( seconds + 40 )) python3 -m camkv eval --offline "$@" --time-budget "$seconds" --no-progress 2>&1 | tail -3 || true
 tar czf "$OUT/$(basename "$out").tgz" "$out"
