@@ -11,8 +11,14 @@ work to mlx-lm's plain caches.
   camkv-nocomp   CaMKVCache (queries, the hook) with a slack so large that no compression
                  falls in the timed steps
   camkv          CaMKVCache as configured by default
+  buffer-unaligned, camkv-unaligned
+                 the same with buffers of exactly budget + slack + 1 rows, not rounded up to
+                 camkv's row alignment (a multiple of 256 on an NVIDIA GPU, where MLX's
+                 attention of one query reads such buffers with cuDNN, others with its own
+                 vector kernel)
 
-Arms take turns trial by trial; each trial prefills the prompt, then times --steps steps.
+Arms take turns trial by trial; each trial prefills the prompt, then times --steps steps:
+the whole step (built, evaluated, the token read) and the time to build its graph alone.
 Example (on the H200):
     python bench/decode_parts.py --out bench/results
 """
@@ -33,10 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import save_result  # noqa: E402
 
 from camkv import CaMConfig, hook, make_prompt_cache  # noqa: E402
-from camkv.cache import _with_room  # noqa: E402
+from camkv import cache as camkv_cache  # noqa: E402
+from camkv.cache import CaMKVCache, _with_room  # noqa: E402
 from camkv.models import random_llama  # noqa: E402
 
-ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv")
+ARMS = ("full", "rotating", "buffer", "buffer-unaligned", "camkv-key", "camkv-nocomp", "camkv", "camkv-unaligned")
 
 
 class BufferCache(_BaseCache):
@@ -46,11 +53,12 @@ class BufferCache(_BaseCache):
 
     def __init__(self, budget: int, slack: int):
         self.budget, self.slack = budget, slack
+        self.capacity = CaMKVCache(CaMConfig(budget=budget, slack=slack))._capacity()
         self.keys = self.values = None
         self.held = self.offset = 0
 
     def update_and_fetch(self, keys, values):
-        S, capacity = keys.shape[2], self.budget + self.slack + 1
+        S, capacity = keys.shape[2], self.capacity
         self.offset += S
         if S > 1 or self.keys is None:  # a prompt chunk: attend over all, keep the newest budget rows
             held = [keys, values] if self.keys is None else [
@@ -59,7 +67,7 @@ class BufferCache(_BaseCache):
             self.held = min(self.budget, held[0].shape[2])
             self.keys, self.values = (_with_room([], a[:, :, -self.held:], capacity - self.held) for a in held)
             return held
-        if self.held == capacity:
+        if self.held == self.budget + self.slack + 1:
             self.held = self.budget  # a "compression" that does no work
         self.keys[:, :, self.held: self.held + 1] = keys
         self.values[:, :, self.held: self.held + 1] = values
@@ -102,21 +110,28 @@ def make_arm(model, arm: str, budget: int) -> list:
     return make_prompt_cache(model, config=cfg)
 
 
-def trial(model, arm: str, prompt: mx.array, opts) -> list[float]:
-    cache = make_arm(model, arm, opts.budget)
+def trial(model, arm: str, prompt: mx.array, opts) -> tuple[list[float], list[float]]:
+    """(seconds of each step, seconds of building each step's graph)."""
+    aligned = camkv_cache._row_alignment
+    if arm.endswith("-unaligned"):
+        camkv_cache._row_alignment = lambda: 1
     try:
+        cache = make_arm(model, arm.removesuffix("-unaligned"), opts.budget)
         for first in range(0, prompt.size - 1, 2048):
             model(prompt[first: min(first + 2048, prompt.size - 1)][None], cache=cache)
             mx.eval([c.state for c in cache])
         token = prompt[-1:]
-        steps = []
+        steps, builds = [], []
         for _ in range(opts.steps):
             tick = time.perf_counter()
             token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
+            built = time.perf_counter()
             mx.eval(token)
             steps.append(time.perf_counter() - tick)
-        return steps
+            builds.append(built - tick)
+        return steps, builds
     finally:
+        camkv_cache._row_alignment = aligned
         hook.uninstall(model)
 
 
@@ -125,16 +140,22 @@ def main(argv=None) -> dict:
     model = random_llama(opts.model)
     prompt = mx.random.randint(0, 1000, (opts.prompt_length,))
     steps = {arm: [] for arm in opts.arms}
-    trial(model, opts.arms[0], prompt, opts)  # warm-up: compiles and allocates
+    builds = {arm: [] for arm in opts.arms}
+    for arm in opts.arms:  # warm-up: compiles and allocates what each arm runs
+        trial(model, arm, prompt, opts)
     for _ in range(opts.trials):
         for arm in opts.arms:
-            steps[arm].extend(trial(model, arm, prompt, opts))
+            timed, built = trial(model, arm, prompt, opts)
+            steps[arm].extend(timed)
+            builds[arm].extend(built)
     result = {"setup": {**vars(opts), "out": str(opts.out), "device": str(mx.default_device()),
                         "machine": platform.machine(), "mlx": mx.__version__},
-              "arms": {arm: {"median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s)}
+              "arms": {arm: {"median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s),
+                             "build_median_ms": 1e3 * statistics.median(builds[arm])}
                        for arm, s in steps.items()}}
     for arm, r in result["arms"].items():
-        print(f"{arm:14s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms")
+        print(f"{arm:16s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms  "
+              f"graph built in {r['build_median_ms']:.3f} ms")
     save_result(result, opts.out, "decode-parts.json")
     return result
 

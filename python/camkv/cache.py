@@ -27,6 +27,19 @@ _KEY_SCORED = "keys"  # how pending tokens scored by their own keys are queued
 _GROWTH_STEP = 256  # most empty rows a buffer is given at once (mlx-lm KVCache's step)
 
 
+def _row_alignment() -> int:
+    """What a decode buffer's row count is a multiple of. On an NVIDIA GPU, MLX's
+    attention reads a single query over a view of a buffer with cuDNN only when the
+    buffer holds a multiple of 256 rows (mlx-lm's KVCache step; otherwise a slower
+    vector kernel), so buffers there are rounded up to it; elsewhere rows cost memory
+    and buy nothing."""
+    return _GROWTH_STEP if fast.on_cuda() else 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _every_query(queries: mx.array, s_len: int) -> mx.array:
     """A chunk's queries [R, G, S, Dk] from its last T kept ones [R, G, T, Dk] (window
     scoring keeps only those): zeros in front, which window scoring never reads."""
@@ -529,14 +542,21 @@ class CaMKVCache(_BaseCache):
                 )
 
     def _capacity(self) -> int:
-        """Rows a decode needs in place: budget + slack held, plus the step that compresses."""
-        return self._config.budget + self._config.slack + 1
+        """Rows a decode needs in place: budget + slack held, plus the step that compresses
+        (rounded up to _row_alignment)."""
+        return _round_up(self._config.budget + self._config.slack + 1, _row_alignment())
 
     def _room_after(self, held: int) -> int:
         """Empty rows a new buffer gets after `held` rows: up to the capacity, at most
         _GROWTH_STEP (a short prompt under a large budget would otherwise allocate the
-        whole budget + slack at once; mlx-lm's KVCache grows in the same steps)."""
-        return max(0, min(self._capacity() - held, _GROWTH_STEP))
+        whole budget + slack at once; mlx-lm's KVCache grows in the same steps), and so
+        that the buffer's rows are a multiple of _row_alignment."""
+        capacity = self._capacity()
+        if held >= capacity:
+            return 0
+        alignment = _row_alignment()
+        rows = held + _GROWTH_STEP if alignment == 1 else _round_up(held + 1, alignment)
+        return min(rows, capacity) - held
 
     def _append(self, keys, values):
         """Write the block after the held rows (in place when it fits); return the views
