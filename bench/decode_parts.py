@@ -11,11 +11,6 @@ work to mlx-lm's plain caches.
   camkv-nocomp   CaMKVCache (queries, the hook) with a slack so large that no compression
                  falls in the timed steps
   camkv          CaMKVCache as configured by default
-  buffer-unaligned, camkv-unaligned
-                 the same with buffers of exactly budget + slack + 1 rows, not rounded up to
-                 camkv's row alignment (a multiple of 256 on an NVIDIA GPU, where MLX's
-                 attention of one query reads such buffers with cuDNN, others with its own
-                 vector kernel)
 
 Arms take turns trial by trial; each trial prefills the prompt, then times --steps steps:
 the whole step (built, evaluated, the token read) and the time to build its graph alone.
@@ -39,11 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import save_result  # noqa: E402
 
 from camkv import CaMConfig, hook, make_prompt_cache  # noqa: E402
-from camkv import cache as camkv_cache  # noqa: E402
-from camkv.cache import CaMKVCache, _with_room  # noqa: E402
+from camkv.cache import _with_room  # noqa: E402
 from camkv.models import random_llama  # noqa: E402
 
-ARMS = ("full", "rotating", "buffer", "buffer-unaligned", "camkv-key", "camkv-nocomp", "camkv", "camkv-unaligned")
+ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv")
 
 
 class BufferCache(_BaseCache):
@@ -53,12 +47,11 @@ class BufferCache(_BaseCache):
 
     def __init__(self, budget: int, slack: int):
         self.budget, self.slack = budget, slack
-        self.capacity = CaMKVCache(CaMConfig(budget=budget, slack=slack))._capacity()
         self.keys = self.values = None
         self.held = self.offset = 0
 
     def update_and_fetch(self, keys, values):
-        S, capacity = keys.shape[2], self.capacity
+        S, capacity = keys.shape[2], self.budget + self.slack + 1
         self.offset += S
         if S > 1 or self.keys is None:  # a prompt chunk: attend over all, keep the newest budget rows
             held = [keys, values] if self.keys is None else [
@@ -67,7 +60,7 @@ class BufferCache(_BaseCache):
             self.held = min(self.budget, held[0].shape[2])
             self.keys, self.values = (_with_room([], a[:, :, -self.held:], capacity - self.held) for a in held)
             return held
-        if self.held == self.budget + self.slack + 1:
+        if self.held == capacity:
             self.held = self.budget  # a "compression" that does no work
         self.keys[:, :, self.held: self.held + 1] = keys
         self.values[:, :, self.held: self.held + 1] = values
@@ -112,11 +105,8 @@ def make_arm(model, arm: str, budget: int) -> list:
 
 def trial(model, arm: str, prompt: mx.array, opts) -> tuple[list[float], list[float]]:
     """(seconds of each step, seconds of building each step's graph)."""
-    aligned = camkv_cache._row_alignment
-    if arm.endswith("-unaligned"):
-        camkv_cache._row_alignment = lambda: 1
     try:
-        cache = make_arm(model, arm.removesuffix("-unaligned"), opts.budget)
+        cache = make_arm(model, arm, opts.budget)
         for first in range(0, prompt.size - 1, 2048):
             model(prompt[first: min(first + 2048, prompt.size - 1)][None], cache=cache)
             mx.eval([c.state for c in cache])
@@ -131,7 +121,6 @@ def trial(model, arm: str, prompt: mx.array, opts) -> tuple[list[float], list[fl
             builds.append(built - tick)
         return steps, builds
     finally:
-        camkv_cache._row_alignment = aligned
         hook.uninstall(model)
 
 

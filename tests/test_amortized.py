@@ -380,13 +380,10 @@ def test_cuda_drop_compaction_of_sequences_at_different_positions_equals_each_al
             assert mx.array_equal(got[rows], want).item()
 
 
-def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_budget(monkeypatch):
+def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_budget():
     """Buffers grow by at most 256 empty rows at a time (as mlx-lm's KVCache), so a
     short prompt does not pay for budget + slack rows; decoding past a step still holds
-    every token in order. (Buffers not rounded to a row alignment, as on a CPU.)"""
-    from camkv import cache as cache_module
-
-    monkeypatch.setattr(cache_module, "_row_alignment", lambda: 1)
+    every token in order."""
     cfg = CaMConfig(budget=4096, slack=512, scoring="key", backend="reference")
     cache = CaMKVCache(cfg)
     rng = np.random.default_rng(0)
@@ -426,32 +423,39 @@ def test_decode_steps_keep_their_queries_as_given_and_join_them_once(monkeypatch
         assert mx.array_equal(got, want).item()
 
 
-@pytest.mark.parametrize("merge", ["drop", "mass_weighted"])
-def test_buffers_rounded_to_the_row_alignment_hold_the_same_rows(monkeypatch, merge):
-    """On an NVIDIA GPU buffers are rounded up to a multiple of 256 rows (MLX reads a
-    decode step's attention over such a buffer with cuDNN): every buffer made while
-    decoding then has such a length, and the rows held, their scores and positions are
-    those of unrounded buffers."""
-    from camkv import cache as cache_module
-
-    cfg = CaMConfig(budget=40, slack=9, recent=8, merge=merge, backend="auto")
-    rng = np.random.default_rng(3)
+@pytest.mark.parametrize("prefill_scoring", ["causal", "window"])
+@pytest.mark.parametrize("merge", ["drop", "keepkv"])
+def test_a_decode_step_that_only_joins_the_kept_queries_skips_the_checks_and_changes_nothing(
+        monkeypatch, prefill_scoring, merge):
+    """observe_queries takes a short way for a decode step like the last (one token, the
+    checked shape, the same scale, every pending token's queries kept): the state after a
+    prompt, decode steps and their compressions is that of the full way, and the short
+    way is taken for most steps."""
+    monkeypatch.setattr(CaMKVCache, "_queries_can_come", lambda self: True)
+    cfg = CaMConfig(budget=32, slack=6, recent=8, merge=merge, prefill_scoring=prefill_scoring,
+                    observation_window=4, backend="reference")
+    rng = np.random.default_rng(5)
     block = lambda n, heads=2: mx.array(rng.standard_normal((1, heads, n, 8)).astype(np.float32))  # noqa: E731
-    blocks = [(block(n), block(n), block(n, heads=4)) for n in (30, *[1] * 70)]
+    blocks = [(block(n), block(n), block(n, heads=4)) for n in (20, 20, *[1] * 40)]
+    short_ways = []
+    full_way = CaMKVCache._continues_decoding
 
-    def run(alignment):
-        monkeypatch.setattr(cache_module, "_row_alignment", lambda: alignment)
-        cache, lengths = CaMKVCache(cfg), set()
+    def counted(self, queries, scale):
+        taken = full_way(self, queries, scale)
+        short_ways.append(taken)
+        return taken
+
+    def run(short_way):
+        monkeypatch.setattr(CaMKVCache, "_continues_decoding", short_way)
+        cache = CaMKVCache(cfg)
         for k, v, q in blocks:
             cache.update_and_fetch(k, v)
-            cache.observe_queries(q, 0.5)
-            lengths.add(cache._keys.shape[2])
-        return cache, lengths, cache._capacity()
+            cache.observe_queries(q, 0.25)
+            cache.attention_bias()  # as the hook asks
+        return cache
 
-    plain, plain_lengths, plain_capacity = run(1)
-    aligned, aligned_lengths, aligned_capacity = run(256)
-    assert aligned_capacity == 256 and plain_capacity == 40 + 9 + 1
-    assert aligned_lengths == {256} and max(plain_lengths) <= 50
-    for got, want in zip(aligned.stored(), plain.stored()):
+    full, short = run(lambda self, queries, scale: False), run(counted)
+    assert sum(short_ways) >= 30
+    assert full._held == short._held and full.offset == short.offset
+    for got, want in zip(short.stored(), full.stored()):
         assert mx.array_equal(got, want).item()
-    assert aligned.size() == plain.size() and aligned.nbytes == plain.nbytes

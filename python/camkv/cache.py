@@ -27,19 +27,6 @@ _KEY_SCORED = "keys"  # how pending tokens scored by their own keys are queued
 _GROWTH_STEP = 256  # most empty rows a buffer is given at once (mlx-lm KVCache's step)
 
 
-def _row_alignment() -> int:
-    """What a decode buffer's row count is a multiple of. On an NVIDIA GPU, MLX's
-    attention reads a single query over a view of a buffer with cuDNN only when the
-    buffer holds a multiple of 256 rows (mlx-lm's KVCache step; otherwise a slower
-    vector kernel), so buffers there are rounded up to it; elsewhere rows cost memory
-    and buy nothing."""
-    return _GROWTH_STEP if fast.on_cuda() else 1
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def _every_query(queries: mx.array, s_len: int) -> mx.array:
     """A chunk's queries [R, G, S, Dk] from its last T kept ones [R, G, T, Dk] (window
     scoring keeps only those): zeros in front, which window scoring never reads."""
@@ -138,6 +125,7 @@ class CaMKVCache(_BaseCache):
         self._query_buffer: mx.array | None = None
         self._query_steps: list[mx.array] = []
         self._waiting = 0  # tokens of the last call that wait for their queries
+        self._step_queries: tuple | None = None  # a decode step's queries' shape, once checked
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
         self._checked_block: tuple | None = None  # (keys shape, values shape, dtype) last checked
         # The state of a merge rule that keeps one (camkv.merges): each settled row's votes
@@ -203,7 +191,8 @@ class CaMKVCache(_BaseCache):
 
     def _took(self, S: int) -> None:
         """What follows the write of S new tokens after the held rows."""
-        self._keep_fetched_bias()
+        if self._votes is not None or self._fetched_bias is not None:
+            self._keep_fetched_bias()
         # The model computed RoPE from offset before this call; it advances now, even
         # when scoring waits for the queries.
         self.offset += S
@@ -216,6 +205,15 @@ class CaMKVCache(_BaseCache):
 
     def observe_queries(self, queries: mx.array, scale: float) -> None:
         """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring)."""
+        if self._continues_decoding(queries, scale):
+            # What _queue does for such a step, without its checks (host time is most of
+            # a GPU decode step's cost, and every layer pays this at every token).
+            self._waiting = 0
+            self._query_scored += 1
+            self._query_steps.append(queries)
+            if self._held > self._config.budget + self._config.slack:
+                self._compress()
+            return
         if not self._waiting:
             return  # nothing waits: a model without camkv scoring, or a repeated call
         B, H, Dk = self._layout[:3]
@@ -230,6 +228,7 @@ class CaMKVCache(_BaseCache):
                 f"query heads {shape[1]} are not a multiple of the KV heads {H}"
             )
         self._waiting = 0
+        self._step_queries = (B, shape[1], 1, Dk)
         if shape[3] != Dk:
             # MLA models (deepseek_v3 and kin) cache a compressed latent, and their
             # prompt queries do not live in its space: there is nothing to score with.
@@ -242,6 +241,14 @@ class CaMKVCache(_BaseCache):
             return
         self._query_scored += S
         self._queue(float(scale), S, queries)
+
+    def _continues_decoding(self, queries, scale) -> bool:
+        """Whether these are one decode step's queries that only join those kept: one token
+        waits, its queries have the shape the checks passed before, the pending tokens were
+        decode steps queued under this scale, and each kept its queries."""
+        return (self._waiting == 1 and type(scale) is float and scale == self._queued and not self._windowed
+                and queries.shape == self._step_queries
+                and self._kept_query_rows() == self._held - self._settled - 1)
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:
@@ -542,21 +549,14 @@ class CaMKVCache(_BaseCache):
                 )
 
     def _capacity(self) -> int:
-        """Rows a decode needs in place: budget + slack held, plus the step that compresses
-        (rounded up to _row_alignment)."""
-        return _round_up(self._config.budget + self._config.slack + 1, _row_alignment())
+        """Rows a decode needs in place: budget + slack held, plus the step that compresses."""
+        return self._config.budget + self._config.slack + 1
 
     def _room_after(self, held: int) -> int:
         """Empty rows a new buffer gets after `held` rows: up to the capacity, at most
         _GROWTH_STEP (a short prompt under a large budget would otherwise allocate the
-        whole budget + slack at once; mlx-lm's KVCache grows in the same steps), and so
-        that the buffer's rows are a multiple of _row_alignment."""
-        capacity = self._capacity()
-        if held >= capacity:
-            return 0
-        alignment = _row_alignment()
-        rows = held + _GROWTH_STEP if alignment == 1 else _round_up(held + 1, alignment)
-        return min(rows, capacity) - held
+        whole budget + slack at once; mlx-lm's KVCache grows in the same steps)."""
+        return max(0, min(self._capacity() - held, _GROWTH_STEP))
 
     def _append(self, keys, values):
         """Write the block after the held rows (in place when it fits); return the views

@@ -35,7 +35,9 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     observe = getattr(cache, "observe_queries", None)  # a camkv cache
     if observe is not None:
         observe(queries, scale)
-        mask = weighed_by_votes(mask, cache.attention_bias(), queries, keys)
+        bias = cache.attention_bias()
+        if bias is not None:
+            mask = weighed_by_votes(mask, bias, queries, keys)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
 
@@ -118,4 +120,4 @@ def can_feed(modules: frozenset[str] | None) -> bool:
     """
     if modules is None:
         return bool(_users)
-    return any(name in _users for name in modules)
+    return not modules.isdisjoint(_users)
