@@ -83,6 +83,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=130, help="timed decode steps per trial (default 130)")
     parser.add_argument("--trials", type=int, default=3, help="trials per arm (default 3)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms (default all)")
+    parser.add_argument("--host-profile", nargs="*", default=[], choices=ARMS, metavar="ARM",
+                        help="after the timing, run one more trial of each ARM under cProfile and "
+                             "write its steps' Python functions by own time to "
+                             "decode-parts-profile-ARM.txt under --out (default none)")
     parser.add_argument("--out", type=Path, default=None, help="folder for decode-parts.json")
     return parser.parse_args(argv)
 
@@ -103,8 +107,9 @@ def make_arm(model, arm: str, budget: int) -> list:
     return make_prompt_cache(model, config=cfg)
 
 
-def trial(model, arm: str, prompt: mx.array, opts) -> tuple[list[float], list[float]]:
-    """(seconds of each step, seconds of building each step's graph)."""
+def trial(model, arm: str, prompt: mx.array, opts, profiler=None) -> tuple[list[float], list[float]]:
+    """(seconds of each step, seconds of building each step's graph); the steps run under
+    profiler (a cProfile.Profile) when one is given."""
     try:
         cache = make_arm(model, arm, opts.budget)
         for first in range(0, prompt.size - 1, 2048):
@@ -112,6 +117,8 @@ def trial(model, arm: str, prompt: mx.array, opts) -> tuple[list[float], list[fl
             mx.eval([c.state for c in cache])
         token = prompt[-1:]
         steps, builds = [], []
+        if profiler is not None:
+            profiler.enable()
         for _ in range(opts.steps):
             tick = time.perf_counter()
             token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
@@ -119,6 +126,8 @@ def trial(model, arm: str, prompt: mx.array, opts) -> tuple[list[float], list[fl
             mx.eval(token)
             steps.append(time.perf_counter() - tick)
             builds.append(built - tick)
+        if profiler is not None:
+            profiler.disable()
         return steps, builds
     finally:
         hook.uninstall(model)
@@ -146,7 +155,27 @@ def main(argv=None) -> dict:
         print(f"{arm:16s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms  "
               f"graph built in {r['build_median_ms']:.3f} ms")
     save_result(result, opts.out, "decode-parts.json")
+    for arm in opts.host_profile:
+        print(host_profile(model, arm, prompt, opts))
     return result
+
+
+def host_profile(model, arm: str, prompt: mx.array, opts) -> str:
+    """The Python functions of one trial's steps by their own time (cProfile), as text;
+    written to decode-parts-profile-ARM.txt under opts.out when given."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    timed = trial(model, arm, prompt, opts, profiler)[0]
+    text = io.StringIO()
+    text.write(f"{arm}: {opts.steps} steps, median {1e3 * statistics.median(timed):.3f} ms (under cProfile)\n")
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    if opts.out is not None:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        (opts.out / f"decode-parts-profile-{arm}.txt").write_text(text.getvalue())
+    return text.getvalue()
 
 
 if __name__ == "__main__":
