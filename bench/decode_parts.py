@@ -12,8 +12,9 @@ work to mlx-lm's plain caches.
                  falls in the timed steps
   camkv          CaMKVCache as configured by default
 
-Arms take turns trial by trial; each trial prefills the prompt, then times --steps steps:
-the whole step (built, evaluated, the token read) and the time to build its graph alone.
+Arms take turns trial by trial (or, with --interleave, step by step within a trial); each
+trial prefills the prompt, then times --steps steps: the whole step (built, evaluated,
+the token read) and the time to build its graph alone.
 Example (on the H200):
     python bench/decode_parts.py --out bench/results
 """
@@ -83,6 +84,12 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=130, help="timed decode steps per trial (default 130)")
     parser.add_argument("--trials", type=int, default=3, help="trials per arm (default 3)")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms (default all)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="take the arms' steps in turn within each trial, step by step, instead "
+                             "of one arm's trial after another, and report each arm's speed against "
+                             "RotatingKVCache's step of the same round (paired median); arms without "
+                             "camkv then run through camkv's attention hook, one attribute lookup a "
+                             "layer (default off)")
     parser.add_argument("--host-profile", nargs="*", default=[], choices=ARMS, metavar="ARM",
                         help="after the timing, run one more trial of each ARM under cProfile and "
                              "write its steps' Python functions by own time to "
@@ -107,28 +114,56 @@ def make_arm(model, arm: str, budget: int) -> list:
     return make_prompt_cache(model, config=cfg)
 
 
+def prefilled(model, arm: str, prompt: mx.array, budget: int) -> tuple[list, mx.array]:
+    """The arm's caches after all of the prompt but its last token, and that token."""
+    cache = make_arm(model, arm, budget)
+    for first in range(0, prompt.size - 1, 2048):
+        model(prompt[first: min(first + 2048, prompt.size - 1)][None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache, prompt[-1:]
+
+
+def timed_step(model, cache: list, token: mx.array) -> tuple[mx.array, float, float]:
+    """One greedy decode step: (next token, seconds in all, seconds building its graph)."""
+    tick = time.perf_counter()
+    token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
+    built = time.perf_counter()
+    mx.eval(token)
+    return token, time.perf_counter() - tick, built - tick
+
+
 def trial(model, arm: str, prompt: mx.array, opts, profiler=None) -> tuple[list[float], list[float]]:
     """(seconds of each step, seconds of building each step's graph); the steps run under
     profiler (a cProfile.Profile) when one is given."""
     try:
-        cache = make_arm(model, arm, opts.budget)
-        for first in range(0, prompt.size - 1, 2048):
-            model(prompt[first: min(first + 2048, prompt.size - 1)][None], cache=cache)
-            mx.eval([c.state for c in cache])
-        token = prompt[-1:]
+        cache, token = prefilled(model, arm, prompt, opts.budget)
         steps, builds = [], []
         if profiler is not None:
             profiler.enable()
         for _ in range(opts.steps):
-            tick = time.perf_counter()
-            token = mx.argmax(model(token[None], cache=cache)[:, -1], axis=-1)
-            built = time.perf_counter()
-            mx.eval(token)
-            steps.append(time.perf_counter() - tick)
-            builds.append(built - tick)
+            token, step_s, build_s = timed_step(model, cache, token)
+            steps.append(step_s)
+            builds.append(build_s)
         if profiler is not None:
             profiler.disable()
         return steps, builds
+    finally:
+        hook.uninstall(model)
+
+
+def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str, tuple[list, list]]:
+    """Every arm prefilled, then their steps in turn, step by step (the first arm of a
+    round moves one place each step), so a drift of the host's speed touches all alike.
+    arm -> (seconds of each step, seconds building each step's graph)."""
+    try:
+        state = {arm: list(prefilled(model, arm, prompt, opts.budget)) for arm in arms}
+        timed = {arm: ([], []) for arm in arms}
+        for step in range(opts.steps):
+            for arm in arms[step % len(arms):] + arms[: step % len(arms)]:
+                state[arm][1], step_s, build_s = timed_step(model, state[arm][0], state[arm][1])
+                timed[arm][0].append(step_s)
+                timed[arm][1].append(build_s)
+        return timed
     finally:
         hook.uninstall(model)
 
@@ -142,6 +177,11 @@ def main(argv=None) -> dict:
     for arm in opts.arms:  # warm-up: compiles and allocates what each arm runs
         trial(model, arm, prompt, opts)
     for _ in range(opts.trials):
+        if opts.interleave:
+            for arm, (timed, built) in interleaved_trial(model, opts.arms, prompt, opts).items():
+                steps[arm].extend(timed)
+                builds[arm].extend(built)
+            continue
         for arm in opts.arms:
             timed, built = trial(model, arm, prompt, opts)
             steps[arm].extend(timed)
@@ -151,9 +191,15 @@ def main(argv=None) -> dict:
               "arms": {arm: {"median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s),
                              "build_median_ms": 1e3 * statistics.median(builds[arm])}
                        for arm, s in steps.items()}}
+    if opts.interleave and "rotating" in steps:
+        for arm, r in result["arms"].items():
+            # Paired: each step against RotatingKVCache's step of the same round.
+            r["speed_vs_rotating"] = statistics.median(
+                rot / own for rot, own in zip(steps["rotating"], steps[arm]))
     for arm, r in result["arms"].items():
+        paired = f"  speed vs rotating (paired) {r['speed_vs_rotating']:.3f}" if "speed_vs_rotating" in r else ""
         print(f"{arm:16s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms  "
-              f"graph built in {r['build_median_ms']:.3f} ms")
+              f"graph built in {r['build_median_ms']:.3f} ms{paired}")
     save_result(result, opts.out, "decode-parts.json")
     for arm in opts.host_profile:
         print(host_profile(model, arm, prompt, opts))

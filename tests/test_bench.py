@@ -78,3 +78,21 @@ def test_recent_window_reads_the_window_per_budget_and_pairs_passkeys_on_shared_
                and r["method"] == "h2o-query"}
     assert passkey["a"] == {"method": "h2o-query", "budget": "20%", "sweep": "a", "n": 2, "correct": 1}
     assert passkey["b"]["n"] == 2 and passkey["b"]["correct"] == 1
+
+
+def test_decode_parts_interleaved_pairs_every_arm_with_rotating_steps(tmp_path, capsys):
+    """decode_parts --interleave takes every arm's steps in turn and reports each arm's
+    paired speed against RotatingKVCache's (1 for RotatingKVCache itself); the hook it
+    installed for camkv's arm is gone afterwards."""
+    from camkv import hook
+
+    script = _load_bench_script("decode_parts")
+    result = script.main(["--model", "random-tiny", "--prompt-length", "80", "--budget", "40", "--steps", "4",
+                          "--trials", "1", "--arms", "rotating", "buffer", "camkv", "--interleave",
+                          "--out", str(tmp_path)])
+    arms = result["arms"]
+    assert set(arms) == {"rotating", "buffer", "camkv"} and arms["rotating"]["speed_vs_rotating"] == 1.0
+    assert all(r["speed_vs_rotating"] > 0 and 0 < r["build_median_ms"] <= r["median_ms"] for r in arms.values())
+    assert json.loads((tmp_path / "decode-parts.json").read_text())["setup"]["interleave"] is True
+    assert "speed vs rotating (paired)" in capsys.readouterr().out
+    assert not hook.installed_modules()

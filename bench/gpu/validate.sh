@@ -7,7 +7,7 @@
 #   bash bench/gpu/validate.sh bench   the end-to-end run (defaults), more prefill
 #                                      trials at 8k-32k, and the batch run
 # The profiles of the compression, prefill and decode parts go the same way:
-#   python3 bench/decode_parts.py --host-profile rotating camkv --out $OUT
+#   python3 bench/decode_parts.py --interleave --trials 5 --host-profile rotating camkv --out $OUT
 #   python3 bench/profile_compress.py --chunks 65 257 2048 --out $OUT
 #   python3 bench/profile_prefill.py --backend cuda --groups 2 --repeats 5 --logit-mb 32 64 128 --out $OUT
 . bench/gpu/env.sh
