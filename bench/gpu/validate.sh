@@ -6,6 +6,9 @@
 #                                      the peak memory of a 1k and a 32k prompt
 #   bash bench/gpu/validate.sh bench   the end-to-end run (defaults), more prefill
 #                                      trials at 8k-32k, and the batch run
+#   bash bench/gpu/validate.sh decode  a decode step against RotatingKVCache's, paired
+#                                      step by step (decode_parts --interleave), then
+#                                      the end-to-end run with 256 tokens and 7 trials
 # The profiles of the compression, prefill and decode parts go the same way:
 #   python3 bench/decode_parts.py --interleave --trials 5 --host-profile rotating camkv --out $OUT
 #   python3 bench/profile_compress.py --chunks 65 257 2048 --out $OUT
@@ -24,6 +27,11 @@ elif [ "$part" = bench ]; then
   timeout 120 python3 bench/e2e.py --model random-1b --prompt-lengths 8192 16384 32768 --gen-tokens 4 \
     --trials 7 --budgets 512 --out $OUT --tag e2e-h200-prefill 2>&1 | grep -v "it/s\]" | tail -4
   timeout 150 python3 bench/batch.py --model random-1b --slack 16 --profile --capacity --out $OUT/batch-h200.json 2>&1 | grep -v Warn | tail -8
+elif [ "$part" = decode ]; then
+  timeout 200 python3 bench/decode_parts.py --interleave --trials 5 --arms full rotating buffer camkv-key camkv \
+    --out $OUT 2>&1 | tail -6
+  timeout 330 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 256 \
+    --trials 7 --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
 else
-  echo "usage: bash bench/gpu/validate.sh tests|bench" >&2; exit 2
+  echo "usage: bash bench/gpu/validate.sh tests|bench|decode" >&2; exit 2
 fi
