@@ -211,7 +211,7 @@ class CaMKVCache(_BaseCache):
             self._waiting = 0
             self._query_scored += 1
             self._query_steps.append(queries)
-            if self._held > self._config.budget + self._config.slack:
+            if self._compression_due():
                 self._compress()
             return
         if not self._waiting:
@@ -548,6 +548,10 @@ class CaMKVCache(_BaseCache):
                     f"{(B, H, Dk, Dv, dtype)}, the call has {got}"
                 )
 
+    def _compression_due(self) -> bool:
+        """Whether the rows held passed budget + slack (docs/algorithm.md section 7)."""
+        return self._held > self._config.budget + self._config.slack
+
     def _capacity(self) -> int:
         """Rows a decode needs in place: budget + slack held, plus the step that compresses."""
         return self._config.budget + self._config.slack + 1
@@ -593,7 +597,7 @@ class CaMKVCache(_BaseCache):
             self._queued, self._windowed = scale, windowed
         if queries is not None:
             self._keep_queries(queries, self._held - self._settled - block)
-        if self._held > self._config.budget + self._config.slack:
+        if self._compression_due():
             self._compress()
 
     def _keep_queries(self, queries, start: int) -> None:
