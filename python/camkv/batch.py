@@ -436,7 +436,7 @@ class BatchCaMKVCache(_BaseCache):
         lent = [row for row, on in zip(rows, self._lent) if on]
         self._lent_held = max((row.size() for row in lent), default=0)
         self._lent_queries = max((row._pending_queries() for row in lent), default=0)
-        self._plain_left = min((row.config.budget + row.config.slack - row.size() for row in lent), default=0)
+        self._plain_left = min((row._steps_before_compression() for row in lent), default=0)
 
     def _tell_rows(self) -> None:
         """Tell every lent row the steps written for it since it was last told. A step in

@@ -471,7 +471,7 @@ class CaMKVCache(_BaseCache):
         like the pending rows, no votes to weigh attention by."""
         cfg = self._config
         return (self._layout is not None and not self._waiting and self._votes is None
-                and cfg.scoring == "query" and self._held + 1 <= cfg.budget + cfg.slack
+                and cfg.scoring == "query" and self._steps_before_compression() >= 1
                 and (self._queued is None or (self._queued is not _KEY_SCORED and not self._windowed))
                 and self._queries_can_come())
 
@@ -548,9 +548,13 @@ class CaMKVCache(_BaseCache):
                     f"{(B, H, Dk, Dv, dtype)}, the call has {got}"
                 )
 
+    def _steps_before_compression(self) -> int:
+        """Tokens the rows held can take before they pass budget + slack and a compression
+        is due (docs/algorithm.md section 7); negative once it is."""
+        return self._config.budget + self._config.slack - self._held
+
     def _compression_due(self) -> bool:
-        """Whether the rows held passed budget + slack (docs/algorithm.md section 7)."""
-        return self._held > self._config.budget + self._config.slack
+        return self._steps_before_compression() < 0
 
     def _capacity(self) -> int:
         """Rows a decode needs in place: budget + slack held, plus the step that compresses."""
