@@ -14,7 +14,9 @@ work to mlx-lm's plain caches.
 
 Arms take turns trial by trial (or, with --interleave, step by step within a trial); each
 trial prefills the prompt, then times --steps steps: the whole step (built, evaluated,
-the token read) and the time to build its graph alone.
+the token read) and the time to build its graph alone. With --pipelined TOKENS the steps
+run as mlx_lm.generate runs them (the next step's graph built while the device runs
+this one), the arms taking turns in blocks of TOKENS tokens.
 Example (on the H200):
     python bench/decode_parts.py --out bench/results
 """
@@ -90,6 +92,12 @@ def parse_args(argv=None):
                              "RotatingKVCache's step of the same round (paired median); arms without "
                              "camkv then run through camkv's attention hook, one attribute lookup a "
                              "layer (default off)")
+    parser.add_argument("--pipelined", type=int, default=0, metavar="TOKENS",
+                        help="decode through mlx-lm's generate_step instead (each step's graph built "
+                             "while the previous one runs on the device, as mlx_lm.generate does), the "
+                             "arms taking turns TOKENS tokens at a time; each arm's speed is then paired "
+                             "with RotatingKVCache's block of the same round and no graph-building time "
+                             "is reported (default 0: steps one at a time, synchronously)")
     parser.add_argument("--host-profile", nargs="*", default=[], choices=ARMS, metavar="ARM",
                         help="after the timing, run one more trial of each ARM under cProfile and "
                              "write its steps' Python functions by own time to "
@@ -168,6 +176,33 @@ def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[st
         hook.uninstall(model)
 
 
+def pipelined_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str, tuple[list, list]]:
+    """Every arm prefilled, then mlx-lm's generate_step for each (asynchronous, one step
+    ahead), the arms taking turns opts.pipelined tokens at a time (the first arm of a round
+    moving one place each round). arm -> (seconds a step of each block, [])."""
+    from mlx_lm.generate import generate_step
+
+    streams = {}
+    try:
+        for arm in arms:
+            cache, token = prefilled(model, arm, prompt, opts.budget)
+            streams[arm] = generate_step(token, model, prompt_cache=cache, max_tokens=-1,
+                                         sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+            next(streams[arm])  # the prompt's last token: not a decode step
+        timed = {arm: ([], []) for arm in arms}
+        for block in range(max(1, opts.steps // opts.pipelined)):
+            for arm in arms[block % len(arms):] + arms[: block % len(arms)]:
+                tick = time.perf_counter()
+                for _ in range(opts.pipelined):
+                    next(streams[arm])
+                timed[arm][0].append((time.perf_counter() - tick) / opts.pipelined)
+        return timed
+    finally:
+        for stream in streams.values():
+            stream.close()
+        hook.uninstall(model)
+
+
 def main(argv=None) -> dict:
     opts = parse_args(argv)
     model = random_llama(opts.model)
@@ -177,8 +212,9 @@ def main(argv=None) -> dict:
     for arm in opts.arms:  # warm-up: compiles and allocates what each arm runs
         trial(model, arm, prompt, opts)
     for _ in range(opts.trials):
-        if opts.interleave:
-            for arm, (timed, built) in interleaved_trial(model, opts.arms, prompt, opts).items():
+        if opts.interleave or opts.pipelined:
+            take_turns = pipelined_trial if opts.pipelined else interleaved_trial
+            for arm, (timed, built) in take_turns(model, opts.arms, prompt, opts).items():
                 steps[arm].extend(timed)
                 builds[arm].extend(built)
             continue
@@ -189,17 +225,17 @@ def main(argv=None) -> dict:
     result = {"setup": {**vars(opts), "out": str(opts.out), "device": str(mx.default_device()),
                         "machine": platform.machine(), "mlx": mx.__version__},
               "arms": {arm: {"median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s),
-                             "build_median_ms": 1e3 * statistics.median(builds[arm])}
+                             "build_median_ms": 1e3 * statistics.median(builds[arm]) if builds[arm] else None}
                        for arm, s in steps.items()}}
-    if opts.interleave and "rotating" in steps:
+    if (opts.interleave or opts.pipelined) and "rotating" in steps:
         for arm, r in result["arms"].items():
-            # Paired: each step against RotatingKVCache's step of the same round.
+            # Paired: each step (or block) against RotatingKVCache's of the same round.
             r["speed_vs_rotating"] = statistics.median(
                 rot / own for rot, own in zip(steps["rotating"], steps[arm]))
     for arm, r in result["arms"].items():
         paired = f"  speed vs rotating (paired) {r['speed_vs_rotating']:.3f}" if "speed_vs_rotating" in r else ""
-        print(f"{arm:16s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms  "
-              f"graph built in {r['build_median_ms']:.3f} ms{paired}")
+        built = "" if r["build_median_ms"] is None else f"  graph built in {r['build_median_ms']:.3f} ms"
+        print(f"{arm:16s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms{built}{paired}")
     save_result(result, opts.out, "decode-parts.json")
     for arm in opts.host_profile:
         print(host_profile(model, arm, prompt, opts))

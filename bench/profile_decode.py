@@ -21,6 +21,7 @@ of build + evaluation, medians over --repeats steps.
 
 Plus a cProfile of the host side of "cache". Example (on the H200):
     python bench/profile_decode.py --backend cuda --out bench/results
+    python bench/profile_decode.py --backend cuda --merge keepkv --slacks 0 --out bench/results
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="auto", help="camkv backend (auto, cuda, metal, ext, reference)")
+    parser.add_argument("--merge", default="drop",
+                        help="merge rule of every part (default drop; the kernel parts run the core with it)")
     parser.add_argument("--layers", type=int, default=16, help="layers updated per step (default 16)")
     add_layer_shape_args(parser, groups=4)
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per part (default 30)")
@@ -79,8 +82,8 @@ def _timed(build, repeats: int, warmups: int = 3) -> dict:
 def measure(opts) -> dict:
     dtype = mx.float16
     H, G, D, L = opts.heads, opts.groups, opts.head_dim, opts.layers
-    cfg = CaMConfig(budget=opts.budget, backend=opts.backend)
-    backend = backends.resolve(opts.backend)
+    cfg = CaMConfig(budget=opts.budget, backend=opts.backend, merge=opts.merge)
+    backend = backends.resolve(opts.backend, opts.merge)
     token = mx.random.normal((1, H, 1, D)).astype(dtype)
     queries = mx.random.normal((1, H * G, 1, D)).astype(dtype)
     scale = 1.0 / math.sqrt(D)
@@ -174,7 +177,7 @@ def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> 
     def launch(param_block):
         out = []
         for i, s in enumerate(states):
-            res = jit.launch(target, [*s, step_keys, step_keys, q32, placeholder, row_ids, param_block], n, D,
+            res = jit.launch(target, [*s.arrays(), step_keys, step_keys, q32, placeholder, row_ids, param_block], n, D,
                              strides)
             states[i] = RowState(*res[:4])
             out.extend(res[:5])
@@ -201,7 +204,8 @@ def main(argv=None) -> dict:
     for name, t in result["per_layer"].items():
         print(f"  {name:14s} {1e6 * t['build_s']:8.1f} / {1e6 * t['step_s']:8.1f} / {1e6 * t['step_mean_s']:8.1f}")
     print(result["cprofile_cache"])
-    save_result(result, opts.out, f"profile-decode-{opts.backend}.json")
+    save_result(result, opts.out, f"profile-decode-{opts.backend}"
+                + ("" if opts.merge == "drop" else f"-{opts.merge}") + ".json")
     return result
 
 

@@ -96,3 +96,20 @@ def test_decode_parts_interleaved_pairs_every_arm_with_rotating_steps(tmp_path, 
     assert json.loads((tmp_path / "decode-parts.json").read_text())["setup"]["interleave"] is True
     assert "speed vs rotating (paired)" in capsys.readouterr().out
     assert not hook.installed_modules()
+
+
+def test_decode_parts_pipelined_times_blocks_of_generate_step_tokens(tmp_path, capsys):
+    """decode_parts --pipelined N decodes through mlx-lm's generate_step, the arms taking
+    turns N tokens at a time: one time a block per arm and round, paired with
+    RotatingKVCache's block, no graph-building time; the hook is gone afterwards."""
+    from camkv import hook
+
+    script = _load_bench_script("decode_parts")
+    result = script.main(["--model", "random-tiny", "--prompt-length", "80", "--budget", "40", "--steps", "9",
+                          "--trials", "1", "--arms", "rotating", "camkv", "--pipelined", "3",
+                          "--out", str(tmp_path)])
+    arms = result["arms"]
+    assert arms["rotating"]["speed_vs_rotating"] == 1.0 and arms["camkv"]["speed_vs_rotating"] > 0
+    assert all(r["build_median_ms"] is None and r["median_ms"] > 0 for r in arms.values())
+    assert "graph built" not in capsys.readouterr().out
+    assert not hook.installed_modules()
