@@ -31,7 +31,7 @@ CUTS = [
     ("loser marking", "camkv_update_chunk", "camkv_mark_losers("),
     ("survivor lists", "camkv_update_chunk", "r.survivors = b.i32 + 3 * total;"),
     ("loser list and norms", "camkv_merge_losers", "CAMKV_DEVICE int* losers = r.list;"),
-    ("phase 1: nearest searches", "camkv_merge_losers", "for (int k = camkv_tid(g); k < n_losers;"),
+    ("phase 1: nearest searches", "camkv_merge_losers", "int lane = camkv_tid(g) % CAMKV_LANES"),
     ("phase 2: merges by owner", "camkv_merge_losers", "int merged = 0;"),
     ("compaction", "camkv_update_chunk", "camkv_compact_survivors(r, b, g);"),
 ]

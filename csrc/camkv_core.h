@@ -21,6 +21,10 @@
 //                                                 target rounds dot products and blends alike
 //   CAMKV_THREAD                                  qualifier of thread-local arrays
 //   CAMKV_DOT_ROWS                                rows one thread dots at once
+//   CAMKV_LANES                                   threads of a team that share one dot
+//                                                 (1: one thread a dot, in feature order)
+//   camkv_lane_sum(g, x)                          x summed over the thread's team
+//   camkv_lane_best(g, &v, &i)                    the team's smallest v, ties to smaller i
 // All arithmetic is float32; keys and values are rounded to the storage dtype
 // once per merge, exactly as the reference does.
 //
@@ -229,6 +233,46 @@ CAMKV_INLINE void camkv_dots_wide(const CAMKV_DEVICE Q* q, int q_stride, int nq,
     camkv_madd8(q + d0, q_stride, nq, kv, dots, &sq, with_square);
   }
   *square = sq;
+}
+#endif
+
+#if CAMKV_LANES > 1
+// dots[k] = q_k . key for the nq (<= CAMKV_QUERY_BLOCK) queries q + k * q_stride,
+// and *square = key . key when with_square, the features shared out over the
+// CAMKV_LANES threads of a team: each lane sums its features in order (8 at a time
+// through 16-byte words where the rows allow), then the team sums its lanes
+// (section 8 lets a backend reduce in its own order). Every thread of the group
+// calls it equally often: its lane sums are SIMD-group operations.
+template <typename Q, typename T>
+CAMKV_INLINE void camkv_team_dots(const CAMKV_DEVICE Q* q, int q_stride, int nq, const CAMKV_DEVICE T* key, int len,
+                                  int lane, CAMKV_THREAD float* dots, CAMKV_THREAD float* square, bool with_square,
+                                  CamGroup g) {
+  float sq = 0.0f;
+  for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
+    dots[k] = 0.0f;
+  }
+  bool by_words = false;
+#if CAMKV_WIDE
+  by_words = camkv_wide_rows(q, key, len) && q_stride % 8 == 0;
+  if (by_words) {
+    float kv[8];
+    for (int d0 = 8 * lane; d0 < len; d0 += 8 * CAMKV_LANES) {
+      camkv_load8(key + d0, kv);
+      camkv_madd8(q + d0, q_stride, nq, kv, dots, &sq, with_square);
+    }
+  }
+#endif
+  for (int d = lane; !by_words && d < len; d += CAMKV_LANES) {
+    float kd = camkv_float(key[d]);
+    sq = camkv_madd(sq, kd, kd);
+    for (int k = 0; k < CAMKV_QUERY_BLOCK && k < nq; ++k) {
+      dots[k] = camkv_madd(dots[k], camkv_float(q[(long)k * q_stride + d]), kd);
+    }
+  }
+  for (int k = 0; k < CAMKV_QUERY_BLOCK && k < nq; ++k) {
+    dots[k] = camkv_lane_sum(g, dots[k]);
+  }
+  *square = with_square ? camkv_lane_sum(g, sq) : 0.0f;
 }
 #endif
 
@@ -611,6 +655,23 @@ CAMKV_INLINE void camkv_add_attention(
   }
   float dots[CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS];
   float unused[CAMKV_DOT_ROWS];
+#if CAMKV_LANES > 1
+  // A team a row: every thread runs the same rounds (the lane sums need the whole team).
+  int lane = camkv_tid(g) % CAMKV_LANES, teams = camkv_gsize(g) / CAMKV_LANES;
+  for (int j0 = 0; j0 < visible; j0 += teams) {
+    int j = j0 + camkv_tid(g) / CAMKV_LANES;
+    camkv_team_dots(q, q_stride, nq, camkv_key(r, camkv_search_row(r, j < visible ? j : j0)), r.Dk, lane, dots,
+                    unused, false, g);
+    for (int k = 0; k < nq && j < visible; ++k) {
+      float l = scale * dots[k];
+      l = l - l == 0.0f ? l : -CAMKV_INF;  // a NaN or infinite logit counts as masked
+      if (lane == 0) {
+        logits[(long)k * logit_stride + j] = l;
+      }
+      local_max[k] = l > local_max[k] ? l : local_max[k];
+    }
+  }
+#else
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < visible; j0 += step) {
     if (r.shadow != 0) {
@@ -627,6 +688,7 @@ CAMKV_INLINE void camkv_add_attention(
       }
     }
   }
+#endif
   for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
     if (k == nq) {
       break;  // nq is the same for the whole group
@@ -690,6 +752,25 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   int best_j = total;
   float dots[CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS];
   float squares[CAMKV_DOT_ROWS];
+#if CAMKV_LANES > 1
+  // A team a column: every thread runs the same rounds (the lane sums need the whole team).
+  int lane = camkv_tid(g) % CAMKV_LANES, teams = camkv_gsize(g) / CAMKV_LANES;
+  for (int c0 = 0; c0 < total; c0 += teams) {
+    int c = c0 + camkv_tid(g) / CAMKV_LANES;
+    int j = camkv_search_row(r, c < total ? c : c0);
+    camkv_team_dots(k_e, 0, 1, camkv_key(r, j), r.Dk, lane, dots, squares, true, g);
+    if (c < total && camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
+      float cosine = camkv_cosine_of(dots[0], squares[0], norm_e);
+      if (lane == 0) {
+        r.cosines[c] = cosine;
+      }
+      if (-cosine < best) {
+        best = -cosine;
+        best_j = j;
+      }
+    }
+  }
+#else
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < total; j0 += step) {
     if (r.shadow != 0) {
@@ -711,6 +792,7 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
       }
     }
   }
+#endif
   return camkv_group_argmin(g, best, best_j);
 }
 
@@ -1289,17 +1371,20 @@ CAMKV_INLINE void camkv_survivor_squares(CamRows<T> r, CAMKV_DEVICE float* squar
   }
 }
 
-// Section 4.1 for loser e by one thread: the non-sink survivor with the largest
-// cosine (ties to the smaller position), and that cosine, as camkv_nearest finds them.
+// Section 4.1 for loser e by lane `lane` of a team: over the survivor columns of
+// its share (blocks of 4, one block in CAMKV_LANES), the non-sink column with the
+// largest cosine (ties to the smaller column), as *best = -cosine and *best_c; each
+// dot a sequential sum, as camkv_nearest's. The team's best of its lanes' (ties to
+// the smaller column) is the one camkv_nearest finds.
 template <typename T>
-CAMKV_INLINE int camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAMKV_DEVICE float* squares,
-                                     CAMKV_DEVICE float* cosine) {
+CAMKV_INLINE void camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAMKV_DEVICE float* squares, int lane,
+                                      CAMKV_THREAD float* best_out, CAMKV_THREAD int* best_c_out) {
   const CAMKV_DEVICE T* k_e = camkv_key(r, e);
   float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
   float best = CAMKV_INF;
   int best_c = r.n_survivors;
   float dots[4];
-  for (int c0 = 0; c0 < r.n_survivors; c0 += 4) {
+  for (int c0 = 4 * lane; c0 < r.n_survivors; c0 += 4 * CAMKV_LANES) {
     for (int i = 0; i < 4; ++i) {
       dots[i] = 0.0f;
     }
@@ -1320,8 +1405,8 @@ CAMKV_INLINE int camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAMK
       }
     }
   }
-  *cosine = -best;
-  return best_c < r.n_survivors ? r.survivors[best_c] : r.count;
+  *best_out = best;
+  *best_c_out = best_c;
 }
 
 template <typename T>
@@ -1332,9 +1417,21 @@ CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams
   int n_losers = camkv_list_rows(r, 1, losers, g);
   camkv_survivor_squares(r, squares, g);
   camkv_barrier(g);
-  // Phase 1, parallel over losers: targets and cosines.
-  for (int k = camkv_tid(g); k < n_losers; k += camkv_gsize(g)) {
-    targets[k] = camkv_nearest_alone(r, losers[k], p->n_sink, squares, weights + k);
+  // Phase 1, parallel over losers (a team each, its lanes sharing the survivors):
+  // targets and cosines. Every thread runs the same rounds (the team's reduction).
+  int lane = camkv_tid(g) % CAMKV_LANES, teams = camkv_gsize(g) / CAMKV_LANES;
+  for (int k0 = 0; k0 < n_losers; k0 += teams) {
+    int k = k0 + camkv_tid(g) / CAMKV_LANES;
+    float best = CAMKV_INF;
+    int best_c = r.n_survivors;
+    if (k < n_losers) {
+      camkv_nearest_alone(r, losers[k], p->n_sink, squares, lane, &best, &best_c);
+    }
+    camkv_lane_best(g, &best, &best_c);
+    if (k < n_losers && lane == 0) {
+      weights[k] = -best;
+      targets[k] = best_c < r.n_survivors ? r.survivors[best_c] : r.count;
+    }
   }
   camkv_barrier(g);
   // Phase 2: every thread walks the losers in order and applies the merges into the

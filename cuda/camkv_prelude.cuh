@@ -14,6 +14,10 @@
 #define CAMKV_INT_MAX 2147483647
 #define CAMKV_THREAD
 #define CAMKV_DOT_ROWS 1
+// Threads that share one row's dot product (a team of consecutive lanes of a warp):
+// each reads an eighth of a 128-feature key in one 16-byte load, so a warp reads four
+// keys whole and in order, and a thread holds 8 features instead of a key's 32.
+#define CAMKV_LANES 8
 // Bulk copies move 16-byte words where the range is aligned to them: a block of
 // 256 threads then keeps 32 KiB of loads in flight instead of 4 KiB of halves.
 #define CAMKV_WIDE 1
@@ -71,6 +75,27 @@ __device__ __forceinline__ int camkv_warp_min_int(int x) {
     x = min(x, __shfl_xor_sync(0xffffffffu, x, offset));
   }
   return x;
+}
+
+// The sum of x over the thread's team (CAMKV_LANES lanes, a butterfly: every lane
+// gets it). Every lane of the warp calls it.
+__device__ __forceinline__ float camkv_lane_sum(CamGroup, float x) {
+  for (int offset = CAMKV_LANES / 2; offset > 0; offset /= 2) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
+  return x;
+}
+
+// The team's smallest *value, ties to the smaller *index, into every lane's pair.
+__device__ __forceinline__ void camkv_lane_best(CamGroup, float* value, int* index) {
+  for (int offset = CAMKV_LANES / 2; offset > 0; offset /= 2) {
+    float other = __shfl_xor_sync(0xffffffffu, *value, offset);
+    int other_index = __shfl_xor_sync(0xffffffffu, *index, offset);
+    if (other < *value || (other == *value && other_index < *index)) {
+      *value = other;
+      *index = other_index;
+    }
+  }
 }
 
 // Each warp reduces in registers; lane 0 parks its result; warp 0 reduces the

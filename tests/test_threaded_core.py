@@ -1,6 +1,7 @@
 """The kernel core run the way a GPU runs it, on CPU threads: a group of threads per
-row with barriers and group reductions, one row per dot, with the CUDA prelude's
-16-byte loads and with the Metal prelude's element loads, built from tests/threaded/
+row with barriers and group reductions, a team of threads per dot (CAMKV_LANES) or one
+thread per dot, with the CUDA prelude's 16-byte loads and with the Metal prelude's
+element loads, built from tests/threaded/
 with the system compiler. The GPU
 backends' own host code (camkv.backends.jit: parameter blocks and their table,
 scratch sizes, chunk prescoring, placeholders) feeds it through a stand-in for the
@@ -31,21 +32,28 @@ THREADS = 32  # one SIMD group: the smallest GPU work group the host allows
 KERNEL_MERGES = merges.names(kernels=True)  # the rules the kernel core runs
 
 
-# The two GPU preludes' loads: CUDA's 16-byte words, Metal's elements.
-@pytest.fixture(scope="module", params=["cuda-loads", "metal-loads"])
+# The GPU preludes' loads (CUDA's 16-byte words, Metal's elements) and their teams of
+# 8 threads a dot (CAMKV_LANES), and one thread a dot (lanes-1: the core's loop
+# over rows a thread, which the GPUs ran before teams).
+BUILDS = {"cuda-loads": (1, 8), "metal-loads": (0, 8), "lanes-1": (1, 1)}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
 def library(request, tmp_path_factory):
     if COMPILER is None:
         pytest.skip("no C++ compiler on PATH")
-    wide = 1 if request.param == "cuda-loads" else 0
+    wide, lanes = BUILDS[request.param]
     built = tmp_path_factory.mktemp("threaded") / f"libcamkv_threaded_{request.param}.so"
     result = subprocess.run(
         [COMPILER, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-shared", "-fPIC",
-         f"-DCAMKV_THREADS_WIDE={wide}",
+         f"-DCAMKV_THREADS_WIDE={wide}", f"-DCAMKV_THREADS_LANES={lanes}",
          f"-I{ROOT / 'csrc'}", f"-I{ROOT / 'tests' / 'threaded'}",
          str(ROOT / "tests" / "threaded" / "camkv_threaded.cpp"), "-o", str(built)],
         capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    return ctypes.CDLL(str(built))
+    library = ctypes.CDLL(str(built))
+    library.lanes = lanes
+    return library
 
 
 def _pointer(a: np.ndarray):
@@ -84,6 +92,7 @@ def threaded_update(library, monkeypatch):
     def update(state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
         return jit.update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, target="cuda")
 
+    update.reordered = library.lanes > 1  # dots summed by teams: section 8's own order
     return update
 
 
@@ -92,7 +101,7 @@ def _check(update, cfg, sizes, **shape):
     got = feed(update, cfg, sizes, dtype=mx.float32, **shape)
     with mx.stream(mx.cpu):
         want = feed(reference.update, cfg, sizes, dtype=mx.float32, **shape)
-    assert_states_match(got, want, cfg, context)
+    assert_states_match(got, want, cfg, context, update.reordered)
 
 
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
