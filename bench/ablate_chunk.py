@@ -9,6 +9,7 @@ times mean anything. The cuts are found by their text in the core, so a change t
 those lines must update CUTS (tests/test_jit.py builds every variant against the
 stub to catch that). Example (on the H200):
     python bench/ablate_chunk.py --backend cuda --out bench/results
+    python bench/ablate_chunk.py --backend cuda --merge mass_weighted --chunk 65 --out bench/results
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def parse_args(argv=None):
     parser.add_argument("--backend", default="cuda", choices=("cuda", "metal"), help="GPU backend")
     parser.add_argument("--chunk", type=int, default=2048, help="chunk tokens (default 2048)")
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
+    parser.add_argument("--merge", default="drop",
+                        help="merge rule (default drop; a nearest rule such as mass_weighted runs the merge phases)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per variant (default 5)")
     parser.add_argument("--out", type=Path, default=None, help="folder for ablate-chunk-<backend>.json")
     return parser.parse_args(argv)
@@ -60,7 +63,7 @@ def parse_args(argv=None):
 
 def measure(opts) -> list[dict]:
     D, n = 128, opts.budget
-    cfg = CaMConfig(budget=n, backend=opts.backend, prefill="chunk")
+    cfg = CaMConfig(budget=n, backend=opts.backend, prefill="chunk", merge=opts.merge)
     keys, queries, state, row_ids = chunk_case(8, 4, D, n, opts.chunk)
     variants = variant_headers(opts.backend) + [("(whole kernel)", jit.target_source(opts.backend)[0])]
     saved = jit._kernels.pop(opts.backend, None)
@@ -95,7 +98,7 @@ def main(argv=None) -> dict:
         print(f"  {phase['phase']:28s} {phase['ms']:8.2f} ms")
     print(f"  {'whole update':28s} {rows[-1]['update_ms']:8.2f} ms")
     result = {"cuts": rows, "phases": phases, "setup": {k: str(v) for k, v in vars(opts).items()}}
-    save_result(result, opts.out, f"ablate-chunk-{opts.backend}.json")
+    save_result(result, opts.out, f"ablate-chunk-{opts.backend}-{opts.merge}-{opts.chunk}.json")
     return result
 
 

@@ -21,9 +21,8 @@
 //                                                 target rounds dot products and blends alike
 //   CAMKV_THREAD                                  qualifier of thread-local arrays
 //   CAMKV_DOT_ROWS                                rows one thread dots at once
-//   CAMKV_LANES                                   threads of a team that share one dot
-//                                                 (1: one thread a dot, in feature order)
-//   camkv_lane_sum(g, x)                          x summed over the thread's team
+//   CAMKV_LANES                                   threads of a team that share one
+//                                                 nearest-survivor search of a chunk
 //   camkv_lane_best(g, &v, &i)                    the team's smallest v, ties to smaller i
 // All arithmetic is float32; keys and values are rounded to the storage dtype
 // once per merge, exactly as the reference does.
@@ -233,46 +232,6 @@ CAMKV_INLINE void camkv_dots_wide(const CAMKV_DEVICE Q* q, int q_stride, int nq,
     camkv_madd8(q + d0, q_stride, nq, kv, dots, &sq, with_square);
   }
   *square = sq;
-}
-#endif
-
-#if CAMKV_LANES > 1
-// dots[k] = q_k . key for the nq (<= CAMKV_QUERY_BLOCK) queries q + k * q_stride,
-// and *square = key . key when with_square, the features shared out over the
-// CAMKV_LANES threads of a team: each lane sums its features in order (8 at a time
-// through 16-byte words where the rows allow), then the team sums its lanes
-// (section 8 lets a backend reduce in its own order). Every thread of the group
-// calls it equally often: its lane sums are SIMD-group operations.
-template <typename Q, typename T>
-CAMKV_INLINE void camkv_team_dots(const CAMKV_DEVICE Q* q, int q_stride, int nq, const CAMKV_DEVICE T* key, int len,
-                                  int lane, CAMKV_THREAD float* dots, CAMKV_THREAD float* square, bool with_square,
-                                  CamGroup g) {
-  float sq = 0.0f;
-  for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
-    dots[k] = 0.0f;
-  }
-  bool by_words = false;
-#if CAMKV_WIDE
-  by_words = camkv_wide_rows(q, key, len) && q_stride % 8 == 0;
-  if (by_words) {
-    float kv[8];
-    for (int d0 = 8 * lane; d0 < len; d0 += 8 * CAMKV_LANES) {
-      camkv_load8(key + d0, kv);
-      camkv_madd8(q + d0, q_stride, nq, kv, dots, &sq, with_square);
-    }
-  }
-#endif
-  for (int d = lane; !by_words && d < len; d += CAMKV_LANES) {
-    float kd = camkv_float(key[d]);
-    sq = camkv_madd(sq, kd, kd);
-    for (int k = 0; k < CAMKV_QUERY_BLOCK && k < nq; ++k) {
-      dots[k] = camkv_madd(dots[k], camkv_float(q[(long)k * q_stride + d]), kd);
-    }
-  }
-  for (int k = 0; k < CAMKV_QUERY_BLOCK && k < nq; ++k) {
-    dots[k] = camkv_lane_sum(g, dots[k]);
-  }
-  *square = with_square ? camkv_lane_sum(g, sq) : 0.0f;
 }
 #endif
 
@@ -655,23 +614,6 @@ CAMKV_INLINE void camkv_add_attention(
   }
   float dots[CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS];
   float unused[CAMKV_DOT_ROWS];
-#if CAMKV_LANES > 1
-  // A team a row: every thread runs the same rounds (the lane sums need the whole team).
-  int lane = camkv_tid(g) % CAMKV_LANES, teams = camkv_gsize(g) / CAMKV_LANES;
-  for (int j0 = 0; j0 < visible; j0 += teams) {
-    int j = j0 + camkv_tid(g) / CAMKV_LANES;
-    camkv_team_dots(q, q_stride, nq, camkv_key(r, camkv_search_row(r, j < visible ? j : j0)), r.Dk, lane, dots,
-                    unused, false, g);
-    for (int k = 0; k < nq && j < visible; ++k) {
-      float l = scale * dots[k];
-      l = l - l == 0.0f ? l : -CAMKV_INF;  // a NaN or infinite logit counts as masked
-      if (lane == 0) {
-        logits[(long)k * logit_stride + j] = l;
-      }
-      local_max[k] = l > local_max[k] ? l : local_max[k];
-    }
-  }
-#else
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < visible; j0 += step) {
     if (r.shadow != 0) {
@@ -688,7 +630,6 @@ CAMKV_INLINE void camkv_add_attention(
       }
     }
   }
-#endif
   for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
     if (k == nq) {
       break;  // nq is the same for the whole group
@@ -752,25 +693,6 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   int best_j = total;
   float dots[CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS];
   float squares[CAMKV_DOT_ROWS];
-#if CAMKV_LANES > 1
-  // A team a column: every thread runs the same rounds (the lane sums need the whole team).
-  int lane = camkv_tid(g) % CAMKV_LANES, teams = camkv_gsize(g) / CAMKV_LANES;
-  for (int c0 = 0; c0 < total; c0 += teams) {
-    int c = c0 + camkv_tid(g) / CAMKV_LANES;
-    int j = camkv_search_row(r, c < total ? c : c0);
-    camkv_team_dots(k_e, 0, 1, camkv_key(r, j), r.Dk, lane, dots, squares, true, g);
-    if (c < total && camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
-      float cosine = camkv_cosine_of(dots[0], squares[0], norm_e);
-      if (lane == 0) {
-        r.cosines[c] = cosine;
-      }
-      if (-cosine < best) {
-        best = -cosine;
-        best_j = j;
-      }
-    }
-  }
-#else
   int step = camkv_gsize(g) * CAMKV_DOT_ROWS;
   for (int j0 = camkv_tid(g) * CAMKV_DOT_ROWS; j0 < total; j0 += step) {
     if (r.shadow != 0) {
@@ -792,7 +714,6 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
       }
     }
   }
-#endif
   return camkv_group_argmin(g, best, best_j);
 }
 

@@ -20,7 +20,7 @@
 #define CAMKV_THREAD
 // A lone thread dots 8 rows at once: 8 independent addition chains.
 #define CAMKV_DOT_ROWS 8
-// One thread a dot: teams of one lane (the lane reductions are identities).
+// One thread a search: teams of one lane (the lane reduction is an identity).
 #define CAMKV_LANES 1
 // Plain element loops: the compiler vectorises them itself.
 #define CAMKV_WIDE 0
@@ -46,7 +46,6 @@ inline void camkv_barrier(CamGroup) {}
 inline float camkv_group_sum(CamGroup, float x) { return x; }
 inline float camkv_group_max(CamGroup, float x) { return x; }
 inline int camkv_group_argmin(CamGroup, float, int index) { return index; }
-inline float camkv_lane_sum(CamGroup, float x) { return x; }
 inline void camkv_lane_best(CamGroup, float*, int*) {}
 inline float camkv_exp(float x) { return std::exp(x); }
 inline float camkv_sqrt(float x) { return std::sqrt(x); }

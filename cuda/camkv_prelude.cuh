@@ -14,9 +14,9 @@
 #define CAMKV_INT_MAX 2147483647
 #define CAMKV_THREAD
 #define CAMKV_DOT_ROWS 1
-// Threads that share one row's dot product (a team of consecutive lanes of a warp):
-// each reads an eighth of a 128-feature key in one 16-byte load, so a warp reads four
-// keys whole and in order, and a thread holds 8 features instead of a key's 32.
+// Threads that share one loser's nearest-survivor search in a chunk (a team of
+// consecutive lanes of a warp, each taking every 8th block of survivor columns): a
+// compression of 65 losers then keeps 8x as many threads busy as one thread a loser.
 #define CAMKV_LANES 8
 // Bulk copies move 16-byte words where the range is aligned to them: a block of
 // 256 threads then keeps 32 KiB of loads in flight instead of 4 KiB of halves.
@@ -73,15 +73,6 @@ __device__ __forceinline__ float camkv_warp_max(float x) {
 __device__ __forceinline__ int camkv_warp_min_int(int x) {
   for (int offset = CAMKV_WARP / 2; offset > 0; offset /= 2) {
     x = min(x, __shfl_xor_sync(0xffffffffu, x, offset));
-  }
-  return x;
-}
-
-// The sum of x over the thread's team (CAMKV_LANES lanes, a butterfly: every lane
-// gets it). Every lane of the warp calls it.
-__device__ __forceinline__ float camkv_lane_sum(CamGroup, float x) {
-  for (int offset = CAMKV_LANES / 2; offset > 0; offset /= 2) {
-    x += __shfl_xor_sync(0xffffffffu, x, offset);
   }
   return x;
 }

@@ -21,7 +21,8 @@ using namespace metal;
 #define CAMKV_SIMD_WIDTH 32
 #define CAMKV_THREAD thread
 #define CAMKV_DOT_ROWS 1
-// Threads that share one row's dot product (a team of consecutive lanes of a simdgroup).
+// Threads that share one loser's nearest-survivor search in a chunk (a team of
+// consecutive lanes of a simdgroup).
 #define CAMKV_LANES 8
 // Element-wide copies: MSL has no portable pointer-to-integer test for 16-byte alignment.
 #define CAMKV_WIDE 0
@@ -51,15 +52,6 @@ inline float camkv_madd(float acc, float a, float b) { return acc + a * b; }
 template <typename T>
 inline float camkv_float(T x) {
   return float(x);
-}
-
-// The sum of x over the thread's team (CAMKV_LANES lanes, a butterfly: every lane
-// gets it). Every lane of the simdgroup calls it.
-inline float camkv_lane_sum(CamGroup, float x) {
-  for (ushort offset = CAMKV_LANES / 2; offset > 0; offset /= 2) {
-    x += simd_shuffle_xor(x, offset);
-  }
-  return x;
 }
 
 // The team's smallest *value, ties to the smaller *index, into every lane's pair.

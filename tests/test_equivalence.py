@@ -45,17 +45,6 @@ def _np(a: mx.array) -> np.ndarray:
 # the error of any wrong weight.
 MASS_MODES = merges.names(weight_uses_mass=True)
 MASS_WEIGHT_RTOL = 1e-5
-# The GPU kernels share a dot product out over a team of threads (CAMKV_LANES) and sum
-# the lanes' parts: their cosines then differ from the reference's feature-order sums
-# in the last float32 bits too, and every blend weight built from a cosine inherits
-# that, as the mass modes' weights inherit the scores'. Same allowance.
-REORDERING_BACKENDS = ("cuda", "metal")
-
-
-def reduces_in_own_order(backend: str) -> bool:
-    """Whether the backend's dot products are not feature-order sums (section 8): the
-    GPU kernels (also "ext" when its compiled library runs on an Apple GPU)."""
-    return backend in REORDERING_BACKENDS or (backend == "ext" and mx.default_device() != mx.cpu)
 
 
 def assert_rows_match(name: str, got: mx.array, want: mx.array, exact: bool, context: str,
@@ -78,9 +67,7 @@ def assert_rows_match(name: str, got: mx.array, want: mx.array, exact: bool, con
     )
 
 
-def assert_states_match(got, want, cfg: CaMConfig, context: str, reordered: bool = False) -> None:
-    """got matches want as section 8 says; reordered: got's dot products were summed in
-    another order than the reference's (blend weights then differ in their last bits)."""
+def assert_states_match(got, want, cfg: CaMConfig, context: str) -> None:
     (g_state, g_merges), (w_state, w_merges) = got, want
     assert g_state.keys.shape == w_state.keys.shape, f"{context}: shapes {g_state.keys.shape} vs {w_state.keys.shape}"
     assert g_state.values.shape == w_state.values.shape, f"{context}: value shapes differ"
@@ -92,7 +79,7 @@ def assert_states_match(got, want, cfg: CaMConfig, context: str, reordered: bool
         np.array(g_state.scores), np.array(w_state.scores), rtol=1e-4, atol=1e-6, err_msg=f"{context}: scores"
     )
     exact = cfg.merge == "drop"
-    rtol = MASS_WEIGHT_RTOL if cfg.merge in MASS_MODES or reordered else 0.0
+    rtol = MASS_WEIGHT_RTOL if cfg.merge in MASS_MODES else 0.0
     assert_rows_match("values", g_state.values, w_state.values, exact, context, rtol)
     assert_rows_match("keys", g_state.keys, w_state.keys, exact or not cfg.merge_keys, context, rtol)
 
@@ -130,10 +117,10 @@ def check_backend(backend: str, cfg: CaMConfig, sizes, **shape) -> None:
         return
     got = feed(backends.resolve(backend).update, cfg, sizes, **shape)
     # The oracle runs on the CPU, whatever the default device: its dot products are
-    # sums in feature order there, which the CPU kernel (FMA-free) reproduces.
+    # sums in feature order there, which every kernel (FMA-free) reproduces.
     with mx.stream(mx.cpu):
         want = feed(reference.update, cfg, sizes, **shape)
-    assert_states_match(got, want, cfg, context, reduces_in_own_order(backend))
+    assert_states_match(got, want, cfg, context)
 
 
 # ----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The kernel core run the way a GPU runs it, on CPU threads: a group of threads per
-row with barriers and group reductions, a team of threads per dot (CAMKV_LANES) or one
-thread per dot, with the CUDA prelude's 16-byte loads and with the Metal prelude's
+row with barriers and group reductions, one row per dot, teams of threads sharing a
+chunk's nearest-survivor search (CAMKV_LANES) or a thread alone, with the CUDA prelude's 16-byte loads and with the Metal prelude's
 element loads, built from tests/threaded/
 with the system compiler. The GPU
 backends' own host code (camkv.backends.jit: parameter blocks and their table,
@@ -33,8 +33,8 @@ KERNEL_MERGES = merges.names(kernels=True)  # the rules the kernel core runs
 
 
 # The GPU preludes' loads (CUDA's 16-byte words, Metal's elements) and their teams of
-# 8 threads a dot (CAMKV_LANES), and one thread a dot (lanes-1: the core's loop
-# over rows a thread, which the GPUs ran before teams).
+# 8 threads a chunk's nearest-survivor search (CAMKV_LANES), and teams of one thread
+# (lanes-1: the CPU's loop, a thread a loser).
 BUILDS = {"cuda-loads": (1, 8), "metal-loads": (0, 8), "lanes-1": (1, 1)}
 
 
@@ -92,7 +92,6 @@ def threaded_update(library, monkeypatch):
     def update(state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
         return jit.update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, target="cuda")
 
-    update.reordered = library.lanes > 1  # dots summed by teams: section 8's own order
     return update
 
 
@@ -101,7 +100,7 @@ def _check(update, cfg, sizes, **shape):
     got = feed(update, cfg, sizes, dtype=mx.float32, **shape)
     with mx.stream(mx.cpu):
         want = feed(reference.update, cfg, sizes, dtype=mx.float32, **shape)
-    assert_states_match(got, want, cfg, context, update.reordered)
+    assert_states_match(got, want, cfg, context)
 
 
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])

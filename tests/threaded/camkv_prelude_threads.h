@@ -1,6 +1,6 @@
 // Test-only prelude: the kernel core run by a group of real CPU threads, the way a
-// GPU runs it (several threads per row, barriers, group reductions, a team of
-// CAMKV_THREADS_LANES threads per dot), so the core's multi-thread code paths are
+// GPU runs it (several threads per row, barriers, group reductions, teams of
+// CAMKV_THREADS_LANES threads per nearest-survivor search), so the core's multi-thread code paths are
 // checked on machines without a GPU (tests/test_threaded_core.py).
 // CAMKV_THREADS_WIDE=1 takes the CUDA prelude's 16-byte loads, 0 the Metal
 // prelude's element loads.
@@ -23,7 +23,7 @@
 #define CAMKV_THREAD
 #define CAMKV_DOT_ROWS 1
 #define CAMKV_WIDE CAMKV_THREADS_WIDE
-// Threads sharing one dot (a GPU prelude's team); CAMKV_THREADS_LANES picks it.
+// Threads sharing one nearest-survivor search (a GPU prelude's team); CAMKV_THREADS_LANES picks it.
 #ifndef CAMKV_THREADS_LANES
 #define CAMKV_THREADS_LANES 1
 #endif
@@ -78,17 +78,6 @@ inline float camkv_group_max(CamGroup g, float x) {
   for (unsigned t = 0; t < g.size; ++t) best = g.red_f[t] > best ? g.red_f[t] : best;
   camkv_barrier(g);
   return best;
-}
-
-// The sum over the thread's team of CAMKV_LANES threads, folded in lane order.
-inline float camkv_lane_sum(CamGroup g, float x) {
-  g.red_f[g.tid] = x;
-  camkv_barrier(g);
-  unsigned first = g.tid - g.tid % CAMKV_LANES;
-  float total = 0.0f;
-  for (unsigned t = first; t < first + CAMKV_LANES; ++t) total += g.red_f[t];
-  camkv_barrier(g);
-  return total;
 }
 
 // The team's smallest *value, ties to the smaller *index, into every member's pair.
