@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from camkv import CaMConfig, reference
+from camkv import CaMConfig, backends, reference
 from camkv.backends import jit
+from camkv.rows import RowState
 from camkv import merges
 from test_equivalence import assert_states_match, feed
 
@@ -150,3 +151,44 @@ def test_recency_and_window_scoring_match_the_reference(threaded_update, merge, 
     cfg = CaMConfig(budget=12, n_sink=2, recent=3, merge=merge, window=3, gate=True, seed=5, scoring="query",
                     **fields)
     _check(threaded_update, cfg, [5, 9, 1, 1, 14, 1, 3], rows=3, k_dim=16, v_dim=10, seed=6, queries_per_kv=2)
+
+
+def _feed_tied_keys(update, cfg, sizes, rows=2, k_dim=16, v_dim=8, seed=0):
+    """Calls whose keys are 12 random directions, each at scales 2^-2 .. 2^2 (token t:
+    direction t % 12, scale 2^((t // 12) % 5 - 2)): scaling by a power of two is exact,
+    so a loser's cosines with the survivors of its own direction tie exactly, while
+    their scores (which the scale changes) do not."""
+    rng = np.random.default_rng(seed)
+    directions = rng.standard_normal((rows, 12, k_dim)).astype(np.float32)
+    state = RowState.empty(rows, k_dim, v_dim, mx.float32)
+    row_ids = mx.arange(rows).astype(mx.uint32)
+    offset, merged = 0, []
+    for s_len in sizes:
+        tokens = np.arange(offset, offset + s_len)
+        scales = np.exp2((tokens // 12) % 5 - 2).astype(np.float32)
+        keys = mx.array(directions[:, tokens % 12] * scales[None, :, None])
+        values = mx.array(rng.standard_normal((rows, s_len, v_dim)).astype(np.float32))
+        queries = mx.array(rng.standard_normal((rows, s_len, 2, k_dim)).astype(np.float32))
+        state, merges_now = update(state, keys, values, offset, cfg, row_ids, queries, 0.3)
+        mx.eval(state, merges_now)
+        merged.append(merges_now)
+        offset += s_len
+    return state, merged
+
+
+@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST, kernels=True))
+def test_nearest_survivor_ties_go_to_the_smaller_column_as_the_cpu_kernel(threaded_update, merge):
+    """Section 4.1's tie rule under teams: where a loser's best cosines tie exactly across
+    the columns of several lanes, the team keeps the smallest column, as the CPU kernel's
+    one-thread search does (the reference's cosines come from matrix products, whose
+    rounding may break such ties; the CPU kernel's are the same sums as the threads')."""
+    reasons = backends.available()
+    if reasons["ext"] is not None:
+        pytest.skip(reasons["ext"])
+    cfg = CaMConfig(budget=24, n_sink=1, recent=2, merge=merge, prefill="chunk", gate=False, seed=3)
+    sizes = [48, 9, 1, 1]
+    got = _feed_tied_keys(threaded_update, cfg, sizes)
+    with mx.stream(mx.cpu):
+        want = _feed_tied_keys(backends.resolve("ext").update, cfg, sizes)
+    assert sum(int(m.sum()) for m in want[1]) > 0, "the case merges nothing"
+    assert_states_match(got, want, cfg, f"tied keys, {merge}")
