@@ -438,9 +438,11 @@ class RowPool {
   bool stop_ = false;
 };
 
-// Waking helper threads costs tens of microseconds; only worth it for real work.
+// Waking helper threads costs tens of microseconds; only worth it for real work. Each
+// of a token's G queries dots every row, so a query-scored call's work grows with G.
 int threads_for(const CamParams& p) {
-  double work = (double)p.rows * (double)(p.n + p.S) * (double)(p.Dk + p.Dv) * (double)std::max(p.S, 1);
+  double work = (double)p.rows * (double)(p.n + p.S) * (double)(p.Dk + p.Dv) * (double)std::max(p.S, 1) *
+                (double)std::max(p.G, 1);
   return work < 4.0e6 ? 1 : RowPool::instance().size();
 }
 
