@@ -152,7 +152,7 @@ std::vector<mx::array> update(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
     const std::optional<mx::array>& queries, int offset, float scale, const UpdateOptions& options,
-    mx::StreamOrDevice s) {
+    const std::optional<mx::array>& chunk_mass, mx::StreamOrDevice s) {
   check_ndim("keys", keys, 3, "[R, n, Dk]");
   check_ndim("values", values, 3, "[R, n, Dv]");
   check_ndim("scores", scores, 2, "[R, n]");
@@ -205,6 +205,20 @@ std::vector<mx::array> update(
     }
     query_block = q;
   }
+  bool prescored = chunk_mass.has_value();
+  mx::array mass_block = mx::array(0.0f);  // a placeholder the kernel never reads
+  if (prescored) {
+    if (!camkv_runs_chunk(options.chunk ? 1 : 0, s_len)) {
+      bad("chunk_mass is a chunk call's mass (chunk=True and S > 1), got chunk=" +
+          std::to_string((int)options.chunk) + " and S=" + std::to_string(s_len));
+    }
+    const mx::array& m = *chunk_mass;
+    check_ndim("chunk_mass", m, 2, "[R, n + S]");
+    check_dtype("chunk_mass", m, mx::float32, "float32");
+    check_dim("chunk_mass", m, 0, rows, "rows");
+    check_dim("chunk_mass", m, 1, n + s_len, "tokens");
+    mass_block = m;
+  }
   int n_out = std::min(n + s_len, options.budget);
   int chunk = options.chunk ? 1 : 0;
   int f32_stride = camkv_f32_stride(chunk, n, s_len, n_out, k_dim);
@@ -217,8 +231,8 @@ std::vector<mx::array> update(
       {{rows, n_out, k_dim}, {rows, n_out, v_dim}, {rows, n_out}, {rows, n_out}, {rows},
        {rows, f32_stride}, {rows, i32_stride}, {rows, store_stride}},
       {keys.dtype(), keys.dtype(), mx::float32, mx::int32, mx::int32, mx::float32, mx::int32, keys.dtype()},
-      std::make_shared<CamUpdate>(stream, options, offset, scale, key_scoring),
-      {keys, values, scores, positions, new_keys, new_values, query_block, row_ids});
+      std::make_shared<CamUpdate>(stream, options, offset, scale, key_scoring, prescored),
+      {keys, values, scores, positions, new_keys, new_values, query_block, row_ids, mass_block});
 }
 
 bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
@@ -228,7 +242,8 @@ bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
   return a.budget == b.budget && a.n_sink == b.n_sink && a.recent == b.recent && a.window == b.window &&
          a.merge == b.merge && a.merge_keys == b.merge_keys && a.gate == b.gate && a.chunk == b.chunk &&
          a.seed == b.seed && a.recency == b.recency && a.observation_window == b.observation_window &&
-         a.pool == b.pool && offset_ == o.offset_ && scale_ == o.scale_ && key_scoring_ == o.key_scoring_;
+         a.pool == b.pool && offset_ == o.offset_ && scale_ == o.scale_ && key_scoring_ == o.key_scoring_ &&
+         prescored_ == o.prescored_;
 }
 
 // ----------------------------------------------------------------------------
@@ -236,11 +251,14 @@ bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
 
 namespace {
 
-enum Input { IN_KEYS, IN_VALUES, IN_SCORES, IN_POSITIONS, NEW_KEYS, NEW_VALUES, QUERIES, ROW_IDS };
+// CHUNK_MASS last: the Metal entry points take the inputs before it (eval_gpu refuses
+// a prescored call).
+enum Input { IN_KEYS, IN_VALUES, IN_SCORES, IN_POSITIONS, NEW_KEYS, NEW_VALUES, QUERIES, ROW_IDS, CHUNK_MASS };
 enum Output { OUT_KEYS, OUT_VALUES, OUT_SCORES, OUT_POSITIONS, MERGES, SCRATCH_F32, SCRATCH_I32, SCRATCH_STORE };
 
 CamParams make_params(const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs,
-                      const UpdateOptions& o, int offset, float scale, bool key_scoring, bool in_place) {
+                      const UpdateOptions& o, int offset, float scale, bool key_scoring, bool in_place,
+                      bool prescored) {
   CamParams p;
   p.rows = inputs[IN_KEYS].shape(0);
   p.n = inputs[IN_KEYS].shape(1);
@@ -260,7 +278,7 @@ CamParams make_params(const std::vector<mx::array>& inputs, const std::vector<mx
   p.key_scoring = key_scoring ? 1 : 0;
   p.in_place = in_place ? 1 : 0;
   p.offset = offset;
-  p.prescored = 0;  // the extension scores chunks itself
+  p.prescored = prescored ? 1 : 0;
   p.seed = o.seed;
   p.scale = scale;
   p.f32_stride = outputs[SCRATCH_F32].shape(1);
@@ -449,11 +467,11 @@ int threads_for(const CamParams& p) {
 template <typename T>
 void run_cpu(const CamParams p, const T* in_keys, const T* in_values, const float* in_scores,
              const int* in_positions, const T* new_keys, const T* new_values, const float* queries,
-             const uint32_t* row_ids, T* out_keys, T* out_values, float* out_scores, int* out_positions,
+             const uint32_t* row_ids, const float* chunk_mass, T* out_keys, T* out_values, float* out_scores, int* out_positions,
              int* merges, float* f32, int* i32, T* store) {
   std::function<void(int)> body = [&](int row) {
     CamRowBuffers<T> b = camkv_row_buffers<T>(row, &p, in_keys, in_values, in_scores, in_positions, new_keys,
-                                              new_values, queries, nullptr, out_keys, out_values, out_scores,
+                                              new_values, queries, chunk_mass, out_keys, out_values, out_scores,
                                               out_positions, f32, i32, store);
     merges[row] = camkv_update_row<T>(b, &p, row_ids[row], camkv_single_thread_group());
   };
@@ -464,7 +482,8 @@ template <typename T>
 void dispatch_cpu(const CamParams& p, const std::vector<const void*>& in, std::vector<mx::array>& outputs) {
   run_cpu<T>(p, (const T*)in[IN_KEYS], (const T*)in[IN_VALUES], (const float*)in[IN_SCORES],
              (const int*)in[IN_POSITIONS], (const T*)in[NEW_KEYS], (const T*)in[NEW_VALUES],
-             (const float*)in[QUERIES], (const uint32_t*)in[ROW_IDS], outputs[OUT_KEYS].data<T>(),
+             (const float*)in[QUERIES], (const uint32_t*)in[ROW_IDS], (const float*)in[CHUNK_MASS],
+             outputs[OUT_KEYS].data<T>(),
              outputs[OUT_VALUES].data<T>(), outputs[OUT_SCORES].data<float>(),
              outputs[OUT_POSITIONS].data<int>(), outputs[MERGES].data<int>(),
              outputs[SCRATCH_F32].data<float>(), outputs[SCRATCH_I32].data<int>(),
@@ -477,7 +496,7 @@ void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   release_sibling_inputs(inputs, outputs);
   bool in_place = can_update_in_place(inputs, outputs, options_);
   allocate_outputs(inputs, outputs, in_place);
-  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place);
+  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place, prescored_);
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
@@ -508,6 +527,95 @@ void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
 }
 
 // ----------------------------------------------------------------------------
+// A chunk's mass from its logits (CPU): the product that makes the logits is a BLAS
+// call away in MLX; the softmax and the column sums are one pass here, where MLX's
+// masked softmax took several passes of slow element-wise exponentials.
+
+mx::array column_mass(const mx::array& logits, float scale, int n_before, int s_len, int width, float weight,
+                      mx::StreamOrDevice s) {
+  check_ndim("logits", logits, 3, "[R, M, N]");
+  check_dtype("logits", logits, mx::float32, "float32");
+  if (s_len < 1 || logits.shape(1) % s_len != 0) {
+    bad("s_len must be >= 1 and divide the logits' M = " + std::to_string(logits.shape(1)) + " query rows, got " +
+        std::to_string(s_len));
+  }
+  if (n_before < 0 || width < logits.shape(2)) {
+    bad("need n_before >= 0 and width >= the logits' N = " + std::to_string(logits.shape(2)) + ", got n_before=" +
+        std::to_string(n_before) + ", width=" + std::to_string(width));
+  }
+  return mx::array({logits.shape(0), width}, mx::float32,
+                   std::make_shared<CamColumnMass>(mx::to_stream(s), scale, n_before, s_len, weight), {logits});
+}
+
+bool CamColumnMass::is_equivalent(const mx::Primitive& other) const {
+  const CamColumnMass& o = static_cast<const CamColumnMass&>(other);
+  return scale_ == o.scale_ && n_before_ == o.n_before_ && s_len_ == o.s_len_ && weight_ == o.weight_;
+}
+
+namespace {
+
+// Row r of the mass: each query row's softmax over the columns it sees, added in.
+void column_mass_row(const float* logits, int M, int N, float scale, int n_before, int s_len, float weight,
+                     float* column, int width, std::vector<float>& weights) {
+  std::fill(column, column + width, 0.0f);
+  for (int m = 0; m < M; ++m) {
+    const float* row = logits + (size_t)m * N;
+    int visible = std::min(N, n_before + m % s_len + 1);
+    float top = -CAMKV_INF;
+    for (int j = 0; j < visible; ++j) {
+      float x = row[j] * scale;
+      weights[j] = x - x == 0.0f ? x : -CAMKV_INF;  // a NaN or infinite logit counts as masked
+      top = weights[j] > top ? weights[j] : top;
+    }
+    if (top == -CAMKV_INF) {
+      continue;  // nothing visible: the query adds nothing
+    }
+    float total = 0.0f;
+    for (int j = 0; j < visible; ++j) {
+      weights[j] = std::exp(weights[j] - top);
+      total += weights[j];
+    }
+    float share = weight / total;
+    for (int j = 0; j < visible; ++j) {
+      column[j] += weights[j] * share;
+    }
+  }
+}
+
+}  // namespace
+
+void CamColumnMass::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(std::max<size_t>(out.nbytes(), 1)));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(inputs[0]);
+  encoder.set_output_array(out);
+  float scale = scale_, weight = weight_;
+  int n_before = n_before_, s_len = s_len_;
+  encoder.dispatch([logits = inputs[0], out, scale, weight, n_before, s_len]() mutable {
+    std::vector<char> copy;
+    const float* base = logits.data<float>();
+    if (!logits.flags().row_contiguous || logits.data_size() != logits.size()) {
+      copy = contiguous_bytes(logits);
+      base = (const float*)copy.data();
+    }
+    int rows = logits.shape(0), M = logits.shape(1), N = logits.shape(2), width = out.shape(1);
+    float* mass = out.data<float>();
+    std::function<void(int)> body = [&](int r) {
+      std::vector<float> weights(N);
+      column_mass_row(base + (size_t)r * M * N, M, N, scale, n_before, s_len, weight, mass + (size_t)r * width,
+                      width, weights);
+    };
+    double work = (double)rows * M * N;  // an exponential each
+    RowPool::instance().run(rows, work < 2.0e5 ? 1 : RowPool::instance().size(), body);
+  });
+}
+
+void CamColumnMass::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("camkv._ext.column_mass runs on the CPU only (stream=mx.cpu)");
+}
+
+// ----------------------------------------------------------------------------
 // GPU execution
 
 #ifdef _METAL_
@@ -535,10 +643,13 @@ void CamUpdate::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
           "camkv._ext on the GPU needs row-contiguous inputs; input " + std::to_string(i) + " is strided");
     }
   }
+  if (prescored_) {
+    throw std::invalid_argument("camkv._ext on the GPU scores chunks itself; chunk_mass is for the CPU");
+  }
   release_sibling_inputs(inputs, outputs);
   bool in_place = can_update_in_place(inputs, outputs, options_);
   allocate_outputs(inputs, outputs, in_place);
-  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place);
+  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place, prescored_);
 
   auto& s = stream();
   auto& d = mx::metal::device(s.device);
@@ -546,13 +657,13 @@ void CamUpdate::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   auto kernel = d.get_kernel(std::string("camkv_update_") + kernel_suffix(inputs[IN_KEYS].dtype()), lib);
   auto& encoder = mx::metal::get_command_encoder(s);
   encoder.set_compute_pipeline_state(kernel);
-  for (int i = 0; i < (int)inputs.size(); ++i) {
+  for (int i = 0; i < CHUNK_MASS; ++i) {
     encoder.set_input_array(inputs[i], i);
   }
   for (int i = 0; i < (int)outputs.size(); ++i) {
-    encoder.set_output_array(outputs[i], (int)inputs.size() + i);
+    encoder.set_output_array(outputs[i], CHUNK_MASS + i);
   }
-  encoder.set_bytes(params, (int)(inputs.size() + outputs.size()));
+  encoder.set_bytes(params, (int)(CHUNK_MASS + outputs.size()));
   size_t threads = std::min<size_t>(256, kernel->maxTotalThreadsPerThreadgroup());
   encoder.dispatch_threadgroups(MTL::Size(params.rows, 1, 1), MTL::Size(threads, 1, 1));
 }

@@ -189,3 +189,55 @@ def test_ext_on_the_apple_gpu_matches_the_cpu_kernel(prefill):
         np.testing.assert_array_equal(np.array(gpu_merges), np.array(cpu_merges))
         np.testing.assert_allclose(np.array(gpu.scores), np.array(cpu.scores), rtol=1e-4, atol=1e-6)
         offset += s_len
+
+
+def test_column_mass_matches_the_masked_softmax_and_masks_what_section_2_says():
+    """_ext.column_mass: each query row's softmax over the columns its chunk token sees,
+    summed down the columns and weighted; a NaN or infinite logit is masked, a row with
+    nothing visible adds nothing, and columns past the logits' are zero."""
+    from camkv.fast import _column_mass
+
+    rng = np.random.default_rng(5)
+    rows, groups, s_len, n_before = 3, 2, 4, 6
+    logits = rng.standard_normal((rows, groups * s_len, n_before + s_len)).astype(np.float32) * 4
+    logits[0, 1, 2] = np.nan
+    logits[1, 3, 0] = np.inf
+    logits[2, 5, : n_before + 1] = -np.inf  # chunk token 1 of query group 1 sees nothing usable
+    got = ext._ext.column_mass(mx.array(logits), scale=0.7, n_before=n_before, s_len=s_len,
+                               width=n_before + s_len + 3, weight=1.0 / groups)
+    want = _column_mass(mx.array(logits).reshape(rows, groups, s_len, -1), 0.7, n_before) / groups
+    np.testing.assert_allclose(np.array(got[:, : n_before + s_len]), np.array(want), rtol=1e-5, atol=1e-6)
+    assert not np.array(got[:, n_before + s_len:]).any()
+    assert np.isfinite(np.array(got)).all()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(s_len=3), "s_len must be >= 1 and divide the logits' M = 8"),
+    (dict(width=5), "width >= the logits' N = 10"),
+    (dict(n_before=-1), "n_before >= 0"),
+])
+def test_column_mass_rejects_bad_arguments_by_name(change, message):
+    args = dict(scale=1.0, n_before=6, s_len=4, width=10, weight=0.5)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        ext._ext.column_mass(mx.zeros((2, 8, 10)), **args)
+
+
+def test_a_given_chunk_mass_replaces_the_kernels_scoring_and_is_checked():
+    """chunk_mass (a chunk call's mass, pooled and / G) is what the call adds to the scores:
+    the kernel's own scoring gives the same scores within float32 rounding, and a mass of
+    the wrong shape, or given to a call that is not a chunk, is a ValueError."""
+    state = _full_state(2, 8, 4, 3, mx.float32)
+    new_keys = mx.random.normal((2, 5, 4), key=mx.random.key(1))
+    new_values = mx.random.normal((2, 5, 3), key=mx.random.key(2))
+    own = _call(state, new_keys, new_values, merge=merges.code("drop"), budget=13)
+    mass = reference.attention_mass_causal(new_keys[:, :, None, :].astype(mx.float32),
+                                           mx.concatenate([state.keys, new_keys], axis=1), 0.25, 8)
+    given = _call(state, new_keys, new_values, merge=merges.code("drop"), budget=13, chunk_mass=mass)
+    np.testing.assert_allclose(np.array(given[2]), np.array(own[2]), rtol=1e-5, atol=1e-6)
+    doubled = _call(state, new_keys, new_values, merge=merges.code("drop"), budget=13, chunk_mass=2 * mass)
+    np.testing.assert_allclose(np.array(doubled[2]) - np.array(given[2]), np.array(mass), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"chunk_mass has 12 tokens \(axis 1\) but 13"):
+        _call(state, new_keys, new_values, chunk_mass=mass[:, :12])
+    with pytest.raises(ValueError, match="chunk_mass is a chunk call's mass"):
+        _call(state, new_keys, new_values, chunk=False, chunk_mass=mass)

@@ -44,7 +44,7 @@ SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scor
 
 
 def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split: bool = False,
-               cfg=None) -> mx.array:
+               cfg=None, mass_of=None) -> mx.array:
     """A chunk call's attention mass [R, n + S] (section 2) as matrix products, for a
     kernel to take instead of scoring the chunk itself (CamParams.prescored).
 
@@ -55,7 +55,8 @@ def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split
     accuracy on a matmul that rounds to TF32 (MLX's CUDA one), see
     reference._float32_product. cfg (a CaMConfig; None scores causally) with
     prefill_scoring="window": only the chunk's last observation_window queries score it,
-    their mass max-pooled (camkv.policy).
+    their mass max-pooled (camkv.policy). mass_of(queries, keys, scale, n_before): a block's
+    mass as reference.attention_mass_causal computes it (the default), made another way.
     """
     rows, s_len, _ = new_keys.shape
     n = state.length
@@ -69,7 +70,10 @@ def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split
     first = 0 if cfg is None else s_len - policy.observed(cfg, s_len)
     for i0 in range(first, s_len, block):
         i1 = min(s_len, i0 + block)
-        part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=split)
+        if mass_of is None:
+            part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=split)
+        else:
+            part = mass_of(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0)
         part = mx.pad(part, [(0, 0), (0, s_len - i1)])
         mass = part if mass is None else mass + part
         if i1 < s_len:

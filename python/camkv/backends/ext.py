@@ -14,7 +14,7 @@ import mlx.core as mx
 from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
-from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule
+from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule, chunk_mass
 
 try:  # the package works without the extension (reference backend)
     from .. import _ext
@@ -34,6 +34,23 @@ def unavailable_reason() -> str | None:
             "is installed; reinstall camkv to rebuild it"
         )
     return None
+
+
+def _block_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int) -> mx.array:
+    """reference.attention_mass_causal's mass of a block of chunk queries [R, S, G, Dk]
+    over keys [R, N, Dk] (float32): the logits by one matrix product (BLAS), their softmax
+    rows summed down the columns by the extension in one pass."""
+    rows, s_len, groups, k_dim = queries.shape
+    q = queries.transpose(0, 2, 1, 3).reshape(rows, groups * s_len, k_dim)
+    logits = q @ keys.transpose(0, 2, 1)
+    return _ext.column_mass(logits, scale=scale, n_before=n_before, s_len=s_len, width=keys.shape[1],
+                            weight=1.0 / groups)
+
+
+def _on_cpu(stream) -> bool:
+    if stream is None:
+        return mx.default_device() == mx.cpu
+    return (stream.device if isinstance(stream, mx.Stream) else stream) == mx.cpu
 
 
 def update(
@@ -63,6 +80,13 @@ def update(
     else:
         queries = queries.astype(mx.float32)
     state = adopt_dtype(state, new_keys)
+    # A CPU chunk call is scored by a matrix product and one pass of column sums: the
+    # kernel's own scoring dots each query with each row in feature order, one row at a
+    # time (section 8 lets a backend sum in its own order).
+    prescored = None
+    if cfg.prefill == "chunk" and new_keys.shape[1] > 1 and _on_cpu(stream):
+        with mx.stream(mx.cpu):
+            prescored = chunk_mass(state, new_keys, queries, scale, cfg=cfg, mass_of=_block_mass)
     keys, values, scores, positions, merges = _ext.update(
         state.keys,
         state.values,
@@ -86,6 +110,7 @@ def update(
         recency=cfg.eviction == "recency",
         observation_window=cfg.observation_window if cfg.prefill_scoring == "window" else 0,
         pool=cfg.pool,
+        chunk_mass=prescored,
         stream=stream,
     )
     return RowState(keys, values, scores, positions), merges
