@@ -21,7 +21,7 @@ of build + evaluation, medians over --repeats steps.
 
 Plus a cProfile of the host side of "cache". Example (on the H200):
     python bench/profile_decode.py --backend cuda --out bench/results
-    python bench/profile_decode.py --backend cuda --merge keepkv --slacks 0 --out bench/results
+    python bench/profile_decode.py --backend cuda --merge mass_weighted --slacks 0 --out bench/results
 """
 
 from __future__ import annotations
