@@ -159,6 +159,12 @@ def trial(model, arm: str, prompt: mx.array, opts, profiler=None) -> tuple[list[
         hook.uninstall(model)
 
 
+def in_turn(arms: list[str], round_index: int) -> list[str]:
+    """The arms in the order they take round round_index: the first moves one place a round."""
+    first = round_index % len(arms)
+    return arms[first:] + arms[:first]
+
+
 def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str, tuple[list, list]]:
     """Every arm prefilled, then their steps in turn, step by step (the first arm of a
     round moves one place each step), so a drift of the host's speed touches all alike.
@@ -167,7 +173,7 @@ def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[st
         state = {arm: list(prefilled(model, arm, prompt, opts.budget)) for arm in arms}
         timed = {arm: ([], []) for arm in arms}
         for step in range(opts.steps):
-            for arm in arms[step % len(arms):] + arms[: step % len(arms)]:
+            for arm in in_turn(arms, step):
                 state[arm][1], step_s, build_s = timed_step(model, state[arm][0], state[arm][1])
                 timed[arm][0].append(step_s)
                 timed[arm][1].append(build_s)
@@ -191,7 +197,7 @@ def pipelined_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str,
             next(streams[arm])  # the prompt's last token: not a decode step
         timed = {arm: ([], []) for arm in arms}
         for block in range(max(1, opts.steps // opts.pipelined)):
-            for arm in arms[block % len(arms):] + arms[: block % len(arms)]:
+            for arm in in_turn(arms, block):
                 tick = time.perf_counter()
                 for _ in range(opts.pipelined):
                     next(streams[arm])
