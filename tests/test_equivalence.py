@@ -84,14 +84,19 @@ def assert_states_match(got, want, cfg: CaMConfig, context: str) -> None:
     assert_rows_match("keys", g_state.keys, w_state.keys, exact or not cfg.merge_keys, context, rtol)
 
 
-def feed(update, cfg, sizes, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=0, row_base=0):
-    """Run calls of the given sizes through `update`; distinct random keys avoid near-ties."""
+def feed(update, cfg, sizes, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=0, row_base=0, keys_at=None):
+    """Run calls of the given sizes through `update`; distinct random keys avoid near-ties.
+    keys_at(tokens): the keys [rows, len(tokens), k_dim] float32 of the tokens at those
+    positions, instead of random ones."""
     rng = np.random.default_rng(seed)
     state = RowState.empty(rows, k_dim, v_dim, dtype)
     row_ids = (mx.arange(rows) + row_base).astype(mx.uint32)
     offset, merges = 0, []
     for s_len in sizes:
-        keys = mx.array(rng.standard_normal((rows, s_len, k_dim)).astype(np.float32)).astype(dtype)
+        if keys_at is None:
+            keys = mx.array(rng.standard_normal((rows, s_len, k_dim)).astype(np.float32)).astype(dtype)
+        else:
+            keys = mx.array(keys_at(np.arange(offset, offset + s_len))).astype(dtype)
         values = mx.array(rng.standard_normal((rows, s_len, v_dim)).astype(np.float32)).astype(dtype)
         queries, scale = None, None
         if queries_per_kv:

@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from camkv import CaMConfig, backends, reference
 from camkv.backends import jit
-from camkv.rows import RowState
 from camkv import merges
 from test_equivalence import assert_states_match, feed
 
@@ -153,27 +152,18 @@ def test_recency_and_window_scoring_match_the_reference(threaded_update, merge, 
     _check(threaded_update, cfg, [5, 9, 1, 1, 14, 1, 3], rows=3, k_dim=16, v_dim=10, seed=6, queries_per_kv=2)
 
 
-def _feed_tied_keys(update, cfg, sizes, rows=2, k_dim=16, v_dim=8, seed=0):
-    """Calls whose keys are 12 random directions, each at scales 2^-2 .. 2^2 (token t:
-    direction t % 12, scale 2^((t // 12) % 5 - 2)): scaling by a power of two is exact,
+def _tied_keys(rows: int, k_dim: int, seed: int):
+    """keys_at for feed: 12 random directions, each at scales 2^-2 .. 2^2 (token t:
+    direction t % 12, scale 2^((t // 12) % 5 - 2)). Scaling by a power of two is exact,
     so a loser's cosines with the survivors of its own direction tie exactly, while
     their scores (which the scale changes) do not."""
-    rng = np.random.default_rng(seed)
-    directions = rng.standard_normal((rows, 12, k_dim)).astype(np.float32)
-    state = RowState.empty(rows, k_dim, v_dim, mx.float32)
-    row_ids = mx.arange(rows).astype(mx.uint32)
-    offset, merged = 0, []
-    for s_len in sizes:
-        tokens = np.arange(offset, offset + s_len)
+    directions = np.random.default_rng(seed).standard_normal((rows, 12, k_dim)).astype(np.float32)
+
+    def keys_at(tokens):
         scales = np.exp2((tokens // 12) % 5 - 2).astype(np.float32)
-        keys = mx.array(directions[:, tokens % 12] * scales[None, :, None])
-        values = mx.array(rng.standard_normal((rows, s_len, v_dim)).astype(np.float32))
-        queries = mx.array(rng.standard_normal((rows, s_len, 2, k_dim)).astype(np.float32))
-        state, merges_now = update(state, keys, values, offset, cfg, row_ids, queries, 0.3)
-        mx.eval(state, merges_now)
-        merged.append(merges_now)
-        offset += s_len
-    return state, merged
+        return directions[:, tokens % 12] * scales[None, :, None]
+
+    return keys_at
 
 
 @pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST, kernels=True))
@@ -186,9 +176,9 @@ def test_nearest_survivor_ties_go_to_the_smaller_column_as_the_cpu_kernel(thread
     if reasons["ext"] is not None:
         pytest.skip(reasons["ext"])
     cfg = CaMConfig(budget=24, n_sink=1, recent=2, merge=merge, prefill="chunk", gate=False, seed=3)
-    sizes = [48, 9, 1, 1]
-    got = _feed_tied_keys(threaded_update, cfg, sizes)
+    shape = dict(rows=2, k_dim=16, v_dim=8, dtype=mx.float32, seed=0, queries_per_kv=2, keys_at=_tied_keys(2, 16, 0))
+    got = feed(threaded_update, cfg, [48, 9, 1, 1], **shape)
     with mx.stream(mx.cpu):
-        want = _feed_tied_keys(backends.resolve("ext").update, cfg, sizes)
+        want = feed(backends.resolve("ext").update, cfg, [48, 9, 1, 1], **shape)
     assert sum(int(m.sum()) for m in want[1]) > 0, "the case merges nothing"
     assert_states_match(got, want, cfg, f"tied keys, {merge}")
