@@ -199,3 +199,37 @@ def test_merge_count_adds_up_over_many_calls():
     assert stats["evictions"] == (calls - 8) * 2
     assert stats["merges"] == stats["evictions"]
     assert int(cache.state[4].item()) == stats["merges"]
+
+
+class _ReferenceAsGpu:
+    """The reference backend dressed as a GPU target: the cache takes its GPU-only
+    shortcuts (a dropping chunk compressed by camkv.fast) only for such a backend."""
+
+    __name__ = "camkv.backends.cuda"
+    target = "cuda"
+
+    def update(self, *args, **kwargs):
+        from camkv import reference
+
+        return reference.update(*args, **kwargs)
+
+
+def test_exact_prefill_scores_a_multi_token_call_token_by_token_on_a_gpu_backend(monkeypatch):
+    """docs/algorithm.md section 2: in exact mode every token of a prompt is scored and
+    evicted one at a time, on every backend; a GPU backend's chunk shortcut would keep
+    other positions than the reference for the same prompt."""
+    from camkv import backends
+
+    rng = np.random.default_rng(0)
+    # Keys at 3x scale: peaked attention, so scoring a prompt as one chunk keeps other
+    # tokens than scoring it token by token (23 of 48 kept positions differ).
+    blocks = [(3 * k, v) for k, v in (_block(rng, B=1, H=3, S=s, dtype=mx.float32) for s in (40, 1, 1, 17))]
+    kept = {}
+    for name in ("reference", "gpu"):
+        if name == "gpu":
+            monkeypatch.setattr(backends, "resolve", lambda *a, **k: _ReferenceAsGpu())
+        cache = CaMKVCache(scoring="key", budget=16, n_sink=1, recent=4, prefill="exact", backend="reference")
+        for k, v in blocks:
+            cache.update_and_fetch(k, v)
+        kept[name] = np.array(cache.stored()[3])
+    np.testing.assert_array_equal(kept["gpu"], kept["reference"])

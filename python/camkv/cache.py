@@ -727,7 +727,8 @@ class CaMKVCache(_BaseCache):
     def _drops_in_one_launch(self, end: int) -> bool:
         """Whether this compression evicts with merge="drop" on an NVIDIA GPU, where one
         kernel launch (backends.compact_cuda) chooses, compacts and copies the survivors."""
-        return (end > self._config.budget and merges.rule(self._config.merge).kind == merges.DROP
+        return (end > self._config.budget and self._config.prefill == "chunk"
+                and merges.rule(self._config.merge).kind == merges.DROP
                 and self._config.eviction == "score" and getattr(self._backend(), "target", None) == "cuda" and fast.on_cuda())
 
     def _adopt_buffers(self, keys, values, scores, positions, next_position: int, votes=None, threshold=None
@@ -745,10 +746,12 @@ class CaMKVCache(_BaseCache):
         cfg = self._chunk_config()
         backend = self._backend()
         n, R = self._settled, queries.shape[0]
-        if merges.rule(cfg.merge).kind == merges.DROP and getattr(backend, "target", None) and end - n > 1:
-            # On a GPU dropping needs no kernel: batched products, a partition and a gather
-            # use the whole device, where the kernel core runs one work group per row. (On
-            # the CPU the extension's one pass per row is faster than MLX's operations.)
+        if (merges.rule(cfg.merge).kind == merges.DROP and getattr(backend, "target", None) and end - n > 1
+                and cfg.prefill == "chunk"):
+            # On a GPU dropping a chunk needs no kernel: batched products, a partition and a
+            # gather use the whole device, where the kernel core runs one work group per row.
+            # (On the CPU the extension's one pass per row is faster than MLX's operations.)
+            # Exact mode scores token by token (docs/algorithm.md section 2): the kernel.
             kept = fast.compress_drop(self._keys[:, :, :end].reshape(R, end, -1),
                                       self._values[:, :, :end].reshape(R, end, -1), self._scores,
                                       self._positions, queries, self._pending_start, scale, cfg)
