@@ -362,6 +362,33 @@ def test_a_bad_block_mid_sequence_leaves_the_cache_as_it_was(case):
     assert cache.stats["tokens_seen"] == 22
 
 
+FIRST_BLOCK = {
+    "int32": (lambda: tuple(x.astype(mx.int32) for x in _block()), ["int32", "float16, bfloat16 or float32"]),
+    "float64": (lambda: tuple(x.astype(mx.float64) for x in _block()), ["float64", "float16, bfloat16 or float32"]),
+    "no heads": (lambda: _block(H=0), ["H >= 1", "(1, 0, 3, 8)"]),
+    "key dim 0": (lambda: _block(Dk=0), ["Dk >= 1", "(1, 2, 3, 0)"]),
+    "value dim 0": (lambda: _block(Dv=0), ["Dv >= 1", "(1, 2, 3, 0)"]),
+    "no rows": (lambda: _block(B=0), ["B >= 1", "(0, 2, 3, 8)"]),
+}
+
+
+@pytest.mark.parametrize("case", FIRST_BLOCK)
+def test_a_bad_first_block_is_refused_and_good_blocks_follow(case):
+    cache = camkv.CaMKVCache(budget=8, n_sink=1, recent=2, scoring="key")
+    before = _state(cache)
+    make, words = FIRST_BLOCK[case]
+    with pytest.raises(ValueError) as err:
+        cache.update_and_fetch(*make())
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+    assert _same(_state(cache), before) and cache.empty()
+    for seed in range(4):  # past budget + slack, so the good blocks are compressed too
+        cache.update_and_fetch(*_block(S=5, seed=seed))
+    assert cache.stats["tokens_seen"] == 20 and cache.stats["evictions"] > 0
+    assert [tuple(x.shape) for x in cache.stored()[:2]] == [(1, 2, cache.size(), 8), (1, 2, cache.size(), 6)]
+    _state(cache)  # and its state reads back
+
+
 def test_kv_bits_trimming_and_quantizing_are_refused():
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 

@@ -10,6 +10,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from . import backends, fast, hook, merges, reference
+from .backends._common import STORAGE_DTYPES
 from .config import CaMConfig, resolve_config
 from .rows import RowState
 
@@ -533,6 +534,15 @@ class CaMKVCache(_BaseCache):
             raise ValueError("update_and_fetch needs at least one token (S >= 1)")
         if keys.dtype != values.dtype:
             raise ValueError(f"keys are {keys.dtype} but values are {values.dtype}")
+        # The first block fixes the layout every later block is held to, so it is held to
+        # what a compression can take before anything is stored.
+        if keys.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"keys and values must be float16, bfloat16 or float32, got {keys.dtype}")
+        sizes = {"B": keys.shape[0], "H": keys.shape[1], "Dk": keys.shape[3], "Dv": values.shape[3]}
+        for name, size in sizes.items():
+            if size == 0:
+                raise ValueError(f"keys and values must have {name} >= 1, got keys "
+                                 f"{tuple(keys.shape)} and values {tuple(values.shape)}")
         heads_end = self._head_offset + keys.shape[1]
         if self._n_heads_global is not None and heads_end > self._n_heads_global:
             raise ValueError(
