@@ -56,11 +56,6 @@ NB_MODULE(_ext, m) {
   m.doc() = "camkv fused CaM cache update: one MLX primitive per layer per call";
   // The mlx version this binary was compiled against; it only works with that one.
   m.attr("MLX_VERSION") = CAMKV_MLX_VERSION;
-#ifdef _METAL_
-  m.attr("HAS_METAL") = true;  // eval_gpu dispatches camkv.metallib
-#else
-  m.attr("HAS_METAL") = false;
-#endif
   m.attr("MAX_HEAD_DIM") = CAMKV_MAX_HEAD_DIM;
   m.def("scratch_strides", [](bool chunk, int n, int S, int n_out, int Dk, int Dv) {
         return nb::make_tuple(camkv_f32_stride(chunk, n, S, n_out, Dk), camkv_i32_stride(chunk, n, S, n_out),

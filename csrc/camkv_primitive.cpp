@@ -1,6 +1,6 @@
 // camkv._ext: the MLX Primitive around the portable kernel core. eval_cpu runs
-// the core under the CPU prelude, rows in parallel; eval_gpu dispatches the
-// Metal entry points from camkv.metallib (macOS builds only).
+// the core under the CPU prelude, rows in parallel; GPUs run the same core compiled
+// at run time (camkv.backends.jit), so eval_gpu only refuses.
 
 #include "camkv_primitive.h"
 
@@ -49,13 +49,6 @@ inline float camkv_float(mlx::core::float16_t x) {
 #endif
 
 #include "camkv_core.h"
-
-#ifdef _METAL_
-#include <dlfcn.h>
-#include <filesystem>
-#include "mlx/backend/metal/device.h"
-#include "mlx/backend/metal/utils.h"
-#endif
 
 namespace camkv {
 
@@ -616,66 +609,12 @@ void CamColumnMass::eval_gpu(const std::vector<mx::array>&, std::vector<mx::arra
 }
 
 // ----------------------------------------------------------------------------
-// GPU execution
-
-#ifdef _METAL_
-
-namespace {
-
-std::string binary_dir() {
-  Dl_info info;
-  if (!dladdr(reinterpret_cast<void*>(&binary_dir), &info)) {
-    throw std::runtime_error("camkv._ext: cannot locate its own binary to find camkv.metallib");
-  }
-  return std::filesystem::path(info.dli_fname).parent_path().string();
-}
-
-const char* kernel_suffix(mx::Dtype d) {
-  return d == mx::float32 ? "float32" : (d == mx::float16 ? "float16" : "bfloat16");
-}
-
-}  // namespace
-
-void CamUpdate::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  for (int i = 0; i < (int)inputs.size(); ++i) {
-    if (!inputs[i].flags().row_contiguous) {
-      throw std::invalid_argument(
-          "camkv._ext on the GPU needs row-contiguous inputs; input " + std::to_string(i) + " is strided");
-    }
-  }
-  if (prescored_) {
-    throw std::invalid_argument("camkv._ext on the GPU scores chunks itself; chunk_mass is for the CPU");
-  }
-  release_sibling_inputs(inputs, outputs);
-  bool in_place = can_update_in_place(inputs, outputs, options_);
-  allocate_outputs(inputs, outputs, in_place);
-  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place, prescored_);
-
-  auto& s = stream();
-  auto& d = mx::metal::device(s.device);
-  auto lib = d.get_library("camkv", binary_dir());
-  auto kernel = d.get_kernel(std::string("camkv_update_") + kernel_suffix(inputs[IN_KEYS].dtype()), lib);
-  auto& encoder = mx::metal::get_command_encoder(s);
-  encoder.set_compute_pipeline_state(kernel);
-  for (int i = 0; i < CHUNK_MASS; ++i) {
-    encoder.set_input_array(inputs[i], i);
-  }
-  for (int i = 0; i < (int)outputs.size(); ++i) {
-    encoder.set_output_array(outputs[i], CHUNK_MASS + i);
-  }
-  encoder.set_bytes(params, (int)(CHUNK_MASS + outputs.size()));
-  size_t threads = std::min<size_t>(256, kernel->maxTotalThreadsPerThreadgroup());
-  encoder.dispatch_threadgroups(MTL::Size(params.rows, 1, 1), MTL::Size(threads, 1, 1));
-}
-
-#else
+// GPU execution: none. On a GPU camkv runs the same core compiled at run time by
+// mx.fast.metal_kernel / cuda_kernel (camkv.backends.jit); the extension is the CPU's.
 
 void CamUpdate::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(
-      "camkv._ext has no GPU path in this build: the Metal library is only built on macOS. "
-      "Run the update on the CPU (stream=mx.cpu) or use the 'reference' backend.");
+      "camkv._ext runs on the CPU only (stream=mx.cpu); on a GPU use backend 'auto', 'metal' or 'cuda'");
 }
-
-#endif
 
 }  // namespace camkv

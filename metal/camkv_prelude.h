@@ -9,12 +9,9 @@
 using namespace metal;
 
 #define CAMKV_DEVICE device
-// The metallib's entry points take their parameters in constant memory; the
-// mx.fast.metal_kernel entry (camkv.backends.jit) gets them as a device buffer and
-// defines CAMKV_CONSTANT as device before including this file.
-#ifndef CAMKV_CONSTANT
-#define CAMKV_CONSTANT constant
-#endif
+// mx.fast.metal_kernel (camkv.backends.jit) hands the parameter block over as a device
+// buffer: it has more than the 8 elements below which MLX declares an input constant.
+#define CAMKV_CONSTANT device
 #define CAMKV_SHARED threadgroup
 #define CAMKV_INLINE inline
 #define CAMKV_INF INFINITY

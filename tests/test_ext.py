@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from camkv import CaMConfig, backends, merges, reference
+from camkv import CaMConfig, CaMKVCache, backends, merges, reference
 from camkv.backends import ext
 from camkv.rows import RowState
 
@@ -163,39 +162,20 @@ def test_auto_picks_ext_on_the_cpu():
             assert backends.resolve("auto") is ext
 
 
-def _metal_ready() -> bool:
-    return ext._ext is not None and bool(ext._ext.HAS_METAL) and mx.metal.is_available()
-
-
-@pytest.mark.skipif(
-    not _metal_ready() and os.environ.get("CAMKV_REQUIRE_METAL") != "1",
-    reason="camkv._ext was built without Metal or no Apple GPU is present",
-)
-@pytest.mark.parametrize("prefill", ["exact", "chunk"])
-def test_ext_on_the_apple_gpu_matches_the_cpu_kernel(prefill):
-    assert _metal_ready(), "CAMKV_REQUIRE_METAL=1 but the Metal build or GPU is missing"
-    rng = np.random.default_rng(0)
-    cfg = CaMConfig(budget=16, n_sink=2, recent=4, prefill=prefill, merge_keys=True)
-    rows = mx.arange(4).astype(mx.uint32)
-    gpu = cpu = RowState.empty(4, 32, 24, mx.float16)
-    offset = 0
-    for s_len in (20, 1, 1, 9, 1):
-        k = mx.array(rng.standard_normal((4, s_len, 32)).astype(np.float32)).astype(mx.float16)
-        v = mx.array(rng.standard_normal((4, s_len, 24)).astype(np.float32)).astype(mx.float16)
-        gpu, gpu_merges = ext.update(gpu, k, v, offset, cfg, rows, stream=mx.gpu)
-        cpu, cpu_merges = ext.update(cpu, k, v, offset, cfg, rows, stream=mx.cpu)
-        mx.eval(gpu, cpu, gpu_merges, cpu_merges)
-        np.testing.assert_array_equal(np.array(gpu.positions), np.array(cpu.positions))
-        np.testing.assert_array_equal(np.array(gpu_merges), np.array(cpu_merges))
-        np.testing.assert_allclose(np.array(gpu.scores), np.array(cpu.scores), rtol=1e-4, atol=1e-6)
-        offset += s_len
+def test_ext_is_refused_when_a_cache_is_made_with_the_gpu_as_default_device(monkeypatch):
+    """The extension runs on the CPU only: with the GPU as the default device a cache that
+    asks for it is refused when it is made, saying what to use instead."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    assert "runs on the CPU only" in ext.unavailable_reason()
+    with pytest.raises(ValueError, match="backend 'ext' cannot run here: camkv._ext runs on the CPU only"):
+        CaMKVCache(backend="ext")
 
 
 def test_column_mass_matches_the_masked_softmax_and_masks_what_section_2_says():
     """_ext.column_mass: each query row's softmax over the columns its chunk token sees,
     summed down the columns and weighted; a NaN or infinite logit is masked, a row with
     nothing visible adds nothing, and columns past the logits' are zero."""
-    from camkv.fast import _column_mass
+    from camkv.mass import column_mass as _column_mass
 
     rng = np.random.default_rng(5)
     rows, groups, s_len, n_before = 3, 2, 4, 6

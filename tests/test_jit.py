@@ -21,19 +21,8 @@ from camkv.backends import jit
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
-# What MLX generates around a body, reduced to the parameters the body uses.
+# What MLX's CUDA backend generates around a body, reduced to the parameters the body uses.
 _SIGNATURES = {
-    "metal": (
-        "template <typename T>\n[[kernel]] void camkv_update(\n"
-        "  const device T* in_keys, const device T* in_values, const device float* in_scores,\n"
-        "  const device int32_t* in_positions, const device T* new_keys, const device T* new_values,\n"
-        "  const device float* queries, const device float* chunk_mass, const device uint32_t* row_ids, const device int32_t* params,\n"
-        "  device T* out_keys, device T* out_values, device float* out_scores, device int32_t* out_positions,\n"
-        "  device int32_t* merges, device float* scratch_f32, device int32_t* scratch_i32, device T* scratch_store,\n"
-        "  uint3 thread_position_in_threadgroup, uint3 threads_per_threadgroup,\n"
-        "  uint3 threadgroup_position_in_grid) {{\n{body}\n}}\n"
-        "template void camkv_update<float>(METAL_ARGS(float));\n"
-    ),
     "cuda": (
         "template <typename T>\n__global__ void camkv_update(\n"
         "  const T* in_keys, const T* in_values, const float* in_scores, const int32_t* in_positions,\n"
@@ -45,16 +34,11 @@ _SIGNATURES = {
     ),
 }
 _ARGS = {
-    "metal": "#define METAL_ARGS(T) const device T*, const device T*, const device float*, const device int32_t*, "
-             "const device T*, const device T*, const device float*, const device float*, const device uint32_t*, "
-             "const device int32_t*, "
-             "device T*, device T*, device float*, device int32_t*, device int32_t*, device float*, device int32_t*, "
-             "device T*, uint3, uint3, uint3\n",
     "cuda": "#define CUDA_ARGS(T) const T*, const T*, const float*, const int32_t*, const T*, const T*, const float*, "
             "const float*, "
             "const uint32_t*, const int32_t*, T*, T*, float*, int32_t*, int32_t*, float*, int32_t*, T*\n",
 }
-_STUB = {"metal": "#include <metal_stdlib>\n", "cuda": '#include "cuda_stub.h"\n'}
+_STUB = {"cuda": '#include "cuda_stub.h"\n'}
 
 
 def _generated(target: str) -> str:
@@ -63,7 +47,7 @@ def _generated(target: str) -> str:
 
 
 @pytest.mark.skipif(COMPILER is None, reason="no C++ compiler on PATH")
-@pytest.mark.parametrize("target", ["metal", "cuda"])
+@pytest.mark.parametrize("target", ["cuda"])  # Metal: tests/test_metal_source.py, as MLX writes it
 def test_run_time_kernel_source_parses_against_the_stub(tmp_path, target):
     source = tmp_path / f"camkv_jit_{target}.cpp"
     source.write_text(_generated(target))
@@ -175,6 +159,7 @@ def test_forcing_an_absent_gpu_backend_is_a_clear_error():
 def test_chunk_scoring_in_query_blocks_equals_the_whole_chunk(monkeypatch, block):
     # The kernel backends prescore a chunk in blocks of queries to bound memory; any
     # block size must give the reference's mass (split products included).
+    from camkv import mass
     from camkv.backends import _common as common
     from camkv.reference import attention_mass_causal
     from camkv.rows import RowState
@@ -184,7 +169,7 @@ def test_chunk_scoring_in_query_blocks_equals_the_whole_chunk(monkeypatch, block
     state = RowState(mx.random.normal((rows, n, dim)), mx.random.normal((rows, n, dim)), mx.zeros((rows, n)),
                      mx.zeros((rows, n), mx.int32))
     new_keys, queries = mx.random.normal((rows, s_len, dim)), mx.random.normal((rows, s_len, groups, dim))
-    monkeypatch.setattr(common, "SCORE_BYTES", rows * groups * (n + s_len) * 16 * block)
+    monkeypatch.setattr(mass, "MASS_BYTES", rows * groups * (n + s_len) * 16 * block)
     got = common.chunk_mass(state, new_keys, queries, 0.3, split=True)
     want = attention_mass_causal(queries, mx.concatenate([state.keys, new_keys], axis=1), 0.3, n)
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)

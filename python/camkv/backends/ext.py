@@ -1,8 +1,10 @@
 """Backend "ext": the fused update of the compiled extension camkv._ext.
 
-One MLX primitive per layer per call (scoring, eviction, merge, compaction). It runs
-on the CPU everywhere and on Apple GPUs through the Metal library built on macOS.
-Same signature and results (docs/algorithm.md section 8) as camkv.reference.update.
+One MLX primitive per layer per call (scoring, eviction, merge, compaction), on the
+CPU. On a GPU the same kernel core runs compiled at run time (backends "metal" and
+"cuda", camkv.backends.jit); with the GPU as the default device this backend is
+refused when a cache is made. Same signature and results (docs/algorithm.md section 8)
+as camkv.reference.update.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def unavailable_reason() -> str | None:
             f"camkv._ext was compiled against mlx {_ext.MLX_VERSION} but mlx {mx.__version__} "
             "is installed; reinstall camkv to rebuild it"
         )
+    if mx.default_device() != mx.cpu:
+        return ("camkv._ext runs on the CPU only and the default device is the GPU; use backend 'auto' "
+                "(the GPU kernels), or make the CPU the default device (mx.set_default_device(mx.cpu))")
     return None
 
 

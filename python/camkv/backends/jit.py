@@ -20,6 +20,7 @@ from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
 from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule, chunk_mass as prescore_chunk
+from . import selfcheck
 from .sources import inlined_source
 
 
@@ -72,7 +73,7 @@ _GROUP = """
 
 _TARGETS = {
     "metal": {
-        "header": "#define CAMKV_CONSTANT device\n" + "{prelude}\n{core}\n",
+        "header": "{prelude}\n{core}\n",
         "prelude": "camkv_prelude.h",
         "group": _GROUP.format(shared="threadgroup", tid="thread_position_in_threadgroup.x",
                                size="threads_per_threadgroup.x", row="threadgroup_position_in_grid.x",
@@ -206,7 +207,7 @@ def _placeholder() -> mx.array:
     """One float for inputs the core ignores in this call, made once: a decode step's
     fixed cost is mostly such small host-side work."""
     if not _placeholders:
-        _placeholders.append(mx.zeros((1,), mx.float32))
+        _placeholders.append(mx.zeros((METAL_DEVICE_MIN,), mx.float32))
         mx.eval(_placeholders[0])
     return _placeholders[0]
 
@@ -218,9 +219,11 @@ def _as_uint32(row_ids: mx.array) -> mx.array:
 _usable: set[str] = set()  # targets found usable: a GPU does not go away mid-process
 
 
-def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
-           queries=None, scale=None, *, target: str) -> tuple[RowState, mx.array]:
-    """Absorb S new tokens per row in one kernel launch; see camkv.reference.update."""
+def check_update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
+                 queries=None, scale=None, *, target: str) -> None:
+    """Refuse what the caller got wrong (a rule, a dtype, a head dim, a thread count, a
+    missing GPU), with a message naming it: such errors reach the caller, where the
+    self-check falls back only for the kernel's own failures."""
     check_kernel_rule(cfg.merge, f"backend {target!r}")
     if target not in _usable:
         reason = unavailable_reason(target)
@@ -228,6 +231,14 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
             raise RuntimeError(f"backend {target!r} is not usable here: {reason}")
         _usable.add(target)
     check_kernel_inputs(state, new_keys, queries, scale, MAX_HEAD_DIM, "the GPU kernels")
+    adopt_dtype(state, new_keys)
+    threads_per_row()
+
+
+def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, row_ids,
+           queries=None, scale=None, *, target: str) -> tuple[RowState, mx.array]:
+    """Absorb S new tokens per row in one kernel launch; see camkv.reference.update.
+    Inputs checked by check_update."""
     rows, s_len, k_dim = new_keys.shape
     v_dim, n = new_values.shape[-1], state.length
     state = adopt_dtype(state, new_keys)
@@ -262,13 +273,27 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     return RowState(keys, values, scores, positions), merges
 
 
+# MLX declares a Metal kernel's input of fewer elements than this in the constant
+# address space (`const constant T*`), which the core's `const device T*` parameters
+# do not take; such inputs are padded to this size (the core reads only their prefix).
+METAL_DEVICE_MIN = 8
+
+
+def _device_sized(a: mx.array) -> mx.array:
+    if a.size >= METAL_DEVICE_MIN:
+        return a
+    return mx.concatenate([a.reshape(-1), mx.zeros((METAL_DEVICE_MIN - a.size,), a.dtype)])
+
+
 def launch(target: str, inputs: list, n_out: int, v_dim: int, strides) -> list[mx.array]:
     """The kernel over _INPUTS (rows and storage dtype from new_keys): _OUTPUTS, one
     work group per row."""
     new_keys = inputs[_INPUTS.index("new_keys")]
     rows, _, k_dim = new_keys.shape
     dtype = new_keys.dtype
-    threads = threads_per_row()
+    threads = _guards[target].threads()
+    if target == "metal":
+        inputs = [_device_sized(a) for a in inputs]
     return _kernel(target)(
         inputs=inputs,
         template=[("T", dtype)],
@@ -280,15 +305,29 @@ def launch(target: str, inputs: list, n_out: int, v_dim: int, strides) -> list[m
     )
 
 
+def _guarded(target: str) -> selfcheck.Guard:
+    def checked(*args):
+        check_update(*args, target=target)
+
+    def compute(*args):
+        return update(*args, target=target)
+
+    return selfcheck.Guard(target, checked, compute, threads_per_row)
+
+
+_guards = {target: _guarded(target) for target in _TARGETS}
+
+
 class _Target:
-    """A backend module-like object for one target (what camkv.backends.resolve returns)."""
+    """A backend module-like object for one target (what camkv.backends.resolve returns):
+    its updates go through the first-use self-check (camkv.backends.selfcheck)."""
 
     def __init__(self, target: str):
         self.__name__ = f"camkv.backends.{target}"
         self.target = target
 
     def update(self, state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
-        return update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, target=self.target)
+        return _guards[self.target].update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale)
 
     def unavailable_reason(self):
         return unavailable_reason(self.target)

@@ -14,7 +14,6 @@ KERNEL_FILES = {
     "camkv_merges.h": "csrc",
     "camkv_prelude_cpu.h": "csrc",
     "camkv_prelude.h": "metal",
-    "camkv.metal": "metal",
     "camkv_prelude.cuh": "cuda",
 }
 
