@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import mlx.core as mx
 import pytest
@@ -11,9 +13,13 @@ from camkv.rows import RowState
 
 
 def _backend_params():
+    """Every backend; those not usable here are skipped with the reason, except that
+    CAMKV_REQUIRE_METAL=1 (the Metal runner's CI) makes a missing Metal backend fail."""
     params = []
+    require_metal = os.environ.get("CAMKV_REQUIRE_METAL") == "1"
     for name, reason in backends.available().items():
-        marks = [] if reason is None else [pytest.mark.skip(reason=f"{name}: {reason}")]
+        skip = reason is not None and not (require_metal and name == "metal")
+        marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if skip else []
         params.append(pytest.param(name, marks=marks, id=name))
     return params
 

@@ -6,6 +6,7 @@ can (MLX raising, a pipeline refusing the group size, wrong values)."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 import subprocess
 import sys
 import warnings
@@ -25,10 +26,19 @@ PROMPT = mx.array([(7 * i + 3) % 120 for i in range(150)])
 SWITCHED_OFF = "the metal kernel is switched off for this process"
 
 
+NO_METAL = "[metal_kernel] No Metal back-end."  # what MLX raises launching a Metal kernel without one
+
+
+def _raising_kernel(target):
+    def launch(**_):
+        raise RuntimeError(NO_METAL)
+
+    return launch
+
+
 @pytest.fixture
 def metal_here(monkeypatch):
-    """Backend "metal" usable here, with a fresh guard (no class checked yet). On this
-    machine the real Metal kernel raises MLX's "No Metal back-end" when it is launched."""
+    """Backend "metal" usable here, with a fresh guard (no class checked yet)."""
     monkeypatch.setattr(jit, "unavailable_reason", lambda target: None)
     monkeypatch.setitem(jit._guards, "metal", jit._guarded("metal"))
     monkeypatch.delenv("CAMKV_SELF_CHECK", raising=False)
@@ -54,7 +64,8 @@ def _switch_off_warnings(caught) -> list[str]:
 
 # Dropping chunks runs no kernel on a GPU (camkv.fast); exact mode and merging do.
 @pytest.mark.parametrize("fields", [dict(prefill="exact"), dict(merge="mass_weighted")])
-def test_a_kernel_that_raises_falls_back_once_with_the_references_tokens(metal_here, model, fields):
+def test_a_kernel_that_raises_falls_back_once_with_the_references_tokens(metal_here, model, fields, monkeypatch):
+    monkeypatch.setattr(jit, "_kernel", _raising_kernel)
     want = _greedy(model, backend="reference", **fields)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -194,14 +205,34 @@ def test_the_comparison_sees_each_kind_of_difference():
 def test_camkv_generate_with_a_failing_metal_kernel_finishes_with_one_warning(tiny_model_dir):
     """The command as a user runs it, backend "metal" made usable on a machine whose Metal
     kernel cannot launch: the answer comes, one warning says why, no traceback."""
-    script = ("import sys; from camkv.backends import jit; jit.unavailable_reason = lambda target: None; "
+    script = ("import sys; from camkv.backends import jit; from test_selfcheck import _raising_kernel; "
+              "jit.unavailable_reason = lambda target: None; jit._kernel = _raising_kernel; "
               "from camkv.cli import main; sys.exit(main(sys.argv[1:]))")
     argv = ["generate", "--model", tiny_model_dir, "--prompt", "hello world " * 20, "--max-tokens", "6",
             "--kv-budget", "24", "--kv-sinks", "2", "--kv-recent", "4", "--kv-backend", "metal",
             "--kv-merge", "mass_weighted"]
     result = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True,
-                            env=subprocess_env(CAMKV_BLAS="0"), timeout=600)
+                            env=subprocess_env(str(Path(__file__).parent), CAMKV_BLAS="0"), timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count(SWITCHED_OFF) == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "generation: 6 tokens" in result.stderr
+
+
+def test_gpu_check_says_the_kernel_ran_when_it_matches(metal_here, monkeypatch, capsys):
+    from camkv import gpu_check
+
+    monkeypatch.setattr(jit, "update", lambda *args, target: reference.update(*args))
+    assert gpu_check.main(["--backend", "metal", "--require-kernel"]) == 0
+    classes = len(list(gpu_check._report_classes()))
+    assert f"metal: the kernel ran and matched the reference in {classes} launch classes" in capsys.readouterr().out
+
+
+def test_gpu_check_says_it_fell_back_and_why(metal_here, monkeypatch, capsys):
+    from camkv import gpu_check
+
+    monkeypatch.setattr(jit, "_kernel", _raising_kernel)
+    assert gpu_check.main(["--backend", "metal"]) == 0
+    out = capsys.readouterr().out
+    assert "metal: fell back to the reference backend after 0 launch classes passed" in out and NO_METAL in out
+    assert gpu_check.main(["--backend", "metal", "--require-kernel"]) == 1

@@ -199,3 +199,4 @@ def compare(kernel_result, reference_result, dtype) -> str | None:
         if not np.allclose(a, b, rtol=rtol, atol=rtol):
             return f"the {name} differ (largest difference {np.abs(a - b).max():.3g})"
     return None
+
