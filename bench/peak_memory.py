@@ -1,5 +1,5 @@
 """Peak memory of a prefill and a short decode, mlx-lm's full KVCache against camkv,
-for several sizes of camkv's chunk-scoring blocks (camkv.fast.LOGIT_BYTES).
+for several sizes of camkv's chunk-scoring blocks (camkv.mass.MASS_BYTES).
 
     python bench/peak_memory.py --model random-1b --prompt-lengths 1024 8192 --logit-mb 8 32 128
 
@@ -18,7 +18,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import save_result  # noqa: E402
 
-from camkv import fast, make_prompt_cache, models, remove  # noqa: E402
+from camkv import make_prompt_cache, mass, models, remove  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache as full_cache  # noqa: E402
 
 
@@ -28,7 +28,7 @@ def parse_args(argv=None):
                         help="random llama preset (default random-1b)")
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[1024], help="prompt tokens (default 1024)")
     parser.add_argument("--budget", type=int, default=512, help="camkv budget (default 512)")
-    parser.add_argument("--logit-mb", type=int, nargs="+", default=[32], help="scoring block sizes, MiB (default 32)")
+    parser.add_argument("--logit-mb", type=int, nargs="+", default=[128], help="scoring block sizes (camkv.mass.MASS_BYTES), MiB (default 128)")
     parser.add_argument("--gen-tokens", type=int, default=70, help="decode steps after the prompt (default 70)")
     parser.add_argument("--prefill-step", type=int, default=2048, help="prompt chunk (default 2048)")
     parser.add_argument("--out", type=Path, default=None, help="folder for peak-memory.json")
@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
             if mb is None:
                 cache = full_cache(model)
             else:
-                fast.LOGIT_BYTES = mb << 20
+                mass.MASS_BYTES = mb << 20
                 cache = make_prompt_cache(model, budget=opts.budget)
             prefill, decode = peaks(model, cache, prompt, opts)
             remove(model)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from camkv import CaMConfig, backends, fast
+from camkv import CaMConfig, backends, fast, mass
 from camkv.backends._common import chunk_mass
 from camkv.rows import RowState
 
@@ -118,17 +118,17 @@ def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
     mx.eval(q, joined)
     drop = cfg.replace(merge="drop")
     row_ids = mx.arange(rows, dtype=mx.uint32)
-    mlx_ops = lambda: fast._column_mass(  # noqa: E731, SLF001
+    mlx_ops = lambda: mass.column_mass(  # noqa: E731
         (q.astype(mx.float32).reshape(rows, -1, q.shape[-1]) @ joined.astype(mx.float32).transpose(0, 2, 1))
         .reshape(rows, q.shape[1], q.shape[2], -1), scale, n)
     sdpa = lambda: mx.fast.scaled_dot_product_attention(  # noqa: E731
         q.reshape(1, -1, q.shape[2], q.shape[3]), joined[None], joined[None], scale=scale, mask="causal")
     parts = {}
-    for mb in opts.logit_mb:  # the block size camkv.fast scores in
-        default, fast.LOGIT_BYTES = fast.LOGIT_BYTES, mb << 20
+    for mb in opts.logit_mb:  # the block size camkv.mass scores in (MASS_BYTES)
+        default, mass.MASS_BYTES = mass.MASS_BYTES, mb << 20
         parts[f"fast_mass_{mb}mb_ms"] = 1e3 * median_seconds(lambda: fast.attention_mass(q, joined, scale, n),
                                                            opts.repeats)
-        fast.LOGIT_BYTES = default
+        mass.MASS_BYTES = default
     if fast.on_cuda():
         parts.update(_cuda_mass_parts(q, joined, scale, n, opts))
     return {

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from camkv import CaMConfig, CaMKVCache, fast, hook, reference
+from camkv import CaMConfig, CaMKVCache, fast, hook, mass, reference
 from camkv.rows import RowState
 
 RTOL, ATOL = 1e-3, 1e-5  # section 8's score and near-tie tolerances
@@ -276,7 +276,7 @@ def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     logits[0, 5, 3] = float("nan")  # a poisoned logit counts as masked
     width = n_before + s_len + 5  # columns past the logits' come back as zeros
     got = mass_cuda.column_mass(logits, 0.2, n_before, s_len, width, 0.5)
-    want = 0.5 * fast._column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)  # noqa: SLF001
+    want = 0.5 * mass.column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)
     want = mx.pad(want, [(0, 0), (0, 5)])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
 

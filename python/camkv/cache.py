@@ -9,7 +9,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, fast, hook, merges, reference
+from . import backends, fast, hook, mass, merges
 from .backends._common import STORAGE_DTYPES
 from .config import CaMConfig, resolve_config
 from .rows import RowState
@@ -374,11 +374,12 @@ class CaMKVCache(_BaseCache):
         rows' votes where the rule keeps them)."""
         queries, scale = self._chunk_queries(self._held)
         cfg = self._chunk_config()
+        s_len = self._held - self._settled
         if rows.votes is None:
-            return fast.chunk_mass(queries, rows.keys, scale, self._settled, cfg, self._held - self._settled)
-        return reference.chunk_mass(queries.transpose(0, 2, 1, 3).astype(mx.float32), rows.keys.astype(mx.float32),
-                                    scale, self._settled, cfg, bias=mx.log(rows.votes),
-                                    s_len=self._held - self._settled)
+            return mass.chunk_mass(queries, rows.keys, scale, self._settled, cfg, s_len, fast.reducer())
+        # Votes weigh attention (a reference-only rule): the reference's arithmetic.
+        return mass.chunk_mass(queries, rows.keys, scale, self._settled, cfg, s_len, mass.EXACT_WHOLE,
+                               bias=mx.log(rows.votes))
 
     @property
     def stats(self) -> dict:

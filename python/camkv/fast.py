@@ -19,75 +19,34 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import policy
+from . import mass, policy
 from .backends import compact_cuda, mass_cuda
 from .rows import RowState
 
 _INF = float("inf")
-# Most float32 logits (and the softmax temporaries beside them) one block of chunk
-# queries holds: a 2048-token chunk with 4 queries per KV head over 2.5k rows would
-# hold about a gigabyte at once, where a bounded cache must not spike memory.
-LOGIT_BYTES = 32 << 20
+
+
+def reducer(kernels: bool | None = None) -> mass.Reducer:
+    """How a chunk's logits become mass here: one kernel (backends.mass_cuda, the logits a
+    product in the keys' dtype with float32 accumulation; section 8 allows it) on an
+    NVIDIA GPU, else MLX operations over float32 logits."""
+    return mass_cuda.REDUCER if (on_cuda() if kernels is None else kernels) else mass.MLX_OPS
 
 
 def attention_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, kernels: bool | None = None
                    ) -> mx.array:
-    """Section 2's mass of a chunk, summed per row: [R, N] float32.
-
-    queries [R, G, S, Dk] (any float dtype) are the chunk's queries, chunk token i at
-    row index n_before + i; keys [R, N, Dk] with N = n_before + S. Token i sees every
-    row up to and including itself. A logit that is NaN or infinite counts as masked
-    and a query whose every logit is masked adds nothing, so a poisoned key gets no
-    mass (it is evicted first) and a poisoned query leaves the other rows' scores alone.
-
-    With kernels (default: on an NVIDIA GPU) the logits are a product in the keys' dtype
-    (float32 accumulation; section 8 allows it) reduced by one kernel
-    (backends.mass_cuda); otherwise a float32 product reduced by MLX operations. In
-    blocks of queries of at most LOGIT_BYTES of logits.
-    """
-    rows, groups, s_len, k_dim = queries.shape
-    total = keys.shape[1]
-    kernels = on_cuda() if kernels is None else kernels
-    dtype = keys.dtype if kernels else mx.float32
-    keys_t = keys.astype(dtype).transpose(0, 2, 1)
-    block = max(1, LOGIT_BYTES // (rows * groups * total * (dtype.size if kernels else 12)))
-    mass = None
-    for i0 in range(0, s_len, block):
-        i1 = min(s_len, i0 + block)
-        visible = total - s_len + i1  # token i1 - 1 sees no further
-        q = queries[:, :, i0:i1].astype(dtype).reshape(rows, groups * (i1 - i0), k_dim)
-        logits = q @ keys_t[:, :, :visible]
-        if kernels:
-            part = mass_cuda.column_mass(logits, scale, n_before + i0, i1 - i0, total, 1.0 / groups)
-        else:
-            part = _column_mass(logits.reshape(rows, groups, i1 - i0, visible), scale, n_before + i0) / groups
-            if visible < total:
-                part = mx.pad(part, [(0, 0), (0, total - visible)])
-        mass = part if mass is None else mass + part
-    return mass
+    """Section 2's mass of a chunk, summed per row: [R, N] float32 (camkv.mass.chunk_mass
+    with every query). queries [R, G, S, Dk] (any float dtype) are the chunk's queries,
+    chunk token i at row index n_before + i; keys [R, N, Dk] with N = n_before + S."""
+    return mass.chunk_mass(queries, keys, scale, n_before, None, queries.shape[2], reducer(kernels))
 
 
 def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, cfg, s_len: int | None = None
                ) -> mx.array:
-    """attention_mass of a chunk of s_len tokens under cfg.prefill_scoring: with "window"
-    only the chunk's last observation_window queries add mass, which is then max-pooled
-    (camkv.policy). queries [R, G, T, Dk] are the chunk's last T (T >= the queries that
-    add mass; s_len defaults to T: every query given)."""
+    """camkv.mass.chunk_mass under cfg, reduced as reducer() picks. queries [R, G, T, Dk]
+    are the chunk's last T (s_len defaults to T: every query given)."""
     s_len = queries.shape[2] if s_len is None else s_len
-    observed = policy.observed(cfg, s_len)
-    queries = queries[:, :, queries.shape[2] - observed :]
-    return policy.pooled(attention_mass(queries, keys, scale, n_before + s_len - observed), cfg, s_len)
-
-
-def _column_mass(logits: mx.array, scale: float, n_before: int) -> mx.array:
-    """Softmax of each query row of logits [R, G, S, N] (chunk token i sees rows up to
-    n_before + i), summed over G and S: [R, N] float32."""
-    s_len, visible = logits.shape[2:]
-    causal = mx.arange(visible)[None, :] <= (n_before + mx.arange(s_len))[:, None]
-    logits = logits * scale
-    logits = mx.where(causal & mx.isfinite(logits), logits, -_INF)
-    weights = mx.softmax(logits, axis=-1, precise=True)
-    return mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2))
+    return mass.chunk_mass(queries, keys, scale, n_before, cfg, s_len, reducer())
 
 
 def on_cuda() -> bool:
@@ -110,7 +69,7 @@ def losers_and_kept(scores: mx.array, positions: mx.array, p_last, budget: int, 
     (section 8).
     """
     total = scores.shape[1]
-    protected = (positions < n_sink) | (positions > p_last - recent)
+    protected = policy.protected(positions, p_last, n_sink, recent)
     ranked = mx.where(protected, _INF, mx.where(mx.isnan(scores), -_INF, scores))
     kept = mx.argpartition(ranked, kth=total - budget, axis=1)[:, total - budget:]
     return mx.sort(kept, axis=1)

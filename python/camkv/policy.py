@@ -2,7 +2,8 @@
 (CaMConfig.prefill_scoring, observation_window, pool): docs/algorithm.md sections 3 and 7.
 
 One definition for the reference, camkv.fast and the kernels' host code; the kernel
-core computes the same in C++ (camkv_rank_row, camkv_score_chunk).
+core computes the same in C++ (camkv_rank_row, camkv_score_chunk). Which rows are
+protected from eviction (protected) is here too.
 """
 
 from __future__ import annotations
@@ -20,6 +21,14 @@ def eviction_ranks(scores: mx.array, cfg) -> mx.array:
     if cfg.eviction == "recency":
         return mx.broadcast_to(mx.arange(scores.shape[1], dtype=mx.float32), scores.shape)
     return mx.where(mx.isnan(scores), -float("inf"), scores)
+
+
+def protected(positions: mx.array, p_last, n_sink: int, recent: int) -> mx.array:
+    """Which rows no compression evicts [R, N] bool (section 3): the sinks (the first n_sink
+    positions) and the recent window, the `recent` newest positions up to p_last (the
+    compression's last token: an int or a scalar array). The kernels compute the same in
+    their own languages (backends/compact_cuda.py, csrc/camkv_core.h)."""
+    return (positions < n_sink) | (positions > p_last - recent)
 
 
 def observed(cfg, s_len: int) -> int:

@@ -14,8 +14,12 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import merges, policy
+from . import mass as _mass, merges, policy
 from .config import CaMConfig
+# The mass arithmetic the kernels' prescoring shares lives in camkv.mass; the oracle
+# reads it from there (tests read these names here too).
+from .mass import _tf32_high, attention_mass as _attention_mass, attention_mass_causal  # noqa: F401
+from .mass import float32_product as _float32_product  # noqa: F401
 from .rows import RowState
 
 _GOLDEN = 0x9E3779B9
@@ -70,54 +74,6 @@ def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
     if x.ndim == 2:
         return mx.take_along_axis(x, idx[:, None], axis=1)[:, 0]
     return mx.take_along_axis(x, idx[:, None, None], axis=1)[:, 0, :]
-
-
-def _tf32_high(x: mx.array) -> mx.array:
-    """x with the mantissa bits a TF32 tensor core drops cleared (exactly representable)."""
-    return mx.view(mx.view(x, mx.uint32) & mx.array(0xFFFFE000, mx.uint32), mx.float32)
-
-
-def _float32_product(a: mx.array, b: mx.array, split: bool) -> mx.array:
-    """a @ b. With split, as three products of TF32-exact halves (hi.hi + hi.lo + lo.hi),
-    which keeps float32 accuracy where the matmul rounds its inputs to TF32 (MLX's
-    CUDA backend does: about 3e-4 relative error otherwise)."""
-    if not split:
-        return a @ b
-    a_hi, b_hi = _tf32_high(a), _tf32_high(b)
-    return a_hi @ b_hi + (a_hi @ (b - b_hi) + (a - a_hi) @ b_hi)
-
-
-def _attention_mass(queries: mx.array, keys: mx.array, scale: float, visible, split: bool = False,
-                    bias: mx.array | None = None) -> mx.array:
-    """Section 2: softmax weights of each query over keys, summed over queries / G.
-
-    queries [R, S, G, Dk] float32, keys [R, N, Dk] float32, visible [S, N] bool or None,
-    bias [R, N] float32 or None: added to every logit of its key (the log of its votes,
-    section 4.6). Returns [R, N] float32. A NaN or infinite logit counts as masked, and a
-    query whose every logit is masked adds nothing (section 2's rule for poisoned inputs).
-    """
-    rows, s_len, groups, k_dim = queries.shape
-    q = queries.reshape(rows, s_len * groups, k_dim)
-    logits = scale * _float32_product(q, keys.transpose(0, 2, 1), split)  # [R, S*G, N]
-    logits = logits.reshape(rows, s_len, groups, -1)
-    if bias is not None:
-        logits = logits + bias[:, None, None, :]
-    usable = mx.isfinite(logits)
-    if visible is not None:
-        usable = usable & visible[None, :, None, :]
-    weights = mx.softmax(mx.where(usable, logits, -_INF), axis=-1, precise=True)
-    return mx.where(mx.isnan(weights), 0.0, weights).sum(axis=(1, 2)) / groups
-
-
-def attention_mass_causal(queries: mx.array, keys: mx.array, scale: float, n: int, split: bool = False,
-                          bias: mx.array | None = None) -> mx.array:
-    """A chunk's mass: chunk token i (absolute index n + i) sees every stored row and
-    the chunk tokens up to itself. queries [R, S, G, Dk], keys [R, n + S, Dk] float32.
-    split: keep float32 accuracy on a TF32 matmul (see _float32_product); bias [R, n + S]:
-    the log of each row's votes (section 4.6), or None."""
-    s_len, total = queries.shape[1], keys.shape[1]
-    visible = mx.arange(total)[None, :] <= (n + mx.arange(s_len))[:, None]
-    return _attention_mass(queries, keys, scale, visible, split, bias)
 
 
 # ----------------------------------------------------------------------------
@@ -369,15 +325,12 @@ def _appended_votes(votes, s_len: int):
 
 def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n: int, cfg: CaMConfig,
                bias: mx.array | None = None, s_len: int | None = None) -> mx.array:
-    """attention_mass_causal of a chunk of s_len tokens after n stored rows under
-    cfg.prefill_scoring: with "window" only the last observation_window queries add mass,
-    which is then max-pooled (camkv.policy). queries [R, T, G, Dk] are the chunk's last T
-    (at least the queries that add mass; s_len defaults to T), as camkv.fast.chunk_mass."""
+    """camkv.mass.chunk_mass of a chunk of s_len tokens after n stored rows, in one block
+    of the reference's arithmetic. queries [R, T, G, Dk] are the chunk's last T (at
+    least the queries that add mass; s_len defaults to T)."""
     s_len = queries.shape[1] if s_len is None else s_len
-    observed = policy.observed(cfg, s_len)  # the last queries that score the chunk
-    mass = attention_mass_causal(queries[:, queries.shape[1] - observed :], keys, scale, n + s_len - observed,
-                                 bias=bias)
-    return policy.pooled(mass, cfg, s_len)
+    return _mass.chunk_mass(queries.transpose(0, 2, 1, 3), keys, scale, n, cfg, s_len, _mass.EXACT_WHOLE,
+                            bias=bias)
 
 
 def _log_votes(votes):
@@ -441,7 +394,7 @@ def _ranked(scores, positions, p_last: int, cfg) -> mx.array:
     """Eviction ranks (section 3): protected rows (sinks, and the recent window before
     p_last) +inf, else the score (a NaN score -inf: a poisoned token goes first), or
     with eviction="recency" the row index (the oldest goes first)."""
-    protected = (positions < cfg.n_sink) | (positions > p_last - cfg.recent)
+    protected = policy.protected(positions, p_last, cfg.n_sink, cfg.recent)
     return mx.where(protected, _INF, policy.eviction_ranks(scores, cfg))
 
 

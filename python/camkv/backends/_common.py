@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import merges
-from .. import policy
-from ..reference import attention_mass_causal
+from .. import mass, merges
 from ..rows import RowState
 
 STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -40,42 +38,30 @@ def adopt_dtype(state: RowState, new_keys) -> RowState:
     return RowState.empty(state.keys.shape[0], state.keys.shape[-1], state.values.shape[-1], new_keys.dtype)
 
 
-SCORE_BYTES = 128 << 20  # most logits (and temporaries) one block of chunk scoring holds
-
-
 def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split: bool = False,
                cfg=None, mass_of=None) -> mx.array:
     """A chunk call's attention mass [R, n + S] (section 2) as matrix products, for a
-    kernel to take instead of scoring the chunk itself (CamParams.prescored).
+    kernel to take instead of scoring the chunk itself (CamParams.prescored):
+    camkv.mass.chunk_mass over the stored rows and the new ones.
 
-    queries [R, S, G, Dk] float32, or None for key scoring. In blocks of chunk queries,
-    so the logits held at once stay under SCORE_BYTES: a whole 2048-token chunk with 4
-    queries per KV head would hold gigabytes, and a bounded cache must not spike memory
-    while it fills (block i0..i1 sees only the first n + i1 keys). split: keep float32
-    accuracy on a matmul that rounds to TF32 (MLX's CUDA one), see
-    reference._float32_product. cfg (a CaMConfig; None scores causally) with
-    prefill_scoring="window": only the chunk's last observation_window queries score it,
-    their mass max-pooled (camkv.policy). mass_of(queries, keys, scale, n_before): a block's
-    mass as reference.attention_mass_causal computes it (the default), made another way.
+    queries [R, S, G, Dk] float32, or None for key scoring. split: keep float32 accuracy
+    on a matmul that rounds to TF32 (MLX's CUDA one), see camkv.mass.float32_product. cfg
+    (a CaMConfig; None scores causally with every query) with prefill_scoring="window":
+    only the chunk's last observation_window queries score it, their mass max-pooled.
+    mass_of(queries [R, s, G, Dk], keys, scale, n_before): a block's mass as
+    camkv.mass.attention_mass_causal computes it (the default), made another way.
     """
-    rows, s_len, _ = new_keys.shape
     n = state.length
     keys = new_keys if n == 0 else mx.concatenate([state.keys, new_keys], axis=1)  # one dtype: adopt_dtype
-    keys = keys.astype(mx.float32)
-    if queries is None:
-        queries = new_keys.astype(mx.float32)[:, :, None, :]
-    total, groups = n + s_len, queries.shape[2]
-    block = max(1, SCORE_BYTES // (rows * groups * total * 4 * 4))  # logits, mask, weights, split parts
-    mass = None
-    first = 0 if cfg is None else s_len - policy.observed(cfg, s_len)
-    for i0 in range(first, s_len, block):
-        i1 = min(s_len, i0 + block)
-        if mass_of is None:
-            part = attention_mass_causal(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0, split=split)
-        else:
-            part = mass_of(queries[:, i0:i1], keys[:, : n + i1], scale, n + i0)
-        part = mx.pad(part, [(0, 0), (0, s_len - i1)])
-        mass = part if mass is None else mass + part
-        if i1 < s_len:
-            mx.eval(mass)
-    return mass if cfg is None else policy.pooled(mass, cfg, s_len)
+    queries = new_keys[:, None] if queries is None else queries.transpose(0, 2, 1, 3)
+    if mass_of is None:
+        reducer = mass.EXACT_SPLIT if split else mass.EXACT
+    else:
+        reducer = mass.EXACT._replace(name="given", block=_block_by(mass_of), takes_bias=False)
+    return mass.chunk_mass(queries, keys, scale, n, cfg, new_keys.shape[1], reducer)
+
+
+def _block_by(mass_of):
+    def block(queries, keys, scale, n_before, width):
+        return mass_of(queries.astype(mx.float32).transpose(0, 2, 1, 3), keys, scale, n_before)
+    return block

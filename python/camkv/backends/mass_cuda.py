@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import mass
+
 ROWS_PER_GROUP = 16
 
 _SOURCE = """
@@ -93,3 +95,20 @@ def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int, width
         grid=(rows * groups_per_row * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, groups_per_row, width)], output_dtypes=[mx.float32])[0]
     return partial.sum(axis=1)
+
+
+def _block(queries, keys, scale, n_before, width):
+    logits = mass.grouped_logits(queries, keys, keys.dtype)
+    return column_mass(logits, scale, n_before, queries.shape[2], width, 1.0 / queries.shape[1])
+
+
+def _logit_bytes(dtype) -> int:
+    return 4 * dtype.size  # the logits in the keys' dtype, in blocks of a quarter of mass.MASS_BYTES
+
+
+def _as_is(keys):
+    return keys
+
+
+# camkv.mass's reduction of a block of chunk queries by this kernel.
+REDUCER = mass.Reducer("cuda-kernel", _block, _as_is, _logit_bytes)
