@@ -56,6 +56,14 @@ def files(tmp_path_factory) -> dict:
     (tmp / "empty.txt").write_text("  \n")
     (tmp / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
     (tmp / "folder").mkdir()
+    (tmp / "nul.txt").write_bytes(b"\0" * 64)
+    (tmp / "bad-config").mkdir()
+    (tmp / "bad-config" / "config.json").write_text('{model_type: "llama"}')
+    weights = models.convert_gguf(tmp / "good.gguf", tmp / "truncated-weights") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    camkv.save_prompt_cache(str(tmp / "cache-other-model.safetensors"), [cache, cache],
+                            metadata={"model": "other-model"})
+    camkv.save_prompt_cache(str(tmp / "cache-3-layers.safetensors"), [cache] * 3)
     return {p.name: str(p) for p in tmp.iterdir()} | {"dir": str(tmp)}
 
 
@@ -99,7 +107,14 @@ GENERATE_CASES = {
     "scoring unknown": (["--kv-scoring", "attention"], ["--kv-scoring", "'attention'", "'query'"]),
     "prefill unknown": (["--kv-prefill", "lazy"], ["--kv-prefill", "'lazy'", "'chunk'"]),
     "backend unknown": (["--kv-backend", "tpu"], ["--kv-backend", "'tpu'", "'reference'"]),
-    "merge keys with window": (["--kv-merge", "window", "--kv-merge-keys"], ["merge_keys", "window"]),
+    "merge keys with window": (["--kv-merge", "window", "--kv-merge-keys"], ["--kv-merge-keys", "window"]),
+    "sinks and recent fill the budget": (["--kv-budget", "64", "--kv-recent", "64"],
+                                         ["--kv-sinks + --kv-recent = 4 + 64 = 68", "--kv-budget=64"]),
+    "sampler seed negative": (["--seed", "-1"], ["--seed", "-1", "0..4294967295"]),
+    "sampler seed past uint32": (["--seed", str(2**32)], ["--seed", str(2**32), "0..4294967295"]),
+    "temp nan": (["--temp", "nan"], ["--temp", "nan", "finite number >= 0"]),
+    "temp infinite": (["--temp", "inf"], ["--temp", "inf", "finite number >= 0"]),
+    "top-p nan": (["--top-p", "nan"], ["--top-p", "nan", "(0, 1]"]),
     "max tokens zero": (["--max-tokens", "0"], ["--max-tokens", ">= 1", "0"]),
     "max tokens negative": (["--max-tokens", "-5"], ["--max-tokens", "-5"]),
     "temp negative": (["--temp", "-0.5"], ["--temp", ">= 0", "-0.5"]),
@@ -122,6 +137,8 @@ def test_generate_refuses(capsys, case):
     err = _refused(capsys, ["generate", "--model", NEVER_LOADED, *argv])
     for word in words:
         assert word in err, (word, err)
+    # The message names flags, not CaMConfig's fields (n_sink is --kv-sinks).
+    assert "CaMConfig." not in err and "n_sink" not in err and "merge_keys" not in err, err
 
 
 @pytest.mark.parametrize("backend", UNAVAILABLE)
@@ -138,6 +155,12 @@ FILE_CASES = {
     "prompt file not utf-8": (["--prompt-file", "{latin1.txt}"], ["latin1.txt", "not UTF-8"]),
     "prompt file is a folder": (["--prompt-file", "{folder}"], ["--prompt-file", "folder"]),
     "prompt file blank": (["--prompt-file", "{empty.txt}"], ["empty.txt", "empty"]),
+    "prompt file endless": (["--prompt-file", "/dev/zero"],
+                            ["/dev/zero", f"longer than {cli.PROMPT_MAX_BYTES} bytes"]),
+    "prompt file of NUL bytes": (["--prompt-file", "{nul.txt}"], ["nul.txt", "NUL bytes"]),
+    "cache of another model": (["--prompt-cache-file", "{cache-other-model.safetensors}"],
+                               ["cache-other-model.safetensors", "--model 'other-model'",
+                                f"not --model '{NEVER_LOADED}'"]),
     "save to missing folder": (["--save-prompt-cache", "{dir}/no/such/x.safetensors"],
                                ["--save-prompt-cache", "no/such", "does not exist"]),
     "save onto a folder": (["--save-prompt-cache", "{folder}"], ["--save-prompt-cache", "is a folder"]),
@@ -192,6 +215,10 @@ MODEL_CASES = {
     "gguf with a bad tensor table": ("{dims.gguf}", ["dims.gguf", "dimensions"]),
     "text file": ("{notes.txt}", ["notes.txt", "not a .gguf file"]),
     "folder without config": ("{folder}", ["folder", "config.json"]),
+    "empty": ("", ["--model is empty", "owner/name"]),
+    "config.json not JSON": ("{bad-config}", ["bad-config/config.json", "not valid JSON"]),
+    "truncated weights": ("{truncated-weights}", ["could not load --model", "truncated-weights",
+                                                  "cannot be read", "truncated"]),
 }
 
 
@@ -223,11 +250,35 @@ def test_a_corrupt_gguf_header_is_an_error_not_a_crash(files):
     (["serve", "--full-cache"], ["--full-cache", "mlx_lm.server"]),
     (["serve", "--kv-merge", "blend"], ["--kv-merge", "'blend'"]),
     (["bench", "--gen-tokens", "x"], ["--gen-tokens", "'x'"]),
+    (["bench", "--budgets", "0"], ["--budgets", ">= 1", "[0]"]),
+    (["bench", "--prompt-lengths", "0", "512"], ["--prompt-lengths", ">= 1", "[0, 512]"]),
+    (["bench", "--trials", "0"], ["--trials", ">= 1", "0"]),
+    (["demo", "--seed", "-1"], ["--seed", "-1", "0..4294967295"]),
+    (["serve", "--port", "99999"], ["--port", "'99999'", "1..65535"]),
+    (["serve", "--port=0"], ["--port", "'0'", "1..65535"]),
+    (["serve", "--prefill-round-tokens", "0"], ["--prefill-round-tokens", ">= 1", "0"]),
 ])
 def test_other_commands_refuse(capsys, argv, words):
     err = _refused(capsys, argv)
     for word in words:
         assert word in err, (word, err)
+
+
+def test_a_prompt_cache_of_another_shape_is_refused_naming_file_and_model(capsys, files, tiny_model_dir):
+    # No model named in the file (saved from Python): the layers are compared once it loads.
+    assert cli.main(["generate", "--model", tiny_model_dir, "--prompt", "x",
+                     "--prompt-cache-file", files["cache-3-layers.safetensors"]]) == 2
+    err = capsys.readouterr().err
+    assert "cache-3-layers.safetensors holds 3 layers" in err and f"--model {tiny_model_dir!r} has 2 layers" in err
+    assert "Traceback" not in err and not hook.installed_modules()
+
+
+def test_a_prompt_cache_saved_without_its_suffix_is_found_where_it_was_written(capsys, tmp_path,
+                                                                              tiny_model_dir):
+    base = ["generate", "--model", tiny_model_dir, "--chat-template", "off", "--max-tokens", "2"]
+    assert cli.main([*base, "--prompt", "hello " * 10, "--save-prompt-cache", str(tmp_path / "story")]) == 0
+    assert f"camkv: prompt cache saved to {tmp_path / 'story.safetensors'}" in capsys.readouterr().err
+    assert cli.main([*base, "--prompt", " world", "--prompt-cache-file", str(tmp_path / "story")]) == 0
 
 
 def test_an_empty_prompt_on_stdin_is_refused(capsys, monkeypatch, files):
@@ -411,3 +462,88 @@ def test_a_hub_id_that_cannot_be_fetched_is_an_error_naming_it(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "could not load --model 'nobody/no-such-model'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("bad", [None, 3, "model", tiny_llama().layers])
+def test_make_prompt_cache_and_apply_refuse_what_is_not_a_model(bad):
+    for call in (camkv.make_prompt_cache, camkv.apply):
+        with pytest.raises(TypeError) as err:
+            call(bad)
+        assert "model must be an mlx-lm model" in str(err.value) and type(bad).__name__ in str(err.value)
+    assert not hook.installed_modules()
+
+
+def _one_layer_cache() -> list:
+    cache = camkv.CaMKVCache(budget=8, n_sink=1, recent=2, scoring="key")
+    cache.update_and_fetch(*_block(S=12))
+    return [cache]
+
+
+@pytest.mark.parametrize("cache,words", [
+    ([1, 2], ["cache[0]", "int"]),
+    ("layers", ["cache must be a list", "str"]),
+    ({"0": None}, ["cache must be a list", "dict"]),
+    (None, ["cache must be a list", "NoneType"]),
+])
+def test_save_prompt_cache_refuses_what_is_not_a_cache_list_and_writes_nothing(tmp_path, cache, words):
+    target = tmp_path / "c.safetensors"
+    if isinstance(cache, str):  # a layer where the list should be
+        cache = _one_layer_cache()[0]
+        words = ["cache must be a list", "CaMKVCache"]
+    with pytest.raises(TypeError) as err:
+        camkv.save_prompt_cache(str(target), cache)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+    assert not any(tmp_path.iterdir())
+
+
+def test_save_prompt_cache_refuses_bad_metadata(tmp_path):
+    with pytest.raises(TypeError, match="metadata must be a dict of str to str"):
+        camkv.save_prompt_cache(str(tmp_path / "c.safetensors"), _one_layer_cache(), metadata={"n": 1})
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("where,words", [
+    ("{tmp}/missing/c.safetensors", ["missing", "does not exist"]),
+    ("{tmp}/folder", ["folder.safetensors"]),  # the name MLX writes, reported as such
+    ("/proc/camkv-cache.safetensors", ["/proc/camkv-cache.safetensors"]),  # not writable, even by root
+])
+def test_save_prompt_cache_into_a_place_it_cannot_write_is_a_value_error(tmp_path, where, words):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder.safetensors").mkdir()
+    target = where.format(tmp=tmp_path)
+    with pytest.raises(ValueError) as err:
+        camkv.save_prompt_cache(target, _one_layer_cache())
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_save_prompt_cache_into_a_read_only_folder_is_a_value_error(tmp_path):
+    tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(ValueError, match="not writable"):
+            camkv.save_prompt_cache(str(tmp_path / "c.safetensors"), _one_layer_cache())
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_save_prompt_cache_says_where_it_wrote_and_load_finds_it(tmp_path):
+    written = camkv.save_prompt_cache(str(tmp_path / "story"), _one_layer_cache())
+    assert written == str(tmp_path / "story.safetensors") and Path(written).is_file()
+    loaded = camkv.load_prompt_cache(str(tmp_path / "story"))  # the name as it was given
+    assert _same(_state(loaded[0]), _state(_one_layer_cache()[0]))
+
+
+def test_a_nan_key_is_kept_as_given_until_it_is_evicted_first():
+    """docs/algorithm.md section 2: a NaN key gets no attention mass, so it ranks lowest
+    and is the first token evicted; until then it is held, and returned, as it came."""
+    cache = camkv.CaMKVCache(budget=8, n_sink=1, recent=2, scoring="key", slack=4)
+    keys, values = _block(S=8)
+    keys[:, :, 3] = float("nan")
+    fetched = cache.update_and_fetch(keys, values)[0]  # 8 tokens: within budget + slack
+    assert np.isnan(np.array(fetched[:, :, 3])).all()
+    cache.update_and_fetch(*_block(S=5, seed=1))  # 13 > 8 + 4: compressed back to 8
+    positions = np.array(cache.stored()[3])
+    assert 3 not in positions and positions.shape[-1] == 8
+    assert not np.isnan(np.array(cache.stored()[0])).any()

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import re
 import sys
 import time
 
 from . import merges
-from .config import CaMConfig
+from .config import UINT32_MAX, CaMConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(CaMConfig)}
 # CLI flag (argparse dest) -> CaMConfig field, from each field's metadata.
@@ -92,8 +94,8 @@ def _add_generate_parser(subparsers) -> None:
                         "cached text (default: none, a new cache)")
     p.add_argument("--save-prompt-cache", default=None, metavar="PATH",
                    help="after generating, save the prompt cache (mlx-lm's .safetensors format; "
-                        "load it with camkv.load_prompt_cache, not mlx-lm's); its folder must exist "
-                        "(default: not saved)")
+                        "load it with camkv.load_prompt_cache, not mlx-lm's); its folder must exist, "
+                        "and a PATH without .safetensors gets it appended, as MLX does (default: not saved)")
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch, shard the model's layers across the ranks (pipeline) "
                         "instead of its heads (tensor parallel, the default); each rank's camkv "
@@ -134,6 +136,18 @@ def _add_serve_parser(subparsers) -> None:
                         "first, as in generate), or any path or hub id mlx_lm.server accepts; "
                         "requests name it by this value (or omit \"model\"), and GET /v1/models "
                         "lists it (default: %(default)s)")
+    p.add_argument("--allow-past-context", action="store_true",
+                   help="accept prompts longer than the model's trained context "
+                        "(max_position_embeddings): camkv's memory stays bounded, but the model "
+                        "computes positions past those it was trained on, and its answers there "
+                        "are not what it was trained to give (default: refused with a 400)")
+    from .server import PREFILL_ROUND_TOKENS
+
+    p.add_argument("--prefill-round-tokens", type=int, default=PREFILL_ROUND_TOKENS, metavar="N",
+                   help="most prompt tokens prefilled per scheduling round, shared by the prompts "
+                        "being prefilled; every round also decodes one token of each answering "
+                        "request, so a long prompt cannot hold the others up for more than a few "
+                        "rounds (default: %(default)s)")
     _add_kv_flags(p)
     p.set_defaults(run=cmd_serve, command_parser=p)
 
@@ -162,8 +176,9 @@ def _add_eval_parser(subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="camkv",
-        description="camkv: a bounded-memory KV cache for mlx-lm that merges evicted tokens "
-                    "into survivors (CaM) instead of dropping them.")
+        description="camkv: a bounded-memory KV cache for mlx-lm. Each KV head keeps the tokens "
+                    "the model attended to most and evicts the rest, dropping them (the default, "
+                    "as H2O) or merging them into the survivors (CaM, --kv-merge).")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"camkv {__version__}")
@@ -209,11 +224,37 @@ def make_cache(model, args: argparse.Namespace) -> list:
     return camkv.make_prompt_cache(model, **_kv_fields_to_run(args))
 
 
-def read_prompt_cache(path: str) -> list:
-    """A saved prompt cache, read before any model loads (ValueError naming what is wrong)."""
+def read_prompt_cache(path: str) -> tuple[list, dict]:
+    """A saved prompt cache and its metadata, read before any model loads (ValueError naming
+    what is wrong)."""
     import camkv
 
-    return camkv.load_prompt_cache(path)
+    return camkv.load_prompt_cache(path, return_metadata=True)
+
+
+def _same_model(saved: str, given: str) -> bool:
+    """Whether two --model values name one model (a path may be spelled two ways)."""
+    from pathlib import Path
+
+    if saved == given:
+        return True
+    paths = [Path(v).expanduser() for v in (saved, given)]
+    return all(p.exists() for p in paths) and paths[0].resolve() == paths[1].resolve()
+
+
+def check_cache_fits(model, prompt_cache: list, args) -> None:
+    """A prompt cache continues only the model that made it: as many layers, and camkv
+    layers of as many KV heads as the model has (ValueError naming both)."""
+    expected = len(model.make_cache()) if hasattr(model, "make_cache") else len(model.layers)
+    kv_heads = getattr(getattr(model, "args", None), "num_key_value_heads", None)
+    from .cache import CaMKVCache
+
+    held = {c.keys.shape[1] for c in prompt_cache if isinstance(c, CaMKVCache) and not c.empty()}
+    if len(prompt_cache) != expected or (isinstance(kv_heads, int) and held - {kv_heads}):
+        raise ValueError(
+            f"--prompt-cache-file {args.prompt_cache_file} holds {len(prompt_cache)} layers of "
+            f"{sorted(held)} KV heads, but --model {args.model!r} has {expected} layers of "
+            f"{kv_heads} KV heads: a prompt cache only continues the model that made it")
 
 
 def attach_cache(model, prompt_cache: list) -> list:
@@ -299,19 +340,37 @@ def read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is not None:
         text, source = _read_prompt_file(args.prompt_file), f"--prompt-file {args.prompt_file}"
     elif args.prompt == "-":
-        text, source = sys.stdin.read(), "--prompt - (stdin)"
+        source = "--prompt - (stdin)"
+        text = _at_most(sys.stdin.read(PROMPT_MAX_CHARS + 1), source, "characters")
     else:
         text = args.prompt if args.prompt is not None else "What is the capital of France?"
         source = f"--prompt {text!r}"
     if not text.strip():
         raise ValueError(f"{source} is empty: give a prompt of at least one non-space character")
+    if "\0" in text:
+        raise ValueError(f"{source} holds NUL bytes (the first at character {text.index(chr(0))}): "
+                         "not text; give a prompt of text")
+    return text
+
+
+# The most of a prompt file (or stdin) read: far past any model's context (a token is
+# several bytes), and an endless file (/dev/zero) stops here instead of filling memory.
+PROMPT_MAX_BYTES = 64 * 2**20
+PROMPT_MAX_CHARS = PROMPT_MAX_BYTES
+
+
+def _at_most(text, source: str, unit: str):
+    if len(text) > PROMPT_MAX_BYTES:
+        raise ValueError(f"{source} is longer than {PROMPT_MAX_BYTES} {unit}, the most camkv "
+                         "reads for a prompt: give a shorter one")
     return text
 
 
 def _read_prompt_file(path: str) -> str:
     try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        with open(path, "rb") as f:
+            data = _at_most(f.read(PROMPT_MAX_BYTES + 1), f"--prompt-file {path}", "bytes")
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ValueError(f"--prompt-file {path} is not UTF-8 text ({err.reason} at byte "
                          f"{err.start})") from None
@@ -377,9 +436,14 @@ def _check_prompt_cache_file(parser, args) -> None:
     if getattr(args, "prompt_cache_file", None) is None:
         return
     try:
-        args.loaded_cache = read_prompt_cache(args.prompt_cache_file)
+        args.loaded_cache, metadata = read_prompt_cache(args.prompt_cache_file)
     except ValueError as err:
         parser.error(f"--prompt-cache-file: {err}")
+    saved_model = metadata.get("model")
+    if saved_model is not None and not _same_model(saved_model, args.model):
+        parser.error(f"--prompt-cache-file {args.prompt_cache_file} was saved with --model "
+                     f"{saved_model!r}, not --model {args.model!r}: a prompt cache only continues "
+                     "the model that made it; give that --model")
     from .cache import CaMKVCache
 
     camkv_layers = [c for c in args.loaded_cache if isinstance(c, CaMKVCache)]
@@ -448,23 +512,48 @@ def _check_serve_flags(parser, args) -> None:
         if word.split("=", 1)[0] in ("--kv-bits", "--kv-group-size", "--quantized-kv-start"):
             parser.error(f"{word}: camkv's caches cannot be quantized (they bound memory by "
                          "evicting instead); drop the quantized-KV flags")
+    if args.prefill_round_tokens < 1:
+        parser.error(f"--prefill-round-tokens must be >= 1, got {args.prefill_round_tokens}")
+    port = _server_flag(args.server_argv, "--port")
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        parser.error(f"--port must be a TCP port in 1..65535, got {port!r}")
+
+
+def _server_flag(words: list[str], flag: str) -> str | None:
+    """The last value given to an mlx_lm.server flag (--flag V or --flag=V), if any."""
+    value = None
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith(flag + "="):
+            value = word[len(flag) + 1:]
+    return value
 
 
 def _check_generation_flags(parser, args) -> None:
     if getattr(args, "max_tokens", 1) < 1:
         parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if getattr(args, "temp", 0.0) < 0:
-        parser.error(f"--temp must be >= 0, got {args.temp}")
+    temp = getattr(args, "temp", 0.0)
+    if not math.isfinite(temp) or temp < 0:
+        parser.error(f"--temp must be a finite number >= 0, got {temp}")
     if not 0 < getattr(args, "top_p", 1.0) <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if getattr(args, "prompt_tokens", 1) < 1:
         parser.error(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
+    if not 0 <= getattr(args, "seed", 0) <= UINT32_MAX:  # a uint32, as --kv-seed
+        parser.error(f"--seed must be in 0..{UINT32_MAX} (a uint32), got {args.seed}")
 
 
 def _flag_message(message: str) -> str:
-    # CaMConfig names fields ("CaMConfig.merge"); the user typed flags (--kv-merge).
+    # CaMConfig names fields ("CaMConfig.merge", "budget=64", "n_sink + recent"); the user
+    # typed flags (--kv-merge, --kv-budget 64, --kv-sinks + --kv-recent).
     for flag, field in sorted(_KV_FLAGS.items(), key=lambda kv: -len(kv[1])):
-        message = message.replace(f"CaMConfig.{field} ", f"--{flag.replace('_', '-')} ")
+        name, start = _flag(flag), r"(?<![\w-])"
+        message = re.sub(rf"CaMConfig\.{field}\b", name, message)
+        message = re.sub(rf"{start}{field}=", f"{name}=", message)
+        message = re.sub(rf"(?<=\+ ){field}\b", name, message)
+        if "_" in field or flag != "kv_" + field:  # no English word: every mention is the field
+            message = re.sub(rf"{start}{field}\b", name, message)
     return message
 
 
@@ -498,15 +587,10 @@ class PrefillProgress:
               flush=True)
 
 
-def context_length(model) -> int | None:
-    """The model's trained context (max_position_embeddings of its config), if it says."""
-    args = getattr(model, "args", None)
-    value = getattr(args, "max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def warn_past_context(model, tokenizer, prompt, prompt_cache: list) -> None:
     """Warn when the cached and new tokens together exceed the model's context."""
+    from .models import context_length
+
     limit = context_length(model)
     if limit is None:
         return
@@ -534,6 +618,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tokenizer = models.load(args.model, dtype=args.dtype, group=group, pipeline=args.pipeline)
     prompt = format_prompt(tokenizer, text, args.chat_template, args.system_prompt)
     if args.loaded_cache is not None:
+        if group.size() == 1:  # a sharded rank holds its own share of heads or layers
+            check_cache_fits(model, args.loaded_cache, args)
         prompt_cache = attach_cache(model, args.loaded_cache)
     else:
         prompt_cache = make_cache(model, args)
@@ -555,7 +641,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.save_prompt_cache is not None:
         import camkv
 
-        camkv.save_prompt_cache(args.save_prompt_cache, prompt_cache, metadata={"model": args.model})
+        written = camkv.save_prompt_cache(args.save_prompt_cache, prompt_cache, metadata={"model": args.model})
+        if speaks:
+            print(f"camkv: prompt cache saved to {written}", file=sys.stderr)
     if group.size() > 1:
         report_kv_bytes(prompt_cache, group)
     if response is None or not speaks:
@@ -583,7 +671,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     mx.reset_peak_memory()
     print(f"camkv demo: random llama ({len(model.layers)} layers, {model.args.num_attention_heads} "
           f"query heads on {model.args.num_key_value_heads} KV heads), prompt of "
-          f"{args.prompt_tokens} tokens, {'full cache' if args.full_cache else f'budget {args.kv_budget}'}")
+          f"{args.prompt_tokens} tokens, {'full cache' if args.full_cache else f'budget {args.kv_budget}'}",
+          file=sys.stderr)
     start = time.perf_counter()
     steps = generate_step(prompt, model, max_tokens=args.max_tokens, sampler=sampler,
                           prompt_cache=prompt_cache)
@@ -595,10 +684,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     finally:
         _remove_hook(model)
     print(f"generated token ids: {tokens[:16]}{' ...' if len(tokens) > 16 else ''}")
+    # As generate: what was generated on stdout, the summary on stderr.
     print(summary_line(
         (args.prompt_tokens, args.prompt_tokens / prompt_seconds),
         (len(tokens), (len(tokens) - 1) / gen_seconds if gen_seconds > 0 else 0.0),
-        mx.get_peak_memory() / 1e9, kv_summary(prompt_cache)))
+        mx.get_peak_memory() / 1e9, kv_summary(prompt_cache)), file=sys.stderr)
     return 0
 
 
@@ -607,7 +697,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
     path = models.resolve(args.model)
-    serve(["--model", path, *args.server_argv], CaMConfig(**_kv_fields_to_run(args)), name=args.model)
+    serve(["--model", path, *args.server_argv], CaMConfig(**_kv_fields_to_run(args)), name=args.model,
+          allow_past_context=args.allow_past_context, prefill_round_tokens=args.prefill_round_tokens)
     return 0
 
 

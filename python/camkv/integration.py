@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from . import backends, hook, merges
@@ -35,6 +36,7 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
     is installed in the model's modules; camkv.remove(model) takes it out again once the caches
     are done with.
     """
+    check_model(model)
     base = usable_config(config, fields)
     hooked = hook.install(model) if needs_hook(base) else None
     caches = _model_default_cache(model)
@@ -46,6 +48,13 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
             caches[i].model_type = model_type
             caches[i].hook_modules = hooked
     return caches
+
+
+def check_model(model) -> None:
+    """TypeError unless model is an mlx-lm model: an nn.Module with layers."""
+    if not isinstance(model, nn.Module) or not hasattr(model, "layers"):
+        raise TypeError(f"model must be an mlx-lm model (an mlx.nn.Module with .layers, as "
+                        f"mlx_lm.load returns), got {type(model).__name__}")
 
 
 def needs_hook(config: CaMConfig) -> bool:
@@ -85,6 +94,7 @@ def apply(model, config: CaMConfig | None = None, **fields):
     (camkv.load_prompt_cache) get what it hands over too. Undo both with `camkv.remove(model)`, or use `camkv.applied(...)` as a
     context manager.
     """
+    check_model(model)
     base = usable_config(config, fields)
     if needs_hook(base):
         hook.install(model)

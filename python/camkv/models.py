@@ -559,6 +559,8 @@ _ACCEPTED = (f"--model takes {PACKAGED_NAMES}, a .gguf file, an mlx-lm model fol
 
 def _check_model_name(model: str, path: Path) -> None:
     """Refuse what mlx_lm.load would take for a hub id and fail on obscurely."""
+    if not model.strip():
+        raise ValueError(f"--model is empty; {_ACCEPTED}")
     looks_like_path = path.suffix == ".gguf" or model.startswith(("/", ".", "~"))
     if looks_like_path and not path.exists():
         raise FileNotFoundError(f"no model at {path}; {_ACCEPTED}")
@@ -567,10 +569,22 @@ def _check_model_name(model: str, path: Path) -> None:
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(f"--model {model!r} is a folder without config.json, not an mlx-lm "
                          f"model folder; {_ACCEPTED}")
+    if path.is_dir():
+        _check_config_json(path / "config.json")
     if not path.exists() and "/" not in model:
         raise ValueError(f"--model {model!r} is neither a packaged model ({PACKAGED_NAMES}), "
                          f"a folder nor a file here, nor a Hugging Face id 'owner/name'; "
                          f"{_ACCEPTED}")
+
+
+def _check_config_json(path: Path) -> None:
+    """A model folder's config.json must be a JSON object (mlx-lm's error names no file)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object of model settings, got {type(config).__name__}")
 
 
 def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, group=None, pipeline: bool = False,
@@ -592,6 +606,16 @@ def load(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE, group=None, pip
         return mlx_lm.load(path, **load_kwargs)
     except (OSError, ValueError) as err:  # e.g. a hub id that cannot be fetched
         raise ValueError(f"could not load --model {model!r}: {err}") from None
+    except RuntimeError as err:  # MLX's reader: a truncated or corrupt weights file
+        raise ValueError(f"could not load --model {model!r}: its weights (*.safetensors in {path}) "
+                         f"cannot be read, truncated or corrupt? ({err})") from None
+
+
+def context_length(model) -> int | None:
+    """The model's trained context (max_position_embeddings of its config), if it says."""
+    args = getattr(model, "args", None)
+    value = getattr(args, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
 
 
 RANDOM_LLAMAS = {

@@ -12,16 +12,61 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import mlx.core as mx
 from mlx.utils import tree_unflatten
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models.cache import save_prompt_cache
+from mlx_lm.models.cache import save_prompt_cache as _mlx_save_prompt_cache
 
 from .cache import CaMKVCache
 
 __all__ = ["load_prompt_cache", "save_prompt_cache"]
 
 _CAMKV_CLASSES = {"CaMKVCache": CaMKVCache}
+SUFFIX = ".safetensors"
+
+
+def saved_path(file_name: str) -> str:
+    """The file save_prompt_cache(file_name, ...) writes: MLX appends .safetensors to a name
+    without it."""
+    file_name = str(file_name)
+    return file_name if file_name.endswith(SUFFIX) else file_name + SUFFIX
+
+
+def save_prompt_cache(file_name: str, cache: list, metadata: dict | None = None) -> str:
+    """mlx-lm's save_prompt_cache, checked first: cache must be a list of cache layers
+    (TypeError), metadata a dict of strings (TypeError), and the file's folder must exist
+    and be writable (ValueError), so nothing is half written. Returns the path written
+    (file_name, with .safetensors appended when it lacks it, as MLX does)."""
+    _check_layers(cache)
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise TypeError(f"metadata must be a dict of str to str, got {metadata!r}")
+    path = Path(saved_path(os.fspath(file_name))).expanduser()
+    folder = path.parent
+    if path.is_dir():
+        raise ValueError(f"cannot save a prompt cache to {path}: it is a folder")
+    if not folder.is_dir():
+        raise ValueError(f"cannot save a prompt cache to {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot save a prompt cache to {path}: the folder {folder} is not writable")
+    try:
+        _mlx_save_prompt_cache(str(path), cache, metadata or {})
+    except (RuntimeError, OSError) as err:  # what os.access cannot tell (root, /proc, a full disk)
+        raise ValueError(f"cannot save a prompt cache to {path}: {err}") from None
+    return str(path)
+
+
+def _check_layers(cache) -> None:
+    """A prompt cache is a list of mlx-lm cache layers (what make_prompt_cache returns)."""
+    if not isinstance(cache, list):
+        raise TypeError(f"cache must be a list of cache layers (camkv.make_prompt_cache's), "
+                        f"got {type(cache).__name__}")
+    for i, layer in enumerate(cache):
+        if not isinstance(layer, mlx_cache._BaseCache):
+            raise TypeError(f"cache[{i}] must be a cache layer (CaMKVCache or an mlx-lm cache), "
+                            f"got {type(layer).__name__} {layer!r:.40}")
 
 
 def _cache_class(name: str):
@@ -49,10 +94,13 @@ def _restore_scalars(arrays: dict, scalars: list) -> None:
 def load_prompt_cache(file_name: str, return_metadata: bool = False):
     """Load a prompt cache saved with (mlx-lm's or camkv's) save_prompt_cache.
 
-    Like mlx_lm.models.cache.load_prompt_cache, but camkv layers load too. A file
-    that is missing, unreadable, truncated or not a prompt cache raises ValueError
-    naming the file and what is wrong.
+    Like mlx_lm.models.cache.load_prompt_cache, but camkv layers load too. A name
+    without .safetensors that is not a file is read with it, as save_prompt_cache wrote
+    it. A file that is missing, unreadable, truncated or not a prompt cache raises
+    ValueError naming the file and what is wrong.
     """
+    if not Path(file_name).exists() and Path(saved_path(file_name)).is_file():
+        file_name = saved_path(file_name)  # where save_prompt_cache put it
     arrays, file_metadata = _read_file(file_name)
     try:
         metadata, classes, scalars = tree_unflatten(list(file_metadata.items()))

@@ -361,21 +361,34 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return parser
 
 
-def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> dict:
-    from tqdm import tqdm
-
-    args = args or build_parser().parse_args(argv)
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the flag, its value and what is allowed, before any model loads."""
     for name, values in (("--prompt-lengths", args.prompt_lengths), ("--budgets", args.budgets)):
         if any(v < 1 for v in values):
-            raise SystemExit(f"camkv bench: {name} must be positive integers, got {values}")
+            raise ValueError(f"{name} must be integers >= 1, got {values}")
+    for name, value in (("--gen-tokens", args.gen_tokens), ("--trials", args.trials),
+                        ("--prefill-step", args.prefill_step)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if any(v < 0 for v in args.slacks):
+        raise ValueError(f"--slacks must be integers >= 0, got {args.slacks}")
     for budget in args.budgets:
         try:
             CaMConfig(budget=budget, backend=args.backend)
         except ValueError as err:
-            raise SystemExit(f"camkv bench: --budgets {budget}: {err}") from None
+            raise ValueError(f"--budgets {budget}: {err}") from None
+
+
+def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> dict:
+    from tqdm import tqdm
+
+    args = args or build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as err:  # status 2, as argparse gives a bad flag
+        print(f"camkv bench: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     model = load_model(args.model)[0]
-    if any(v < 0 for v in args.slacks):
-        raise SystemExit(f"camkv bench: --slacks must be integers >= 0, got {args.slacks}")
     arms = default_arms(args.budgets, args.slacks, args.prefill_scorings)
     device = _device_name()
     results = {
