@@ -4,7 +4,8 @@
 - arms: the arms compared (full, StreamingLLM, camkv settings) and the caches they make;
 - loading: the one model loader of both commands;
 - budgets: --budgets and the budgets that evict in a context;
-- stream, passkey: the two quality tasks;
+- stream, passkey: the two quality tasks; ruler: RULER's synthetic tasks, ruler_report
+  their summary, tables and plot;
 - records: OUT/records.jsonl and the folder lock;
 - sweep: the resumable run of `camkv eval`; cli: its flags and presets;
 - report: summaries, tables and plots of the records;

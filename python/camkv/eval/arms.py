@@ -3,12 +3,13 @@ catalog --methods picks from, and the cache list each makes for a model."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from .. import hook, merges
-from ..config import CAM_STREAMING, default_recent
+from ..config import CAM_STREAMING, CaMConfig, default_recent
 from ..distributed import kv_bytes
 from ..integration import make_prompt_cache as camkv_prompt_cache
 
@@ -16,17 +17,22 @@ from ..integration import make_prompt_cache as camkv_prompt_cache
 @dataclass(frozen=True)
 class Arm:
     """One way of caching, compared with the others on the same tokens: mlx-lm's full
-    KVCache ("full"), its RotatingKVCache as StreamingLLM ("streaming"), or a camkv
-    cache with these settings ("camkv"). The budget comes with each run."""
+    KVCache ("full"), its RotatingKVCache as StreamingLLM ("streaming"), a camkv
+    cache with these settings and the run's ("camkv"), a camkv cache of a whole
+    CaMConfig ("config": only the budget, seed and backend come from the run), or
+    SnapKV as kvpress runs it ("snapkv": RULER prompts only, see make_cache). The
+    budget comes with each run."""
 
     name: str
-    kind: str  # "full", "streaming" or "camkv"
+    kind: str  # "full", "streaming", "camkv", "config" or "snapkv"
     merge: str = "drop"
     gate: bool = False
     scoring: str = "key"
     merge_keys: bool = False
     eviction: str = "score"
     window: int | None = None  # survivors of a window rule; None: the run's --window
+    config: CaMConfig | None = None  # kind "config": the cache's settings but the budget
+    prefill_scoring: str | None = None  # kind "camkv": None takes the run's --prefill-scoring
 
 
 MERGE_ARMS = merges.names(kind=merges.NEAREST) + merges.names(kind=merges.WINDOW)  # every rule but drop (h2o)
@@ -48,7 +54,32 @@ def method_catalog() -> dict[str, Arm]:
     # CaM as its authors ran it: StreamingLLM's eviction, the window merge over 32, gated
     # by the accumulated attention of the model's queries.
     methods.append(Arm("cam", "camkv", scoring="query", **CAM_STREAMING))
+    # The arms of the RULER suite: SnapKV as kvpress runs it, H2O as published (every
+    # prompt query's attention accumulated), camkv's default CaMConfig and that default
+    # with each offered merge rule instead of dropping.
+    methods.append(Arm("snapkv", "snapkv"))
+    methods.append(Arm("h2o-causal", "camkv", "drop", False, "query", prefill_scoring="causal"))
+    methods.append(Arm("camkv", "config", config=CaMConfig()))
+    for merge in (m for m in merges.offered() if merges.rule(m).kind != merges.DROP):
+        methods.append(Arm(f"camkv-{merge}", "config", config=CaMConfig(merge=merge)))
     return {m.name: m for m in methods}
+
+
+def parse_arm_spec(spec: str) -> Arm:
+    """An --arm value NAME=JSON: an arm of the CaMConfig whose fields the JSON object
+    names (the budget comes with each run)."""
+    name, sep, fields = spec.partition("=")
+    if not sep or not name.strip() or name.strip() in method_catalog():
+        raise ValueError(f"--arm must be NAME={{CaMConfig fields as JSON}} with a NAME that is no "
+                         f"method's, got {spec!r}")
+    try:
+        values = json.loads(fields)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--arm {name}: {fields!r} is not JSON ({err.msg})") from None
+    if not isinstance(values, dict) or "budget" in values:
+        raise ValueError(f"--arm {name}: give a JSON object of CaMConfig fields other than budget, "
+                         f"got {fields!r}")
+    return Arm(name.strip(), "config", config=CaMConfig(**values))
 
 
 def is_retired(arm: Arm) -> bool:
@@ -62,13 +93,23 @@ def offered_methods() -> list[str]:
     return [n for n, m in method_catalog().items() if not is_retired(m)]
 
 
+def _stream_arms() -> list[str]:
+    """The offered arms the stream and passkey sweeps group: not the RULER suite's."""
+    catalog = method_catalog()
+    return [n for n in offered_methods()
+            if catalog[n].kind in ("full", "streaming", "camkv") and catalog[n].prefill_scoring is None]
+
+
 METHOD_GROUPS = {
-    "all": offered_methods(),
-    "key": [n for n in offered_methods() if method_catalog()[n].scoring == "key"],
+    "all": _stream_arms(),
+    "key": [n for n in _stream_arms() if method_catalog()[n].scoring == "key"],
     "core": ["full", "streamingllm", "h2o", "h2o-query", "mass_weighted-nogate", "window"],
     # How to merge: every offered blend rule against dropping, ungated, both scorings.
     "merge": ["full"] + [name + suffix for suffix in ("", "-query") for name in
                          ("h2o", "mass_weighted-nogate", "value_norm-nogate", "window-nogate")],
+    # RULER: the methods the field compares, camkv's default and each merge rule on it.
+    "ruler": ["full", "streamingllm", "snapkv", "h2o-causal", "camkv"]
+             + [n for n in offered_methods() if n.startswith("camkv-")],
 }
 
 
@@ -117,8 +158,46 @@ def recent_tokens(recent: int | str | None, budget: int) -> int:
     return recent
 
 
-def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings) -> list:
-    """A fresh cache list for one arm (budget is ignored by the full cache)."""
+SNAPKV_WINDOW = 64  # kvpress SnapKVPress: window_size 64, kernel_size 5
+SNAPKV_KERNEL = 5
+
+
+def snapkv_config(budget: int, context: int, after_context: int, settings: CacheSettings) -> CaMConfig:
+    """SnapKV as kvpress runs it, in camkv's terms: no eviction until the context's last
+    chunk, which compresses the whole context once to the budget, scored by its last 64
+    queries (window scoring) pooled over 5 tokens, those 64 kept (recent), no sinks;
+    then the slack holds the question and answer with nothing evicted. (kvpress pools
+    by the mean, camkv by the maximum.) The question must then come one token a step:
+    a block of several would be compressed with the decode steps (camkv.eval.ruler)."""
+    slack = context - budget - 1  # the context's last chunk passes budget + slack
+    if slack < after_context:
+        raise ValueError(f"snapkv: a budget of {budget} of a {context}-token context leaves "
+                         f"{slack} rows of slack, fewer than the {after_context} question and "
+                         "answer tokens that must not evict")
+    return CaMConfig(budget=budget, n_sink=0, recent=min(SNAPKV_WINDOW, budget - 1), merge="drop",
+                     scoring="query", prefill="chunk", slack=slack, prefill_scoring="window",
+                     observation_window=SNAPKV_WINDOW, pool=SNAPKV_KERNEL, seed=settings.seed,
+                     backend=settings.backend)
+
+
+def _config_for(arm: Arm, budget: int, settings: CacheSettings) -> CaMConfig:
+    """A "config" arm's CaMConfig at this budget, with the run's seed and, for a rule the
+    kernels run, its backend."""
+    backend = settings.backend if merges.rule(arm.config.merge).kernels else arm.config.backend
+    return arm.config.replace(budget=budget, seed=settings.seed, backend=backend)
+
+
+def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings,
+               context: int | None = None, after_context: int = 0) -> list:
+    """A fresh cache list for one arm (budget is ignored by the full cache). context and
+    after_context: the tokens of a RULER prompt's context, and of its question and
+    answer after it (the snapkv arm's compression point and slack)."""
+    if arm.kind == "snapkv":
+        if context is None:
+            raise ValueError("the snapkv arm runs on RULER prompts only (--tasks ruler)")
+        return camkv_prompt_cache(model, snapkv_config(budget, context, after_context, settings))
+    if arm.kind == "config":
+        return camkv_prompt_cache(model, _config_for(arm, budget, settings))
     if arm.kind == "full":
         return make_prompt_cache(model)
     if arm.kind == "streaming":
@@ -130,7 +209,7 @@ def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings) -> 
         merge=arm.merge, gate=arm.gate, scoring=arm.scoring, merge_keys=arm.merge_keys,
         window=settings.window if arm.window is None else arm.window,
         seed=settings.seed, prefill="chunk", backend=settings.backend, slack=settings.slack,
-        eviction=arm.eviction, prefill_scoring=settings.prefill_scoring,
+        eviction=arm.eviction, prefill_scoring=arm.prefill_scoring or settings.prefill_scoring,
         observation_window=settings.observation_window, pool=settings.pool,
     )
 
@@ -138,7 +217,9 @@ def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings) -> 
 def release_cache(model, arm: Arm) -> None:
     """Undo what make_cache installed in the model (the attention hook of scoring="query",
     or of a rule that weighs rows by their votes)."""
-    if arm.kind == "camkv" and (arm.scoring == "query" or merges.rule(arm.merge).keeps_votes):
+    if arm.kind in ("snapkv", "config"):
+        hook.uninstall(model)  # query scoring (snapkv, the default config) installs it
+    elif arm.kind == "camkv" and (arm.scoring == "query" or merges.rule(arm.merge).keeps_votes):
         hook.uninstall(model)
 
 

@@ -44,6 +44,7 @@ from ..config import PREFILL_SCORING_MODES, CaMConfig
 from ..models import DEFAULT_MODEL, PACKAGED_NAMES
 from .arms import offered_methods
 from .budgets import _share_or_count
+from . import ruler
 from .loading import TINY_MODEL
 from .sweep import run
 
@@ -69,6 +70,7 @@ PRESETS = {
                 stream_samples=1, chunk=512, passkey_lengths="1024,2048,4096,8192",
                 passkey_placements=20, answer_tokens=8, n_sink=4, recent=32),
 }
+PRESETS = ruler.with_ruler_presets(PRESETS)  # RULER's values, and its cpu-ruler and gpu-ruler
 
 
 def _int_list(flag: str, spec: str) -> list[int]:
@@ -110,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
       "folder paths (cached under $CAMKV_CACHE_DIR/texts, default ~/.cache/camkv/texts)")
     a("--offline", action="store_true", help="never fetch texts: use the cache only")
     a("--fetch-only", action="store_true", help="fetch and cache the texts, then exit")
-    a("--tasks", help="comma-separated: stream, passkey")
+    a("--tasks", help="comma-separated: stream, passkey, ruler (camkv.eval.ruler)")
     a("--methods", help="comma-separated method names or groups (all, key, core, merge); full is "
       f"always included. Methods: {', '.join(offered_methods())}. The arms of retired merge rules "
       f"({', '.join(merges.retired())}) "
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--report-only", action="store_true", help="only rewrite summary, table and plots from "
       "the records in --out")
     a("--no-progress", action="store_true", help="no progress bars")
+    ruler.add_flags(p)
     return p
 
 
@@ -166,14 +169,15 @@ def resolve_options(argv, default_out: str = "camkv-eval-{preset}") -> argparse.
     default_out: the --out folder when none is given ({preset} is filled in).
     """
     opts = build_parser().parse_args(argv)
+    ruler.pick_methods(opts, PRESETS[opts.preset])
     for field, value in PRESETS[opts.preset].items():
         if getattr(opts, field) is None:
             setattr(opts, field, value)
     opts.texts = [s.strip() for s in opts.texts.split(",") if s.strip()]
     opts.tasks = [s.strip() for s in opts.tasks.split(",") if s.strip()]
-    bad = set(opts.tasks) - {"stream", "passkey"}
+    bad = set(opts.tasks) - {"stream", "passkey", "ruler"}
     if bad or not opts.tasks:
-        raise ValueError(f"--tasks must list stream and/or passkey, got {sorted(bad) or 'nothing'}")
+        raise ValueError(f"--tasks must list stream, passkey and/or ruler, got {sorted(bad) or 'nothing'}")
     opts.passkey_lengths = _int_list("--passkey-lengths", opts.passkey_lengths)
     opts.recent = _parse_recent(opts.recent)
     for flag in ("stream_tokens", "stream_samples", "chunk", "passkey_placements",
@@ -188,6 +192,7 @@ def resolve_options(argv, default_out: str = "camkv-eval-{preset}") -> argparse.
     if not 1 <= opts.stream_prefill < opts.stream_tokens:
         raise ValueError(f"--stream-prefill must be in [1, --stream-tokens), got "
                          f"{opts.stream_prefill} with --stream-tokens {opts.stream_tokens}")
+    ruler.resolve_options(opts)
     opts.out = Path(opts.out or default_out.format(preset=opts.preset))
     return opts
 

@@ -12,19 +12,20 @@ from pathlib import Path
 # Flags that change what a record means: a folder's records must all share them.
 IDENTITY_KEYS = ("model", "dtype", "stream_tokens", "stream_prefill", "chunk", "answer_tokens",
                  "n_sink", "recent", "window", "seed", "backend", "prefill_scoring",
-                 "observation_window", "pool")
+                 "observation_window", "pool", "chat_template", "ruler_max_answer")
 # What a folder written before an identity key existed ran with.
-IDENTITY_BEFORE = {"prefill_scoring": "causal", "observation_window": 32, "pool": 1}
+IDENTITY_BEFORE = {"prefill_scoring": "causal", "observation_window": 32, "pool": 1,
+                   "chat_template": "auto", "ruler_max_answer": None}
 # Flags that only pick which records to make: they may change between runs into one
 # folder (e.g. --methods core first, then --methods all adds the other arms).
 SELECTION_KEYS = ("texts", "tasks", "methods", "budgets", "stream_samples", "passkey_lengths",
-                  "passkey_placements")
+                  "passkey_placements", "ruler_tasks", "ruler_lengths", "ruler_samples", "arms")
 
 
 
 def run_config(opts) -> dict:
     """The options a run writes to OUT/run.json."""
-    return {k: getattr(opts, k) for k in IDENTITY_KEYS + SELECTION_KEYS}
+    return {k: getattr(opts, k, IDENTITY_BEFORE.get(k)) for k in IDENTITY_KEYS + SELECTION_KEYS}
 
 
 class RecordStore:

@@ -16,6 +16,7 @@ from .. import merges
 from .arms import method_catalog
 from .budgets import parse_budgets
 from .records import RecordStore
+from .ruler_report import plot_ruler, ruler_tables, summarize_ruler
 
 SUBSETS = ("decode", "all")
 
@@ -30,7 +31,8 @@ def _label_order(config: dict, records: list[dict]) -> list[str]:
 
 def _method_order(records: list[dict]) -> list[str]:
     present = {r["method"] for r in records}
-    return [m for m in method_catalog() if m in present or m == "full"]
+    named = [m for m in method_catalog() if m in present or m == "full"]
+    return named + sorted(present - set(named))  # then the arms of --arm
 
 
 def summarize_stream(records: list[dict], subset: str) -> dict:
@@ -101,6 +103,7 @@ def summarize(records: list[dict], config: dict) -> dict:
         "passkey_lengths": sorted({r["length"] for r in records if r["task"] == "passkey"}),
         "stream": {subset: summarize_stream(records, subset) for subset in SUBSETS},
         "passkey": summarize_passkey(records),
+        "ruler": summarize_ruler(records),
         "records": len(records),
     }
 
@@ -167,6 +170,7 @@ def markdown_tables(summary: dict) -> str:
         lines += _metric_table(f"Passkey exact match (lengths {lengths}; n = prompts)",
                                overall, methods, labels,
                                lambda c: f"{100 * c['accuracy']:.0f}% (n={c['n']})")
+    lines += ruler_tables(summary["ruler"], methods, labels)
     return "\n".join(lines)
 
 
@@ -333,7 +337,9 @@ def write_report(out_dir: Path, complete: bool | None = None, notes=()) -> dict:
         summary["plots"] = []
         return summary
     plots = {"stream_vs_budget.png": plot_stream, "passkey_heatmap.png": plot_passkey_heatmap,
-             "passkey_bars.png": plot_passkey_bars}
+             "passkey_bars.png": plot_passkey_bars,
+             "ruler_vs_budget.png": lambda s, path: plot_ruler(s["ruler"], s["methods"],
+                                                               s["budget_labels"], path, _style)}
     # Not saved in summary.json: which files this run drew (a plot with no data is skipped).
     summary["plots"] = [name for name, draw in plots.items() if draw(summary, out_dir / name)]
     return summary

@@ -8,8 +8,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import report, texts
-from .arms import Arm, CacheSettings, cache_stats, make_cache, parse_methods, release_cache
+from . import report, ruler, texts
+from .arms import Arm, CacheSettings, cache_stats, make_cache, parse_arm_spec, parse_methods, release_cache
 from .budgets import Budget, budgets_for, parse_budgets
 from .loading import cast_model, load_model
 from .passkey import PasskeyPrompt, build_passkey, greedy_answer, is_correct, passkey_depths, spread_order
@@ -186,6 +186,8 @@ def describe_plan(opts, methods, budgets, settings) -> str:
         lines.append(
             f"passkey: {opts.passkey_placements} placements x lengths {opts.passkey_lengths} = "
             f"{total} runs, each a chunked prefill and {opts.answer_tokens} greedy steps")
+    if "ruler" in opts.tasks:
+        lines.append(ruler.describe_plan(opts, arms, budgets, settings))
     return "\n".join(lines)
 
 
@@ -204,7 +206,8 @@ def run(opts) -> dict:
     """Run (or resume) the sweep the options describe; returns the summary."""
     if opts.report_only:
         return report.write_report(opts.out)
-    methods, budgets = parse_methods(opts.methods), parse_budgets(opts.budgets)
+    methods = parse_methods(opts.methods) + [parse_arm_spec(spec) for spec in opts.arms]
+    budgets = parse_budgets(opts.budgets)
     settings = CacheSettings(opts.n_sink, opts.recent, opts.window, opts.seed, opts.backend,
                              prefill_scoring=opts.prefill_scoring,
                              observation_window=opts.observation_window, pool=opts.pool)
@@ -226,7 +229,9 @@ def _sweep(opts, documents, methods, budgets, settings) -> dict:
     model, tokenizer = load_model(opts.model)
     model = cast_model(model, opts.dtype)
     rounds = plan_rounds(opts, documents, tokenizer)
-    progress = _progress_bar(count_units(rounds, methods, budgets, settings),
+    ruler_rounds = ruler.plan_rounds(opts, documents, tokenizer) if "ruler" in opts.tasks else []
+    progress = _progress_bar(count_units(rounds, methods, budgets, settings)
+                             + ruler.count_units(ruler_rounds, methods, budgets, settings),
                              len(store.records), opts.no_progress)
     sweep = Sweep(model, tokenizer, opts, methods, budgets, settings, store,
                   Clock(opts.time_budget), progress, set())
@@ -237,6 +242,9 @@ def _sweep(opts, documents, methods, budgets, settings) -> dict:
                 sweep.run_stream_window(window)
             for prompt in prompts:
                 sweep.run_passkey_prompt(prompt)
+        for samples in ruler_rounds:
+            for sample in samples:
+                ruler.run_sample(sweep, sample)
     except OutOfTime:
         complete = False
         print(f"\ncamkv eval: stopped at the time budget ({opts.time_budget:.0f} s); rerun the "
