@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import save_result  # noqa: E402
 
 from camkv import CaMConfig, hook, make_prompt_cache  # noqa: E402
-from camkv.cache import _with_room  # noqa: E402
+from camkv.buffers import with_room as _with_room  # noqa: E402
 from camkv.models import random_llama  # noqa: E402
 
 ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv")

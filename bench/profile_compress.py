@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import add_layer_shape_args, median_seconds, save_result  # noqa: E402
 
 from camkv import CaMConfig, fast  # noqa: E402
-from camkv.cache import _with_room  # noqa: E402
+from camkv.buffers import with_room as _with_room  # noqa: E402
 
 
 def parse_args(argv=None):

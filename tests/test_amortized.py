@@ -389,10 +389,10 @@ def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_bu
     rng = np.random.default_rng(0)
     block = [mx.array(rng.standard_normal((1, 2, n, 8)).astype(np.float32)) for n in (100, 300)]
     cache.update_and_fetch(block[0], block[0])
-    assert cache._keys.shape[2] == 100 + 256
+    assert cache._rows.keys.shape[2] == 100 + 256
     for t in range(300):
         cache.update_and_fetch(block[1][:, :, t : t + 1], block[1][:, :, t : t + 1])
-    assert cache._keys.shape[2] <= 400 + 256
+    assert cache._rows.keys.shape[2] <= 400 + 256
     assert mx.array_equal(cache.keys, mx.concatenate(block, axis=2)).item()
 
 
@@ -416,9 +416,9 @@ def test_decode_steps_keep_their_queries_as_given_and_join_them_once(monkeypatch
             cache.observe_queries(q, 0.5)
         every.stored()  # joins the kept queries at every step
         if t == 39:
-            assert once._held == 50 and once._query_buffer is None
-            assert len(once._query_steps) == 40 and all(a is s[2] for a, s in zip(once._query_steps, steps))
-    assert once._held == every._held == 64 + 7  # 80 tokens: compressed at 73 rows to 64, 7 more since
+            assert once.size() == 50 and once._pending._buffer is None
+            assert len(once._pending._steps) == 40 and all(a is s[2] for a, s in zip(once._pending._steps, steps))
+    assert once.size() == every.size() == 64 + 7  # 80 tokens: compressed at 73 rows to 64, 7 more since
     for got, want in zip(once.stored(), every.stored()):
         assert mx.array_equal(got, want).item()
 
@@ -456,6 +456,6 @@ def test_a_decode_step_that_only_joins_the_kept_queries_skips_the_checks_and_cha
 
     full, short = run(lambda self, queries, scale: False), run(counted)
     assert sum(short_ways) >= 30
-    assert full._held == short._held and full.offset == short.offset
+    assert full.size() == short.size() and full.offset == short.offset
     for got, want in zip(short.stored(), full.stored()):
         assert mx.array_equal(got, want).item()

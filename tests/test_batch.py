@@ -10,6 +10,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import camkv
 from camkv import CaMKVCache, fast
+from camkv.backends import compress
 from camkv.batch import _ROOM, BatchCaMKVCache
 from tiny_models import byte_tokenizer, tiny_llama
 
@@ -128,7 +129,7 @@ def test_decoding_shares_one_rectangle_and_rows_still_match_alone(model, tokeniz
 
     def watch(batch_caches):
         for c in batch_caches:
-            assert all(r._keys is None for r, lent in zip(c._rows, c._lent) if lent)
+            assert all(r._rows.keys is None for r, lent in zip(c._rows, c._lent) if lent)
             if c._lent and all(c._lent):
                 seen["all_lent"] += 1
 
@@ -305,7 +306,7 @@ def test_rows_due_at_the_same_step_compress_in_one_launch_as_each_alone(model, t
         return _drop_buffers_on_cpu(keys, *args)
 
     monkeypatch.setattr(fast, "compress_drop_buffers", counted)
-    monkeypatch.setattr(CaMKVCache, "_drops_in_one_launch", lambda self, end: end > self._config.budget)
+    monkeypatch.setattr(compress, "one_launch", lambda backend, cfg, end: end > cfg.budget)
     # Prompts a token apart: the rows hold the same count after them, at other positions.
     prompts = [[(5 * i + 11 * j + 3) % 250 for i in range(200 + j)] for j in range(3)]
     max_tokens = [40, 40, 40]

@@ -313,7 +313,7 @@ def test_a_pending_span_of_several_prompt_blocks_is_scored_by_its_last_queries(
                     observation_window=observation_window, pool=3, backend=backend)
     sizes = [3, 5, 2, 7, 4]
     pieces = _feed_with_queries(CaMKVCache(cfg), sizes)
-    assert pieces._query_buffer.shape[2] == min(observation_window, sum(sizes))
+    assert pieces._pending.kept().shape[2] == min(observation_window, sum(sizes))
     whole = _feed_with_queries(CaMKVCache(cfg), [sum(sizes)])
     for x, y in zip(pieces.state[:4], whole.state[:4]):
         assert mx.allclose(x, y, rtol=1e-5, atol=1e-6).item()

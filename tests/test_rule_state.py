@@ -156,7 +156,7 @@ def test_attention_gets_the_votes_of_the_rows_it_was_handed_before_they_compress
         assert cache.attention_bias() is None  # no compression yet: every row is one token
         for _ in range(3):
             fetched, _ = cache.update_and_fetch(*_block(rng, S=1))
-            want = cache._votes_bias()
+            want = cache.votes_bias()
             cache.observe_queries(queries(1), 0.35)
             bias = cache.attention_bias()
             assert bias.shape[2] == fetched.shape[2]

@@ -23,7 +23,7 @@ were chunked, never on the other rows. Rows of different budgets may share a bat
 Decoding (every row takes one real token a call) runs in one shared rectangle per
 layer instead: keys and values [B, H, capacity, D] and queries [B, Hq, capacity, Dk],
 every row's columns ending at one shared column (its left padding before them, hidden
-by make_mask). A row whose step only appends (CaMKVCache._decodes_plainly) lends its
+by make_mask). A row whose step only appends (CaMKVCache.decodes_plainly) lends its
 buffers to the rectangle: the batch writes every such row's key, value and query at
 once (one write each, as BatchKVCache) and tells the row. A row that must do more
 (compress, score a waiting block, weigh by votes) takes its buffers back and runs its
@@ -185,8 +185,8 @@ class BatchCaMKVCache(_BaseCache):
         laid out as the rectangle attention gets [B, H, L], 0 over the left padding (which
         the mask hides) and for rows without votes; None when no row has any."""
         if self._lent and all(self._lent):
-            return None  # lent rows have no votes (CaMKVCache._decodes_plainly)
-        biases = [row.attention_bias() if took else row._votes_bias()
+            return None  # lent rows have no votes (CaMKVCache.decodes_plainly)
+        biases = [row.attention_bias() if took else row.votes_bias()
                   for row, (took, _) in zip(self._rows, self._fetched)]
         if all(b is None for b in biases):
             return None
@@ -321,7 +321,7 @@ class BatchCaMKVCache(_BaseCache):
         # A block the model never showed its queries for is scored (and maybe evicted)
         # at the row's next update; do it now so the mask is built for what the row holds.
         row = self._rows[b]
-        row._flush_pending_with_keys()
+        row.flush_pending()
         return row.size()
 
     def _row_update(self, b: int, lo: int, hi: int, keys, values):
@@ -393,16 +393,11 @@ class BatchCaMKVCache(_BaseCache):
                 self._untold += 1
             self._in_step = False
         owning = [rows[b] for b, lent in enumerate(self._lent) if not lent]
-        for row in owning:
-            row._defer_one_launch = True
-        try:
-            for b, row in enumerate(rows):
-                if not self._lent[b]:
-                    row.observe_queries(queries[b : b + 1], scale)
-        finally:
-            for row in owning:
-                row._defer_one_launch = False
-        _compress_together([row for row in owning if row._deferred is not None])
+        for b, row in enumerate(rows):
+            if not self._lent[b]:
+                # A one-launch compression due now waits, to run with the other rows due.
+                row.observe_queries(queries[b : b + 1], scale, defer_launch=True)
+        _compress_together([row for row in owning if row.deferred_launch is not None])
 
     def _queries_join(self, queries, scale: float) -> bool:
         """Whether the step's queries can join the lent rows' pending ones: their shape, the
@@ -410,7 +405,7 @@ class BatchCaMKVCache(_BaseCache):
         lent = next((row for row, on in zip(self._rows, self._lent) if on), None)
         if lent is None:
             return True
-        H, Dk = lent._layout[1], lent._layout[2]
+        H, Dk = lent.layout[1], lent.layout[2]
         return (queries.shape[3] == Dk and queries.shape[1] % H == 0
                 and (self._scale is None or self._scale == scale))
 
@@ -421,22 +416,23 @@ class BatchCaMKVCache(_BaseCache):
         self._tell_rows()
         rows = self._rows
         for b, row in enumerate(rows):
-            if self._lent[b] and not row._decodes_plainly():
+            if self._lent[b] and not row.decodes_plainly():
                 self._take_back(b)
         lent = [row for row, on in zip(rows, self._lent) if on]
-        self._scale = next((row._queued for row in lent if row._queued is not None), None)
+        self._scale = next((row.pending_scale for row in lent if row.pending_scale is not None), None)
         lending = []
         for b, row in enumerate(rows):
-            if not self._lent[b] and row._decodes_plainly() and row._queued in (None, self._scale or row._queued):
+            scale = row.pending_scale
+            if not self._lent[b] and row.decodes_plainly() and scale in (None, self._scale or scale):
                 lending.append(b)
-                self._scale = row._queued if row._queued is not None else self._scale
+                self._scale = scale if scale is not None else self._scale
         held = max((row.size() for row in lent), default=0)
         self._kv.fit([keys, values], keep=held, before=max([held] + [rows[b].size() for b in lending]))
         self._lend(lending)
         lent = [row for row, on in zip(rows, self._lent) if on]
         self._lent_held = max((row.size() for row in lent), default=0)
-        self._lent_queries = max((row._pending_queries() for row in lent), default=0)
-        self._plain_left = min((row._steps_before_compression() for row in lent), default=0)
+        self._lent_queries = max((row.pending_queries() for row in lent), default=0)
+        self._plain_left = min((row.steps_before_compression() for row in lent), default=0)
 
     def _tell_rows(self) -> None:
         """Tell every lent row the steps written for it since it was last told. A step in
@@ -446,9 +442,9 @@ class BatchCaMKVCache(_BaseCache):
         self._untold = 0
         for b, (row, lent) in enumerate(zip(self._rows, self._lent)):
             if lent:
-                row._decoded_elsewhere(steps, self._scale)
+                row.decoded_elsewhere(steps, self._scale)
                 if in_step:
-                    row._appended_elsewhere()
+                    row.appended_elsewhere()
                     self._take_back(b)
         if in_step:
             self._lent_held = self._lent_queries = self._plain_left = 0
@@ -456,10 +452,10 @@ class BatchCaMKVCache(_BaseCache):
     def _lend(self, indices: list[int]) -> None:
         """Rows `indices` (whose next step only appends) hand their buffers to the rectangles,
         whose room the caller made."""
-        lent = [(b, *self._rows[b]._lend_buffers()) for b in indices]
+        lent = [(b, *self._rows[b].lend_buffers()) for b in indices]
         queries = [q for *_, q in lent if q is not None]
         if queries:
-            kept = max((r._pending_queries() for r, on in zip(self._rows, self._lent) if on), default=0)
+            kept = max((r.pending_queries() for r, on in zip(self._rows, self._lent) if on), default=0)
             self._queries.fit([queries[0]], keep=kept, before=max(kept, *(q.shape[2] for q in queries)))
         for b, keys, values, q in lent:
             self._kv.write_row(b, (keys, values), end=self._kv.end)
@@ -470,8 +466,8 @@ class BatchCaMKVCache(_BaseCache):
     def _take_back(self, b: int) -> None:
         """Row b (told its steps) holds its own buffers again: its rows of the rectangles."""
         row = self._rows[b]
-        p = row._pending_queries()
-        row._take_back_buffers(*self._kv.row(b, row.size()), self._queries.row(b, p)[0] if p else None)
+        p = row.pending_queries()
+        row.take_back_buffers(*self._kv.row(b, row.size()), self._queries.row(b, p)[0] if p else None)
         self._lent[b] = False
 
     def _make_whole(self) -> None:
@@ -551,12 +547,12 @@ def _compress_together(rows: list[CaMKVCache]) -> None:
     step; each row's survivors are those of its own call (rows are evicted independently,
     each at its own positions)."""
     while rows:
-        first = rows[0]._deferred[0]
-        group = [row for row in rows if _launches_alike(row._deferred[0], first)]
+        first = rows[0].deferred_launch
+        group = [row for row in rows if _launches_alike(row.deferred_launch, first)]
         rows = [row for row in rows if all(row is not other for other in group)]
-        launches = [row._deferred[0] for row in group]
+        launches = [row.deferred_launch for row in group]
         if len(group) == 1:
-            group[0]._finish_deferred(fast.compress_drop_buffers(*first))
+            group[0].finish_deferred(fast.compress_drop_buffers(*first))
             continue
         joined = first._replace(
             first_pending=mx.array([launch.first_pending for launch in launches], mx.int32),
@@ -566,7 +562,7 @@ def _compress_together(rows: list[CaMKVCache]) -> None:
         H = first.keys.shape[1]
         for g, row in enumerate(group):
             heads = slice(g * H, (g + 1) * H)
-            row._finish_deferred((keys[g : g + 1], values[g : g + 1], scores[heads], positions[heads]))
+            row.finish_deferred((keys[g : g + 1], values[g : g + 1], scores[heads], positions[heads]))
 
 
 def _launches_alike(a: fast.DropLaunch, b: fast.DropLaunch) -> bool:

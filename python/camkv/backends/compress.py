@@ -1,0 +1,90 @@
+"""One compression: a cache's pending chunk scored and evicted back to the budget
+(docs/algorithm.md section 7), by the engine that suits its backend and rule.
+
+The cache hands over its rows (camkv.buffers.RowBuffers, rows [0, end) taking part) and
+the chunk's queries [R, G, T, Dk] (one layout: the model's), and never asks which
+backend it has. The engines:
+
+- on an NVIDIA GPU, merge="drop" with score eviction: one launch chooses, compacts and
+  copies the survivors (camkv.fast.compress_drop_buffers over backends.compact_cuda);
+  a batch may collect such launches of its rows and run the ones alike together;
+- on a GPU, merge="drop" over a chunk of several tokens: batched MLX operations (a
+  product, a partition, a gather) use the whole device, where the kernel core runs one
+  work group per row (camkv.fast.compress_drop); on the CPU the extension's one pass
+  per row is faster;
+- otherwise the backend's update (the kernel core, or the reference): the settled rows
+  and the pending ones handed over as a RowState and new blocks.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from .. import fast, merges
+from ..buffers import RowBuffers
+from ..pending import every_query
+
+
+class Chunk(NamedTuple):
+    """What one compression scores: rows [settled, end) of the buffers, by queries
+    [R, G, T, Dk] under scale (key queries with key scoring, then key_scored), under cfg
+    (the pending tokens' config). row_ids [R] uint32: the rows' global indices."""
+
+    end: int
+    queries: mx.array
+    scale: float
+    key_scored: bool
+    cfg: object
+    row_ids: mx.array
+
+
+def one_launch(backend, cfg, end: int) -> bool:
+    """Whether this compression evicts with merge="drop" on an NVIDIA GPU, where one
+    kernel launch (backends.compact_cuda) chooses, compacts and copies the survivors."""
+    return (end > cfg.budget and cfg.prefill == "chunk" and merges.rule(cfg.merge).kind == merges.DROP
+            and cfg.eviction == "score" and getattr(backend, "target", None) == "cuda" and fast.on_cuda())
+
+
+def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
+    """Compress rows [settled, chunk.end) of rows in place (its held rows after end stay
+    as they are for the caller to append again). Returns the merges per row [R] int32, or
+    a fast.DropLaunch not run yet when may_defer and the engine is one launch (the
+    caller runs it, maybe with others alike, and hands the outputs to rows.adopt)."""
+    next_position = rows.pending_start + chunk.end - rows.settled
+    if one_launch(backend, chunk.cfg, chunk.end):
+        launch = fast.DropLaunch(rows.keys, rows.values, chunk.end, rows.scores, rows.positions, chunk.queries,
+                                 rows.pending_start, chunk.scale, chunk.cfg, rows.capacity)
+        if may_defer:
+            return launch
+        rows.adopt(*fast.compress_drop_buffers(*launch), next_position)
+        return None
+    B, H = rows.keys.shape[:2]
+    state, merged = _by_operations(backend, rows, chunk) or _by_update(backend, rows, chunk)
+    rows.settle(state, next_position, B, H)
+    return merged
+
+
+def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
+    """A GPU drop of a chunk of several tokens as batched MLX operations (None elsewhere).
+    Exact prefill scores token by token (docs/algorithm.md section 2): the kernel."""
+    cfg, end, n = chunk.cfg, chunk.end, rows.settled
+    if not (merges.rule(cfg.merge).kind == merges.DROP and getattr(backend, "target", None) and end - n > 1
+            and cfg.prefill == "chunk"):
+        return None
+    R = rows.scores.shape[0]
+    kept = fast.compress_drop(rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1),
+                              rows.scores, rows.positions, chunk.queries, rows.pending_start, chunk.scale, cfg)
+    return kept, mx.zeros((R,), mx.int32)
+
+
+def _by_update(backend, rows: RowBuffers, chunk: Chunk):
+    """The backend's update over the settled rows and the pending ones as new tokens
+    (queries in the kernels' layout [R, S, G, Dk], every pending token's)."""
+    n, end = rows.settled, chunk.end
+    held = rows.rows(end)
+    new = [a[:, n:end] for a in held[:2]]
+    q = None if chunk.key_scored else every_query(chunk.queries, end - n).transpose(0, 2, 1, 3)
+    return backend.update(held.first(n), *new, rows.pending_start, chunk.cfg, chunk.row_ids, q,
+                          None if chunk.key_scored else chunk.scale)

@@ -1,0 +1,150 @@
+"""RowBuffers: the rows one layer's cache holds, in buffers that decode steps write in place."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .rows import RowState
+
+GROWTH_STEP = 256  # most empty rows a buffer is given at once (mlx-lm KVCache's step)
+
+
+def with_room(before: list, block: mx.array, spare: int) -> mx.array:
+    """A buffer [B, H, n, D]: the arrays `before`, then block, then `spare` empty rows
+    (none when spare <= 0), joined along the token axis. Always a new array object, even
+    for block alone: later writes into the buffer must not reach the caller's array
+    (MLX's slice assignment rebinds the object it is given)."""
+    parts = [*before, block]
+    if spare > 0:
+        parts.append(mx.zeros((*block.shape[:2], spare, block.shape[3]), block.dtype))
+    return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(block)
+
+
+class RowBuffers:
+    """Keys and values [B, H, size, D] whose first `held` rows are in use: the first
+    `settled` of them scored (scores and positions [B*H, settled], and a merge rule's
+    votes [B*H, settled] and threshold [B*H] where it keeps them), the rest pending at
+    positions pending_start.., scored at the next compression (docs/algorithm.md
+    section 7). A block is written after the held rows in place when it fits; a buffer
+    grows by at most GROWTH_STEP rows, up to `capacity` (budget + slack + 1: the rows a
+    decode holds in place, plus the step that compresses).
+
+    A batch may borrow the buffers (lend, take_back): meanwhile the rows live in the
+    batch's shared rectangle and only the counts stay here.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.held = 0
+        self.settled = 0
+        self.scores: mx.array | None = None
+        self.positions: mx.array | None = None
+        self.votes: mx.array | None = None
+        self.threshold: mx.array | None = None
+        self.pending_start = 0
+
+    @property
+    def pending(self) -> int:
+        return self.held - self.settled
+
+    def room_after(self, held: int) -> int:
+        """Empty rows a new buffer gets after `held` rows: up to the capacity, at most
+        GROWTH_STEP (a short prompt under a large budget would otherwise allocate the
+        whole budget + slack at once; mlx-lm's KVCache grows in the same steps)."""
+        return max(0, min(self.capacity - held, GROWTH_STEP))
+
+    def append(self, keys: mx.array, values: mx.array):
+        """Write the block [B, H, S, D] after the held rows (in place when it fits); return
+        the views [B, H, held + S, D] of keys and values."""
+        end = self.held + keys.shape[2]
+        if self.scores is None:
+            R = keys.shape[0] * keys.shape[1]
+            self.scores, self.positions = mx.zeros((R, 0), mx.float32), mx.zeros((R, 0), mx.int32)
+        if self.keys is not None and end <= self.keys.shape[2]:
+            self.keys[:, :, self.held : end] = keys
+            self.values[:, :, self.held : end] = values
+        else:
+            # A first call or a long block: one new buffer, with room for decoding after.
+            spare = self.room_after(end)
+            self.keys = self._joined(self.keys, keys, spare)
+            self.values = self._joined(self.values, values, spare)
+        self.held = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def _joined(self, buffer, block, spare: int):
+        """The held rows of buffer (if any), then block, then spare empty rows."""
+        return with_room([] if buffer is None else [buffer[:, :, : self.held]], block, spare)
+
+    def appended_elsewhere(self, steps: int) -> None:
+        """Count `steps` rows a batch wrote after the held ones (into the lent buffers)."""
+        self.held += steps
+
+    def rows(self, end: int | None = None) -> RowState:
+        """Rows [0, end) held as a RowState [B*H, end, ...]; pending rows score 0 (and
+        stand for one token each)."""
+        end = self.held if end is None else end
+        R, pending = self.scores.shape[0], end - self.settled
+        positions = self.pending_start + mx.arange(pending, dtype=mx.int32)
+        votes = None if self.votes is None else mx.concatenate([self.votes, mx.ones((R, pending), mx.float32)],
+                                                                axis=1)
+        return RowState(
+            self.keys[:, :, :end].reshape(R, end, -1),
+            self.values[:, :, :end].reshape(R, end, -1),
+            mx.concatenate([self.scores, mx.zeros((R, pending), mx.float32)], axis=1),
+            mx.concatenate([self.positions, mx.broadcast_to(positions, (R, pending))], axis=1),
+            votes,
+            self.threshold,
+        )
+
+    def after(self, end: int) -> tuple[mx.array, mx.array]:
+        """The held keys and values after row end [B, H, held - end, D]."""
+        return self.keys[:, :, end : self.held], self.values[:, :, end : self.held]
+
+    def settle(self, state: RowState, next_position: int, B: int, H: int) -> None:
+        """Make state [B*H, n, ...] the held rows, all scored, in buffers [B, H, ...] with
+        room to decode; the next token held will be at next_position."""
+        n = state.length
+        spare = self.room_after(n)
+        keys, values = (with_room([], a.reshape(B, H, n, -1), spare) for a in state[:2])
+        self.adopt(keys, values, state.scores, state.positions, next_position, state.votes, state.threshold)
+
+    def adopt(self, keys, values, scores, positions, next_position: int, votes=None, threshold=None) -> None:
+        """Make buffers keys, values [B, H, size, D], whose first n rows (n = scores' [B*H, n])
+        are scored, the held rows, all settled; the next token held will be at next_position."""
+        self.keys, self.values, self.scores, self.positions = keys, values, scores, positions
+        self.votes, self.threshold = votes, threshold
+        self.held = self.settled = scores.shape[1]
+        self.pending_start = next_position
+
+    def arrays(self) -> list[mx.array]:
+        """The arrays a compression writes (to start computing them)."""
+        return [a for a in (self.keys, self.values, self.scores, self.positions, self.votes) if a is not None]
+
+    def lend(self) -> tuple[mx.array, mx.array]:
+        """The held keys and values [B, H, held, D]; these buffers hold nothing until take_back."""
+        lent = (self.keys[:, :, : self.held], self.values[:, :, : self.held])
+        self.keys = self.values = None
+        return lent
+
+    def take_back(self, keys: mx.array, values: mx.array) -> None:
+        """Hold again what lend handed over (the same rows, maybe moved), with room to
+        decode in place."""
+        spare = self.room_after(self.held)
+        self.keys, self.values = with_room([], keys, spare), with_room([], values, spare)
+
+    def votes_bias(self, B: int, H: int) -> mx.array | None:
+        """The log votes of the rows held [B, H, held] (0 for pending rows: one token each),
+        or None when the rule keeps no votes."""
+        if self.votes is None:
+            return None
+        pending = mx.zeros((B * H, self.pending), mx.float32)
+        return mx.concatenate([mx.log(self.votes), pending], axis=1).reshape(B, H, self.held)
+
+    def copy(self) -> "RowBuffers":
+        """An independent copy: slice assignment rebinds an mx.array object in place, so
+        every array gets a new object."""
+        clone = object.__new__(RowBuffers)
+        clone.__dict__.update({k: mx.array(v) if isinstance(v, mx.array) else v for k, v in self.__dict__.items()})
+        return clone

@@ -1,0 +1,102 @@
+"""What CaMKVCache refuses and what it warns about, in words (docs/algorithm.md section 7)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .backends._common import STORAGE_DTYPES
+
+
+class QueryScoringWarning(RuntimeWarning):
+    """scoring="query" scored a block with keys: the model's queries did not reach the cache."""
+
+
+class VotesWarning(RuntimeWarning):
+    """A merge rule that keeps votes (keepkv): the model attended without weighing rows by them."""
+
+
+def check_block(keys, values, layout: tuple | None, head_offset: int, n_heads_global: int | None) -> None:
+    """Reject a bad block of keys and values before anything changes; layout (B, H, Dk,
+    Dv, dtype) is the one the first block fixed (None before it)."""
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        raise ValueError("keys and values must be mx.array")
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(f"keys and values must be 4-D [B, H, S, D], got {keys.ndim}-D and {values.ndim}-D")
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ in B, H or S")
+    if keys.shape[2] == 0:
+        raise ValueError("update_and_fetch needs at least one token (S >= 1)")
+    if keys.dtype != values.dtype:
+        raise ValueError(f"keys are {keys.dtype} but values are {values.dtype}")
+    # The first block fixes the layout every later block is held to, so it is held to
+    # what a compression can take before anything is stored.
+    if keys.dtype not in STORAGE_DTYPES:
+        raise ValueError(f"keys and values must be float16, bfloat16 or float32, got {keys.dtype}")
+    sizes = {"B": keys.shape[0], "H": keys.shape[1], "Dk": keys.shape[3], "Dv": values.shape[3]}
+    for name, size in sizes.items():
+        if size == 0:
+            raise ValueError(f"keys and values must have {name} >= 1, got keys "
+                             f"{tuple(keys.shape)} and values {tuple(values.shape)}")
+    heads_end = head_offset + keys.shape[1]
+    if n_heads_global is not None and heads_end > n_heads_global:
+        raise ValueError(
+            f"this cache's heads {head_offset}..{heads_end - 1} do not fit in "
+            f"the model's {n_heads_global} heads (head_offset, n_heads_global)"
+        )
+    got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+    if layout is not None and got != layout:
+        raise ValueError(
+            f"(B, H, Dk, Dv, dtype) changed mid-sequence: the cache holds {layout}, the call has {got}"
+        )
+
+
+def check_queries(shape, B: int, H: int, S: int) -> None:
+    """Reject queries [B, Hq, S, Dk] that do not belong to the block waiting for them."""
+    if len(shape) != 4 or shape[0] != B or shape[2] != S:
+        raise ValueError(
+            f"queries {tuple(shape)} do not match the block waiting for them "
+            f"(B={B}, S={S}); expected [B, query heads, S, Dk]"
+        )
+    if shape[1] % H != 0:
+        raise ValueError(f"query heads {shape[1]} are not a multiple of the KV heads {H}")
+
+
+def _model(model_type) -> str:
+    return model_type or "(unknown type)"
+
+
+def no_hook(model_type, hook_modules) -> str:
+    """Why scoring="query" gets no queries: no hook, a model the hook cannot see, or removed."""
+    model = _model(model_type)
+    if hook_modules is None:
+        why = ("no camkv attention hook is installed (the cache was built directly); "
+               "build the caches with camkv.make_prompt_cache(model, ...) or call "
+               "camkv.apply(model, ...) to score with the model's queries")
+    elif not hook_modules:
+        why = (f"model {model}'s attention does not call mlx-lm's "
+               "scaled_dot_product_attention, so the hook cannot see its queries")
+    else:
+        why = f"the attention hook of model {model} was removed (camkv.remove)"
+    return (f"camkv: CaMKVCache(scoring='query') gets no queries: {why}. Scoring with "
+            "keys instead; pass scoring='key' to choose that and silence this warning.")
+
+
+def other_width(model_type, query_width: int, key_width: int) -> str:
+    # MLA models (deepseek_v3 and kin) cache a compressed latent, and their prompt
+    # queries do not live in its space: there is nothing to score with.
+    return (f"camkv: model {_model(model_type)} attends with queries of width {query_width} over cached keys "
+            f"of width {key_width} (a compressed latent cache); scoring those blocks with keys instead. Pass "
+            "scoring='key' to score all blocks the same way.")
+
+
+def bypassed(model_type) -> str:
+    return (f"camkv: model {_model(model_type)} computed attention without passing its queries to the cache "
+            "(it bypasses mlx-lm's scaled_dot_product_attention); scoring that block with keys instead. Pass "
+            "scoring='key' to score all blocks the same way.")
+
+
+def votes_unread(merge: str, model_type) -> str:
+    return (f"camkv: merge={merge!r} weighs each row by its votes in attention, but model {_model(model_type)} "
+            "attended without asking for them (no camkv attention hook, or its attention bypasses mlx-lm's "
+            "scaled_dot_product_attention); its merged rows counted as one token each. Build the caches with "
+            "camkv.make_prompt_cache(model, ...) or call camkv.apply(model, ...).")
