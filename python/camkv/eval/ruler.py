@@ -482,9 +482,14 @@ def build_sample(task: str, tokenizer, source: str, docs, words: list[str], leng
         made = niah(req, NIAH[task])
     else:
         made = {"vt": vt, "cwe": cwe, "fwe": fwe}[task](req)
-    hay = f"{source}" if task in NIAH and NIAH[task].haystack == "essay" else "synthetic"
-    sample_id = f"{task}:L{length}:i{index}:{hay}"
-    return RulerSample(sample_id, task, length, answer_tokens=answer_tokens, **made)
+    return RulerSample(sample_id(task, length, index, source), task, length,
+                       answer_tokens=answer_tokens, **made)
+
+
+def sample_id(task: str, length: int, index: int, source: str) -> str:
+    """A prompt's id in the records: task, length, index and (real-text haystacks) source."""
+    hay = source if task in NIAH and NIAH[task].haystack == "essay" else "synthetic"
+    return f"{task}:L{length}:i{index}:{hay}"
 
 
 def _require(condition, what) -> None:
@@ -531,22 +536,60 @@ def parse_tasks(spec: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def plan_rounds(opts, documents, tokenizer) -> list[list[RulerSample]]:
+class Planner:
+    """Builds and checks the prompts of a run: the chat template's parts and each source's
+    vocabulary, made once."""
+
+    def __init__(self, opts, documents, tokenizer):
+        self.opts, self.documents, self.tokenizer = opts, documents, tokenizer
+        self.chat = chat_parts(tokenizer, opts.chat_template)
+        self._words: dict[str, list[str]] = {}
+
+    def build(self, plan: "Planned") -> RulerSample:
+        if plan.source not in self._words:
+            self._words[plan.source] = vocabulary(self.documents[plan.source])
+        sample = build_sample(plan.task, self.tokenizer, plan.source, self.documents[plan.source],
+                              self._words[plan.source], plan.length, plan.index, self.opts.seed,
+                              self.chat, self.opts.ruler_max_answer)
+        check_sample(sample, self.tokenizer)
+        return sample
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A prompt of the plan, built when its turn comes (a resumed run skips building the
+    prompts it has every record of)."""
+
+    task: str
+    length: int
+    index: int
+    source: str
+    planner: Planner = field(compare=False, repr=False)
+
+    @property
+    def sample_id(self) -> str:
+        return sample_id(self.task, self.length, self.index, self.source)
+
+    @property
+    def nominal_tokens(self) -> int:
+        """The prompt's length to within a line of haystack: what budgets are counted on
+        before it is built."""
+        return self.length - min(ANSWER_TOKENS[self.task], self.planner.opts.ruler_max_answer or 10**9)
+
+
+def plan_rounds(opts, documents, tokenizer) -> list[list[Planned]]:
     """Round i = prompt i of every task at every length, so a sweep cut by its time budget
-    has every task; the real-text haystacks cycle over the sources. Every prompt is
-    checked (check_sample) before any model runs."""
-    chat = chat_parts(tokenizer, opts.chat_template)
+    has every task; the real-text haystacks cycle over the sources. The first round is
+    built and checked (check_sample) here, so a length too short for a task, or a
+    generator that breaks, stops the run before any model runs; later rounds are built
+    as they come."""
+    planner = Planner(opts, documents, tokenizer)
     sources = list(documents)
-    words = {s: vocabulary(docs) for s, docs in documents.items()}
-    rounds = []
-    for index in range(opts.ruler_samples):
-        source = sources[index % len(sources)]
-        samples = [build_sample(task, tokenizer, source, documents[source], words[source], length,
-                                index, opts.seed, chat, opts.ruler_max_answer)
-                   for length in opts.ruler_lengths for task in parse_tasks(opts.ruler_tasks)]
-        for sample in samples:
-            check_sample(sample, tokenizer)
-        rounds.append(samples)
+    rounds = [[Planned(task, length, index, sources[index % len(sources)], planner)
+               for length in opts.ruler_lengths for task in parse_tasks(opts.ruler_tasks)]
+              for index in range(opts.ruler_samples)]
+    for plan in rounds[0]:
+        planner.build(plan)
     return rounds
 
 
@@ -560,8 +603,8 @@ def describe_plan(opts, arms: int, budgets, settings) -> str:
 
 def count_units(rounds, methods, budgets, settings) -> int:
     arms = len(methods) - 1
-    return sum(1 + arms * len(budgets_for(len(s.tokens), budgets, settings, set()))
-               for samples in rounds for s in samples)
+    return sum(1 + arms * len(budgets_for(p.nominal_tokens, budgets, settings, set()))
+               for plan in rounds for p in plan)
 
 
 # ---------------------------------------------------------------------------- running
@@ -596,8 +639,25 @@ def answer(model, caches, sample: RulerSample, chunk: int, tokenizer, question_b
     return tokenizer.decode(out)
 
 
-def run_sample(sweep, sample: RulerSample) -> None:
+def _has_every_record(sweep, plan: Planned) -> bool:
+    """Whether the records hold this prompt's full-cache answer and every other arm's at
+    every budget label of the run."""
+    if not sweep.store.done("ruler", plan.sample_id, "full", None):
+        return False
+    wanted = {b.label for b in sweep.budgets}
+    covered: dict[str, set] = {}
+    for r in sweep.store.records:
+        if r["task"] == "ruler" and r["sample"] == plan.sample_id:
+            covered.setdefault(r["method"], set()).update(r["labels"])
+    return all(wanted <= covered.get(m.name, set()) for m in sweep.methods if m.kind != "full")
+
+
+def run_sample(sweep, plan: Planned) -> None:
     """Every arm at every budget that evicts in this prompt, not yet in the records."""
+    if _has_every_record(sweep, plan):
+        sweep.progress.update(1 + (len(sweep.methods) - 1) * len(sweep.budgets))
+        return
+    sample = plan.planner.build(plan)
     budgets = budgets_for(len(sample.tokens), sweep.budgets, sweep.settings, sweep.notes)
     for method in sweep.methods:
         for budget in [None] if method.kind == "full" else budgets:
@@ -640,7 +700,7 @@ _PRESET_VALUES = {
     "cpu": dict(ruler_tasks="all", ruler_lengths="4096", ruler_samples=2, ruler_max_answer=None,
                 ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv"),
     "gpu": dict(ruler_tasks="all", ruler_lengths="4096,8192", ruler_samples=20, ruler_max_answer=None,
-                ruler_methods="ruler"),
+                ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv"),
 }
 _SUITE_PRESETS = {
     # SmolLM2 at 4k on a CPU: a few prompts per task, the arms the field compares (chunks
@@ -648,10 +708,12 @@ _SUITE_PRESETS = {
     "cpu-ruler": ("cpu", dict(tasks="ruler", texts="sotu,austen,kjv", budgets="10%,20%,50%",
                               chunk=512, recent="50%", ruler_samples=2,
                               ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv")),
-    # The suite on a GPU: every arm and rule, 4k and 8k (add 16k for Gemma 3), prompts
-    # in rounds so a sweep cut by --time-budget has every task; resumable.
+    # The suite on a GPU: the arms the field compares at 4k and 8k (add 16k for Gemma 3),
+    # prompts in rounds so a sweep cut by --time-budget has every task; resumable, and
+    # `--methods ruler` later adds camkv's merge rules to the same folder.
     "gpu-ruler": ("gpu", dict(tasks="ruler", texts="sotu,austen,kjv", budgets="10%,20%,50%",
-                              chunk=2048, recent="50%", ruler_samples=20, ruler_methods="ruler")),
+                              chunk=2048, recent="50%", ruler_samples=20,
+                              ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv")),
 }
 
 
