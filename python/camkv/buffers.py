@@ -118,6 +118,23 @@ class RowBuffers:
         self.held = self.settled = scores.shape[1]
         self.pending_start = next_position
 
+    def load(self, keys, values, scores, positions, votes, threshold, next_position: int) -> None:
+        """Hold saved rows (keys [B, H, n, Dk], values, scores, positions, votes [B, H, n]
+        and threshold [B, H] or None), all scored; the next token at next_position."""
+        B, H, n, _ = keys.shape
+        R = B * H
+        self.settle(RowState(
+            keys.reshape(R, n, -1), values.reshape(R, n, -1),
+            scores.reshape(R, n).astype(mx.float32), positions.reshape(R, n).astype(mx.int32),
+            None if votes is None else votes.reshape(R, n).astype(mx.float32),
+            None if threshold is None else threshold.reshape(R).astype(mx.float32),
+        ), next_position, B, H)
+
+    def rule_state(self, B: int, H: int) -> tuple:
+        """(votes [B, H, held], threshold [B, H]) of a rule that keeps them (None where not)."""
+        return (None if self.votes is None else self.votes.reshape(B, H, -1),
+                None if self.threshold is None else self.threshold.reshape(B, H))
+
     def arrays(self) -> list[mx.array]:
         """The arrays a compression writes (to start computing them)."""
         return [a for a in (self.keys, self.values, self.scores, self.positions, self.votes) if a is not None]

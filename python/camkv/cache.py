@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, cache_input, fast, hook, mass, merges
+from . import backends, cache_input, fast, hook, merges
 from .backends.compress import Chunk, compress
+from .batch_row import BatchRow
 from .buffers import RowBuffers
 from .cache_input import QueryScoringWarning, VotesWarning
 from .config import CaMConfig, resolve_config
 from .pending import KEY_SCORED, PendingChunk
-from .rows import RowState
 
 __all__ = ["CaMKVCache", "QueryScoringWarning", "VotesWarning"]
 
@@ -27,7 +26,7 @@ def _capacity(cfg: CaMConfig) -> int:
     return cfg.budget + cfg.slack + 1
 
 
-class CaMKVCache(_BaseCache):
+class CaMKVCache(BatchRow, _BaseCache):
     """A KV cache that holds at most `budget + slack` tokens per (batch, KV head) row.
 
     Amortized eviction (docs/algorithm.md section 7): a call writes its keys and values
@@ -57,8 +56,8 @@ class CaMKVCache(_BaseCache):
     votes, attention_bias() hands the hook each returned row's log votes, and a model
     that attends without asking for them is warned once (VotesWarning).
 
-    The methods after "batch" are camkv.batch's: it decodes rows that only append in one
-    shared rectangle, writing their keys, values and queries itself, and tells each row.
+    What camkv.batch asks of a row (its rows lent to a shared rectangle while decoding,
+    compressions of rows due together in one launch) is camkv.batch_row.BatchRow's.
     """
 
     # camkv.batch.BatchCaMKVCache, set by that module (which imports this one; the
@@ -145,7 +144,7 @@ class CaMKVCache(_BaseCache):
             self._waiting = S
         else:
             if self._config.scoring == "query":
-                self._warn_once("no_hook", cache_input.no_hook(self.model_type, self.hook_modules), stacklevel=4)
+                cache_input.warn_once(self._warned, "no_hook", cache_input.no_hook(self.model_type, self.hook_modules))
             self._queue(KEY_SCORED, S)
 
     def observe_queries(self, queries: mx.array, scale: float, defer_launch: bool = False) -> None:
@@ -168,7 +167,7 @@ class CaMKVCache(_BaseCache):
         self._waiting = 0
         self._step_queries = (B, queries.shape[1], 1, Dk)
         if queries.shape[3] != Dk:
-            self._warn_once("width", cache_input.other_width(self.model_type, queries.shape[3], Dk))
+            cache_input.warn_once(self._warned, "width", cache_input.other_width(self.model_type, queries.shape[3], Dk))
             self._queue(KEY_SCORED, S)
             return
         self._query_scored += S
@@ -285,20 +284,9 @@ class CaMKVCache(_BaseCache):
         B, H = self._layout[:2]
         rows = self._rows.rows()
         if self._pending.kind is not None:
-            rows = rows._replace(scores=rows.scores + self._pending_mass(rows))
+            mass = self._pending.mass(rows, self._rows.settled, self._layout[1], self._config)
+            rows = rows._replace(scores=rows.scores + mass)
         return tuple(a.reshape(B, H, self._rows.held, *a.shape[2:]) for a in rows[:4])
-
-    def _pending_mass(self, rows: RowState) -> mx.array:
-        """The mass the pending rows' queries give every held row [B*H, held] (sections 2
-        and 3: only the observation window's with prefill_scoring="window"; weighed by the
-        rows' votes where the rule keeps them)."""
-        n, s_len = self._rows.settled, self._rows.pending
-        queries, scale = self._pending.queries(rows.keys[:, n:], self._layout[1])
-        cfg = self._pending.config(self._config)
-        if rows.votes is None:
-            return mass.chunk_mass(queries, rows.keys, scale, n, cfg, s_len, fast.reducer())
-        # Votes weigh attention (a reference-only rule): the reference's arithmetic.
-        return mass.chunk_mass(queries, rows.keys, scale, n, cfg, s_len, mass.EXACT_WHOLE, bias=mx.log(rows.votes))
 
     @property
     def stats(self) -> dict:
@@ -330,12 +318,7 @@ class CaMKVCache(_BaseCache):
         rule = merges.rule(self._config.merge)
         if not (rule.keeps_votes or rule.moving_threshold):
             return ()
-        if self._layout is None:
-            return (None, None)
-        B, H = self._layout[:2]
-        votes, threshold = self._rows.votes, self._rows.threshold
-        return (None if votes is None else votes.reshape(B, H, -1),
-                None if threshold is None else threshold.reshape(B, H))
+        return (None, None) if self._layout is None else self._rows.rule_state(*self._layout[:2])
 
     @state.setter
     def state(self, v) -> None:
@@ -356,27 +339,10 @@ class CaMKVCache(_BaseCache):
         if n > config.budget:
             raise ValueError(f"a saved CaMKVCache holds {n} rows, more than its budget {config.budget}")
         self._layout = (B, H, Dk, values.shape[3], keys.dtype)
-        votes, threshold = tuple(v[6:8]) + (None,) * (8 - max(6, len(v)))  # absent for most rules
-        self._rows.settle(RowState(
-            keys.reshape(B * H, n, Dk),
-            values.reshape(B * H, n, -1),
-            scores.reshape(B * H, n).astype(mx.float32),
-            positions.reshape(B * H, n).astype(mx.int32),
-            None if votes is None else votes.reshape(B * H, n).astype(mx.float32),
-            None if threshold is None else threshold.reshape(B * H).astype(mx.float32),
-        ), self.offset, B, H)
+        rule_state = tuple(v[6:8]) + (None,) * (8 - max(6, len(v)))  # absent for most rules
+        self._rows.load(keys, values, scores, positions, *rule_state, next_position=self.offset)
 
-    # ------------------------------------------------------------------ batch
-    @property
-    def layout(self) -> tuple | None:
-        """(B, H, Dk, Dv, dtype), fixed by the first call (None before it)."""
-        return self._layout
-
-    @property
-    def pending_scale(self):
-        """The attention scale of the pending tokens' queries, KEY_SCORED, or None."""
-        return self._pending.kind
-
+    # ------------------------------------------------------------------ rows
     def votes_bias(self) -> mx.array | None:
         """The log votes of the rows held [B, H, held] (0 for pending rows: one token
         each), or None when the rule keeps no votes."""
@@ -387,73 +353,11 @@ class CaMKVCache(_BaseCache):
         is due (docs/algorithm.md section 7); negative once it is."""
         return self._config.budget + self._config.slack - self._rows.held
 
-    def decodes_plainly(self) -> bool:
-        """Whether a one-token step would only write its key, value and query after the
-        held rows: no compression due, no block waiting, scored by the model's queries
-        like the pending rows, no votes to weigh attention by."""
-        pending = self._pending
-        return (self._layout is not None and not self._waiting and self._rows.votes is None
-                and self._config.scoring == "query" and self.steps_before_compression() >= 1
-                and (pending.kind is None or (not pending.key_scored and not pending.windowed))
-                and self._queries_can_come())
-
-    def appended_elsewhere(self) -> None:
-        """A one-token step whose key and value a batch wrote (decodes_plainly was true):
-        what update_and_fetch does besides the write."""
-        self._rows.appended_elsewhere(1)
-        self._took(1)
-
-    def decoded_elsewhere(self, steps: int, scale: float) -> None:
-        """`steps` one-token steps whose keys, values and queries (under scale) a batch
-        wrote, each allowed by decodes_plainly: what their update_and_fetch and
-        observe_queries calls would have counted, at once."""
-        if not steps:
-            return
-        self._rows.appended_elsewhere(steps)
-        self.offset += steps
-        self._query_scored += steps
-        self._pending.start(scale, False)
-        self._fetched_bias, self._bias_unread = None, False
-
-    def pending_queries(self) -> int:
-        """Pending rows whose queries are kept (the buffer's, then the steps')."""
-        if self._pending.kind is None or self._pending.key_scored:
-            return 0
-        return self._rows.pending - self._waiting
-
-    def lend_buffers(self):
-        """(held keys [B, H, held, Dk], values, the pending rows' queries [B, Hq, p, Dk] or
-        None); this cache holds no buffers until take_back_buffers."""
-        p = self.pending_queries()
-        queries = self._pending.kept()[:, :, :p] if p else None
-        self._pending.release()
-        return (*self._rows.lend(), queries)
-
-    def take_back_buffers(self, keys, values, queries) -> None:
-        """Hold again what lend_buffers handed over (the same rows, maybe moved), keys and
-        values with room to decode in place."""
-        self._rows.take_back(keys, values)
-        self._pending.take_back(queries)
-
-    @property
-    def deferred_launch(self):
-        """The one-launch compression (a fast.DropLaunch) observe_queries(defer_launch=True)
-        held, or None; finish_deferred takes its outputs."""
-        return self._deferred
-
-    def finish_deferred(self, outputs) -> None:
-        """Adopt what the deferred one-launch compression returned (keys, values, scores,
-        positions: fast.compress_drop_buffers' outputs for this row)."""
-        launch, self._deferred = self._deferred, None
-        self._rows.adopt(*outputs, self._rows.pending_start + launch.end - self._rows.settled)
-        self._pending.settled()
-        self._pending.release()
-
     def flush_pending(self) -> None:
         """A block the model never showed its queries for: score it with its keys, warn once."""
         if not self._waiting:
             return
-        self._warn_once("bypass", cache_input.bypassed(self.model_type))
+        cache_input.warn_once(self._warned, "bypass", cache_input.bypassed(self.model_type))
         block, self._waiting = self._waiting, 0
         self._queue(KEY_SCORED, block)
 
@@ -545,19 +449,10 @@ class CaMKVCache(_BaseCache):
         """Whether an installed attention hook can hand this cache the block's queries."""
         return hook.can_feed(self.hook_modules)
 
-    def _warn_once(self, kind: str, message: str, stacklevel: int = 4, category=QueryScoringWarning) -> None:
-        # Once per cache and kind. Every layer's cache warns with the same text from the
-        # same line of the model's attention (stacklevel points there), so Python's
-        # default filter shows it once per model, not once per layer.
-        if kind in self._warned:
-            return
-        self._warned.add(kind)
-        warnings.warn(message, category, stacklevel=stacklevel)
-
     def _warn_if_votes_unread(self) -> None:
         """Rows that stand for several tokens whose attention never asked for their votes:
         the model attended as if each stood for one (no hook, or a model bypassing it)."""
         if self._bias_unread:
             self._bias_unread = False
-            self._warn_once("votes", cache_input.votes_unread(self._config.merge, self.model_type),
-                            category=VotesWarning)
+            cache_input.warn_once(self._warned, "votes", cache_input.votes_unread(self._config.merge, self.model_type),
+                                  category=VotesWarning)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 
 from .backends._common import STORAGE_DTYPES
@@ -13,6 +15,17 @@ class QueryScoringWarning(RuntimeWarning):
 
 class VotesWarning(RuntimeWarning):
     """A merge rule that keeps votes (keepkv): the model attended without weighing rows by them."""
+
+
+def warn_once(warned: set, kind: str, message: str, stacklevel: int = 4, category=QueryScoringWarning) -> None:
+    """Warn once per cache (its `warned` set) and kind. Every layer's cache warns with the
+    same text from the same line of the model's attention (stacklevel, counted from this
+    function, points there), so Python's default filter shows it once per model, not once
+    per layer."""
+    if kind in warned:
+        return
+    warned.add(kind)
+    warnings.warn(message, category, stacklevel=stacklevel)
 
 
 def check_block(keys, values, layout: tuple | None, head_offset: int, n_heads_global: int | None) -> None:

@@ -6,6 +6,8 @@ import math
 
 import mlx.core as mx
 
+from . import fast, mass
+
 KEY_SCORED = "keys"  # the kind of pending tokens scored by their own keys
 
 
@@ -111,6 +113,20 @@ class PendingChunk:
         # Query head h * G + g belongs to KV head h.
         B, Hq, T, Dk = queries.shape
         return queries.reshape(B * heads, Hq // heads, T, Dk), self.kind
+
+    def mass(self, rows, settled: int, heads: int, cfg) -> mx.array:
+        """The mass the pending rows' queries give every held row of rows (a RowState
+        [B*H, held, ...], the first `settled` scored) [B*H, held]: sections 2 and 3, only
+        the observation window's with prefill_scoring="window"; weighed by the rows'
+        votes where the rule keeps them. Nothing changes."""
+        s_len = rows.length - settled
+        queries, scale = self.queries(rows.keys[:, settled:], heads)
+        cfg = self.config(cfg)
+        if rows.votes is None:
+            return mass.chunk_mass(queries, rows.keys, scale, settled, cfg, s_len, fast.reducer())
+        # Votes weigh attention (a reference-only rule): the reference's arithmetic.
+        return mass.chunk_mass(queries, rows.keys, scale, settled, cfg, s_len, mass.EXACT_WHOLE,
+                               bias=mx.log(rows.votes))
 
     def config(self, cfg):
         """The config the pending tokens are compressed under: prefill_scoring="window"
