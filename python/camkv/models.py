@@ -623,6 +623,7 @@ RANDOM_LLAMAS = {
     "random-tiny": (64, 2, 4, 2, 128, 256),
     "random-demo": (256, 4, 8, 2, 512, 1024),  # camkv demo: GQA 8 on 2, head dim 32
     "random-1b": (2048, 16, 16, 8, 5632, 32000),  # ~1B parameters, 8 KV heads of dim 128
+    "random-8b": (4096, 32, 32, 8, 14336, 128256),  # llama-3-8B's shape: GQA 32 on 8, head dim 128
 }
 
 
