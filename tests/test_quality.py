@@ -206,12 +206,12 @@ def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path, monkey
     # A first run cut short by the time budget, then the same command finishing the rest.
     with monkeypatch.context() as patch:
         patch.setattr(sweep, "Clock", _ThreeUnitClock)
-        assert main(["--preset", "smoke", "--out", str(out), "--no-progress",
+        assert main(["--preset", "smoke", "--out", str(out), "--no-progress", "--tasks", "stream,passkey",
                              "--time-budget", "1000"]) == 0
     partial = json.loads((out / "summary.json").read_text())
     assert partial["complete"] is False
     assert (out / "records.jsonl").read_text().splitlines(), "the cut run kept no finished work"
-    assert main(["--preset", "smoke", "--out", str(out), "--no-progress"]) == 0
+    assert main(["--preset", "smoke", "--out", str(out), "--no-progress", "--tasks", "stream,passkey"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
 
@@ -276,7 +276,7 @@ def test_every_flag_has_help():
 
 
 def test_plan_counts_the_runs_the_smoke_sweep_makes(capsys):
-    assert main(["--preset", "smoke", "--plan"]) == 0
+    assert main(["--preset", "smoke", "--plan", "--tasks", "stream,passkey"]) == 0
     out = capsys.readouterr().out
     # 1 window: the full reference + 5 arms x 2 budgets; 2 prompts x (full + 5 x 2).
     assert "= 11 runs" in out and "= 22 runs" in out
