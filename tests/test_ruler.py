@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from camkv.eval import ruler, ruler_report, texts
-from camkv.eval.arms import CacheSettings, make_cache, method_catalog, parse_arm_spec, release_cache
+from camkv.eval.arms import CacheSettings, make_cache, method_catalog, parse_arm_spec, parse_methods, release_cache
 from camkv.eval.cli import PRESETS, main
 from camkv.eval.loading import ByteTokenizer, tiny_random_model
 
@@ -207,6 +207,11 @@ def test_any_camkv_config_is_an_arm():
     default = method_catalog()["camkv"]
     assert default.config.merge == "drop" and default.config.scoring == "query"
     assert {f"camkv-{m}" for m in ("mean", "mass_weighted", "keepkv")} <= set(method_catalog())
+    suite = [m.name for m in parse_methods("ruler")]
+    assert suite[:5] == ["full", "streamingllm", "snapkv", "h2o-causal", "camkv"] and "camkv-keepkv" in suite
+    assert method_catalog()["h2o-causal"].prefill_scoring == "causal"
+    # The stream and passkey groups keep their arms (snapkv cannot run there).
+    assert not {"snapkv", "h2o-causal", "camkv"} & {m.name for m in parse_methods("all")}
     for bad, message in [("deep", "NAME="), ("camkv={}", "no method's"), ("x={nope", "not JSON"),
                          ('x={"budget": 9}', "other than budget"), ('x={"merge": "smash"}', "merge")]:
         with pytest.raises(ValueError, match=message):
@@ -261,7 +266,7 @@ def test_the_smoke_preset_runs_ruler_and_writes_records_and_tables(tmp_path):
     assert main(args) == 0
     records = [json.loads(line) for line in (out / "records.jsonl").open()]
     values = PRESETS["smoke"]
-    tasks, arms = values["ruler_tasks"].split(","), values["ruler_methods"].split(",")
+    tasks, arms = values["ruler_tasks"].split(","), ruler.RULER_METHODS["smoke"].split(",")
     assert len(records) == len(tasks) * (1 + (len(arms) - 1) * 2)  # two budgets each
     assert {r["ruler_task"] for r in records} == set(tasks)
     assert {r["method"] for r in records} == set(arms)

@@ -689,31 +689,30 @@ def _record(sweep, sample: RulerSample, method, budget, labels) -> dict:
 # ---------------------------------------------------------------------------- options
 
 
+# The arms a RULER run of each preset compares when --methods is left out.
+COMPARED = "full,streamingllm,snapkv,h2o-causal,camkv"
+RULER_METHODS = {"smoke": COMPARED, "cpu": COMPARED, "gpu": COMPARED, "cpu-ruler": COMPARED,
+                 "gpu-ruler": COMPARED}
 # The RULER values of the general presets (a --tasks ruler run of them), and the two
 # presets of the suite itself, built on the cpu and gpu ones.
 _PRESET_VALUES = {
     # CI-sized: one prompt of five tasks (each kind of haystack and answer) at 1280 bytes of
     # the tiny model, answers cut to 4 tokens (cwe's worked example alone takes ~700 bytes).
     "smoke": dict(ruler_tasks="niah_single_1,niah_multikey_2,niah_multivalue,vt,fwe",
-                  ruler_lengths="1280", ruler_samples=1, ruler_max_answer=4,
-                  ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv"),
-    "cpu": dict(ruler_tasks="all", ruler_lengths="4096", ruler_samples=2, ruler_max_answer=None,
-                ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv"),
-    "gpu": dict(ruler_tasks="all", ruler_lengths="4096,8192", ruler_samples=20, ruler_max_answer=None,
-                ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv"),
+                  ruler_lengths="1280", ruler_samples=1, ruler_max_answer=4),
+    "cpu": dict(ruler_tasks="all", ruler_lengths="4096", ruler_samples=2, ruler_max_answer=None),
+    "gpu": dict(ruler_tasks="all", ruler_lengths="4096,8192", ruler_samples=20, ruler_max_answer=None),
 }
 _SUITE_PRESETS = {
     # SmolLM2 at 4k on a CPU: a few prompts per task, the arms the field compares (chunks
     # of 512: a CPU runs long chunks' attention far slower).
-    "cpu-ruler": ("cpu", dict(tasks="ruler", texts="sotu,austen,kjv", budgets="10%,20%,50%",
-                              chunk=512, recent="50%", ruler_samples=2,
-                              ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv")),
+    "cpu-ruler": ("cpu", dict(tasks="ruler", methods=COMPARED, texts="sotu,austen,kjv",
+                              budgets="10%,20%,50%", chunk=512, recent="50%", ruler_samples=2)),
     # The suite on a GPU: the arms the field compares at 4k and 8k (add 16k for Gemma 3),
     # prompts in rounds so a sweep cut by --time-budget has every task; resumable, and
     # `--methods ruler` later adds camkv's merge rules to the same folder.
-    "gpu-ruler": ("gpu", dict(tasks="ruler", texts="sotu,austen,kjv", budgets="10%,20%,50%",
-                              chunk=2048, recent="50%", ruler_samples=20,
-                              ruler_methods="full,streamingllm,snapkv,h2o-causal,camkv")),
+    "gpu-ruler": ("gpu", dict(tasks="ruler", methods=COMPARED, texts="sotu,austen,kjv",
+                              budgets="10%,20%,50%", chunk=2048, recent="50%", ruler_samples=20)),
 }
 
 
@@ -741,14 +740,13 @@ def add_flags(parser) -> None:
     a("--arm", action="append", metavar="NAME=JSON",
       help="an arm of any CaMConfig: its fields as a JSON object, the budget per run "
       "(e.g. 'deep={\"merge\": \"keepkv\", \"recent\": 64}'); repeatable")
-    parser.set_defaults(ruler_methods=None)
 
 
 def pick_methods(opts, preset: dict) -> None:
-    """--methods left out of a RULER-only run: the preset's RULER arms."""
+    """--methods left out of a RULER-only run: the arms RULER compares (RULER_METHODS)."""
     tasks = [t.strip() for t in (opts.tasks or preset["tasks"]).split(",") if t.strip()]
     if opts.methods is None and tasks == ["ruler"]:
-        opts.methods = preset["ruler_methods"]
+        opts.methods = RULER_METHODS.get(opts.preset, COMPARED)
 
 
 def resolve_options(opts) -> None:
