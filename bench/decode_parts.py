@@ -17,8 +17,13 @@ trial prefills the prompt, then times --steps steps: the whole step (built, eval
 the token read) and the time to build its graph alone. With --pipelined TOKENS the steps
 run as mlx_lm.generate runs them (the next step's graph built while the device runs
 this one), the arms taking turns in blocks of TOKENS tokens.
-Example (on the H200):
+With --cache-host each step's calls into the caches are timed too (update_and_fetch,
+observe_queries, attention_bias, make_mask): the cache's own host work per step and layer.
+Run against another checkout of camkv (PYTHONPATH=OTHER/python) to compare code before
+and after a change with the same script. Examples (on the H200):
     python bench/decode_parts.py --out bench/results
+    python bench/decode_parts.py --model random-8b --prompt-length 65536 --budget 2048 \
+        --arms rotating camkv --interleave --cache-host
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import save_result  # noqa: E402
 
 from camkv import CaMConfig, hook, make_prompt_cache  # noqa: E402
-from camkv.buffers import with_room as _with_room  # noqa: E402
+try:  # the code before camkv.buffers (a before/after run with the old code on PYTHONPATH)
+    from camkv.buffers import with_room as _with_room  # noqa: E402
+except ImportError:
+    from camkv.cache import _with_room  # noqa: E402
 from camkv.models import random_llama  # noqa: E402
 
 ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv")
@@ -102,8 +110,40 @@ def parse_args(argv=None):
                         help="after the timing, run one more trial of each ARM under cProfile and "
                              "write its steps' Python functions by own time to "
                              "decode-parts-profile-ARM.txt under --out (default none)")
+    parser.add_argument("--cache-host", action="store_true",
+                        help="also time each step's calls into the caches (update_and_fetch, "
+                             "observe_queries, attention_bias, make_mask): the cache's own host work, "
+                             "reported per step and layer (a clock around each call; default off)")
     parser.add_argument("--out", type=Path, default=None, help="folder for decode-parts.json")
     return parser.parse_args(argv)
+
+
+CACHE_CALLS = ("update_and_fetch", "observe_queries", "attention_bias", "make_mask")
+
+
+class CacheClock:
+    """Seconds spent inside the caches' calls (CACHE_CALLS), each cache's methods wrapped
+    on the instance (so the attention hook, which looks them up on the cache, is timed
+    too). What a cache does there is host work: the graph is evaluated after the step."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def wrap(self, caches: list) -> None:
+        for cache in caches:
+            for name in CACHE_CALLS:
+                method = getattr(cache, name, None)
+                if method is not None:
+                    setattr(cache, name, self._timed(method))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            tick = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - tick
+        return timed
 
 
 def make_arm(model, arm: str, budget: int) -> list:
@@ -131,6 +171,15 @@ def prefilled(model, arm: str, prompt: mx.array, budget: int) -> tuple[list, mx.
     return cache, prompt[-1:]
 
 
+def clocked(cache: list, opts) -> CacheClock | None:
+    """A clock around the caches' calls, with --cache-host (else None)."""
+    if not opts.cache_host:
+        return None
+    clock = CacheClock()
+    clock.wrap(cache)
+    return clock
+
+
 def timed_step(model, cache: list, token: mx.array) -> tuple[mx.array, float, float]:
     """One greedy decode step: (next token, seconds in all, seconds building its graph)."""
     tick = time.perf_counter()
@@ -140,21 +189,26 @@ def timed_step(model, cache: list, token: mx.array) -> tuple[mx.array, float, fl
     return token, time.perf_counter() - tick, built - tick
 
 
-def trial(model, arm: str, prompt: mx.array, opts, profiler=None) -> tuple[list[float], list[float]]:
-    """(seconds of each step, seconds of building each step's graph); the steps run under
-    profiler (a cProfile.Profile) when one is given."""
+def trial(model, arm: str, prompt: mx.array, opts, profiler=None) -> tuple[list[float], list[float], list[float]]:
+    """(seconds of each step, seconds of building each step's graph, seconds in the caches'
+    calls each step (with --cache-host, else empty)); the steps run under profiler (a
+    cProfile.Profile) when one is given."""
     try:
         cache, token = prefilled(model, arm, prompt, opts.budget)
-        steps, builds = [], []
+        clock = clocked(cache, opts)
+        steps, builds, hosts = [], [], []
         if profiler is not None:
             profiler.enable()
         for _ in range(opts.steps):
+            before = clock.seconds if clock else 0.0
             token, step_s, build_s = timed_step(model, cache, token)
             steps.append(step_s)
             builds.append(build_s)
+            if clock:
+                hosts.append(clock.seconds - before)
         if profiler is not None:
             profiler.disable()
-        return steps, builds
+        return steps, builds, hosts
     finally:
         hook.uninstall(model)
 
@@ -165,18 +219,24 @@ def in_turn(arms: list[str], round_index: int) -> list[str]:
     return arms[first:] + arms[:first]
 
 
-def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str, tuple[list, list]]:
+def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str, tuple[list, list, list]]:
     """Every arm prefilled, then their steps in turn, step by step (the first arm of a
     round moves one place each step), so a drift of the host's speed touches all alike.
-    arm -> (seconds of each step, seconds building each step's graph)."""
+    arm -> (seconds of each step, seconds building each step's graph, seconds in the
+    caches' calls each step (with --cache-host, else empty))."""
     try:
         state = {arm: list(prefilled(model, arm, prompt, opts.budget)) for arm in arms}
-        timed = {arm: ([], []) for arm in arms}
+        clocks = {arm: clocked(state[arm][0], opts) for arm in arms}
+        timed = {arm: ([], [], []) for arm in arms}
         for step in range(opts.steps):
             for arm in in_turn(arms, step):
+                clock = clocks[arm]
+                before = clock.seconds if clock else 0.0
                 state[arm][1], step_s, build_s = timed_step(model, state[arm][0], state[arm][1])
                 timed[arm][0].append(step_s)
                 timed[arm][1].append(build_s)
+                if clock:
+                    timed[arm][2].append(clock.seconds - before)
         return timed
     finally:
         hook.uninstall(model)
@@ -185,7 +245,7 @@ def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[st
 def pipelined_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str, tuple[list, list]]:
     """Every arm prefilled, then mlx-lm's generate_step for each (asynchronous, one step
     ahead), the arms taking turns opts.pipelined tokens at a time (the first arm of a round
-    moving one place each round). arm -> (seconds a step of each block, [])."""
+    moving one place each round). arm -> (seconds a step of each block, [], [])."""
     from mlx_lm.generate import generate_step
 
     streams = {}
@@ -195,7 +255,7 @@ def pipelined_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str,
             streams[arm] = generate_step(token, model, prompt_cache=cache, max_tokens=-1,
                                          sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
             next(streams[arm])  # the prompt's last token: not a decode step
-        timed = {arm: ([], []) for arm in arms}
+        timed = {arm: ([], [], []) for arm in arms}
         for block in range(max(1, opts.steps // opts.pipelined)):
             for arm in in_turn(arms, block):
                 tick = time.perf_counter()
@@ -215,23 +275,30 @@ def main(argv=None) -> dict:
     prompt = mx.random.randint(0, 1000, (opts.prompt_length,))
     steps = {arm: [] for arm in opts.arms}
     builds = {arm: [] for arm in opts.arms}
+    hosts = {arm: [] for arm in opts.arms}
     for arm in opts.arms:  # warm-up: compiles and allocates what each arm runs
         trial(model, arm, prompt, opts)
     for _ in range(opts.trials):
         if opts.interleave or opts.pipelined:
             take_turns = pipelined_trial if opts.pipelined else interleaved_trial
-            for arm, (timed, built) in take_turns(model, opts.arms, prompt, opts).items():
+            for arm, (timed, built, host) in take_turns(model, opts.arms, prompt, opts).items():
                 steps[arm].extend(timed)
                 builds[arm].extend(built)
+                hosts[arm].extend(host)
             continue
         for arm in opts.arms:
-            timed, built = trial(model, arm, prompt, opts)
+            timed, built, host = trial(model, arm, prompt, opts)
             steps[arm].extend(timed)
             builds[arm].extend(built)
+            hosts[arm].extend(host)
+    layers = len(model.layers)
     result = {"setup": {**vars(opts), "out": str(opts.out), "device": str(mx.default_device()),
                         "machine": platform.machine(), "mlx": mx.__version__},
               "arms": {arm: {"median_ms": 1e3 * statistics.median(s), "mean_ms": 1e3 * statistics.fmean(s),
-                             "build_median_ms": 1e3 * statistics.median(builds[arm]) if builds[arm] else None}
+                             "build_median_ms": 1e3 * statistics.median(builds[arm]) if builds[arm] else None,
+                             # The caches' own calls, per step and layer (--cache-host).
+                             "cache_host_us_per_layer": (1e6 * statistics.median(hosts[arm]) / layers
+                                                         if hosts[arm] else None)}
                        for arm, s in steps.items()}}
     if (opts.interleave or opts.pipelined) and "rotating" in steps:
         for arm, r in result["arms"].items():
@@ -241,7 +308,9 @@ def main(argv=None) -> dict:
     for arm, r in result["arms"].items():
         paired = f"  speed vs rotating (paired) {r['speed_vs_rotating']:.3f}" if "speed_vs_rotating" in r else ""
         built = "" if r["build_median_ms"] is None else f"  graph built in {r['build_median_ms']:.3f} ms"
-        print(f"{arm:16s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms{built}{paired}")
+        host = r["cache_host_us_per_layer"]
+        host = "" if host is None else f"  cache calls {host:.1f} us a layer"
+        print(f"{arm:16s} median {r['median_ms']:.3f} ms  mean {r['mean_ms']:.3f} ms{built}{host}{paired}")
     save_result(result, opts.out, "decode-parts.json")
     for arm in opts.host_profile:
         print(host_profile(model, arm, prompt, opts))

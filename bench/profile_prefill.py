@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from camkv import CaMConfig, backends, fast, mass
+from camkv import CaMConfig, backends, fast
 from camkv.backends._common import chunk_mass
 from camkv.rows import RowState
 
@@ -112,6 +112,7 @@ def measure(opts) -> dict:
 
 def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
     """camkv.fast on the same call (ms): mass, whole drop compression, mass by MLX ops, and sdpa."""
+    from camkv import mass  # here, not at the top: decode_parts imports this file and runs on older code too
     n, rows = state.length, keys.shape[0]
     q = queries.astype(keys.dtype).transpose(0, 2, 1, 3)  # [R, G, S, D] as the cache hands them over
     joined = mx.concatenate([state.keys, keys], axis=1)
