@@ -5,16 +5,16 @@ n + S rows held and evicts back to the budget. For chunks of --chunks tokens int
 --budget scored rows (decode compressions are slack + 1 tokens, prefill chunks 2048), with
 --layers layers built lazily and evaluated at once (as a model's step does), this times:
 
-  mass_ops        camkv.fast.attention_mass with MLX operations (float32 logits, softmax)
+  mass_ops        camkv.backends.drop.attention_mass with MLX operations (float32 logits, softmax)
   mass_kernels    the same with the logits in the keys' dtype reduced by
                   backends.mass_cuda's kernel (NVIDIA GPUs)
-  mass            what camkv.fast.attention_mass picks here
+  mass            what camkv.backends.drop.attention_mass picks here
   evict_ops       eviction as MLX operations: scores and positions joined, a partition,
-                  a sort and four gathers (camkv.fast.compress_drop less the mass)
+                  a sort and four gathers (camkv.backends.drop.compress_drop less the mass)
   evict_kernel    eviction in one launch (backends.compact_cuda, NVIDIA GPUs)
-  compress_ops    camkv.fast.compress_drop: mass + evict_ops, the rows re-buffered with
+  compress_ops    camkv.backends.drop.compress_drop: mass + evict_ops, the rows re-buffered with
                   room to decode as the cache does
-  compress_kernel camkv.fast.compress_drop_buffers: mass + evict_kernel (NVIDIA GPUs)
+  compress_kernel camkv.backends.drop.compress_drop_buffers: mass + evict_kernel (NVIDIA GPUs)
 
 and, for a decode step's attention over the rows held (one query a head): the fused
 attention over a view of a buffer with spare rows (what the caches hand the model)
@@ -37,7 +37,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import add_layer_shape_args, median_seconds, save_result  # noqa: E402
 
-from camkv import CaMConfig, fast  # noqa: E402
+from camkv import CaMConfig  # noqa: E402
+from camkv.backends import drop  # noqa: E402
 from camkv.buffers import with_room as _with_room  # noqa: E402
 
 
@@ -83,7 +84,7 @@ def measure_chunk(opts, s_len: int) -> dict:
         return keys[:, :, :end].reshape(H, end, -1), values[:, :, :end].reshape(H, end, -1)
 
     def mass(i, kernels=None):
-        return fast.attention_mass(layers[i][4], held(i)[0], scale, n, kernels=kernels)
+        return drop.attention_mass(layers[i][4], held(i)[0], scale, n, kernels=kernels)
 
     masses = [mass(i) for i in range(opts.layers)]
     mx.eval(masses)
@@ -94,13 +95,13 @@ def measure_chunk(opts, s_len: int) -> dict:
         all_scores = mx.concatenate([scores + masses[i][:, :n], masses[i][:, n:]], axis=1)
         all_positions = mx.concatenate([positions, mx.broadcast_to(n + mx.arange(s_len, dtype=mx.int32), (H, s_len))],
                                        axis=1)
-        kept = fast.losers_and_kept(all_scores, all_positions, end - 1, cfg.budget, cfg.n_sink, cfg.recent)
+        kept = drop.losers_and_kept(all_scores, all_positions, end - 1, cfg.budget, cfg.n_sink, cfg.recent)
         return [mx.take_along_axis(a, kept[..., None], axis=1) for a in (k, v)] + \
             [mx.take_along_axis(a, kept, axis=1) for a in (all_scores, all_positions)]
 
     def compress_ops(i):
         keys, values, scores, positions, queries, end = layers[i]
-        state = fast.compress_drop(*held(i), scores, positions, queries, n, scale, cfg)
+        state = drop.compress_drop(*held(i), scores, positions, queries, n, scale, cfg)
         spare = capacity - state.length
         return [_with_room([], a.reshape(1, H, state.length, -1), spare) for a in state[:2]] + list(state[2:])
 
@@ -109,7 +110,7 @@ def measure_chunk(opts, s_len: int) -> dict:
               "mass_ms": _per_layer(opts, mass),
               "evict_ops_ms": _per_layer(opts, evict_ops),
               "compress_ops_ms": _per_layer(opts, compress_ops)}
-    if fast.on_cuda():
+    if drop.on_cuda():
         from camkv.backends import compact_cuda
 
         def evict_kernel(i):
@@ -119,7 +120,7 @@ def measure_chunk(opts, s_len: int) -> dict:
 
         def compress_kernel(i):
             keys, values, scores, positions, queries, end = layers[i]
-            return fast.compress_drop_buffers(keys, values, end, scores, positions, queries, n, scale, cfg, capacity)
+            return drop.compress_drop_buffers(keys, values, end, scores, positions, queries, n, scale, cfg, capacity)
 
         result.update({"mass_kernels_ms": _per_layer(opts, lambda i: mass(i, kernels=True)),
                        "evict_kernel_ms": _per_layer(opts, evict_kernel),

@@ -1,7 +1,7 @@
 """Where one chunk-mode prefill call's time goes, per layer: the chunk's attention
 mass scored as matrix products before the launch (backends._common.chunk_mass, the
 GPU path's "prescoring") against the whole update (prescoring + the kernel); and the
-whole-device path of merge="drop" (camkv.fast): its mass alone, the whole compression
+whole-device path of merge="drop" (camkv.backends.drop): its mass alone, the whole compression
 (mass, partition, gather), the mass by plain MLX operations in float32 for comparison,
 and the full cache's own attention of the chunk (mx.fast.scaled_dot_product_attention).
 
@@ -23,7 +23,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from camkv import CaMConfig, backends, fast
+from camkv import CaMConfig, backends
+from camkv.backends import drop
 from camkv.backends._common import chunk_mass
 from camkv.rows import RowState
 
@@ -44,7 +45,7 @@ def parse_args(argv=None):
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048, e2e's step)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per part (default 5)")
     parser.add_argument("--logit-mb", type=int, nargs="*", default=[],
-                        help="also time camkv.fast's mass with these logit block sizes (MiB)")
+                        help="also time camkv.backends.drop's mass with these logit block sizes (MiB)")
     parser.add_argument("--out", type=Path, default=None, help="folder for profile-prefill-<backend>.json")
     return parser.parse_args(argv)
 
@@ -111,7 +112,7 @@ def measure(opts) -> dict:
 
 
 def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
-    """camkv.fast on the same call (ms): mass, whole drop compression, mass by MLX ops, and sdpa."""
+    """camkv.backends.drop on the same call (ms): mass, whole drop compression, mass by MLX ops, and sdpa."""
     from camkv import mass  # here, not at the top: decode_parts imports this file and runs on older code too
     n, rows = state.length, keys.shape[0]
     q = queries.astype(keys.dtype).transpose(0, 2, 1, 3)  # [R, G, S, D] as the cache hands them over
@@ -127,16 +128,16 @@ def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
     parts = {}
     for mb in opts.logit_mb:  # the block size camkv.mass scores in (MASS_BYTES)
         default, mass.MASS_BYTES = mass.MASS_BYTES, mb << 20
-        parts[f"fast_mass_{mb}mb_ms"] = 1e3 * median_seconds(lambda: fast.attention_mass(q, joined, scale, n),
+        parts[f"fast_mass_{mb}mb_ms"] = 1e3 * median_seconds(lambda: drop.attention_mass(q, joined, scale, n),
                                                            opts.repeats)
         mass.MASS_BYTES = default
-    if fast.on_cuda():
+    if drop.on_cuda():
         parts.update(_cuda_mass_parts(q, joined, scale, n, opts))
     return {
         **parts,
-        "fast_mass_ms": 1e3 * median_seconds(lambda: fast.attention_mass(q, joined, scale, n), opts.repeats),
+        "fast_mass_ms": 1e3 * median_seconds(lambda: drop.attention_mass(q, joined, scale, n), opts.repeats),
         "fast_drop_ms": 1e3 * median_seconds(
-            lambda: fast.update_drop(state, keys, keys, n, drop, row_ids, queries.astype(keys.dtype), scale),
+            lambda: drop.update_drop(state, keys, keys, n, drop, row_ids, queries.astype(keys.dtype), scale),
             opts.repeats),
         "mass_mlx_ops_f32_ms": 1e3 * median_seconds(mlx_ops, opts.repeats),
         "sdpa_ms": 1e3 * median_seconds(sdpa, opts.repeats),

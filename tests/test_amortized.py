@@ -1,6 +1,6 @@
 """Amortized eviction and the whole-device compression (docs/algorithm.md sections 7 and 8).
 
-- camkv.fast's chunk call (merge="drop") against the reference, tie-aware: kept
+- camkv.backends.drop's chunk call (merge="drop") against the reference, tie-aware: kept
   positions may differ only where the reference's scores put the row within a near-tie
   of the eviction boundary; scores within rtol 1e-3; kept keys and values bit for bit.
 - A cache with slack s: a run of decode steps equals one reference chunk call of the
@@ -18,11 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from camkv import CaMConfig, CaMKVCache, fast, hook, mass, reference
+from camkv import CaMConfig, CaMKVCache, hook, mass, reference
+from camkv.backends import drop
 from camkv.rows import RowState
 
 RTOL, ATOL = 1e-3, 1e-5  # section 8's score and near-tie tolerances
-# Mantissa bits of the logits camkv.fast's CUDA path computes: the storage dtype's, or
+# Mantissa bits of the logits camkv.backends.drop's CUDA path computes: the storage dtype's, or
 # TF32's for float32 (MLX's CUDA matmul rounds float32 inputs to TF32).
 _LOGIT_MANTISSA = {mx.float16: 10, mx.bfloat16: 7, mx.float32: 10}
 
@@ -31,7 +32,7 @@ def score_rtol(queries, keys, scale, dtype) -> float:
     """Section 8's rtol, widened on the CUDA path by what its logits' rounding allows: a
     logit l is off by up to |l| 2^-(m+1), so a softmax weight by up to twice that
     relatively (its own logit and its row's normaliser), max |l| 2^-m over the call."""
-    if not fast.on_cuda():
+    if not drop.on_cuda():
         return RTOL
     q = np.array(queries.astype(mx.float32)).reshape(queries.shape[0], -1, queries.shape[-1])
     k = np.array(keys.astype(mx.float32))
@@ -76,7 +77,7 @@ def check_drop_chunk(rows, n, s_len, budget, recent, groups, dtype, seed):
     queries = mx.array(rng.standard_normal((rows, s_len, groups, 16)).astype(np.float32)).astype(dtype)
     row_ids = mx.arange(rows).astype(mx.uint32)
     args = (start, keys, values, n, cfg, row_ids, queries, 0.25)
-    got, merges = fast.update_drop(*args)
+    got, merges = drop.update_drop(*args)
     want, _ = reference.update(*args[:6], queries.astype(mx.float32), 0.25)
     joined, _ = reference.update(*args[:4], cfg.replace(budget=n + s_len + 1, recent=1, n_sink=0), row_ids,
                                  queries.astype(mx.float32), 0.25)
@@ -116,7 +117,7 @@ def test_fast_drop_chunk_with_equal_scores_keeps_a_valid_set():
     # still hold the budget, sinks and recent window, in position order.
     cfg = CaMConfig(budget=10, n_sink=2, recent=3, scoring="key", slack=0)
     keys = mx.ones((2, 30, 8))
-    state, _ = fast.update_drop(RowState.empty(2, 8, 8, mx.float32), keys, keys, 0, cfg, mx.arange(2).astype(mx.uint32))
+    state, _ = drop.update_drop(RowState.empty(2, 8, 8, mx.float32), keys, keys, 0, cfg, mx.arange(2).astype(mx.uint32))
     positions = np.array(state.positions)
     assert positions.shape == (2, 10)
     assert (np.diff(positions, axis=1) > 0).all()
@@ -263,7 +264,7 @@ def test_poisoned_token_is_evicted_first_and_leaves_other_rows_alone(poison, whe
         assert 10 not in np.array(got[3])[0, 1].tolist()  # no mass: evicted first
 
 
-@pytest.mark.skipif(not fast.on_cuda(), reason="the mass kernels run on an NVIDIA GPU only")
+@pytest.mark.skipif(not drop.on_cuda(), reason="the mass kernels run on an NVIDIA GPU only")
 @pytest.mark.parametrize("n_before, s_len", [(0, 300), (512, 2048), (100, 7), (30, 1)])
 def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     from camkv.backends import mass_cuda
@@ -305,7 +306,7 @@ def _rank_keys(scores: np.ndarray, protected: np.ndarray) -> np.ndarray:
     return np.where(protected, np.inf, ranked)
 
 
-@pytest.mark.skipif(not fast.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
+@pytest.mark.skipif(not drop.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 @given(st.integers(1, 5), st.integers(0, 700), st.integers(1, 300), st.integers(8, 600),
        st.sampled_from([(128, 128), (12, 20), (64, 8)]), st.sampled_from(["random", "ties", "poisoned"]),
@@ -356,7 +357,7 @@ def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, bu
         np.testing.assert_array_equal(got_values[0, r, :budget], all_values[r][kept])
 
 
-@pytest.mark.skipif(not fast.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
+@pytest.mark.skipif(not drop.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
 def test_cuda_drop_compaction_of_sequences_at_different_positions_equals_each_alone():
     """A batch's rows compressed together stand at different positions: each sequence's
     survivors are those of the same call for it alone (its own sinks and recent window)."""

@@ -9,7 +9,8 @@ from mlx_lm.models.cache import ChunkedKVCache, KVCache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 import camkv
-from camkv import CaMKVCache, fast
+from camkv import CaMKVCache
+from camkv.backends import drop
 from camkv.backends import compress
 from camkv.batch import _ROOM, BatchCaMKVCache
 from tiny_models import byte_tokenizer, tiny_llama
@@ -153,7 +154,7 @@ def test_rows_weighed_by_votes_decode_as_alone(model, tokenizer):
         # are that close may go to the other one (section 8 allows the flip within 1e-3 of
         # the cosines), moving mass between rows: there tokens, positions and counts must
         # agree, scores only on the CPU.
-        rtol = None if fast.on_cuda() else SCORE_RTOL
+        rtol = None if drop.on_cuda() else SCORE_RTOL
         _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches, score_rtol=rtol)
 
 
@@ -282,14 +283,14 @@ def test_a_layer_mlx_lm_cannot_batch_stops_with_mlx_lms_error(model):
 
 
 def _drop_buffers_on_cpu(keys, values, end, scores, positions, queries, first_pending, scale, cfg, capacity):
-    """fast.compress_drop_buffers' results from fast.compress_drop, sequence by sequence
+    """drop.compress_drop_buffers' results from drop.compress_drop, sequence by sequence
     (the one-launch kernel needs an NVIDIA GPU): what a CPU test stands in for it with."""
     B, H = keys.shape[:2]
     starts = [first_pending] * B if isinstance(first_pending, int) else first_pending.tolist()
     parts = []
     for b, start in enumerate(starts):
         heads = slice(b * H, (b + 1) * H)
-        kept = fast.compress_drop(keys[b, :, :end], values[b, :, :end], scores[heads], positions[heads],
+        kept = drop.compress_drop(keys[b, :, :end], values[b, :, :end], scores[heads], positions[heads],
                                   queries[heads], start, scale, cfg)
         parts.append([mx.pad(a[None], [(0, 0), (0, 0), (0, capacity - kept.length), (0, 0)]) for a in kept[:2]]
                      + [kept.scores, kept.positions])
@@ -305,7 +306,7 @@ def test_rows_due_at_the_same_step_compress_in_one_launch_as_each_alone(model, t
         launches.append(keys.shape[0])
         return _drop_buffers_on_cpu(keys, *args)
 
-    monkeypatch.setattr(fast, "compress_drop_buffers", counted)
+    monkeypatch.setattr(drop, "compress_drop_buffers", counted)
     monkeypatch.setattr(compress, "one_launch", lambda backend, cfg, end: end > cfg.budget)
     # Prompts a token apart: the rows hold the same count after them, at other positions.
     prompts = [[(5 * i + 11 * j + 3) % 250 for i in range(200 + j)] for j in range(3)]

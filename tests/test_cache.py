@@ -203,7 +203,7 @@ def test_merge_count_adds_up_over_many_calls():
 
 class _ReferenceAsGpu:
     """The reference backend dressed as a GPU target: the cache takes its GPU-only
-    shortcuts (a dropping chunk compressed by camkv.fast) only for such a backend."""
+    shortcuts (a dropping chunk compressed by camkv.backends.drop) only for such a backend."""
 
     __name__ = "camkv.backends.cuda"
     target = "cuda"

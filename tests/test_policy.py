@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import oracle
-from camkv import CaMConfig, CaMKVCache, backends, fast, reference
+from camkv import CaMConfig, CaMKVCache, backends, reference
+from camkv.backends import drop
 from camkv.config import CAM_STREAMING
 from camkv.eval.arms import CacheSettings, make_cache, parse_methods
 from camkv.rows import RowState
@@ -329,7 +330,7 @@ def test_decode_steps_alone_are_untouched_by_window_scoring():
         assert mx.array_equal(x, y).item()
 
 
-# ---------------------------------------------------------------- camkv.fast and the kernels
+# ---------------------------------------------------------------- camkv.backends.drop and the kernels
 
 
 @pytest.mark.parametrize("fields", [
@@ -347,7 +348,7 @@ def test_fast_drop_chunk_matches_the_reference(fields, n, s_len):
         start, _ = reference.update(start, k, v, 0, cfg.replace(budget=n + 7), _row_ids(), k[:, :, None], 0.3)
     k, v = random_block(rng, ROWS, s_len, K_DIM, V_DIM, mx.float32)
     q = mx.array(rng.standard_normal((ROWS, s_len, 2, K_DIM)).astype(np.float32))
-    got, _ = fast.update_drop(start, k, v, n, cfg, _row_ids(), q, 0.25)
+    got, _ = drop.update_drop(start, k, v, n, cfg, _row_ids(), q, 0.25)
     want, _ = reference.update(start, k, v, n, cfg, _row_ids(), q, 0.25)
     np.testing.assert_array_equal(np.array(got.positions), np.array(want.positions))
     np.testing.assert_allclose(np.array(got.scores), np.array(want.scores), rtol=1e-4, atol=1e-6)
@@ -411,7 +412,7 @@ def test_the_cam_arm_is_cam_streaming_with_the_models_queries(tmp_path):
 
 @pytest.mark.parametrize("s_len", [3, 12])
 def test_fast_scores_a_window_chunk_from_its_last_queries_alone(s_len):
-    """camkv.fast takes the chunk's length from its keys: the window's queries alone (what
+    """camkv.backends.drop takes the chunk's length from its keys: the window's queries alone (what
     a cache keeps of a prompt block) score it as all of them do."""
     cfg = CaMConfig(budget=10, n_sink=1, recent=2, prefill_scoring="window", observation_window=5, pool=3)
     rng = np.random.default_rng(4)
@@ -420,7 +421,7 @@ def test_fast_scores_a_window_chunk_from_its_last_queries_alone(s_len):
     scores = mx.array(rng.uniform(0, 3, (R, n)).astype(np.float32))
     positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (R, n))
     queries = mx.array(rng.standard_normal((R, G, s_len, K_DIM)).astype(np.float32))
-    every = fast.compress_drop(keys, values, scores, positions, queries, n, 0.5, cfg)
-    window = fast.compress_drop(keys, values, scores, positions, queries[:, :, -5:], n, 0.5, cfg)
+    every = drop.compress_drop(keys, values, scores, positions, queries, n, 0.5, cfg)
+    window = drop.compress_drop(keys, values, scores, positions, queries[:, :, -5:], n, 0.5, cfg)
     for a, b in zip(every[:4], window[:4]):
         assert mx.array_equal(a, b).item()

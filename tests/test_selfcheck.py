@@ -62,7 +62,7 @@ def _switch_off_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if SWITCHED_OFF in str(w.message)]
 
 
-# Dropping chunks runs no kernel on a GPU (camkv.fast); exact mode and merging do.
+# Dropping chunks runs no kernel on a GPU (camkv.backends.drop); exact mode and merging do.
 @pytest.mark.parametrize("fields", [dict(prefill="exact"), dict(merge="mass_weighted")])
 def test_a_kernel_that_raises_falls_back_once_with_the_references_tokens(metal_here, model, fields, monkeypatch):
     monkeypatch.setattr(jit, "_kernel", _raising_kernel)

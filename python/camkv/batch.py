@@ -40,7 +40,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import fast
+from .backends import drop
 from .cache import CaMKVCache
 
 _UNLIMITED = None  # a row's real-token count in the coming block: no right padding
@@ -552,23 +552,23 @@ def _compress_together(rows: list[CaMKVCache]) -> None:
         rows = [row for row in rows if all(row is not other for other in group)]
         launches = [row.deferred_launch for row in group]
         if len(group) == 1:
-            group[0].finish_deferred(fast.compress_drop_buffers(*first))
+            group[0].finish_deferred(drop.compress_drop_buffers(*first))
             continue
         joined = first._replace(
             first_pending=mx.array([launch.first_pending for launch in launches], mx.int32),
             **{name: mx.concatenate([getattr(launch, name) for launch in launches], axis=0)
-               for name in fast.DropLaunch.ARRAYS})
-        keys, values, scores, positions = fast.compress_drop_buffers(*joined)
+               for name in drop.DropLaunch.ARRAYS})
+        keys, values, scores, positions = drop.compress_drop_buffers(*joined)
         H = first.keys.shape[1]
         for g, row in enumerate(group):
             heads = slice(g * H, (g + 1) * H)
             row.finish_deferred((keys[g : g + 1], values[g : g + 1], scores[heads], positions[heads]))
 
 
-def _launches_alike(a: fast.DropLaunch, b: fast.DropLaunch) -> bool:
+def _launches_alike(a: drop.DropLaunch, b: drop.DropLaunch) -> bool:
     """Whether two deferred compressions can share a launch: the same array shapes and
     dtypes, end, scale, config and capacity (first_pending may differ)."""
-    arrays = fast.DropLaunch.ARRAYS
+    arrays = drop.DropLaunch.ARRAYS
     same_arrays = all(getattr(a, n).shape == getattr(b, n).shape and getattr(a, n).dtype == getattr(b, n).dtype
                       for n in arrays)
     return same_arrays and (a.end, a.scale, a.cfg, a.capacity) == (b.end, b.scale, b.cfg, b.capacity)

@@ -76,13 +76,13 @@ class BatchRow:
 
     @property
     def deferred_launch(self):
-        """The one-launch compression (a fast.DropLaunch) observe_queries(defer_launch=True)
+        """The one-launch compression (a backends.drop.DropLaunch) observe_queries(defer_launch=True)
         held, or None; finish_deferred takes its outputs."""
         return self._deferred
 
     def finish_deferred(self, outputs) -> None:
         """Adopt what the deferred one-launch compression returned (keys, values, scores,
-        positions: fast.compress_drop_buffers' outputs for this row)."""
+        positions: backends.drop.compress_drop_buffers' outputs for this row)."""
         launch, self._deferred = self._deferred, None
         self._rows.adopt(*outputs, self._rows.pending_start + launch.end - self._rows.settled)
         self._pending.settled()

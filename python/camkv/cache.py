@@ -8,8 +8,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, cache_input, fast, hook, merges
+from . import backends, cache_input, hook, merges
 from .backends.compress import Chunk, compress
+from .backends.drop import DropLaunch
 from .batch_row import BatchRow
 from .buffers import RowBuffers
 from .cache_input import QueryScoringWarning, VotesWarning
@@ -391,7 +392,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         request = Chunk(end, queries, scale, self._pending.key_scored, self._pending.config(self._config),
                         self._row_ids(B, H))
         merged = compress(self._backend(), rows, request, may_defer=defer_launch and end == rows.held)
-        if isinstance(merged, fast.DropLaunch):
+        if isinstance(merged, DropLaunch):
             self._deferred = merged  # camkv.batch runs it with the other rows due at this step
             return
         self._pending.settled()

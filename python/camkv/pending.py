@@ -6,7 +6,8 @@ import math
 
 import mlx.core as mx
 
-from . import fast, mass
+from . import mass
+from .backends import drop
 
 KEY_SCORED = "keys"  # the kind of pending tokens scored by their own keys
 
@@ -123,7 +124,7 @@ class PendingChunk:
         queries, scale = self.queries(rows.keys[:, settled:], heads)
         cfg = self.config(cfg)
         if rows.votes is None:
-            return mass.chunk_mass(queries, rows.keys, scale, settled, cfg, s_len, fast.reducer())
+            return mass.chunk_mass(queries, rows.keys, scale, settled, cfg, s_len, drop.reducer())
         # Votes weigh attention (a reference-only rule): the reference's arithmetic.
         return mass.chunk_mass(queries, rows.keys, scale, settled, cfg, s_len, mass.EXACT_WHOLE,
                                bias=mx.log(rows.votes))

@@ -1,7 +1,7 @@
 """What eviction ranks by (CaMConfig.eviction) and which queries of a chunk score it
 (CaMConfig.prefill_scoring, observation_window, pool): docs/algorithm.md sections 3 and 7.
 
-One definition for the reference, camkv.fast and the kernels' host code; the kernel
+One definition for the reference, camkv.backends.drop and the kernels' host code; the kernel
 core computes the same in C++ (camkv_rank_row, camkv_score_chunk). Which rows are
 protected from eviction (protected) is here too.
 """

@@ -1,6 +1,6 @@
 """A drop compression's eviction on an NVIDIA GPU in one launch.
 
-Given a compression chunk's mass (camkv.fast.attention_mass), dropping down to the budget
+Given a compression chunk's mass (camkv.backends.drop.attention_mass), dropping down to the budget
 is a choice of survivors and a copy of their rows. As MLX operations that is some twenty
 launches (scores and positions joined, protected rows masked, a partition, a sort, four
 gathers, the survivors copied into a buffer with room to decode); a decode step's

@@ -6,11 +6,11 @@ the chunk's queries [R, G, T, Dk] (one layout: the model's), and never asks whic
 backend it has. The engines:
 
 - on an NVIDIA GPU, merge="drop" with score eviction: one launch chooses, compacts and
-  copies the survivors (camkv.fast.compress_drop_buffers over backends.compact_cuda);
+  copies the survivors (camkv.backends.drop.compress_drop_buffers over backends.compact_cuda);
   a batch may collect such launches of its rows and run the ones alike together;
 - on a GPU, merge="drop" over a chunk of several tokens: batched MLX operations (a
   product, a partition, a gather) use the whole device, where the kernel core runs one
-  work group per row (camkv.fast.compress_drop); on the CPU the extension's one pass
+  work group per row (camkv.backends.drop.compress_drop); on the CPU the extension's one pass
   per row is faster;
 - otherwise the backend's update (the kernel core, or the reference): the settled rows
   and the pending ones handed over as a RowState and new blocks.
@@ -22,9 +22,10 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .. import fast, merges
+from .. import merges
 from ..buffers import RowBuffers
 from ..pending import every_query
+from . import drop
 
 
 class Chunk(NamedTuple):
@@ -44,21 +45,21 @@ def one_launch(backend, cfg, end: int) -> bool:
     """Whether this compression evicts with merge="drop" on an NVIDIA GPU, where one
     kernel launch (backends.compact_cuda) chooses, compacts and copies the survivors."""
     return (end > cfg.budget and cfg.prefill == "chunk" and merges.rule(cfg.merge).kind == merges.DROP
-            and cfg.eviction == "score" and getattr(backend, "target", None) == "cuda" and fast.on_cuda())
+            and cfg.eviction == "score" and getattr(backend, "target", None) == "cuda" and drop.on_cuda())
 
 
 def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
     """Compress rows [settled, chunk.end) of rows in place (its held rows after end stay
     as they are for the caller to append again). Returns the merges per row [R] int32, or
-    a fast.DropLaunch not run yet when may_defer and the engine is one launch (the
+    a drop.DropLaunch not run yet when may_defer and the engine is one launch (the
     caller runs it, maybe with others alike, and hands the outputs to rows.adopt)."""
     next_position = rows.pending_start + chunk.end - rows.settled
     if one_launch(backend, chunk.cfg, chunk.end):
-        launch = fast.DropLaunch(rows.keys, rows.values, chunk.end, rows.scores, rows.positions, chunk.queries,
+        launch = drop.DropLaunch(rows.keys, rows.values, chunk.end, rows.scores, rows.positions, chunk.queries,
                                  rows.pending_start, chunk.scale, chunk.cfg, rows.capacity)
         if may_defer:
             return launch
-        rows.adopt(*fast.compress_drop_buffers(*launch), next_position)
+        rows.adopt(*drop.compress_drop_buffers(*launch), next_position)
         return None
     B, H = rows.keys.shape[:2]
     state, merged = _by_operations(backend, rows, chunk) or _by_update(backend, rows, chunk)
@@ -74,7 +75,7 @@ def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
             and cfg.prefill == "chunk"):
         return None
     R = rows.scores.shape[0]
-    kept = fast.compress_drop(rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1),
+    kept = drop.compress_drop(rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1),
                               rows.scores, rows.positions, chunk.queries, rows.pending_start, chunk.scale, cfg)
     return kept, mx.zeros((R,), mx.int32)
 

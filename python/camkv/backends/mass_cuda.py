@@ -1,6 +1,6 @@
 """A chunk's attention mass on an NVIDIA GPU, from logits MLX's matrix product made.
 
-camkv.fast scores a compression chunk as softmax rows over logits [R, M, N] (M = G x S
+camkv.backends.drop scores a compression chunk as softmax rows over logits [R, M, N] (M = G x S
 queries over N rows), summed down each column. As plain MLX operations that is five or
 six passes over the logits (mask, softmax, NaN guard, sum); here it is one kernel, in
 which a work group takes ROWS_PER_GROUP query rows of one row r: its warps find each

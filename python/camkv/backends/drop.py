@@ -1,4 +1,5 @@
-"""Chunk scoring and eviction in plain MLX operations, spread over the whole device.
+"""The drop engine: chunk scoring and eviction in plain MLX operations, spread over the
+whole device (camkv.backends.compress picks it for merge="drop" on a GPU).
 
 A compression (docs/algorithm.md section 7) scores S chunk tokens causally over the n rows
 before them and themselves, then evicts the n + S - budget lowest-scoring candidates.
@@ -19,9 +20,9 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import mass, policy
-from .backends import compact_cuda, mass_cuda
-from .rows import RowState
+from .. import mass, policy
+from ..rows import RowState
+from . import compact_cuda, mass_cuda
 
 _INF = float("inf")
 
