@@ -24,7 +24,6 @@ from pathlib import Path
 import mlx.core as mx
 
 from camkv import CaMConfig, backends
-from camkv.backends import drop
 from camkv.backends._common import chunk_mass
 from camkv.rows import RowState
 
@@ -113,12 +112,14 @@ def measure(opts) -> dict:
 
 def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
     """camkv.backends.drop on the same call (ms): mass, whole drop compression, mass by MLX ops, and sdpa."""
-    from camkv import mass  # here, not at the top: decode_parts imports this file and runs on older code too
+    # Imported here, not at the top: decode_parts imports this file and runs on older code too.
+    from camkv import mass
+    from camkv.backends import drop
     n, rows = state.length, keys.shape[0]
     q = queries.astype(keys.dtype).transpose(0, 2, 1, 3)  # [R, G, S, D] as the cache hands them over
     joined = mx.concatenate([state.keys, keys], axis=1)
     mx.eval(q, joined)
-    drop = cfg.replace(merge="drop")
+    drop_cfg = cfg.replace(merge="drop")
     row_ids = mx.arange(rows, dtype=mx.uint32)
     mlx_ops = lambda: mass.column_mass(  # noqa: E731
         (q.astype(mx.float32).reshape(rows, -1, q.shape[-1]) @ joined.astype(mx.float32).transpose(0, 2, 1))
@@ -137,7 +138,7 @@ def _fast_parts(state, keys, queries, scale, cfg, opts) -> dict:
         **parts,
         "fast_mass_ms": 1e3 * median_seconds(lambda: drop.attention_mass(q, joined, scale, n), opts.repeats),
         "fast_drop_ms": 1e3 * median_seconds(
-            lambda: drop.update_drop(state, keys, keys, n, drop, row_ids, queries.astype(keys.dtype), scale),
+            lambda: drop.update_drop(state, keys, keys, n, drop_cfg, row_ids, queries.astype(keys.dtype), scale),
             opts.repeats),
         "mass_mlx_ops_f32_ms": 1e3 * median_seconds(mlx_ops, opts.repeats),
         "sdpa_ms": 1e3 * median_seconds(sdpa, opts.repeats),
