@@ -166,8 +166,9 @@ def snapkv_config(budget: int, context: int, after_context: int, settings: Cache
     """SnapKV as kvpress runs it, in camkv's terms: no eviction until the context's last
     chunk, which compresses the whole context once to the budget, scored by its last 64
     queries (window scoring) pooled over 5 tokens, those 64 kept (recent), no sinks;
-    then the slack holds the question and answer with nothing evicted. (kvpress pools
-    by the mean, camkv by the maximum.) The question must then come one token a step:
+    then the slack holds the question and answer with nothing evicted. (kvpress averages
+    each head's attention over 5 tokens, then the group's heads; camkv sums the group's
+    and takes the maximum over 5 tokens.) The question must then come one token a step:
     a block of several would be compressed with the decode steps (camkv.eval.ruler)."""
     slack = context - budget - 1  # the context's last chunk passes budget + slack
     if slack < after_context:
