@@ -150,6 +150,7 @@ def test_a_wrong_head_placement_fails_the_first_layer_check(tmp_path):
     (["--backend", "ring", "--trials", "0"], "--trials must be >= 1, got 0"),
     (["--backend", "ring", "--timeout", "soon"], "--timeout must be a number of seconds >= 1"),
     (["--backend"], "--backend needs a value"),
+    (["--backend", "ring", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
 ])
 def test_bad_values_end_with_status_2_before_any_rank_starts(args, message):
     job = run_script(*args)
@@ -158,11 +159,13 @@ def test_bad_values_end_with_status_2_before_any_rank_starts(args, message):
     assert "mlx.launch" not in job.stdout  # no job was started
 
 
-@pytest.mark.skipif(mx.cuda.is_available(), reason="this host has CUDA GPUs")
-def test_nccl_needs_the_gpus_it_names():
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="this host has a GPU")
+def test_gpus_that_are_not_there_are_refused():
     job = run_script("--backend", "nccl", "--ranks", "2")
     assert job.returncode == 2
     assert "--backend nccl --ranks 2 needs 2 CUDA GPUs, this host has 0" in job.stderr
+    job = run_script("--backend", "ring", "--device", "gpu")
+    assert job.returncode == 2 and "--device gpu: this MLX has no GPU here" in job.stderr
 
 
 def test_nccl_install_refuses_parts_that_do_not_make_the_pinned_wheel(tmp_path):

@@ -137,6 +137,8 @@ def check_args(args: argparse.Namespace) -> Shape:
                  "gen_tokens", "trials", "prefill_step"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.device == "gpu" and not mx.is_available(mx.gpu):
+        raise ValueError("--device gpu: this MLX has no GPU here (--device cpu computes on the CPU)")
     if any(length < 2 for length in args.prompt_lengths):
         raise ValueError(f"--prompt-lengths must be integers >= 2, got {args.prompt_lengths}")
     if args.check_budget >= args.check_prompt:
@@ -189,6 +191,28 @@ def teacher_forced(model, caches, tokens: mx.array, call_sizes: list[int]) -> No
         logits = model(tokens[None, start:start + size], cache=caches)
         mx.eval(logits, [c.state for c in caches])
         start += size
+
+
+def first_layer_projections(model, tokens: mx.array) -> dict:
+    """The first layer's keys and queries before RoPE, [T, heads * head dim], of this
+    process's heads: what its caches are fed. Were they not bit-identical to the
+    unsharded model's (a matrix product of another width summing in another order),
+    check 1 would compare caches fed different inputs."""
+    layer = model.layers[0]
+    x = layer.input_layernorm(model.model.embed_tokens(tokens[None]))
+    keys, queries = layer.self_attn.k_proj(x), layer.self_attn.q_proj(x)
+    mx.eval(keys, queries)
+    return {"keys": np.array(keys[0].astype(mx.float32)), "queries": np.array(queries[0].astype(mx.float32))}
+
+
+def projections_identical(mine: dict, reference: dict, rank: int) -> dict[str, bool]:
+    """Whether this rank's projections are its slice of the reference's, bit for bit."""
+    result = {}
+    for name, local in mine.items():
+        width = local.shape[1]
+        result[f"layer0_{name}_inputs_identical"] = bool(
+            np.array_equal(local, reference[name][:, rank * width:(rank + 1) * width]))
+    return result
 
 
 def first_layer(caches) -> dict:
@@ -317,7 +341,8 @@ def unsharded_references(model, args) -> dict:
         layer0[scoring], forced_bytes[scoring] = first_layer(caches), kv_bytes(caches)
         release(model)
     runs = holds_all_runs(model, args)
-    return {"layer0": layer0, "forced_kv_bytes": forced_bytes, **runs}
+    return {"layer0": layer0, "forced_kv_bytes": forced_bytes, **runs,
+            "projections": first_layer_projections(model, forced_tokens)}
 
 
 def check_sequence(args, vocab: int) -> tuple[mx.array, list[int]]:
@@ -396,6 +421,8 @@ def run_checks(model, args, group, reference: dict) -> dict:
         for name, value in layer0[scoring].items():
             fields[f"layer0_{scoring}_{name}"] = value
     fields["unplaced_state_differs"] = layer0["unplaced_state_differs"]
+    tokens_forced, _ = check_sequence(args, model.args.vocab_size)
+    fields |= projections_identical(first_layer_projections(model, tokens_forced), reference["projections"], rank)
     fields["camkv_evictions"] = runs["camkv"]["evictions"]
     fields["reference_camkv_evictions"] = reference["camkv"]["evictions"]
     fields["camkv_kv_bytes"], fields["reference_camkv_kv_bytes"] = runs["camkv"]["kv_bytes"], reference["camkv"]["kv_bytes"]
@@ -547,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     checks = run_checks(model, args, group, reference)
     for name, ok in checks["verdicts"].items():
         say(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    inputs = {name: all(r[f"layer0_{name}_inputs_identical"] for r in checks["ranks"]) for name in ("keys", "queries")}
+    say(f"  (first-layer keys and queries fed to the caches, bit-identical to the unsharded model's: "
+        f"keys {inputs['keys']}, queries {inputs['queries']})")
     rows = measure(model, args, group) if args.prompt_lengths else []
     for row in rows:
         say(f"{row['arm']:8s} {row['prompt_len']:7d} tokens: prefill {row['prefill_s']:.2f} s "
