@@ -90,17 +90,25 @@ def parse_shape(text: str) -> Shape:
 # ---------------------------------------------------------------------- options
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default unless it is None or False (those options say theirs in words)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_Help)
     parser.add_argument("--backend", choices=BACKENDS, default="nccl",
                         help="MLX distributed backend the ranks join (mlx.launch started them with it)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks the job must have")
     parser.add_argument("--device", choices=("gpu", "cpu"), default=None,
                         help="where each rank computes (default: the GPU where there is one)")
     parser.add_argument("--shape", default=LLAMA_3_8B,
-                        help="the random llama: HIDDEN,LAYERS,HEADS,KV_HEADS,INTERMEDIATE,VOCAB "
-                             "(default: llama-3-8B's)")
+                        help="the random llama: HIDDEN,LAYERS,HEADS,KV_HEADS,INTERMEDIATE,VOCAB; "
+                             "the default is llama-3-8B's")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="weights and caches (default: bfloat16 on a GPU, float32 on the CPU)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights and the token ids")
@@ -224,14 +232,18 @@ def first_layer(caches) -> dict:
 class Clock:
     """Rank 0's progress lines through a long prefill (mlx.launch forwards them)."""
 
-    def __init__(self, rank: int, label: str, total: int):
-        self.rank, self.label, self.total = rank, label, total
+    def __init__(self, label: str, total: int):
+        self.label, self.total = label, total
         self.start = time.perf_counter()
-        self.every = max(1, total // 8)
+        self.every = max(1, total // 8)  # about eight lines a prefill
+        self.next = self.every
 
     def tick(self, done: int) -> None:
-        if self.rank == 0 and (done % self.every == 0) and done < self.total:
-            say(f"  {self.label}: {done}/{self.total} prompt tokens, {time.perf_counter() - self.start:.1f} s")
+        if done < self.next or done >= self.total:
+            return
+        while self.next <= done:
+            self.next += self.every
+        say(f"  {self.label}: {done}/{self.total} prompt tokens, {time.perf_counter() - self.start:.1f} s")
 
 
 def generation(model, caches, prompt: mx.array, gen_tokens: int, step: int, clock: Clock | None = None) -> dict:
@@ -389,7 +401,8 @@ def sharded_layer0(model, args, reference: dict) -> dict:
         }
         release(model)
     # Control: the same run with caches that ignore the sharding (heads drawn as 0..).
-    caches = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, forced_config(args.check_budget, "key"))]
+    placed = camkv.make_prompt_cache(model, forced_config(args.check_budget, "key"))
+    caches = [camkv.CaMKVCache(c.config) for c in placed]
     teacher_forced(model, caches, tokens, sizes)
     offset = result["key"]["head_offset"]
     unplaced, ref = first_layer(caches), reference["layer0"]["key"]
@@ -425,8 +438,9 @@ def run_checks(model, args, group, reference: dict) -> dict:
     fields |= projections_identical(first_layer_projections(model, tokens_forced), reference["projections"], rank)
     fields["camkv_evictions"] = runs["camkv"]["evictions"]
     fields["reference_camkv_evictions"] = reference["camkv"]["evictions"]
-    fields["camkv_kv_bytes"], fields["reference_camkv_kv_bytes"] = runs["camkv"]["kv_bytes"], reference["camkv"]["kv_bytes"]
-    fields["full_kv_bytes"], fields["reference_full_kv_bytes"] = runs["full"]["kv_bytes"], reference["full"]["kv_bytes"]
+    for arm in ("camkv", "full"):
+        fields[f"{arm}_kv_bytes"] = runs[arm]["kv_bytes"]
+        fields[f"reference_{arm}_kv_bytes"] = reference[arm]["kv_bytes"]
     per_rank = gather_fields(fields, group)
     tokens = {name: gather(runs[name]["tokens"], group) for name in ("camkv", "full")}
     verdicts = check_verdicts(per_rank, tokens, reference, size)
@@ -456,7 +470,8 @@ def check_verdicts(per_rank: list[dict], tokens: dict, reference: dict, size: in
     verdicts["1_control_unplaced_differs"] = all(r["unplaced_state_differs"] for r in per_rank[1:])
     verdicts["2_holds_everything"] = all(r["camkv_evictions"] == 0 == r["reference_camkv_evictions"] for r in per_rank)
     verdicts["2_sharded_camkv_tokens_equal_sharded_full"] = tokens["camkv"][0] == tokens["full"][0]
-    verdicts["2_unsharded_camkv_tokens_equal_unsharded_full"] = reference["camkv"]["tokens"] == reference["full"]["tokens"]
+    verdicts["2_unsharded_camkv_tokens_equal_unsharded_full"] = (
+        reference["camkv"]["tokens"] == reference["full"]["tokens"])
     verdicts["2_ranks_generate_the_same_tokens"] = all(
         t == tokens[name][0] for name in tokens for t in tokens[name])
     verdicts["3_holds_everything_kv_bytes_per_rank"] = all(
@@ -482,7 +497,7 @@ def measure(model, args, group) -> list[dict]:
         trials = {arm: [] for arm in ARMS}
         for trial in range(args.trials):
             for arm in ARMS:
-                clock = Clock(group.rank(), f"{arm} {length} trial {trial + 1}", length)
+                clock = Clock(f"{arm} {length} trial {trial + 1}", length)
                 caches = make_caches(model, arm, args.budget, args.camkv_backend)
                 run = generation(model, caches, prompt, args.gen_tokens, args.prefill_step, clock)
                 release(model)
