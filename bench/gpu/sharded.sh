@@ -53,8 +53,6 @@ rank_args=(--backend "$backend" --ranks "$ranks" --out "$out")
 
 # Bad values end here with sharded.py's message and status 2, before any rank starts.
 "$python" "$here/sharded.py" "${rank_args[@]}" "${args[@]}" --check-only || exit $?
-"$python" -c 'import mlx._distributed_utils.launch' 2>/dev/null \
-  || { echo "sharded.sh: MLX's launcher (mlx._distributed_utils.launch) is not importable by $python" >&2; exit 1; }
 
 launch=("$python" -c 'import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = "mlx.launch"; sys.exit(main())')
 if [ "$backend" = nccl ]; then
@@ -65,6 +63,8 @@ if [ "$backend" = nccl ]; then
 else
   launcher_args=(--backend ring -n "$ranks" ${port:+-p "$port"})
 fi
+"$python" -c 'import mlx._distributed_utils.launch' 2>/dev/null \
+  || { echo "sharded.sh: MLX's launcher (mlx._distributed_utils.launch) is not importable by $python" >&2; exit 1; }
 command=(mlx.launch "${launcher_args[@]}" -- "$python" "$here/sharded.py" "${rank_args[@]}" "${args[@]}")
 export CAMKV_SHARDED_LAUNCH="bash bench/gpu/sharded.sh --backend $backend --ranks $ranks${port:+ --port $port} --out $out ${args[*]}"
 echo "sharded.sh: ${command[*]}"
