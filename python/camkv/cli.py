@@ -71,7 +71,8 @@ def _add_generate_parser(subparsers) -> None:
     source.add_argument("--prompt", "-p", default=None,
                         help="the prompt; '-' reads it from stdin (default: a short question)")
     source.add_argument("--prompt-file", default=None, metavar="PATH",
-                        help="read the prompt from this file (default: use --prompt)")
+                        help=f"read the prompt from this file, UTF-8 text of at most "
+                             f"{PROMPT_MAX_BYTES // 2**20} MiB (default: use --prompt)")
     p.add_argument("--system-prompt", default=None,
                    help="system message placed before the prompt when the chat template is used "
                         "(default: none)")
@@ -341,7 +342,7 @@ def read_prompt(args: argparse.Namespace) -> str:
         text, source = _read_prompt_file(args.prompt_file), f"--prompt-file {args.prompt_file}"
     elif args.prompt == "-":
         source = "--prompt - (stdin)"
-        text = _at_most(sys.stdin.read(PROMPT_MAX_CHARS + 1), source, "characters")
+        text = _at_most(sys.stdin.read(PROMPT_MAX_BYTES + 1), source, "characters")
     else:
         text = args.prompt if args.prompt is not None else "What is the capital of France?"
         source = f"--prompt {text!r}"
@@ -356,7 +357,6 @@ def read_prompt(args: argparse.Namespace) -> str:
 # The most of a prompt file (or stdin) read: far past any model's context (a token is
 # several bytes), and an endless file (/dev/zero) stops here instead of filling memory.
 PROMPT_MAX_BYTES = 64 * 2**20
-PROMPT_MAX_CHARS = PROMPT_MAX_BYTES
 
 
 def _at_most(text, source: str, unit: str):
