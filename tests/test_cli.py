@@ -293,3 +293,13 @@ def test_every_camconfig_field_has_its_kv_flag_with_the_fields_default():
     for dest, field in _KV_FLAGS.items():
         assert getattr(args, dest) == getattr(CaMConfig, field), dest  # the class default (None for derived ones)
     assert build_parser().parse_args(["generate", "--prompt", "x", "--kv-slack", "0"]).kv_slack == 0
+
+
+def test_the_descriptions_say_the_default_drops():
+    """`camkv --help` and the package say what the default does: evicted tokens are dropped."""
+    import tomllib
+
+    help_text = cli.build_parser().description
+    assert "dropping them (the default" in help_text and "instead of dropping" not in help_text
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert "dropping the rest (H2O) or merging them" in project["description"]
