@@ -9,6 +9,7 @@ measures, over HTTP on 127.0.0.1:
   (its first keepalive line arrived), and the long request's own time to its first token.
 
     .venv/bin/python bench/server_ttft.py --long-tokens 16384 --model random-demo
+    .venv/bin/python bench/server_ttft.py --long-tokens 16384 --model random-1b   # on a GPU
 
 Extra flags after `--` go to `camkv serve` (e.g. `-- --prefill-step-size 512`).
 """
@@ -32,14 +33,14 @@ from tiny_models import byte_tokenizer  # noqa: E402
 
 
 def save_model_dir(path: Path, name: str, context: int) -> Path:
-    """An mlx-lm folder of models.random_llama(name) with a byte tokenizer and a trained
-    context of `context` tokens (max_position_embeddings)."""
+    """An mlx-lm folder of models.random_llama(name) (float32 on the CPU, bfloat16 on a GPU)
+    with a byte tokenizer and a trained context of `context` tokens (max_position_embeddings)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from camkv import models
 
-    model = models.random_llama(name, mx.float32)
+    model = models.random_llama(name)
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     config = {k: getattr(model.args, k) for k in (
@@ -109,7 +110,8 @@ def measure(port: int, long_tokens: int, short_tokens: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="random-demo", help="a models.RANDOM_LLAMAS preset")
+    parser.add_argument("--model", default="random-demo", choices=("random-demo", "random-1b"),
+                        help="a models.RANDOM_LLAMAS preset whose vocabulary holds the byte tokenizer's 258 tokens")
     parser.add_argument("--long-tokens", type=int, default=16384, help="tokens of the long prompt")
     parser.add_argument("--short-tokens", type=int, default=64, help="tokens of the short prompt")
     parser.add_argument("--kv-budget", type=int, default=512)

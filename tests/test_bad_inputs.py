@@ -464,7 +464,7 @@ def test_a_hub_id_that_cannot_be_fetched_is_an_error_naming_it(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("bad", [None, 3, "model", tiny_llama().layers])
+@pytest.mark.parametrize("bad", [None, 3, "model", tiny_llama().layers[0].self_attn])
 def test_make_prompt_cache_and_apply_refuse_what_is_not_a_model(bad):
     for call in (camkv.make_prompt_cache, camkv.apply):
         with pytest.raises(TypeError) as err:
