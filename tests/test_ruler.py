@@ -252,9 +252,12 @@ def test_summary_averages_task_means_with_intervals_and_pairs_with_the_full_cach
     assert "| camkv | 0.0 [0.0, 0.0] | 54.2 [" in lines
 
 
-def test_a_constant_score_has_a_zero_width_interval():
+def test_a_constant_score_has_a_zero_width_interval_and_one_prompt_none():
     stats = ruler_report._stratified({"t": np.ones(5)}, np.random.default_rng(0))
     assert stats == {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": 5, "tasks": 1}
+    single = ruler_report._stratified({"t": np.ones(5), "u": np.zeros(1)}, np.random.default_rng(0))
+    assert single == {"mean": 0.5, "lo": None, "hi": None, "n": 6, "tasks": 2}
+    assert ruler_report._pct(single) == "50.0 (1 prompt a task: no interval)"
 
 
 # ---------------------------------------------------------------------------- the command

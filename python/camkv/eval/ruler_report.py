@@ -6,7 +6,8 @@ intervals, by method, length and budget, from the records alone.
 - RULER average: the mean over tasks of each task's mean score; niah average: the same
   over the niah tasks.
 - Intervals: percentile bootstrap (2000 draws, fixed seed), prompts redrawn within each
-  task, so an average's interval reflects every task's own spread. "vs full" is paired:
+  task, so an average's interval reflects every task's own spread; none when a task
+  has a single prompt. "vs full" is paired:
   each prompt's score minus the full cache's on the same prompt, bootstrapped the same way.
 - Depths: the niah score by where the needles sit in the haystack (first, middle, last
   third; a prompt with needles in several thirds counts in each).
@@ -43,14 +44,16 @@ def _stratified(scores_by_task: dict[str, np.ndarray], rng) -> dict:
     if not tasks:
         return {}
     mean = float(np.mean([scores_by_task[t].mean() for t in tasks]))
+    n = int(sum(len(scores_by_task[t]) for t in tasks))
+    if min(len(scores_by_task[t]) for t in tasks) < 2:  # one prompt shows no spread
+        return {"mean": mean, "lo": None, "hi": None, "n": n, "tasks": len(tasks)}
     draws = np.zeros(DRAWS)
     for t in tasks:
         s = scores_by_task[t]
         draws += s[rng.integers(0, len(s), size=(DRAWS, len(s)))].mean(axis=1)
     draws /= len(tasks)
     lo, hi = np.percentile(draws, [2.5, 97.5])
-    return {"mean": mean, "lo": float(lo), "hi": float(hi),
-            "n": int(sum(len(scores_by_task[t]) for t in tasks)), "tasks": len(tasks)}
+    return {"mean": mean, "lo": float(lo), "hi": float(hi), "n": n, "tasks": len(tasks)}
 
 
 def _group_stats(by_task: dict, full_by_task: dict | None, rng, keep) -> dict:
@@ -107,6 +110,8 @@ def _row(cells: list[str]) -> str:
 def _pct(stats: dict) -> str:
     if not stats:
         return "–"
+    if stats["lo"] is None:
+        return f"{100 * stats['mean']:.1f} (1 prompt a task: no interval)"
     return f"{100 * stats['mean']:.1f} [{100 * stats['lo']:.1f}, {100 * stats['hi']:.1f}]"
 
 
@@ -137,7 +142,8 @@ def ruler_tables(summary: dict, methods: list[str], labels: list[str]) -> list[s
     lines = _grid(f"RULER average (% of expected strings found; mean over {len(summary['tasks'])} tasks "
                   f"[95% bootstrap interval]; up to {n} prompts a cell; columns: length @ budget)",
                   summary, methods, columns, lambda c: _pct(c["ruler"]["average"]))
-    lines += _grid("niah average (the 8 needle tasks)", summary, methods, columns,
+    niah = sum(t in NIAH for t in summary["tasks"])
+    lines += _grid(f"niah average ({niah} needle tasks)", summary, methods, columns,
                    lambda c: _pct(c["niah"]["average"]))
     lines += _grid("RULER average minus the full cache's on the same prompts (paired, points "
                    "[95% interval])", summary, [m for m in methods if m != "full"], columns,
@@ -187,8 +193,8 @@ def plot_ruler(summary: dict, methods: list[str], labels: list[str], path, style
             if not points:
                 continue
             xs, ys = [p[0] for p in points], [100 * p[1]["mean"] for p in points]
-            err = [[y - 100 * p[1]["lo"] for y, p in zip(ys, points)],
-                   [100 * p[1]["hi"] - y for y, p in zip(ys, points)]]
+            err = [[0 if p[1]["lo"] is None else y - 100 * p[1]["lo"] for y, p in zip(ys, points)],
+                   [0 if p[1]["hi"] is None else 100 * p[1]["hi"] - y for y, p in zip(ys, points)]]
             ax.errorbar(xs, ys, yerr=err, label=method, capsize=2, **style(method))
         ax.set_xticks(range(len(budget_labels)), budget_labels)
         ax.set_xlabel("budget (% of the prompt)")
