@@ -39,29 +39,21 @@ def adopt_dtype(state: RowState, new_keys) -> RowState:
 
 
 def chunk_mass(state: RowState, new_keys: mx.array, queries, scale: float, split: bool = False,
-               cfg=None, mass_of=None) -> mx.array:
+               cfg=None, reducer: mass.Reducer | None = None) -> mx.array:
     """A chunk call's attention mass [R, n + S] (section 2) as matrix products, for a
     kernel to take instead of scoring the chunk itself (CamParams.prescored):
     camkv.mass.chunk_mass over the stored rows and the new ones.
 
-    queries [R, S, G, Dk] float32, or None for key scoring. split: keep float32 accuracy
-    on a matmul that rounds to TF32 (MLX's CUDA one), see camkv.mass.float32_product. cfg
-    (a CaMConfig; None scores causally with every query) with prefill_scoring="window":
-    only the chunk's last observation_window queries score it, their mass max-pooled.
-    mass_of(queries [R, s, G, Dk], keys, scale, n_before): a block's mass as
-    camkv.mass.attention_mass_causal computes it (the default), made another way.
+    queries [R, S, G, Dk] float32 (the kernels' layout), or None for key scoring. split:
+    keep float32 accuracy on a matmul that rounds to TF32 (MLX's CUDA one), see
+    camkv.mass.float32_product. cfg (a CaMConfig; None scores causally with every query)
+    with prefill_scoring="window": only the chunk's last observation_window queries score
+    it, their mass max-pooled. reducer: how a block's logits become mass (default: the
+    reference's arithmetic, split or not).
     """
     n = state.length
     keys = new_keys if n == 0 else mx.concatenate([state.keys, new_keys], axis=1)  # one dtype: adopt_dtype
     queries = new_keys[:, None] if queries is None else queries.transpose(0, 2, 1, 3)
-    if mass_of is None:
+    if reducer is None:
         reducer = mass.EXACT_SPLIT if split else mass.EXACT
-    else:
-        reducer = mass.EXACT._replace(name="given", block=_block_by(mass_of), takes_bias=False)
     return mass.chunk_mass(queries, keys, scale, n, cfg, new_keys.shape[1], reducer)
-
-
-def _block_by(mass_of):
-    def block(queries, keys, scale, n_before, width):
-        return mass_of(queries.astype(mx.float32).transpose(0, 2, 1, 3), keys, scale, n_before)
-    return block

@@ -13,6 +13,7 @@ import math
 
 import mlx.core as mx
 
+from .. import mass
 from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
@@ -41,15 +42,18 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _block_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int) -> mx.array:
-    """reference.attention_mass_causal's mass of a block of chunk queries [R, S, G, Dk]
-    over keys [R, N, Dk] (float32): the logits by one matrix product (BLAS), their softmax
-    rows summed down the columns by the extension in one pass."""
-    rows, s_len, groups, k_dim = queries.shape
-    q = queries.transpose(0, 2, 1, 3).reshape(rows, groups * s_len, k_dim)
-    logits = q @ keys.transpose(0, 2, 1)
-    return _ext.column_mass(logits, scale=scale, n_before=n_before, s_len=s_len, width=keys.shape[1],
-                            weight=1.0 / groups)
+def _block_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, width: int) -> mx.array:
+    """A block of chunk queries [R, G, t, Dk] over keys [R, visible, Dk] (float32): the
+    logits by one matrix product (BLAS), their softmax rows summed down the columns by the
+    extension in one pass."""
+    logits = mass.grouped_logits(queries, keys, mx.float32)
+    return _ext.column_mass(logits, scale=scale, n_before=n_before, s_len=queries.shape[2], width=keys.shape[1],
+                            weight=1.0 / queries.shape[1])
+
+
+# camkv.mass's reduction of a block by the extension (logits and temporaries as the
+# reference's arithmetic holds them).
+REDUCER = mass.EXACT._replace(name="ext-columns", block=_block_mass, takes_bias=False)
 
 
 def _on_cpu(stream) -> bool:
@@ -91,7 +95,7 @@ def update(
     prescored = None
     if cfg.prefill == "chunk" and new_keys.shape[1] > 1 and _on_cpu(stream):
         with mx.stream(mx.cpu):
-            prescored = chunk_mass(state, new_keys, queries, scale, cfg=cfg, mass_of=_block_mass)
+            prescored = chunk_mass(state, new_keys, queries, scale, cfg=cfg, reducer=REDUCER)
     keys, values, scores, positions, merges = _ext.update(
         state.keys,
         state.values,
