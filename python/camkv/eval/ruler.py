@@ -322,7 +322,8 @@ def niah(req: Request, spec: NiahSpec) -> dict:
     keys = []
     while len(keys) < max(spec.keys, spec.queries):
         key = random_value(rng, spec.key_type, req.words)
-        keys.append(key) if key not in keys else None
+        if key not in keys:
+            keys.append(key)
     values = [[random_value(rng, spec.value_type, req.words) for _ in range(spec.values)] for _ in keys]
     needles = [NEEDLE.format(kind=spec.value_type, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
     rng.shuffle(needles)
@@ -444,7 +445,8 @@ def _coded_text(rng_seed, total: int, vocab_size: int, alpha: float = 2.0):
     vocab: list[str] = []
     while len(vocab) < vocab_size:
         word = "".join(rng.choices(string.ascii_lowercase, k=6))
-        vocab.append(word) if word not in vocab else None
+        if word not in vocab:
+            vocab.append(word)
     vocab[0] = "..."
     zeta = math.pi ** 2 / 6 if alpha == 2.0 else sum(k ** -alpha for k in range(1, 100_000))
     words = [w for k, w in enumerate(vocab, start=1) for _ in range(int(total * k ** -alpha / zeta))]
