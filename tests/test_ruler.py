@@ -172,24 +172,24 @@ def test_snapkv_compresses_the_context_once_and_evicts_nothing_after(tiny):
     model, tok = tiny
     sample = _sample("niah_single_1", 1024, max_answer=6)
     budget, arm = 200, method_catalog()["snapkv"]
-    caches = make_cache(model, arm, budget, SETTINGS, context=len(sample.context),
-                        after_context=len(sample.question) + sample.answer_tokens)
-    try:
-        ruler.answer(model, caches, sample, 64, tok, question_by_steps=True)
-    finally:
-        release_cache(model, arm)
-    rows = 2 * len(caches)  # the tiny llama: 2 KV heads in each layer
-    assert _evictions(caches) == (len(sample.context) - budget) * rows
+    rows = 2  # the tiny llama: 2 KV heads in each layer
+
+    def answered(question_by_steps):
+        caches = make_cache(model, arm, budget, SETTINGS, context=len(sample.context),
+                            after_context=len(sample.question) + sample.answer_tokens)
+        try:
+            ruler.answer(model, caches, sample, 64, tok, question_by_steps=question_by_steps)
+        finally:
+            release_cache(model, arm)
+        return caches
+
+    caches = answered(question_by_steps=True)
+    assert _evictions(caches) == (len(sample.context) - budget) * rows * len(caches)
     assert all(c.size() == budget + len(sample.question) + sample.answer_tokens for c in caches)
     # The question as one block would be compressed with the first decode step: evictions
     # after the context, which kvpress never makes (why answer() feeds it step by step).
-    caches = make_cache(model, arm, budget, SETTINGS, context=len(sample.context),
-                        after_context=len(sample.question) + sample.answer_tokens)
-    try:
-        ruler.answer(model, caches, sample, 64, tok, question_by_steps=False)
-    finally:
-        release_cache(model, arm)
-    assert _evictions(caches) > (len(sample.context) - budget) * rows
+    caches = answered(question_by_steps=False)
+    assert _evictions(caches) > (len(sample.context) - budget) * rows * len(caches)
 
 
 def test_snapkv_refuses_what_it_cannot_run(tiny):

@@ -113,22 +113,27 @@ METHOD_GROUPS = {
 }
 
 
-def parse_methods(spec: str) -> list[Arm]:
-    catalog = method_catalog()
+def expand_names(spec: str, groups: dict[str, list[str]], known, flag: str, what: str) -> list[str]:
+    """The names a comma-separated flag value lists, each group replaced by its members,
+    in order and once each; a ValueError names an unknown item, the groups and names."""
     names: list[str] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
-        if item in METHOD_GROUPS:
-            names += METHOD_GROUPS[item]
-        elif item in catalog:
+        if item in groups:
+            names += groups[item]
+        elif item in known:
             names.append(item)
         else:
-            raise ValueError(
-                f"--methods: unknown method {item!r}; known: groups {sorted(METHOD_GROUPS)} "
-                f"or {', '.join(catalog)}"
-            )
+            raise ValueError(f"{flag}: unknown {what} {item!r}; known: groups {sorted(groups)} "
+                             f"or {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_methods(spec: str) -> list[Arm]:
+    catalog = method_catalog()
+    names = expand_names(spec, METHOD_GROUPS, catalog, "--methods", "method")
     if "full" not in names:
         names.insert(0, "full")  # every metric is measured against it
-    return [catalog[n] for n in dict.fromkeys(names)]
+    return [catalog[n] for n in names]
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import texts
-from .arms import cache_stats, make_cache, parse_arm_spec, parse_methods, release_cache
+from .arms import cache_stats, expand_names, make_cache, parse_arm_spec, parse_methods, release_cache
 from .budgets import budgets_for
 from .passkey import _sentence_end_at_or_after, prefill_last_logits
 
@@ -524,18 +524,10 @@ def check_sample(sample: RulerSample, tokenizer) -> None:
 
 
 def parse_tasks(spec: str) -> list[str]:
-    names: list[str] = []
-    for item in (s.strip() for s in spec.split(",") if s.strip()):
-        if item in TASK_GROUPS:
-            names += TASK_GROUPS[item]
-        elif item in TASK_NAMES:
-            names.append(item)
-        else:
-            raise ValueError(f"--ruler-tasks: unknown task {item!r}; known: groups "
-                             f"{sorted(TASK_GROUPS)} or {', '.join(TASK_NAMES)}")
+    names = expand_names(spec, TASK_GROUPS, TASK_NAMES, "--ruler-tasks", "task")
     if not names:
         raise ValueError("--ruler-tasks is empty")
-    return list(dict.fromkeys(names))
+    return names
 
 
 class Planner:
