@@ -40,19 +40,19 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 from importlib import metadata
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 import camkv
 from camkv.distributed import gather_kv_bytes, kv_bytes
+from camkv.models import RANDOM_LLAMAS, random_llama_of_shape
 
-LLAMA_3_8B = "4096,32,32,8,14336,128256"  # hidden, layers, heads, KV heads, intermediate, vocab
+LLAMA_3_8B = ",".join(map(str, RANDOM_LLAMAS["random-8b"]))  # hidden, layers, heads, KV heads, intermediate, vocab
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 BACKENDS = ("nccl", "ring")
 ARMS = ("camkv", "full", "rotating")
@@ -170,18 +170,7 @@ def check_args(args: argparse.Namespace) -> Shape:
 
 
 def random_llama(shape: Shape, dtype, seed: int):
-    """A llama of random weights in llama-3's layout (RoPE base 500000, untied head)."""
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-        intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads, rms_norm_eps=1e-5, vocab_size=shape.vocab,
-        rope_theta=500000.0, tie_word_embeddings=False,
-    )
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
+    return random_llama_of_shape(astuple(shape), dtype, seed)
 
 
 def forced_config(budget: int, scoring: str) -> camkv.CaMConfig:

@@ -632,12 +632,18 @@ def random_llama(name: str, dtype=None, seed: int = 0):
 
     dtype None: float32 on the CPU (far faster there), bfloat16 on a GPU.
     """
+    return random_llama_of_shape(RANDOM_LLAMAS[name], dtype, seed)
+
+
+def random_llama_of_shape(shape: tuple[int, int, int, int, int, int], dtype=None, seed: int = 0):
+    """A llama of random weights in llama-3's layout (RoPE base 500000, untied head) of
+    shape (hidden, layers, heads, kv_heads, intermediate, vocab); dtype as random_llama's."""
     import mlx.core as mx
     from mlx_lm.models import llama
 
     if dtype is None:
         dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
-    hidden, layers, heads, kv_heads, inter, vocab = RANDOM_LLAMAS[name]
+    hidden, layers, heads, kv_heads, inter, vocab = shape
     args = llama.ModelArgs(
         model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=inter,
         num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
