@@ -1,4 +1,4 @@
-"""camkv: a bounded-memory KV cache for mlx-lm that merges evicted tokens (CaM)."""
+"""camkv: a bounded-memory KV cache for mlx-lm: evicts the tokens its queries attend to least (H2O), or merges them into the survivors (CaM)."""
 
 from .batch import BatchCaMKVCache  # also lets CaMKVCache.merge build batches
 from .cache import CaMKVCache, QueryScoringWarning, VotesWarning
