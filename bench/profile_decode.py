@@ -15,7 +15,7 @@ of build + evaluation, medians over --repeats steps.
   update         the backend's update() on prepared rows (no cache bookkeeping)
   kernel         (GPU backends) the bare kernel launch, parameters prepared once
   kernel+params  the bare kernel launch with its parameter block made per call
-  kernel+table   the bare kernel launch with its block a row of jit.params_for's table
+  kernel+table   the bare kernel launch with its block a row of params.params_for's table
   queries_cast   the queries' cast to float32
   nothing        an empty evaluation (the floor)
 
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import add_layer_shape_args, random_state, save_result  # noqa: E402
 
 from camkv import CaMConfig, CaMKVCache, backends  # noqa: E402
-from camkv.backends import jit  # noqa: E402
+from camkv.backends import jit, params  # noqa: E402
 from camkv.rows import RowState  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
@@ -165,12 +165,12 @@ def _filled_caches(cfg, opts, token, scale) -> list:
 def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> dict:
     """The bare launch, with the parameter block made once or per call."""
     rows, n, D = states[0].keys.shape
-    strides = jit.scratch_strides(False, n, 1, n, D, D)
+    strides = params.scratch_strides(False, n, 1, n, D, D)
 
-    def params():
-        return jit.pack_params(cfg, rows, n, 1, D, D, opts.groups, n, opts.budget, float(scale), False, strides)
+    def fresh_block():
+        return params.pack_params(cfg, rows, n, 1, D, D, opts.groups, n, opts.budget, float(scale), False, strides)
 
-    fixed = params()
+    fixed = fresh_block()
     placeholder = jit._placeholder()  # noqa: SLF001
     mx.eval(q32, fixed)
 
@@ -184,10 +184,10 @@ def _kernel_parts(opts, cfg, target, states, step_keys, q32, row_ids, scale) -> 
         return out
 
     def table_row():
-        return jit.params_for(cfg, rows, n, 1, D, D, opts.groups, n, opts.budget, float(scale), False, strides)
+        return params.params_for(cfg, rows, n, 1, D, D, opts.groups, n, opts.budget, float(scale), False, strides)
 
     return {"kernel": _timed(lambda: launch(fixed), opts.repeats),
-            "kernel+params": _timed(lambda: launch(params()), opts.repeats),
+            "kernel+params": _timed(lambda: launch(fresh_block()), opts.repeats),
             "kernel+table": _timed(lambda: launch(table_row()), opts.repeats)}
 
 

@@ -21,13 +21,11 @@ namespace {
 std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array> update_py(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
-    const std::optional<mx::array>& queries, int offset, float scale, int budget, int n_sink, int recent,
-    int window, int merge, bool merge_keys, bool gate, bool chunk, uint32_t seed, bool recency,
-    int observation_window, int pool, const std::optional<mx::array>& chunk_mass, mx::StreamOrDevice stream) {
-  camkv::UpdateOptions options{budget, n_sink, recent, window, merge, merge_keys, gate, chunk, seed,
-                               recency, observation_window, pool};
+    const std::optional<mx::array>& queries, const nb::bytes& params, const std::optional<mx::array>& chunk_mass,
+    mx::StreamOrDevice stream) {
   std::vector<mx::array> out = camkv::update(keys, values, scores, positions, new_keys, new_values, row_ids,
-                                             queries, offset, scale, options, chunk_mass, stream);
+                                             queries, std::string(params.c_str(), params.size()), chunk_mass,
+                                             stream);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 
@@ -69,18 +67,17 @@ NB_MODULE(_ext, m) {
         "struct CamParams field by field: (name, byte offset, byte size), in declaration order.");
   m.attr("PARAMS_SIZE") = sizeof(CamParams);
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
-        "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "offset"_a, "scale"_a, "budget"_a, "n_sink"_a,
-        "recent"_a, "window"_a, "merge"_a, "merge_keys"_a, "gate"_a, "chunk"_a, "seed"_a,
-        "recency"_a = false, "observation_window"_a = 0, "pool"_a = 1, "chunk_mass"_a = nb::none(),
+        "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "params"_a, "chunk_mass"_a = nb::none(),
         "stream"_a = nb::none(),
         R"(Absorb S new tokens per row: score, evict, merge and compact in one launch.
 
 Returns (keys, values, scores, positions, merges); merge is an index into MERGE_CODES.
-recency: evict the oldest candidate first instead of the lowest score. observation_window:
-a chunk's last queries that score it (0: every query); pool: the odd width of the
-max-pooling of its mass (1: none). chunk_mass: a chunk call's mass [R, n + S] float32,
-already pooled and divided by G (column_mass), instead of the kernel's own scoring (CPU).
-Raises ValueError naming any argument with a bad shape, dtype or value.)");
+params: struct CamParams as bytes, PARAMS_SIZE of them (camkv.backends.params.pack_words,
+the block the GPU kernels take as int32 words); its shape, scoring and stride fields must
+agree with the arrays, and in_place is set when the call runs. chunk_mass: a chunk call's
+mass [R, n + S] float32, already pooled and divided by G (column_mass), instead of the
+kernel's own scoring (CPU). Raises ValueError naming any argument with a bad shape, dtype
+or size, or a field the arrays contradict.)");
   m.def("column_mass", &camkv::column_mass, "logits"_a, nb::kw_only(), "scale"_a, "n_before"_a, "s_len"_a,
         "width"_a, "weight"_a, "stream"_a = nb::none(),
         R"(Softmax weights of each query row of logits [R, M, N] float32 (row m is chunk token

@@ -69,15 +69,6 @@ std::string shape_str(const mx::array& a) {
 
 [[noreturn]] void bad(const std::string& message) { throw std::invalid_argument(message); }
 
-// "0 (sim_weighted), 1 (mean), ...": the rules of camkv_merges.h.
-std::string merge_codes_text() {
-  std::ostringstream out;
-#define CAMKV_RULE_TEXT(name, code, kind, blends, keys, weight) out << (code ? ", " : "") << code << " (" #name ")";
-  CAMKV_MERGE_RULES(CAMKV_RULE_TEXT)
-#undef CAMKV_RULE_TEXT
-  return out.str();
-}
-
 void check_ndim(const char* name, const mx::array& a, int ndim, const char* layout) {
   if (a.ndim() != ndim) {
     bad(std::string(name) + " must be " + layout + ", got shape " + shape_str(a));
@@ -118,24 +109,24 @@ void check_storage_dtype(const mx::array& keys) {
   }
 }
 
-void check_options(const UpdateOptions& o, int n) {
-  if (o.budget < 1 || o.n_sink < 0 || o.recent < 1 || o.window < 1 || o.n_sink + o.recent >= o.budget) {
+// The parameter block from its bytes, refused unless it is a whole CamParams.
+CamParams read_params(const std::string& bytes) {
+  if (bytes.size() != sizeof(CamParams)) {
     std::ostringstream out;
-    out << "invalid cache options: budget=" << o.budget << ", n_sink=" << o.n_sink << ", recent=" << o.recent
-        << ", window=" << o.window << " (need budget > n_sink + recent, n_sink >= 0, recent >= 1, window >= 1)";
+    out << "params must be struct CamParams's " << sizeof(CamParams) / 4 << " int32 words (" << sizeof(CamParams)
+        << " bytes, camkv.backends.params.pack_words), got " << bytes.size() << " bytes";
     bad(out.str());
   }
-  if (o.observation_window < 0 || o.pool < 1 || o.pool % 2 == 0) {
-    std::ostringstream out;
-    out << "invalid chunk scoring options: observation_window=" << o.observation_window << ", pool=" << o.pool
-        << " (need observation_window >= 0, 0 for every query, and an odd pool >= 1)";
-    bad(out.str());
-  }
-  if (camkv_merge_rule(o.merge).kind < 0) {
-    bad("merge code " + std::to_string(o.merge) + " is not one of " + merge_codes_text());
-  }
-  if (n > o.budget) {
-    bad("the state holds n=" + std::to_string(n) + " tokens, more than budget=" + std::to_string(o.budget));
+  CamParams p;
+  std::memcpy(&p, bytes.data(), sizeof(CamParams));
+  return p;
+}
+
+// A field the arrays determine must say what they say: the core indexes by it.
+void check_field(const char* name, int packed, int from_arrays) {
+  if (packed != from_arrays) {
+    bad(std::string("params.") + name + " = " + std::to_string(packed) + " but the arrays give " +
+        std::to_string(from_arrays));
   }
 }
 
@@ -144,8 +135,9 @@ void check_options(const UpdateOptions& o, int n) {
 std::vector<mx::array> update(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
-    const std::optional<mx::array>& queries, int offset, float scale, const UpdateOptions& options,
+    const std::optional<mx::array>& queries, const std::string& params,
     const std::optional<mx::array>& chunk_mass, mx::StreamOrDevice s) {
+  CamParams p = read_params(params);
   check_ndim("keys", keys, 3, "[R, n, Dk]");
   check_ndim("values", values, 3, "[R, n, Dv]");
   check_ndim("scores", scores, 2, "[R, n]");
@@ -177,9 +169,9 @@ std::vector<mx::array> update(
   check_dim("new_values", new_values, 1, s_len, "tokens");
   check_dim("new_values", new_values, 2, v_dim, "value features");
   check_dim("row_ids", row_ids, 0, rows, "rows");
-  check_options(options, n);
-  if (offset < 0) {
-    bad("offset must be >= 0, got " + std::to_string(offset));
+  if (p.budget < 1 || n > p.budget) {  // the outputs' n_out = min(n + S, budget) rows
+    bad("the state holds n=" + std::to_string(n) + " tokens; need 1 <= n <= budget, got budget=" +
+        std::to_string(p.budget));
   }
 
   bool key_scoring = !queries.has_value();
@@ -201,9 +193,9 @@ std::vector<mx::array> update(
   bool prescored = chunk_mass.has_value();
   mx::array mass_block = mx::array(0.0f);  // a placeholder the kernel never reads
   if (prescored) {
-    if (!camkv_runs_chunk(options.chunk ? 1 : 0, s_len)) {
-      bad("chunk_mass is a chunk call's mass (chunk=True and S > 1), got chunk=" +
-          std::to_string((int)options.chunk) + " and S=" + std::to_string(s_len));
+    if (!camkv_runs_chunk(p.chunk, s_len)) {
+      bad("chunk_mass is a chunk call's mass (chunk=1 and S > 1), got chunk=" + std::to_string(p.chunk) +
+          " and S=" + std::to_string(s_len));
     }
     const mx::array& m = *chunk_mass;
     check_ndim("chunk_mass", m, 2, "[R, n + S]");
@@ -212,31 +204,37 @@ std::vector<mx::array> update(
     check_dim("chunk_mass", m, 1, n + s_len, "tokens");
     mass_block = m;
   }
-  int n_out = std::min(n + s_len, options.budget);
-  int chunk = options.chunk ? 1 : 0;
-  int f32_stride = camkv_f32_stride(chunk, n, s_len, n_out, k_dim);
-  int i32_stride = camkv_i32_stride(chunk, n, s_len, n_out);
-  int store_stride = camkv_store_stride(chunk, n, s_len, n_out, k_dim, v_dim);
-  (void)groups;
+  int n_out = std::min(n + s_len, p.budget);
+  int f32_stride = camkv_f32_stride(p.chunk, n, s_len, n_out, k_dim);
+  int i32_stride = camkv_i32_stride(p.chunk, n, s_len, n_out);
+  int store_stride = camkv_store_stride(p.chunk, n, s_len, n_out, k_dim, v_dim);
+  check_field("rows", p.rows, rows);
+  check_field("n", p.n, n);
+  check_field("S", p.S, s_len);
+  check_field("Dk", p.Dk, k_dim);
+  check_field("Dv", p.Dv, v_dim);
+  check_field("G", p.G, groups);
+  check_field("n_out", p.n_out, n_out);
+  check_field("key_scoring", p.key_scoring, key_scoring ? 1 : 0);
+  check_field("prescored", p.prescored, prescored ? 1 : 0);
+  check_field("f32_stride", p.f32_stride, f32_stride);
+  check_field("i32_stride", p.i32_stride, i32_stride);
+  check_field("store_stride", p.store_stride, store_stride);
+  p.in_place = 0;  // known when the call runs (eval_cpu)
+  std::vector<int32_t> words(sizeof(CamParams) / 4);
+  std::memcpy(words.data(), &p, sizeof(CamParams));
 
   auto stream = mx::to_stream(s);
   return mx::array::make_arrays(
       {{rows, n_out, k_dim}, {rows, n_out, v_dim}, {rows, n_out}, {rows, n_out}, {rows},
        {rows, f32_stride}, {rows, i32_stride}, {rows, store_stride}},
       {keys.dtype(), keys.dtype(), mx::float32, mx::int32, mx::int32, mx::float32, mx::int32, keys.dtype()},
-      std::make_shared<CamUpdate>(stream, options, offset, scale, key_scoring, prescored),
+      std::make_shared<CamUpdate>(stream, std::move(words)),
       {keys, values, scores, positions, new_keys, new_values, query_block, row_ids, mass_block});
 }
 
 bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
-  const CamUpdate& o = static_cast<const CamUpdate&>(other);
-  const UpdateOptions& a = options_;
-  const UpdateOptions& b = o.options_;
-  return a.budget == b.budget && a.n_sink == b.n_sink && a.recent == b.recent && a.window == b.window &&
-         a.merge == b.merge && a.merge_keys == b.merge_keys && a.gate == b.gate && a.chunk == b.chunk &&
-         a.seed == b.seed && a.recency == b.recency && a.observation_window == b.observation_window &&
-         a.pool == b.pool && offset_ == o.offset_ && scale_ == o.scale_ && key_scoring_ == o.key_scoring_ &&
-         prescored_ == o.prescored_;
+  return words_ == static_cast<const CamUpdate&>(other).words_;
 }
 
 // ----------------------------------------------------------------------------
@@ -248,40 +246,6 @@ namespace {
 // a prescored call).
 enum Input { IN_KEYS, IN_VALUES, IN_SCORES, IN_POSITIONS, NEW_KEYS, NEW_VALUES, QUERIES, ROW_IDS, CHUNK_MASS };
 enum Output { OUT_KEYS, OUT_VALUES, OUT_SCORES, OUT_POSITIONS, MERGES, SCRATCH_F32, SCRATCH_I32, SCRATCH_STORE };
-
-CamParams make_params(const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs,
-                      const UpdateOptions& o, int offset, float scale, bool key_scoring, bool in_place,
-                      bool prescored) {
-  CamParams p;
-  p.rows = inputs[IN_KEYS].shape(0);
-  p.n = inputs[IN_KEYS].shape(1);
-  p.S = inputs[NEW_KEYS].shape(1);
-  p.Dk = inputs[IN_KEYS].shape(2);
-  p.Dv = inputs[IN_VALUES].shape(2);
-  p.G = key_scoring ? 1 : inputs[QUERIES].shape(2);
-  p.n_out = outputs[OUT_KEYS].shape(1);
-  p.budget = o.budget;
-  p.n_sink = o.n_sink;
-  p.recent = o.recent;
-  p.window = o.window;
-  p.merge = o.merge;
-  p.merge_keys = o.merge_keys ? 1 : 0;
-  p.gate = o.gate ? 1 : 0;
-  p.chunk = o.chunk ? 1 : 0;
-  p.key_scoring = key_scoring ? 1 : 0;
-  p.in_place = in_place ? 1 : 0;
-  p.offset = offset;
-  p.prescored = prescored ? 1 : 0;
-  p.seed = o.seed;
-  p.scale = scale;
-  p.f32_stride = outputs[SCRATCH_F32].shape(1);
-  p.i32_stride = outputs[SCRATCH_I32].shape(1);
-  p.store_stride = outputs[SCRATCH_STORE].shape(1);
-  p.recency = o.recency ? 1 : 0;
-  p.observe = o.observation_window > 0 && o.observation_window < p.S ? o.observation_window : p.S;
-  p.pool = o.pool;
-  return p;
-}
 
 // Every output of a multi-output primitive holds its own copy of the input list,
 // so while the siblings keep theirs no input is ever is_donatable(). MLX drops
@@ -305,11 +269,8 @@ void release_sibling_inputs(const std::vector<mx::array>& inputs, std::vector<mx
 // The exact path can work inside the stored buffers when the row count does not
 // change and nothing else holds them: a full decode step then reads the stored
 // keys and writes little, instead of copying the whole state.
-bool can_update_in_place(const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs,
-                         const UpdateOptions& o) {
-  int n = inputs[IN_KEYS].shape(1);
-  int s_len = inputs[NEW_KEYS].shape(1);
-  if (camkv_runs_chunk(o.chunk ? 1 : 0, s_len) || outputs[OUT_KEYS].shape(1) != n || n == 0) {
+bool can_update_in_place(const std::vector<mx::array>& inputs, const CamParams& p) {
+  if (camkv_runs_chunk(p.chunk, p.S) || p.n_out != p.n || p.n == 0) {
     return false;
   }
   for (int i = IN_KEYS; i <= IN_POSITIONS; ++i) {
@@ -487,9 +448,10 @@ void dispatch_cpu(const CamParams& p, const std::vector<const void*>& in, std::v
 
 void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   release_sibling_inputs(inputs, outputs);
-  bool in_place = can_update_in_place(inputs, outputs, options_);
-  allocate_outputs(inputs, outputs, in_place);
-  CamParams params = make_params(inputs, outputs, options_, offset_, scale_, key_scoring_, in_place, prescored_);
+  CamParams params;
+  std::memcpy(&params, words_.data(), sizeof(CamParams));
+  params.in_place = can_update_in_place(inputs, params) ? 1 : 0;
+  allocate_outputs(inputs, outputs, params.in_place != 0);
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);

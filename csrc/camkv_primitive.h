@@ -2,7 +2,9 @@
 
 #pragma once
 
+#include <cstdint>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "mlx/array.h"
@@ -13,27 +15,13 @@ namespace camkv {
 
 namespace mx = mlx::core;
 
-// The knobs of CaMConfig the kernel reads (merge is a rule's code in camkv_merges.h).
-struct UpdateOptions {
-  int budget;
-  int n_sink;
-  int recent;
-  int window;
-  int merge;
-  bool merge_keys;
-  bool gate;
-  bool chunk;
-  uint32_t seed;
-  bool recency = false;        // eviction "recency": the oldest candidate goes first
-  int observation_window = 0;  // a chunk's last queries that score it; 0: every query
-  int pool = 1;                // max-pooling width of a chunk's mass (odd; 1: none)
-};
-
+// The kernel core's struct CamParams travels as its int32 words (camkv_core.h is
+// compiled under a prelude, so this header does not include it): packed once by
+// camkv.backends.params, checked against the arrays by update(), copied into the
+// struct when the call runs.
 class CamUpdate : public mx::Primitive {
  public:
-  CamUpdate(mx::Stream stream, UpdateOptions options, int offset, float scale, bool key_scoring, bool prescored)
-      : mx::Primitive(stream), options_(options), offset_(offset), scale_(scale), key_scoring_(key_scoring),
-        prescored_(prescored) {}
+  CamUpdate(mx::Stream stream, std::vector<int32_t> words) : mx::Primitive(stream), words_(std::move(words)) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
@@ -42,11 +30,7 @@ class CamUpdate : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
  private:
-  UpdateOptions options_;
-  int offset_;
-  float scale_;
-  bool key_scoring_;
-  bool prescored_;  // a chunk's mass comes as an input (chunk_mass), not scored by the kernel
+  std::vector<int32_t> words_;  // in_place 0: set when the call runs
 };
 
 // Softmax weights of each query row of logits, summed down each column (section 2's
@@ -69,12 +53,13 @@ class CamColumnMass : public mx::Primitive {
   float weight_;
 };
 
-// Outputs: keys, values, scores, positions, merges [R] int32 (then the scratch
-// buffers the kernel used, which callers drop).
+// params: struct CamParams's bytes (sizeof(CamParams)); its shape, scoring and stride
+// fields must agree with the arrays. Outputs: keys, values, scores, positions, merges
+// [R] int32 (then the scratch buffers the kernel used, which callers drop).
 std::vector<mx::array> update(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
-    const std::optional<mx::array>& queries, int offset, float scale, const UpdateOptions& options,
+    const std::optional<mx::array>& queries, const std::string& params,
     const std::optional<mx::array>& chunk_mass = std::nullopt, mx::StreamOrDevice s = {});
 
 // logits [R, M, N] float32, M = G x S query rows (row m is chunk token m mod S, which

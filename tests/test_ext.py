@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
+import struct
 import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from camkv import CaMConfig, CaMKVCache, backends, merges, reference
-from camkv.backends import ext
+from camkv import CaMConfig, CaMKVCache, backends, reference
+from camkv.backends import ext, params
 from camkv.rows import RowState
 
 pytestmark = pytest.mark.skipif(ext.unavailable_reason() is not None, reason=str(ext.unavailable_reason()))
@@ -27,13 +28,17 @@ def _full_state(rows, n, k_dim, v_dim, dtype, seed=0):
     return state
 
 
-def _call(state, new_keys, new_values, **overrides):
-    args = dict(offset=state.length, scale=0.25, budget=8, n_sink=1, recent=2, window=2, merge=0,
-                merge_keys=False, gate=True, chunk=True, seed=0)
-    args.update(overrides)
+_CFG = CaMConfig(budget=8, n_sink=1, recent=2, window=2, merge="sim_weighted", gate=True, prefill="chunk", seed=0)
+
+
+def _call(state, new_keys, new_values, cfg=_CFG, offset=None, scale=0.25, params=None, chunk_mass=None):
+    """_ext.update with the parameter block ext.update would pack (or the given one)."""
+    offset = state.length if offset is None else offset
+    if params is None:
+        params = ext.call_params(state, new_keys, new_values, offset, cfg, None, scale, chunk_mass is not None)
     rows = state.keys.shape[0]
     return ext._ext.update(state.keys, state.values, state.scores, state.positions, new_keys, new_values,
-                           mx.arange(rows).astype(mx.uint32), **args)
+                           mx.arange(rows).astype(mx.uint32), params=params, chunk_mass=chunk_mass)
 
 
 def test_extension_runs_on_mx_arrays_and_matches_reference():
@@ -93,35 +98,75 @@ def test_donated_state_is_updated_in_place_and_matches_a_copy():
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
+def _words(state, new_keys, **fields) -> bytes:
+    """The block ext.update packs for a decode step on state, with fields replaced."""
+    words = bytearray(ext.call_params(state, new_keys, new_keys, state.length, _CFG, None, 0.25, False))
+    for name, value in fields.items():
+        index = [field for field, _ in params.PARAM_FIELDS].index(name)
+        words[4 * index: 4 * index + 4] = struct.pack("<i", value)
+    return bytes(words)
+
+
 @pytest.mark.parametrize(
-    "change, message",
+    "fields, message",
     [
-        (dict(merge=len(merges.RULES) + 1), f"merge code {len(merges.RULES) + 1}"),
-        (dict(merge=len(merges.RULES)), f"merge code {len(merges.RULES)} is not one of 0 \\(sim_weighted\\)"),
-        (dict(merge=-1), "merge code -1"),
-        (dict(budget=3), "budget=3"),
-        (dict(offset=-1), "offset must be >= 0"),
-        (dict(pool=4), "pool=4 .*an odd pool >= 1"),
-        (dict(observation_window=-1), "observation_window=-1"),
+        (dict(n=3), "params.n = 3 but the arrays give 4"),
+        (dict(Dk=4), "params.Dk = 4 but the arrays give 8"),
+        (dict(G=2), "params.G = 2 but the arrays give 1"),
+        (dict(n_out=4), "params.n_out = 4 but the arrays give 5"),
+        (dict(key_scoring=0), "params.key_scoring = 0 but the arrays give 1"),
+        (dict(prescored=1), "params.prescored = 1 but the arrays give 0"),
+        (dict(f32_stride=1), "params.f32_stride = 1 but the arrays give"),
+        (dict(store_stride=0), "params.store_stride = 0 but the arrays give 16"),
+        (dict(budget=3), "the state holds n=4 tokens; need 1 <= n <= budget, got budget=3"),
+        (dict(budget=0), "got budget=0"),
     ],
 )
-def test_bad_options_raise_value_error(change, message):
+def test_a_block_the_arrays_contradict_raises_value_error(fields, message):
     state = _full_state(2, 4, 8, 8, mx.float32)
     keys = mx.zeros((2, 1, 8))
     with pytest.raises(ValueError, match=message):
-        _call(state, keys, keys, **change)
+        _call(state, keys, keys, params=_words(state, keys, **fields))
+
+
+@pytest.mark.parametrize("size", [0, 4 * params.WORDS - 4, 4 * params.WORDS + 4])
+def test_a_block_of_the_wrong_size_raises_value_error(size):
+    state = _full_state(2, 4, 8, 8, mx.float32)
+    keys = mx.zeros((2, 1, 8))
+    assert ext._ext.PARAMS_SIZE == 4 * params.WORDS
+    with pytest.raises(ValueError, match=f"params must be struct CamParams's {params.WORDS} int32 words "
+                                         rf"\({4 * params.WORDS} bytes, .*got {size} bytes"):
+        _call(state, keys, keys, params=bytes(size))
+
+
+def test_compile_merges_no_two_calls_whose_blocks_differ():
+    """The primitive's equivalence compares the words: mx.compile may merge two calls on
+    the same inputs only when every field agrees (here the offset, the one field a
+    decode step changes)."""
+    state = _full_state(2, 4, 8, 8, mx.float32)
+    keys = mx.random.normal((2, 1, 8), key=mx.random.key(7))
+    cfg = CaMConfig(budget=4, n_sink=1, recent=2, prefill="exact")
+
+    row_ids = mx.arange(2).astype(mx.uint32)  # the same inputs in both calls, so only the blocks differ
+
+    def step(offset):
+        block = ext.call_params(state, keys, keys, offset, cfg, None, 0.25, False)
+        return ext._ext.update(*state.arrays(), keys, keys, row_ids, params=block)[3]
+
+    apart = mx.compile(lambda: mx.stack([step(9), step(10)]))()
+    assert np.array(apart[0]).max() == 9 and np.array(apart[1]).max() == 10
 
 
 def test_bad_shapes_and_dtypes_raise_value_error():
     state = _full_state(2, 4, 8, 8, mx.float32)
     with pytest.raises(ValueError, match="new_keys has 5 key features"):
-        _call(state, mx.zeros((2, 1, 5)), mx.zeros((2, 1, 8)))
+        _call(state, mx.zeros((2, 1, 5)), mx.zeros((2, 1, 8)), params=_words(state, mx.zeros((2, 1, 8))))
     with pytest.raises(ValueError, match="new_values must have dtype equal to the keys' dtype"):
         _call(state, mx.zeros((2, 1, 8)), mx.zeros((2, 1, 8), mx.float16))
     with pytest.raises(ValueError, match="scores must be"):
         ext._ext.update(state.keys, state.values, state.scores[0], state.positions, mx.zeros((2, 1, 8)),
-                        mx.zeros((2, 1, 8)), mx.arange(2).astype(mx.uint32), offset=4, scale=1.0, budget=8,
-                        n_sink=1, recent=2, window=2, merge=0, merge_keys=False, gate=True, chunk=True, seed=0)
+                        mx.zeros((2, 1, 8)), mx.arange(2).astype(mx.uint32),
+                        params=_words(state, mx.zeros((2, 1, 8))))
 
 
 def test_head_dimension_above_256_is_a_clear_error():
@@ -210,14 +255,15 @@ def test_a_given_chunk_mass_replaces_the_kernels_scoring_and_is_checked():
     state = _full_state(2, 8, 4, 3, mx.float32)
     new_keys = mx.random.normal((2, 5, 4), key=mx.random.key(1))
     new_values = mx.random.normal((2, 5, 3), key=mx.random.key(2))
-    own = _call(state, new_keys, new_values, merge=merges.code("drop"), budget=13)
+    drop = _CFG.replace(merge="drop", budget=13)
+    own = _call(state, new_keys, new_values, cfg=drop)
     mass = reference.attention_mass_causal(new_keys[:, :, None, :].astype(mx.float32),
                                            mx.concatenate([state.keys, new_keys], axis=1), 0.25, 8)
-    given = _call(state, new_keys, new_values, merge=merges.code("drop"), budget=13, chunk_mass=mass)
+    given = _call(state, new_keys, new_values, cfg=drop, chunk_mass=mass)
     np.testing.assert_allclose(np.array(given[2]), np.array(own[2]), rtol=1e-5, atol=1e-6)
-    doubled = _call(state, new_keys, new_values, merge=merges.code("drop"), budget=13, chunk_mass=2 * mass)
+    doubled = _call(state, new_keys, new_values, cfg=drop, chunk_mass=2 * mass)
     np.testing.assert_allclose(np.array(doubled[2]) - np.array(given[2]), np.array(mass), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"chunk_mass has 12 tokens \(axis 1\) but 13"):
         _call(state, new_keys, new_values, chunk_mass=mass[:, :12])
     with pytest.raises(ValueError, match="chunk_mass is a chunk call's mass"):
-        _call(state, new_keys, new_values, chunk=False, chunk_mass=mass)
+        _call(state, new_keys, new_values, cfg=_CFG.replace(prefill="exact"), chunk_mass=mass)

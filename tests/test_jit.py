@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from camkv import CaMConfig
-from camkv.backends import jit
+from camkv.backends import jit, params
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -98,26 +98,26 @@ def test_scratch_sizes_equal_the_cores(chunk, n, s_len, budget, k_dim, v_dim):
     ext = pytest.importorskip("camkv._ext")
     n = min(n, budget)
     n_out = min(n + s_len, budget)
-    assert jit.scratch_strides(chunk, n, s_len, n_out, k_dim, v_dim) == tuple(
+    assert params.scratch_strides(chunk, n, s_len, n_out, k_dim, v_dim) == tuple(
         ext.scratch_strides(chunk, n, s_len, n_out, k_dim, v_dim))
 
 
 def test_the_parameter_fields_are_the_compiled_structs():
-    """jit.PARAM_FIELDS lays out struct CamParams as the compiler does: same names,
+    """params.PARAM_FIELDS lays out struct CamParams as the compiler does: same names,
     order, offsets and size (camkv._ext reports the struct from CAMKV_PARAM_FIELDS)."""
     ext = pytest.importorskip("camkv._ext")
     packed, offset = [], 0
-    for name, code in jit.PARAM_FIELDS:
+    for name, code in params.PARAM_FIELDS:
         packed.append((name, offset, struct.calcsize("<" + code)))
         offset += packed[-1][2]
     assert packed == [tuple(field) for field in ext.params_layout()]
-    assert struct.calcsize(jit.PARAM_FORMAT) == ext.PARAMS_SIZE
+    assert struct.calcsize(params.PARAM_FORMAT) == ext.PARAMS_SIZE
 
 
 def test_parameters_pack_in_the_cores_field_order():
     cfg = CaMConfig(budget=64, n_sink=3, recent=5, merge="window", window=2, gate=False, seed=2**32 - 2,
                     prefill="exact", eviction="recency")
-    words = jit.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9), True).tolist()
+    words = params.pack_params(cfg, 6, 10, 1, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9), True).tolist()
     assert len(words) == 27  # sizeof(CamParams) / 4
     assert words[:19] == [6, 10, 1, 32, 16, 2, 11, 64, 3, 5, 2, 2, 0, 0, 0, 0, 0, 77, 1]
     assert struct.unpack("<I", struct.pack("<i", words[19]))[0] == 2**32 - 2
@@ -128,20 +128,28 @@ def test_parameters_pack_in_the_cores_field_order():
 def test_window_scoring_packs_the_chunks_observed_queries_and_pool():
     cfg = CaMConfig(budget=64, prefill_scoring="window", observation_window=4, pool=5)
     for s_len, observed in ((10, 4), (3, 3), (1, 1)):
-        words = jit.pack_params(cfg, 6, 10, s_len, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9)).tolist()
+        words = params.pack_params(cfg, 6, 10, s_len, 32, 16, 2, 11, 77, 0.125, False, (7, 8, 9)).tolist()
         assert words[2] == s_len and words[24:] == [0, observed, 5]
 
 
-def test_a_decode_steps_parameters_are_a_row_of_a_shared_table():
+def test_a_decode_steps_parameters_are_an_entry_of_a_shared_table():
     cfg = CaMConfig(budget=64, seed=5)
     args = (cfg, 4, 64, 1, 32, 32, 2, 64)
     tail = (0.25, False, (1, 2, 3))
-    jit._tables.clear()
-    for offset in (100, 101, 100 + jit.OFFSETS_PER_TABLE - 1, 100 + jit.OFFSETS_PER_TABLE, 40):
-        row = jit.params_for(*args, offset, *tail)
-        assert row.tolist() == jit.pack_params(*args, offset, *tail).tolist(), offset
-    # Two tables made (offsets 100.. and 164..), then one more for 40: the newest per key.
-    assert len(jit._tables) == 1 and next(iter(jit._tables.values()))[0] == 40
+    params._tables.clear()
+    for offset in (100, 101, 100 + params.OFFSETS_PER_TABLE - 1, 100 + params.OFFSETS_PER_TABLE, 40):
+        row = params.params_for(*args, offset, *tail)
+        assert row.tolist() == params.pack_params(*args, offset, *tail).tolist(), offset
+        strides = params.scratch_strides(True, 64, 1, 64, 32, 32)
+        assert params.decode_words(cfg, 4, 64, 32, 32, 2, offset, 0.25, False) == params.pack_words(
+            *args, offset, 0.25, False, strides), offset
+    # Two tables of each kind made (offsets 100.. and 164..), then one more for 40: the
+    # newest per key, the GPU kernels' arrays and the extension's bytes apart.
+    assert len(params._tables) == 2 and all(first == 40 for _, first, _ in params._tables.values())
+    # An equal configuration of its own gets a table of its own, with the same words.
+    twin = CaMConfig(budget=64, seed=5)
+    assert params.params_for(twin, *args[1:], 40, *tail).tolist() == params.params_for(*args, 40, *tail).tolist()
+    assert len(params._tables) == 3
 
 
 def test_forcing_an_absent_gpu_backend_is_a_clear_error():

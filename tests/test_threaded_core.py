@@ -3,7 +3,7 @@ row with barriers and group reductions, one row per dot, teams of threads sharin
 chunk's nearest-survivor search (CAMKV_LANES) or a thread alone, with the CUDA prelude's 16-byte loads and with the Metal prelude's
 element loads, built from tests/threaded/
 with the system compiler. The GPU
-backends' own host code (camkv.backends.jit: parameter blocks and their table,
+backends' own host code (camkv.backends.jit and .params: parameter blocks and their table,
 scratch sizes, chunk prescoring, placeholders) feeds it through a stand-in for the
 mx.fast kernel call, so their multi-thread paths are checked where no GPU exists,
 against the reference as every backend is (tests/test_equivalence.py). Float32
@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from camkv import CaMConfig, backends, reference
-from camkv.backends import jit
+from camkv.backends import jit, params
 from camkv import merges
 from test_equivalence import assert_states_match, feed
 
@@ -72,9 +72,9 @@ def _launcher(library):
         # an entry before the kernel wrote it shows up as NaN or a bad index.
         outputs = [np.full(shape, np.nan, np.float32) if dtype == mx.float32 else np.full(shape, -7, np.int32)
                    for shape, dtype in zip(output_shapes, output_dtypes)]
-        params, buffers = given_arrays[-1], given_arrays[:-1]
+        block, buffers = given_arrays[-1], given_arrays[:-1]
         assert len(buffers) == 9 and len(outputs) == 8
-        library.camkv_threaded_run(ctypes.c_int(threads), _pointer(params), *map(_pointer, buffers),
+        library.camkv_threaded_run(ctypes.c_int(threads), _pointer(block), *map(_pointer, buffers),
                                    *map(_pointer, outputs))
         return [mx.array(o) for o in outputs]
 
@@ -87,7 +87,7 @@ def threaded_update(library, monkeypatch):
     monkeypatch.setattr(jit, "_kernel", lambda target: _launcher(library))
     monkeypatch.setattr(jit, "_usable", {"cuda"})
     monkeypatch.setenv("CAMKV_GPU_THREADS", str(THREADS))
-    jit._tables.clear()
+    params._tables.clear()
 
     def update(state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
         return jit.update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, target="cuda")

@@ -14,10 +14,10 @@ import math
 import mlx.core as mx
 
 from .. import mass
-from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
 from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule, chunk_mass
+from .params import decode_words, pack_words, scratch_strides
 
 try:  # the package works without the extension (reference backend)
     from .. import _ext
@@ -60,6 +60,20 @@ def _on_cpu(stream) -> bool:
     if stream is None:
         return mx.default_device() == mx.cpu
     return (stream.device if isinstance(stream, mx.Stream) else stream) == mx.cpu
+
+
+def call_params(state: RowState, new_keys, new_values, offset, cfg: CaMConfig, queries, scale, prescored) -> bytes:
+    """The call's struct CamParams as _ext.update takes it (camkv.backends.params), its
+    shape, scoring and stride fields from the arrays (queries None: key scoring)."""
+    rows, n, k_dim = state.keys.shape
+    s_len, v_dim = new_keys.shape[1], new_values.shape[2]
+    groups = 1 if queries is None else queries.shape[2]
+    n_out = min(n + s_len, cfg.budget)
+    if s_len == 1 and n == n_out:  # a full cache's decode step (no slack: one compression a token)
+        return decode_words(cfg, rows, n, k_dim, v_dim, groups, int(offset), float(scale), queries is None)
+    strides = scratch_strides(cfg.prefill == "chunk", n, s_len, n_out, k_dim, v_dim)
+    return pack_words(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, int(offset), float(scale), queries is None,
+                      strides, prescored)
 
 
 def update(
@@ -105,20 +119,7 @@ def update(
         new_values,
         row_ids if row_ids.dtype == mx.uint32 else row_ids.astype(mx.uint32),
         queries,
-        offset=int(offset),
-        scale=float(scale),
-        budget=cfg.budget,
-        n_sink=cfg.n_sink,
-        recent=cfg.recent,
-        window=cfg.window,
-        merge=merge_code(cfg.merge),
-        merge_keys=cfg.merge_keys,
-        gate=cfg.gate,
-        chunk=cfg.prefill == "chunk",
-        seed=cfg.seed,
-        recency=cfg.eviction == "recency",
-        observation_window=cfg.observation_window if cfg.prefill_scoring == "window" else 0,
-        pool=cfg.pool,
+        params=call_params(state, new_keys, new_values, offset, cfg, queries, scale, prescored is not None),
         chunk_mass=prescored,
         stream=stream,
     )

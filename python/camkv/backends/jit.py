@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 
 import mlx.core as mx
 
-from .. import policy
-from ..merges import code as merge_code
 from ..config import CaMConfig
 from ..rows import RowState
 from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule, chunk_mass as prescore_chunk
 from . import selfcheck
+from .params import MAX_GROUP, pack_params, params_for, scratch_strides
 from .sources import inlined_source
 
 
@@ -38,8 +36,6 @@ def threads_per_row() -> int:
     return value
 
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
-QUERY_BLOCK = 4  # CAMKV_QUERY_BLOCK of the core: queries scored in one pass over the keys
-MAX_GROUP = 1024  # CAMKV_MAX_GROUP of the core: most threads a row's group may have
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
            "queries", "chunk_mass", "row_ids", "params"]
 _OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
@@ -129,75 +125,6 @@ def _kernel(target: str):
     if target not in _kernels:
         _kernels[target] = make_kernel(target)
     return _kernels[target]
-
-
-def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_dim: int) -> tuple[int, int, int]:
-    """Per-row scratch (floats, ints, storage elements): camkv_*_stride of the core, in Python.
-
-    The device kernels read the strides from their parameters, so these only size the
-    buffers; tests check them against the core's own (camkv._ext.scratch_strides).
-    """
-    runs_chunk = chunk and s_len > 1
-    capacity = n + s_len if runs_chunk else n_out + 1
-    shadow_columns = (capacity + 7) // 8 * 8 + 8
-    shadow = k_dim * shadow_columns if s_len > 1 else 0
-    store = (n + s_len) * (k_dim + v_dim) if runs_chunk else k_dim + v_dim
-    merge_phase = capacity if runs_chunk else 0  # squared norms and targets of camkv_merge_losers
-    f32_parts = QUERY_BLOCK + 2  # logits of a query block, mass, scores (CAMKV_F32_SHADOW)
-    group_counts = MAX_GROUP if runs_chunk else 0  # one count per thread (camkv_list_rows)
-    return f32_parts * capacity + shadow + merge_phase, 4 * capacity + merge_phase + group_counts, store
-
-
-# struct CamParams (CAMKV_PARAM_FIELDS of csrc/camkv_core.h) field by field, with
-# each field's struct code; tests/test_jit.py checks names, order and offsets
-# against the compiled struct (camkv._ext.params_layout()).
-PARAM_FIELDS = (
-    ("rows", "i"), ("n", "i"), ("S", "i"), ("Dk", "i"), ("Dv", "i"), ("G", "i"), ("n_out", "i"),
-    ("budget", "i"), ("n_sink", "i"), ("recent", "i"), ("window", "i"), ("merge", "i"), ("merge_keys", "i"),
-    ("gate", "i"), ("chunk", "i"), ("key_scoring", "i"), ("in_place", "i"), ("offset", "i"), ("prescored", "i"),
-    ("seed", "I"), ("scale", "f"), ("f32_stride", "i"), ("i32_stride", "i"), ("store_stride", "i"),
-    ("recency", "i"), ("observe", "i"), ("pool", "i"),
-)
-PARAM_FORMAT = "<" + "".join(code for _, code in PARAM_FIELDS)
-
-
-def pack_params(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
-                key_scoring, strides, prescored=False) -> mx.array:
-    """struct CamParams as int32 words, packed by PARAM_FIELDS."""
-    fields = dict(
-        rows=rows, n=n, S=s_len, Dk=k_dim, Dv=v_dim, G=groups, n_out=n_out, budget=cfg.budget,
-        n_sink=cfg.n_sink, recent=cfg.recent, window=cfg.window, merge=merge_code(cfg.merge),
-        merge_keys=int(cfg.merge_keys), gate=int(cfg.gate), chunk=int(cfg.prefill == "chunk"),
-        key_scoring=int(key_scoring), in_place=0, offset=offset, prescored=int(prescored), seed=cfg.seed,
-        scale=scale, f32_stride=strides[0], i32_stride=strides[1], store_stride=strides[2],
-        recency=int(cfg.eviction == "recency"), observe=policy.observed(cfg, s_len), pool=cfg.pool)
-    packed = struct.pack(PARAM_FORMAT, *(fields[name] for name, _ in PARAM_FIELDS))
-    return mx.array(list(struct.unpack(f"<{len(packed) // 4}i", packed)), dtype=mx.int32)
-
-
-OFFSETS_PER_TABLE = 64  # decode steps one uploaded parameter table serves
-_tables: dict[tuple, tuple[int, mx.array]] = {}  # parameters but the offset -> (first offset, table)
-
-
-def params_for(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale, key_scoring,
-               strides, prescored=False) -> mx.array:
-    """pack_params' block as a row of a table made for OFFSETS_PER_TABLE offsets at once.
-
-    Decode steps differ only in the offset, and a fresh parameter array per layer and
-    token is a host-to-device upload each; a row of an uploaded table is a view of it.
-    Layers with the same configuration share one table.
-    """
-    key = (cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, scale, key_scoring, strides, prescored)
-    first, table = _tables.get(key, (None, None))
-    if first is None or not first <= offset < first + OFFSETS_PER_TABLE:
-        if len(_tables) >= 64:
-            _tables.clear()  # shapes of a finished sequence
-        first = offset
-        table = mx.stack([pack_params(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, first + i, scale,
-                                      key_scoring, strides, prescored) for i in range(OFFSETS_PER_TABLE)])
-        mx.eval(table)
-        _tables[key] = (first, table)
-    return table[offset - first]
 
 
 _placeholders: list[mx.array] = []
