@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -17,23 +15,22 @@ from tiny_models import save_tiny_model_dir
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bench_helpers():
+    """bench/server_ttft.py, whose free_port and wait_until_up start the server here too."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("server_ttft", ROOT / "bench" / "server_ttft.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _wait_until_up(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early:\n{proc.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError("server did not come up within 60 s")
+_bench = _bench_helpers()
+_free_port = _bench.free_port
+
+
+def _wait_until_up(port: int, proc: subprocess.Popen) -> None:
+    _bench.wait_until_up(port, proc, timeout=60.0)
 
 
 def test_chat_request_is_answered_with_camkv_caches(tmp_path):
