@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"{args.backend}: not usable here ({reason}); camkv uses another backend")
         return 1 if args.require_kernel else 0
-    guard = jit._guards[args.backend]
+    guard = jit.guard(args.backend)
     checked = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for dtype, one_token, key_scoring, first, few_rows, merge in _report_classes():
             launch = LaunchClass(args.backend, dtype, one_token, key_scoring, first, few_rows, "chunk", merge,
                                  "score", "window", (64, 64), 1 if key_scoring else 4)
-            guard._probe(launch)
+            guard.probe(launch)
             if guard.failure is not None:
                 break
             checked += 1

@@ -245,6 +245,11 @@ def _guarded(target: str) -> selfcheck.Guard:
 _guards = {target: _guarded(target) for target in _TARGETS}
 
 
+def guard(target: str) -> selfcheck.Guard:
+    """The self-check guarding a target's launches in this process."""
+    return _guards[target]
+
+
 class _Target:
     """A backend module-like object for one target (what camkv.backends.resolve returns):
     its updates go through the first-use self-check (camkv.backends.selfcheck)."""

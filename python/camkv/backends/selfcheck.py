@@ -91,7 +91,7 @@ class Guard:
         if self.failure is None and enabled():
             launch = launch_class(self.target, state, new_keys, new_values, cfg, queries)
             if launch not in self.passed:
-                self._probe(launch)
+                self.probe(launch)
         if self.failure is None:
             try:
                 return self._update(*args)
@@ -105,7 +105,9 @@ class Guard:
         wanted = self._group_size()
         return wanted if self.group_cap is None else min(wanted, self.group_cap)
 
-    def _probe(self, launch: LaunchClass) -> None:
+    def probe(self, launch: LaunchClass) -> None:
+        """Run launch's class once through the kernel and the reference; on a failure
+        switch the backend off (self.failure says why), else mark the class passed."""
         problem = probe_problem(launch)
         # The reference on the CPU: on a GPU its many small operations would take most of
         # a second per probe, on the CPU a few milliseconds (memory is shared on both).
