@@ -5,7 +5,11 @@ together, whether Python happens to resolve it at import time or not."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "camkv"
 
@@ -96,3 +100,43 @@ def test_the_check_finds_a_cycle_through_a_function_level_import(tmp_path):
     (package / "c.py").write_text("import camkv.a\n")
     (package / "d.py").write_text("from .a import thing\n")
     assert cycles(import_graph(package)) == {("camkv.a", "camkv.b", "camkv.c")}
+
+
+# The oracle (docs/algorithm.md computed one step at a time) is for tests and for the
+# reference backend's own runtime; production modules reach it only through the
+# registry, which loads it by name (camkv.backends.oracle) when a cache asks for it.
+ORACLE = "camkv.reference"
+
+
+def importers_of(target: str, graph: dict[str, set[str]]) -> set[str]:
+    """The modules whose text imports target (anywhere, functions included)."""
+    return {module for module, imported in graph.items() if target in imported}
+
+
+def test_no_production_module_imports_the_reference():
+    assert importers_of(ORACLE, import_graph()) == set()
+
+
+def test_the_check_sees_a_function_level_import_of_the_reference(tmp_path):
+    package = tmp_path / "camkv"
+    (package / "backends").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "reference.py").write_text("")
+    (package / "backends" / "__init__.py").write_text("def f():\n    from .. import reference\n")
+    (package / "backends" / "oracle.py").write_text("import importlib\nimportlib.import_module('camkv.reference')\n")
+    assert importers_of(ORACLE, import_graph(package)) == {"camkv.backends"}
+
+
+def test_a_cache_on_a_kernel_backend_never_loads_the_reference():
+    from camkv import backends
+
+    if backends.available()["ext"] is not None:
+        pytest.skip(f"ext: {backends.available()['ext']}")
+    code = ("import sys, mlx.core as mx, camkv\n"
+            "mx.set_default_device(mx.cpu)\n"
+            "c = camkv.CaMKVCache(budget=8, slack=2, scoring='key')\n"
+            "k = mx.random.normal((1, 2, 20, 16))\n"
+            "c.update_and_fetch(k, k); mx.eval(c.stored())\n"
+            f"print({ORACLE!r} in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -14,8 +14,9 @@ import warnings
 
 import mlx.core as mx
 
-from .. import merges, reference
+from .. import merges
 from . import ext, jit
+from .oracle import reference
 
 _warned: set[str] = set()
 
@@ -30,8 +31,9 @@ def available() -> dict[str, str | None]:
     }
 
 
-def _modules():
-    return {"reference": reference, "ext": ext, "metal": jit.metal, "cuda": jit.cuda}
+def _module(name: str):
+    """The module of a usable backend name; the reference is imported on first use."""
+    return reference() if name == "reference" else {"ext": ext, "metal": jit.metal, "cuda": jit.cuda}[name]
 
 
 def _preferred() -> str:
@@ -47,7 +49,7 @@ def _auto():
     name = _preferred()
     reason = available()[name]
     if reason is None:
-        return _modules()[name]
+        return _module(name)
     if "auto" not in _warned:
         _warned.add("auto")
         warnings.warn(
@@ -56,7 +58,7 @@ def _auto():
             RuntimeWarning,
             stacklevel=3,
         )
-    return reference
+    return reference()
 
 
 def require_usable(name: str) -> None:
@@ -76,7 +78,7 @@ def resolve(name: str, merge: str = "drop"):
     """The backend module for a CaMConfig.backend name ('auto' picks the best usable one
     for merge rule `merge`: the reference for a rule the kernels do not run)."""
     if not merges.rule(merge).kernels and name in ("auto", "reference"):
-        return reference
+        return reference()
     if name == "auto":
         return _auto()
     reasons = available()
@@ -84,7 +86,7 @@ def resolve(name: str, merge: str = "drop"):
         raise ValueError(f"unknown backend {name!r}; known: {sorted(reasons)}")
     if reasons[name] is not None:
         raise RuntimeError(f"backend {name!r} is not usable here: {reasons[name]}")
-    return _modules()[name]
+    return _module(name)
 
 
 def resolve_name(name: str) -> str:

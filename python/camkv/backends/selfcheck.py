@@ -30,6 +30,7 @@ import numpy as np
 
 from ..config import CaMConfig
 from ..rows import RowState
+from .oracle import reference  # the oracle, loaded by a probe or a fallback only
 
 PROBE_BUDGET = 16  # rows a probe's cache keeps: small enough to be cheap, large enough to evict and merge
 PROBE_CHUNK = 24  # tokens of a probe's chunk call: more than its budget, so it evicts
@@ -97,7 +98,7 @@ class Guard:
                 return self._update(*args)
             except (RuntimeError, ValueError) as error:
                 self._fail(f"a launch raised: {error}")
-        return _reference().update(*args)
+        return reference().update(*args)
 
     def threads(self) -> int:
         """The work-group size of the next launch: the configured one, capped by what a
@@ -112,7 +113,7 @@ class Guard:
         # The reference on the CPU: on a GPU its many small operations would take most of
         # a second per probe, on the CPU a few milliseconds (memory is shared on both).
         with mx.stream(mx.cpu):
-            want = _reference().update(*problem)
+            want = reference().update(*problem)
             mx.eval(want)
         while True:
             try:
@@ -144,12 +145,6 @@ class Guard:
                       f"camkv continues on the pure-MLX reference backend (the results of backend='reference', "
                       f"slower); {REPORT}. CAMKV_SELF_CHECK=0 skips the first-use check.",
                       RuntimeWarning, stacklevel=4)
-
-
-def _reference():
-    from .. import reference  # the oracle: imported only by a probe or a fallback
-
-    return reference
 
 
 def describe(launch: LaunchClass) -> str:
