@@ -208,10 +208,10 @@ def test_any_camkv_config_is_an_arm():
     assert default.config.merge == "drop" and default.config.scoring == "query"
     assert {f"camkv-{m}" for m in ("mean", "mass_weighted", "keepkv")} <= set(method_catalog())
     suite = [m.name for m in parse_methods("ruler")]
-    assert suite[:5] == ["full", "streamingllm", "snapkv", "h2o-causal", "camkv"] and "camkv-keepkv" in suite
+    assert suite[:6] == ["full", "streamingllm", "streamingllm-sinks", "snapkv", "h2o-causal", "camkv"] and "camkv-keepkv" in suite
     assert method_catalog()["h2o-causal"].prefill_scoring == "causal"
     # The stream and passkey groups keep their arms (snapkv cannot run there).
-    assert not {"snapkv", "h2o-causal", "camkv"} & {m.name for m in parse_methods("all")}
+    assert not {"snapkv", "streamingllm-sinks", "h2o-causal", "camkv"} & {m.name for m in parse_methods("all")}
     for bad, message in [("deep", "NAME="), ("camkv={}", "no method's"), ("x={nope", "not JSON"),
                          ('x={"budget": 9}', "other than budget"), ('x={"merge": "smash"}', "merge")]:
         with pytest.raises(ValueError, match=message):

@@ -58,6 +58,12 @@ def method_catalog() -> dict[str, Arm]:
     # prompt query's attention accumulated), camkv's default CaMConfig and that default
     # with each offered merge rule instead of dropping.
     methods.append(Arm("snapkv", "snapkv"))
+    # StreamingLLM with its sinks attended: mlx-lm's RotatingKVCache masks its kept sinks
+    # from a prompt chunk's queries once the chunk passes its window (its mask counts
+    # indices, not positions), so chunked prompts run as a sliding window without sinks;
+    # camkv's recency eviction keeps the same tokens and attends to all of them.
+    methods.append(Arm("streamingllm-sinks", "camkv", "drop", False, "key", eviction="recency",
+                       prefill_scoring="causal"))
     methods.append(Arm("h2o-causal", "camkv", "drop", False, "query", prefill_scoring="causal"))
     methods.append(Arm("camkv", "config", config=CaMConfig()))
     for merge in (m for m in merges.offered() if merges.rule(m).kind != merges.DROP):
@@ -108,7 +114,7 @@ METHOD_GROUPS = {
     "merge": ["full"] + [name + suffix for suffix in ("", "-query") for name in
                          ("h2o", "mass_weighted-nogate", "value_norm-nogate", "window-nogate")],
     # RULER: the methods the field compares, camkv's default and each merge rule on it.
-    "ruler": ["full", "streamingllm", "snapkv", "h2o-causal", "camkv"]
+    "ruler": ["full", "streamingllm", "streamingllm-sinks", "snapkv", "h2o-causal", "camkv"]
              + [n for n in offered_methods() if n.startswith("camkv-")],
 }
 

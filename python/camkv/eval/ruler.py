@@ -39,6 +39,7 @@ import re
 import string
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -46,11 +47,11 @@ from . import texts
 from .arms import cache_stats, expand_names, make_cache, parse_arm_spec, parse_methods, release_cache
 from .budgets import budgets_for
 from .passkey import _sentence_end_at_or_after, prefill_last_logits
+from .ruler_scoring import clean_answer, ruler_score  # noqa: F401 (the suite's scorer, re-exported)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {kind} for {key} is: {value}."
 DEPTHS = [round(100 * i / 39) / 100 for i in range(40)]  # RULER's 40 depths, 0..100%
-CONTROL = re.compile(r"[\x00-\x1f]")
 
 NIAH_INTRO = ("Some special magic {kind} are hidden within the following text. Make sure to "
               "memorize it. I will quiz you about the {kind} afterwards.\n")
@@ -112,6 +113,8 @@ class RulerSample:
     spans: tuple[tuple[int, int], ...] = ()  # [start, end) in tokens, one per stated needle
     depths: tuple[float, ...] = ()  # each needle's position in the haystack, 0..1
     counts: dict = field(default_factory=dict)  # cwe / fwe: each listed word's count
+    question_text: str = ""  # the texts the question's ids were made of, without the
+    answer_prefix: str = ""  # template's tail between them (ruler_export writes them)
 
     @property
     def tokens(self) -> list[int]:
@@ -121,18 +124,8 @@ class RulerSample:
 # ---------------------------------------------------------------------------- scoring
 
 
-def clean_answer(answer: str) -> str:
-    """RULER's clean-up of a prediction: control characters become newlines, stripped."""
-    return CONTROL.sub("\n", answer.strip()).strip()
-
-
-def ruler_score(answer: str, expected) -> float:
-    """RULER's string_match_all for one answer: the fraction of expected strings in it
-    (case-insensitive)."""
-    if not expected:
-        raise ValueError("ruler_score needs at least one expected string")
-    found = clean_answer(answer).lower()
-    return sum(e.lower() in found for e in expected) / len(expected)
+# clean_answer and ruler_score live in ruler_scoring, which imports no MLX (a PyTorch
+# runner of the same prompts scores with it too).
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -293,6 +286,7 @@ class Request:
     head: str  # the chat template's head ("" for the plain template)
     tail: str
     room: int  # tokens the whole prompt may take (target length minus answer tokens)
+    asked: dict = field(default_factory=dict)  # _prompt's question and answer prefix texts
 
 
 def _prompt(req: Request, before: list[str], middle, question: str, prefix: str):
@@ -307,6 +301,7 @@ def _prompt(req: Request, before: list[str], middle, question: str, prefix: str)
             context.add(text)
     asked = plain_ids(req.tokenizer, question) + plain_ids(req.tokenizer, req.tail) + \
         plain_ids(req.tokenizer, prefix)
+    req.asked.update(question_text=question, answer_prefix=prefix)
     room = req.room - len(context.ids) - len(asked)
     if room < 1:
         raise ValueError(f"--ruler-lengths: the prompt's fixed parts take {req.room - room} tokens, "
@@ -485,7 +480,7 @@ def build_sample(task: str, tokenizer, source: str, docs, words: list[str], leng
     else:
         made = {"vt": vt, "cwe": cwe, "fwe": fwe}[task](req)
     return RulerSample(sample_id(task, length, index, source), task, length,
-                       answer_tokens=answer_tokens, **made)
+                       answer_tokens=answer_tokens, **made, **req.asked)
 
 
 def sample_id(task: str, length: int, index: int, source: str) -> str:
@@ -684,7 +679,7 @@ def _record(sweep, sample: RulerSample, method, budget, labels) -> dict:
 
 
 # The arms a RULER run of each preset compares when --methods is left out.
-COMPARED = "full,streamingllm,snapkv,h2o-causal,camkv"
+COMPARED = "full,streamingllm,streamingllm-sinks,snapkv,h2o-causal,camkv"
 RULER_METHODS = {"smoke": COMPARED, "cpu": COMPARED, "gpu": COMPARED, "cpu-ruler": COMPARED,
                  "gpu-ruler": COMPARED}
 # The RULER values of the general presets (a --tasks ruler run of them), and the two
@@ -731,6 +726,9 @@ def add_flags(parser) -> None:
     a("--chat-template", choices=["auto", "on", "off"], default="auto",
       help="RULER prompts in the model's chat template: auto (when the tokenizer has one), on, "
       "off (RULER's plain template, for base models) (default %(default)s)")
+    a("--export-prompts", type=Path, metavar="FILE",
+      help="write the RULER prompts of the run's plan to FILE (JSON lines, gzip-compressed for "
+      "a name ending in .gz: ids, texts, expected strings; camkv.eval.ruler_export), then exit")
     a("--arm", action="append", metavar="NAME=JSON",
       help="an arm of any CaMConfig: its fields as a JSON object, the budget per run "
       "(e.g. 'deep={\"merge\": \"keepkv\", \"recent\": 64}'); repeatable")
@@ -751,6 +749,9 @@ def resolve_options(opts) -> None:
         raise ValueError(f"--methods snapkv runs on RULER prompts only (--tasks ruler), got --tasks "
                          f"{','.join(opts.tasks)}")
     if "ruler" not in opts.tasks:
+        if opts.export_prompts is not None:
+            raise ValueError(f"--export-prompts writes RULER prompts: it needs --tasks ruler, got "
+                             f"--tasks {','.join(opts.tasks)}")
         opts.ruler_max_answer, opts.chat_template = None, "auto"  # no meaning without RULER
         return
     parse_tasks(opts.ruler_tasks)
