@@ -89,25 +89,27 @@ def blend_weights(model, scoring, budget, tokens, opts, settings) -> dict:
     """Both weights at every sim_weighted merge of the window (reference backend, gate off)."""
     import mlx.core as mx
     import numpy as np
-    from camkv import merges, reference
+    from camkv import reference
     from camkv.eval import arms
 
     cos_w, mass_w = [], []
-    original = reference._merge_weight
+    original = reference._loser_shares
 
     def recording(rule, cos_t, s_in, s_t, *norms):
+        # The one-loser blend weights: sim_weighted's clamp(cos) and mass_weighted's s_e / (s_e + s_t).
         cos_w.append(mx.clip(cos_t, 0.0, 1.0).reshape(-1))
-        mass_w.append(merges.mass_weight(cos_t, s_in, s_t, *norms).reshape(-1))
+        total = s_in + s_t
+        mass_w.append(mx.where(total > 0, s_in / mx.where(total > 0, total, 1.0), 0.0).reshape(-1))
         return original(rule, cos_t, s_in, s_t, *norms)
 
     method = arms.Arm(f"sim_weighted-nogate-{scoring}", "camkv", "sim_weighted", False, scoring)
     ref_settings = arms.CacheSettings(settings.n_sink, settings.recent, settings.window,
                                          settings.seed, "reference")
-    reference._merge_weight = recording
+    reference._loser_shares = recording
     try:
         norm_series(model, method, budget, tokens, opts, ref_settings)
     finally:
-        reference._merge_weight = original
+        reference._loser_shares = original
     cos_w, mass_w = np.array(mx.concatenate(cos_w)), np.array(mx.concatenate(mass_w))
     return {
         "merges": int(cos_w.size),

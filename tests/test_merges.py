@@ -15,7 +15,8 @@ from camkv.config import MERGE_MODES
 def test_every_rule_is_one_the_kernel_can_run(rule):
     assert rule.code == merges.RULES.index(rule), "codes are indices: append rules, never reorder"
     assert rule.kind in merges.KINDS
-    assert rule.blends == (rule.weight is not None), "a blending rule needs a weight, and only one"
+    assert rule.blends == (rule.target_share is not None) == (rule.loser_share is not None), \
+        "a blending rule needs both shares, and only a blending rule has them"
     assert not rule.keys_allowed or rule.kind == merges.NEAREST, "only nearest rules blend keys"
     assert rule.kind != merges.NEAREST or rule.blends, "the kernel has no additive nearest merge"
     assert not rule.weight_uses_mass or rule.blends

@@ -72,6 +72,8 @@ def test_the_threshold_is_nan_until_a_rows_first_compression_then_moves():
     cfg = CaMConfig(budget=8, n_sink=1, recent=2, slack=0, scoring="key", merge="d2o")
     cache, rng = CaMKVCache(cfg), np.random.default_rng(3)
     cache.update_and_fetch(*_block(rng, S=6))
+    assert _rule_arrays(cache) == (None, None)  # nothing compressed yet: no rule state
+    cache.compress_pending()  # a compression that evicts nothing
     assert np.isnan(np.array(_rule_arrays(cache)[1])).all()
     seen = []
     for _ in range(4):
@@ -198,11 +200,12 @@ def test_a_batch_lays_each_rows_votes_out_like_its_keys():
 
 @pytest.mark.parametrize("gate", [False, True])
 @pytest.mark.parametrize("merge", [r.name for r in merges.RULES if r.kind != merges.DROP])
-def test_a_compiled_chunk_merge_is_the_plain_merge_bit_for_bit(merge, gate):
-    """The chunk loop runs _merge_one under mx.compile: forty merges in a row, each seeing
-    what the one before left, give the same keys, values, scores, gate outcomes and votes."""
+def test_a_compiled_compression_merge_is_the_plain_merge_bit_for_bit(merge, gate):
+    """A compression's merges run _merge_all under mx.compile: over twenty compressions in
+    a row, each of fifteen losers into what the one before left, the compiled step gives
+    the same keys, values, scores, merge counts, votes and thresholds."""
     rng = np.random.default_rng(7)
-    rows, n, dim = 3, 40, 8
+    rows, n, dim, k = 3, 40, 8, 15
     cfg = CaMConfig(budget=16, recent=4, merge=merge, gate=gate, scoring="query")
     rule = merges.rule(merge)
 
@@ -212,29 +215,25 @@ def test_a_compiled_chunk_merge_is_the_plain_merge_bit_for_bit(merge, gate):
 
     keys, values, scores = arr((rows, n, dim)), arr((rows, n, dim)), arr((rows, n), 0.0)
     positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n))
-    survivor = mx.array(rng.uniform(size=(rows, n)) > 0.4)
     row_ids = mx.arange(rows, dtype=mx.uint32)
-    votes = arr((rows, n), 1.0) if rule.keeps_votes else None
-    fixed = {}
-    if rule.moving_threshold:
-        fixed["threshold"] = arr((rows,), 0.0) - 1.0
-    if rule.keeps_votes:
-        fixed["query"] = arr((rows, dim))
-    extra = reference._RuleState(votes, fixed.get("threshold"), fixed.get("query"), 0.3)
-    step = reference._compiled_merge(cfg, 0.3)
-    plain = (keys, values, scores, votes)
-    compiled = (keys, values, scores, {} if votes is None else {"votes": votes})
+    extra = reference._RuleState(arr((rows, n), 1.0) if rule.keeps_votes else None,
+                                 mx.full((rows,), float("nan")) if rule.moving_threshold else None,
+                                 arr((rows, dim)) if rule.keeps_votes else None, 0.3)
+    plain = compiled = (keys, values, scores, extra)
     merged = 0
-    for j in range(n // 2):
-        e = mx.array([j, j + 1, j + 2])
-        k, v, s, did, vo = reference._merge_one(*plain[:3], positions, survivor, e, row_ids, cfg,
-                                                extra._replace(votes=plain[3]))
-        k2, v2, s2, did2, carried = step(*compiled[:3], positions, survivor, e, row_ids,
-                                         compiled[3], fixed)
-        for a, b in [(k, k2), (v, v2), (s, s2), (did, did2)] + ([(vo, carried["votes"])] if votes is not None else []):
-            assert np.array_equal(np.array(a), np.array(b))
-        merged += int(did.sum())
-        plain, compiled = (k, v, s, vo), (k2, v2, s2, carried)
+    for _ in range(20):
+        loser_idx = mx.sort(mx.array(np.stack([rng.permutation(n)[:k] for _ in range(rows)])), axis=1)
+        survivor = ~mx.any(loser_idx[:, :, None] == mx.arange(n)[None, None, :], axis=1)
+        k1, v1, s1, did1, votes1, tau1 = reference._merge_all(*plain[:3], positions, survivor, loser_idx, row_ids,
+                                                              cfg, plain[3])
+        k2, v2, s2, did2, votes2, tau2 = reference._merge_compression(cfg, 0.3, *compiled[:3], positions, survivor,
+                                                                      loser_idx, row_ids, compiled[3])
+        for a, b in [(k1, k2), (v1, v2), (s1, s2), (did1, did2), (votes1, votes2), (tau1, tau2)]:
+            assert (a is None) == (b is None)
+            assert a is None or np.array_equal(np.array(a), np.array(b), equal_nan=True)
+        merged += int(did1.sum())
+        plain = (k1, v1, s1, extra._replace(votes=votes1, threshold=tau1))
+        compiled = (k2, v2, s2, extra._replace(votes=votes2, threshold=tau2))
     assert merged > 0
 
 

@@ -154,6 +154,55 @@ def test_exact_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, q
                                            rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "merge,merge_keys",
+    [(m, False) for m in MERGES] + [(m, True) for m in rules.names(keys_allowed=True)],
+)
+@pytest.mark.parametrize("gate", [True, False])
+@pytest.mark.parametrize("queries_per_kv", [0, 2])
+def test_chunk_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, queries_per_kv):
+    """Section 7's chunk calls, their merges simultaneous (section 4.4), against the
+    oracle's loop-by-loop reading: several losers a compression, several into one target."""
+    cfg = _cfg(backend, merge=merge, gate=gate, merge_keys=merge_keys, prefill="chunk", prefill_scoring="causal",
+               seed=7, window=2)
+    rows, k_dim, v_dim = 4, 8, 6
+    rng = np.random.default_rng(17)
+    state = RowState.empty(rows, k_dim, v_dim, mx.float32)
+    row_ids = mx.arange(rows).astype(mx.uint32) + 5
+    mirror = [[np.zeros((0, k_dim), np.float32), np.zeros((0, v_dim), np.float32),
+               np.zeros(0, np.float32), np.zeros(0, np.int64)] for _ in range(rows)]
+    rule_state = [{} for _ in range(rows)]
+    offset, merged_total, want_total = 0, 0, 0
+    for s_len in (11, 6, 1, 9, 4):
+        k, v = random_block(rng, rows, s_len, k_dim, v_dim, mx.float32)
+        q = mx.array(rng.standard_normal((rows, s_len, queries_per_kv, k_dim)).astype(np.float32)) \
+            if queries_per_kv else None
+        scale = 0.4 if queries_per_kv else None
+        state, merged = _update(backend)(state, k, v, offset, cfg, row_ids, q, scale)
+        merged_total += int(merged.sum())
+        for r in range(rows):
+            qr = np.array(q[r]) if q is not None else np.array(k[r])[:, None]
+            sc = 0.4 if q is not None else 1 / np.sqrt(k_dim)
+            *mirror[r], did = oracle.chunk(*mirror[r], np.array(k[r]), np.array(v[r]), offset, qr, sc, cfg, r + 5,
+                                           rule_state[r])
+            want_total += did
+        offset += s_len
+        K, V, S, P = _np(state)[:4]
+        for r in range(rows):
+            np.testing.assert_array_equal(P[r], mirror[r][3], err_msg=f"row {r} at {offset}")
+            np.testing.assert_allclose(S[r], mirror[r][2], rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(V[r], mirror[r][1], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(K[r], mirror[r][0], rtol=1e-4, atol=1e-5)
+            if state.votes is not None:
+                np.testing.assert_allclose(np.array(state.votes[r]), rule_state[r]["votes"])
+            if state.threshold is not None:
+                np.testing.assert_allclose(np.array(state.threshold[r]), rule_state[r].get("threshold", np.nan),
+                                           rtol=1e-5)
+    assert merged_total == want_total
+    if rules.rule(merge).kind != rules.DROP and not gate:
+        assert merged_total > 0
+
+
 # ---------------------------------------------------------------- section 7: calls
 
 
@@ -326,7 +375,7 @@ def _hand_state():
 
 
 # keepkv's masses are the current query's, not the scores (test_keepkv_* below).
-@pytest.mark.parametrize("merge", [r.name for r in rules.RULES if r.weight is rules.mass_weight and not r.keeps_votes])
+@pytest.mark.parametrize("merge", [r.name for r in rules.RULES if r.target_share is rules.own_mass and not r.keeps_votes])
 def test_mass_weighted_merges_make_the_attention_mass_weighted_mean(backend, merge):
     """The survivor's value becomes (s_t V_t + s_e V_e) / (s_t + s_e) (window_mass: with
     s_e / |W| per target), scores after this step's update; keys never change.
@@ -392,24 +441,109 @@ def test_value_norm_merges_one_token_as_kvpress_does(backend):
     np.testing.assert_array_equal(np.array(out.keys[0, :5]), np.array(state.keys[0])[kept])
 
 
-def test_value_norm_folds_several_tokens_into_a_survivor_one_at_a_time(backend):
-    """Two tokens evicted by one chunk into the same survivor merge in position order, the
-    second one's weight from the survivor's value as the first left it (section 4.1)."""
+def _two_losers_state(query=None):
+    """One row at budget 6 (n_sink 1, recent 2) and a chunk of two tokens after it whose
+    compression evicts positions 1 and 3 (the lowest scores), both into position 4: K_1
+    and K_3 point the way K_4 does (cos 1) and no other key does. With window 2 their
+    windows overlap: W(1) = {2, 4}, W(3) = {4, 5}. query [Dk]: the last token's one query
+    (scale 0.5), or None for key scoring. Returns the state, the chunk's keys [1, 2, 4]
+    and queries, the values [6, 5] and the scores after the chunk's mass, by hand."""
     keys = np.array([[0, 0, 1, 1], [1, 0, 0, 0], [0, 1, 0, 0], [3, 0, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0]],
                     np.float32)
     values = np.random.default_rng(14).standard_normal((6, 5)).astype(np.float32)
     scores = np.array([9.0, 0.1, 5.0, 0.2, 4.0, 3.0], np.float32)
     state = RowState(mx.array(keys)[None], mx.array(values)[None], mx.array(scores)[None],
                      mx.arange(6, dtype=mx.int32)[None])
-    new_keys = mx.array([[[0, 0, 0, 1], [0, -1, 0, 0]]], mx.float32)
-    cfg = _cfg(backend, budget=6, n_sink=1, recent=2, merge="value_norm", gate=False, prefill="chunk")
-    out, merged = _update(backend)(state, new_keys, mx.zeros((1, 2, 5)), 6, cfg, mx.zeros((1,), mx.uint32))
+    new_keys = np.array([[0, 0, 0, 1], [0, -1, 0, 0]], np.float32)
+    queries = new_keys if query is None else np.stack([new_keys[0], query])
+    every_key = np.concatenate([keys, new_keys])
+    mass = np.zeros(8, np.float32)
+    for i, q in enumerate(queries):  # section 7's causal chunk scoring, by hand
+        logits = every_key[:7 + i] @ q * 0.5
+        mass[:7 + i] += np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    q_arg = None if query is None else mx.array(queries)[None, :, None, :]
+    return state, mx.array(new_keys)[None], q_arg, values, np.concatenate([scores, [0, 0]]) + mass
+
+
+def _compress_two_losers(backend, merge, query=None, **fields):
+    state, new_keys, queries, values, s = _two_losers_state(query)
+    cfg = _cfg(backend, budget=6, n_sink=1, recent=2, merge=merge, window=2, gate=False, prefill="chunk",
+               prefill_scoring="causal", **fields)
+    out, merged = _update(backend)(state, new_keys, mx.zeros((1, 2, 5)), 6, cfg, mx.zeros((1,), mx.uint32),
+                                   queries, None if queries is None else 0.5)
     assert merged.tolist() == [2] and np.array(out.positions[0]).tolist() == [0, 2, 4, 5, 6, 7]
-    survivor = values[4]
-    for e in (1, 3):  # both point the way K_4 does (cos 1), and only K_4 does
-        w = np.linalg.norm(values[e]) / (np.linalg.norm(values[e]) + np.linalg.norm(survivor))
-        survivor = (survivor + w * values[e]) / (1 + w)
-    np.testing.assert_allclose(np.array(out.values[0, 2]), survivor, rtol=1e-5, atol=1e-6)
+    return out, values, s
+
+
+# Each nearest rule's (A_4, a_1, a_3) for the hand state, cos = 1 for both losers:
+# V_4 <- (A_4 V_4 + a_1 V_1 + a_3 V_3) / (A_4 + a_1 + a_3), every a_e from V_4 as it was.
+def _hand_shares(merge, values, s):
+    norm = np.linalg.norm(values, axis=1)
+    odds = (1 - 2.0**-12) / 2.0**-12  # sim_weighted: c / (1 - c), c capped below 1
+    return {"mean": (1, 1, 1), "d2o": (1, 1, 1), "sim_weighted": (1, odds, odds),
+            "mass_weighted": (s[4], s[1], s[3]),
+            "value_norm": (1, norm[1] / (norm[1] + norm[4]), norm[3] / (norm[3] + norm[4]))}[merge]
+
+
+@pytest.mark.parametrize("merge", [m for m in rules.names(kind=rules.NEAREST) if m != "keepkv"])
+def test_several_losers_fold_into_one_survivor_at_once(backend, merge):
+    """Section 4.4: two losers of one compression into one survivor merge simultaneously,
+    V_t <- (A_t V_t + sum_e a_e V_e) / (A_t + sum_e a_e), each share from the survivor as
+    it was before the compression (merging one at a time composes otherwise: value_norm's
+    second weight would see the first merge, mean would give V_3 half and V_1 a quarter);
+    the score adds both losers' mass; keys stay unless merge_keys."""
+    out, values, s = _compress_two_losers(backend, merge)
+    a_t, a_1, a_3 = _hand_shares(merge, values, s)
+    want = (a_t * values[4] + a_1 * values[1] + a_3 * values[3]) / (a_t + a_1 + a_3)
+    np.testing.assert_allclose(np.array(out.values[0, 2]), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(out.scores[0, 2]), s[4] + s[1] + s[3], rtol=1e-5)
+    np.testing.assert_array_equal(np.array(out.values[0, [0, 1, 3]]), values[[0, 2, 5]])
+    np.testing.assert_array_equal(np.array(out.keys[0, 2]), [2, 0, 0, 0])
+    if rules.rule(merge).keys_allowed:
+        keyed, _, _ = _compress_two_losers(backend, merge, merge_keys=True)
+        want_key = (a_t * np.array([2, 0, 0, 0]) + a_1 * np.array([1, 0, 0, 0]) + a_3 * np.array([3, 0, 0, 0]))
+        np.testing.assert_allclose(np.array(keyed.keys[0, 2]), want_key / (a_t + a_1 + a_3), rtol=1e-5)
+
+
+@pytest.mark.parametrize("merge", rules.names(kind=rules.WINDOW))
+def test_overlapping_windows_take_every_loser_at_once(backend, merge):
+    """Section 4.4's window rules: W(1) = {2, 4} and W(3) = {4, 5}; every target j takes
+    each loser's share s_e / 2 at once (window: V_j + sum_e V_e / 2; window_mass: the
+    mass-weighted mean (s_j V_j + sum_e (s_e / 2) V_e) / (s_j + sum_e s_e / 2))."""
+    out, values, s = _compress_two_losers(backend, merge)
+    gives = {2: [1], 4: [1, 3], 5: [3]}
+    for row, j in ((1, 2), (2, 4), (3, 5)):  # stored row, position
+        shares = [s[e] / 2 for e in gives[j]]
+        if rules.rule(merge).blends:
+            want = (s[j] * values[j] + sum(a * values[e] for a, e in zip(shares, gives[j]))) / (s[j] + sum(shares))
+        else:
+            want = values[j] + sum(values[e] / 2 for e in gives[j])
+        np.testing.assert_allclose(np.array(out.values[0, row]), want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(out.scores[0, row]), s[j] + sum(shares), rtol=1e-5)
+    np.testing.assert_array_equal(np.array(out.keys[0, 1:4]), [[0, 1, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0]])
+
+
+def test_keepkv_folds_two_losers_into_one_row_for_the_query():
+    """Section 4.6 with two losers into row 4, votes 1 each: l_i = s q.K_i, M = max,
+    m_i = exp(l_i - M); the value is the m-weighted mean, the key K' + d q with K' the
+    m-weighted mean key, so that the merged row (3 votes) has the group's mass for q."""
+    q = np.array([0.5, -1.0, 0.0, 0.0], np.float32)
+    out, values, s = _compress_two_losers("reference", "keepkv", query=q)
+    k = {1: np.array([1.0, 0, 0, 0]), 3: np.array([3.0, 0, 0, 0]), 4: np.array([2.0, 0, 0, 0])}
+    logit = {i: 0.5 * q @ k[i] for i in k}
+    top = max(logit.values())
+    m = {i: np.exp(logit[i] - top) for i in k}
+    total = sum(m.values())
+    want_v = sum(m[i] * values[i] for i in k) / total
+    mean_key = sum(m[i] * k[i] for i in k) / total
+    d = (top + np.log(total) - np.log(3) - 0.5 * q @ mean_key) / (0.5 * q @ q)
+    np.testing.assert_allclose(np.array(out.values[0, 2]), want_v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(out.keys[0, 2]), mean_key + d * q, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.array(out.votes[0]), [1, 1, 3, 1, 1, 1])
+    # The merged row's mass for q is the group's: 3 exp(l') = sum_i exp(l_i).
+    merged_logit = 0.5 * q @ np.array(out.keys[0, 2])
+    np.testing.assert_allclose(3 * np.exp(merged_logit), sum(np.exp(logit[i]) for i in k), rtol=1e-5)
+    np.testing.assert_allclose(np.array(out.scores[0, 2]), s[4] + s[1] + s[3], rtol=1e-5)
 
 
 def _nearest_cosines(keys, kept, losers, n_sink):

@@ -11,9 +11,12 @@ A rule's kind says where an evicted token goes:
 - "nearest": into its most similar non-sink survivor (largest key cosine).
 - "window": spread over the `window` survivors that follow it, s_e / |W| each.
 
-A blending rule replaces each target's value by (1 - w) V_t + w V_e with the
-weight its `weight` function returns; a window rule that does not blend adds
-V_e / |W| instead. Every merging rule adds the evicted mass to the targets'
+A compression's merges are simultaneous (docs/algorithm.md sections 4 and 7): every
+loser picks its target(s) among the compression's survivors, and every target takes all
+its merging losers at once. A blending rule makes each target the weighted mean
+(A_t V_t + sum_e a_e V_e) / (A_t + sum_e a_e) of itself and its losers, with the shares
+its `target_share` and `loser_share` give; a window rule that does not blend adds
+sum_e V_e / |W(e)| instead. Every merging rule adds the merged mass to the targets'
 scores. Adding a rule: CONTRIBUTING.md.
 
 Most rules run on every backend. A rule with kernels=False runs on the reference
@@ -33,46 +36,53 @@ DROP, NEAREST, WINDOW = "drop", "nearest", "window"
 KINDS = (DROP, NEAREST, WINDOW)  # index = CAMKV_KIND_* of csrc/camkv_merges.h
 
 
-def _cosine_weight(cosine, s_in, s_target, norm_in, norm_target):
-    """clamp(cos, 0, 1): a survivor takes a token in as far as their keys agree."""
+# Shares (docs/algorithm.md section 4.4). A compression's merging losers M_t of a target
+# t replace its value by (A_t V_t + sum_e a_e V_e) / (A_t + sum_e a_e): A_t is the target's
+# share, a_e each loser's. A target share takes s_target, the target's score before the
+# compression's merges ([R, N] float32, or the masses keepkv feeds it); a loser share
+# takes (cosine, s_in, s_target, norm_in, norm_target) over the losers: the cosine of the
+# loser's key with its target's (nearest rules; None for window rules), the mass the
+# target receives from it (s_e, or s_e / |W| in a window), its target's score, and the L2
+# norms of the loser's value and of its target's value before the compression (nearest
+# rules; None for window rules). Each returns an array or a float.
+Share = Callable[..., "mx.array | float"]
+
+# sim_weighted's cosine is capped below 1 so that its odds c / (1 - c) stay finite.
+SIM_ODDS_CAP = 1.0 - 2.0**-12
+
+
+def _unit(*_) -> float:
+    """Share 1: the target, or each loser, counts once."""
+    return 1.0
+
+
+def own_mass(s_target):
+    """A target's share is its score: with loser shares s_e, the mass-weighted mean."""
+    return s_target
+
+
+def _loser_mass(cosine, s_in, s_target, norm_in, norm_target):
+    return s_in
+
+
+def _clamped_cosine(cosine, s_in, s_target, norm_in, norm_target):
+    """clamp(cos, 0, 1): a loser counts as far as its key agrees with its target's (D2O)."""
     return mx.clip(cosine, 0.0, 1.0)
 
 
-def _half_weight(cosine, s_in, s_target, norm_in, norm_target):
-    return 0.5
+def _cosine_odds(cosine, s_in, s_target, norm_in, norm_target):
+    """c / (1 - c), c = clamp(cos, 0, SIM_ODDS_CAP): with target share 1 and one loser, the
+    blend (1 - c) V_t + c V_e (a survivor takes a token in as far as their keys agree)."""
+    c = mx.clip(cosine, 0.0, SIM_ODDS_CAP)
+    return c / (1.0 - c)
 
 
-def mass_weight(cosine, s_in, s_target, norm_in, norm_target):
-    """s_in / (s_in + s_target), 0 where both are 0: the blend that makes a target the
-    attention-mass-weighted mean of itself and what merges into it."""
-    total = s_in + s_target
-    return mx.where(total > 0, s_in / mx.where(total > 0, total, 1.0), 0.0)
-
-
-def _value_norm_weight(cosine, s_in, s_target, norm_in, norm_target):
-    """w / (1 + w) with w = clamp(cos, 0, 1) |V_e| / (|V_e| + |V_t|) (0 where both norms
-    are 0): one merge of kvpress's MergingPress, V_t <- (V_t + w V_e) / (1 + w), as a
-    blend (docs/algorithm.md section 4.1)."""
+def _value_norm_share(cosine, s_in, s_target, norm_in, norm_target):
+    """clamp(cos, 0, 1) |V_e| / (|V_e| + |V_t|) (0 where both norms are 0): kvpress's
+    MergingPress, V_t <- (V_t + sum_e u_e V_e) / (1 + sum_e u_e)."""
     total = norm_in + norm_target
     share = mx.where(total > 0, norm_in / mx.where(total > 0, total, 1.0), 0.0)
-    w = mx.clip(cosine, 0.0, 1.0) * share
-    return w / (1.0 + w)
-
-
-def _similarity_mean_weight(cosine, s_in, s_target, norm_in, norm_target):
-    """c / (1 + c) with c = clamp(cos, 0, 1): V_t <- (V_t + c V_e) / (1 + c), D2O's
-    similarity-weighted mean of the survivor (weight 1) and the evicted token (weight c)."""
-    c = mx.clip(cosine, 0.0, 1.0)
-    return c / (1.0 + c)
-
-
-# A weight function takes (cosine, s_in, s_target, norm_in, norm_target), float32
-# arrays over rows (or rows and stored tokens): the cosine of the evicted key with the
-# target's (nearest rules; None for window rules), the mass the target receives (s_e,
-# or s_e / |W| in a window), the target's own score before the merge, and the L2 norms
-# of the evicted value and of the target's value before the merge (nearest rules; None
-# for window rules). It returns w (an array or a float).
-Weight = Callable[..., "mx.array | float"]
+    return mx.clip(cosine, 0.0, 1.0) * share
 
 
 @dataclass(frozen=True)
@@ -80,11 +90,12 @@ class MergeRule:
     name: str
     code: int  # CAMKV_MERGE codes of csrc/camkv_merges.h: the rule's index in RULES
     kind: str  # DROP, NEAREST or WINDOW
-    blends: bool  # values become (1 - w) V_t + w V_e; a window rule that does not blend adds V_e / |W|
+    blends: bool  # values become their shares' weighted mean; a window rule that does not blend adds V_e / |W|
     keys_allowed: bool  # merge_keys may blend keys too (nearest rules only)
-    weight_uses_mass: bool  # w is a ratio of scores (backends then agree on it to a few ulps only)
+    weight_uses_mass: bool  # the shares are scores (backends then agree on the blend to a few ulps only)
     help: str
-    weight: Weight | None = None  # the blend weight of a blending rule
+    target_share: Share | None = None  # A_t of a blending rule
+    loser_share: Share | None = None  # a_e of a blending rule
     kernels: bool = True  # the kernel core runs it (a row in csrc/camkv_merges.h); False: reference only
     moving_threshold: bool = False  # merges only above its row's moving similarity threshold (RowState.threshold)
     keeps_votes: bool = False  # each row stands for RowState.votes tokens, which weigh its attention
@@ -100,37 +111,52 @@ _LOST_TO_DROP = ("with the model's queries scoring, it came out farther from the
 # Append only: a rule's code is its kernel code, and results name rules by these names.
 RULES: tuple[MergeRule, ...] = (
     MergeRule("sim_weighted", 0, NEAREST, True, True, False,
-              "blends it into its most similar survivor with weight clamp(cos, 0, 1)", _cosine_weight,
+              "blends it into its most similar survivor with weight clamp(cos, 0, 1)", _unit, _cosine_odds,
               retired=_LOST_TO_DROP),
     MergeRule("mean", 1, NEAREST, True, True, False,
-              "blends it into its most similar survivor with weight 0.5", _half_weight),
+              "blends it into its most similar survivor with weight 0.5 (several: their plain mean with it)",
+              _unit, _unit),
     MergeRule("window", 2, WINDOW, False, False, False,
               "adds V_e / |W| to each of the `window` survivors after it (the paper's form; values grow "
               "with every merge)"),
     MergeRule("drop", 3, DROP, False, False, False, "discards it (H2O)"),
     MergeRule("mass_weighted", 4, NEAREST, True, True, True,
               "blends it into its most similar survivor with weight s_e / (s_e + s_t), so the survivor "
-              "becomes the attention-mass-weighted mean of the two", mass_weight),
+              "becomes the attention-mass-weighted mean of itself and all it takes in", own_mass, _loser_mass),
     MergeRule("window_mass", 5, WINDOW, True, False, True,
               "makes each of the `window` survivors after it the mass-weighted mean "
-              "(s_j V_j + (s_e/|W|) V_e) / (s_j + s_e/|W|)", mass_weight, retired=_LOST_TO_DROP),
+              "(s_j V_j + sum_e (s_e/|W|) V_e) / (s_j + sum_e s_e/|W|)", own_mass, _loser_mass,
+              retired=_LOST_TO_DROP),
     MergeRule("value_norm", 6, NEAREST, True, True, False,
-              "blends it into its most similar survivor as (V_t + w V_e) / (1 + w) with w = clamp(cos, 0, 1) "
-              "|V_e| / (|V_e| + |V_t|) (kvpress's MergingPress, one merge at a time)", _value_norm_weight),
+              "blends the tokens it takes into a survivor as (V_t + sum w V_e) / (1 + sum w) with "
+              "w = clamp(cos, 0, 1) |V_e| / (|V_e| + |V_t|) (kvpress's MergingPress)", _unit, _value_norm_share),
     MergeRule("d2o", 7, NEAREST, True, True, False,
-              "blends it into its most similar survivor as (V_t + c V_e) / (1 + c), c = clamp(cos, 0, 1), only "
-              "when c reaches the row's threshold, a moving average of recent compressions' mean nearest "
-              "cosine (D2O; with --kv-merge-keys as D2O blends keys too). Experimental: reference backend only",
-              _similarity_mean_weight, kernels=False, moving_threshold=True),
+              "blends the tokens it takes into a survivor as (V_t + sum c V_e) / (1 + sum c), c = clamp(cos, 0, 1), "
+              "each only when c reaches the row's threshold, a moving average of recent compressions' mean "
+              "nearest cosine (D2O; with --kv-merge-keys as D2O blends keys too). Experimental: reference backend only",
+              _unit, _clamped_cosine, kernels=False, moving_threshold=True),
     MergeRule("keepkv", 8, NEAREST, True, False, True,
               "merges it into its most similar survivor so that the attention output of the current query is "
               "unchanged (KeepKV): each row keeps votes, the tokens it stands for, which weigh its attention; "
               "the merged value is the current query's attention-weighted mean and the key is set to match "
               "(merge_keys does not apply). Experimental: reference backend only",
-              mass_weight, kernels=False, keeps_votes=True),
+              own_mass, _loser_mass, kernels=False, keeps_votes=True),
 )
 
 _BY_NAME = {r.name: r for r in RULES}
+
+D2O_KEEP = 0.5  # share of D2O's threshold kept at each compression (its alpha; the new mean gets 1 - alpha)
+
+
+def moved_threshold(threshold: mx.array, cosines: mx.array) -> mx.array:
+    """d2o's threshold after one compression (docs/algorithm.md section 4.5): tau <- m at a
+    row's first (tau NaN), else D2O_KEEP tau + (1 - D2O_KEEP) m, with m the mean of the
+    finite cosines [R, k] of its losers to their nearest survivors; a row with none keeps tau."""
+    finite = mx.isfinite(cosines)
+    count = finite.sum(axis=1)
+    mean = mx.where(finite, cosines, 0.0).sum(axis=1) / mx.maximum(count, 1).astype(mx.float32)
+    moved = mx.where(mx.isnan(threshold), mean, D2O_KEEP * threshold + (1.0 - D2O_KEEP) * mean)
+    return mx.where(count > 0, moved, threshold)
 
 
 def names(**properties) -> tuple[str, ...]:
@@ -167,3 +193,16 @@ def help_text() -> str:
             + ". Every merging rule adds the evicted mass to the targets' scores. Retired, kept as experiments "
             + "(CaMConfig accepts them): " + ", ".join(f"'{name}'" for name in retired()))
 
+
+
+def output_preserving_key(mean_key, query, scale: float, top, total_mass, total_votes, finite):
+    """keepkv's merged key (docs/algorithm.md section 4.6): K' + d q with d such that the
+    merged row, standing for total_votes tokens, gets the group's mass for q:
+    l* = top + log(total_mass) - log(total_votes), d = (l* - s q.K') / (s |q|^2).
+    mean_key [..., Dk] float32 (K', the mass-weighted mean key), query broadcastable to it;
+    top, total_mass, total_votes and finite over mean_key's leading axes (where not finite,
+    or d is not, the key stays K')."""
+    want = top + mx.log(total_mass) - mx.log(total_votes)
+    shift = (want - scale * (mean_key * query).sum(axis=-1)) / (scale * (query * query).sum(axis=-1))
+    shift = mx.where(finite & mx.isfinite(shift), shift, 0.0)
+    return mean_key + shift[..., None] * query

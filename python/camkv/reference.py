@@ -1,9 +1,11 @@
 """The pure-MLX reference of docs/algorithm.md: the oracle every kernel is checked against.
 
 A literal transcription, vectorised over rows (r = b * H + h): no Python loop over
-batch or heads. Exact mode loops over the tokens of a call; chunk mode loops over
-its losers (each merge must see the state the previous one left). Everything is
-float32 arithmetic; keys and values are rounded to the storage dtype once per merge.
+batch or heads. Exact mode loops over the tokens of a call; a compression's merges are
+simultaneous (section 7), every loser against the survivors as they stand before any of
+them, so they are one vectorised step over losers and rows ([R, k, N] choices and one
+weighted sum per target). Everything is float32 arithmetic; keys and values are rounded
+to the storage dtype once per compression.
 """
 
 from __future__ import annotations
@@ -20,38 +22,10 @@ from .config import CaMConfig
 # reads it from there (tests read these names here too).
 from .mass import _tf32_high, attention_mass as _attention_mass, attention_mass_causal  # noqa: F401
 from .mass import float32_product as _float32_product  # noqa: F401
+from .gate import gate_hash, probability, uniform  # noqa: F401  (tests read them here)
 from .rows import RowState
 
-_GOLDEN = 0x9E3779B9
-_MIX_MUL_1 = 0x7FEB352D
-_MIX_MUL_2 = 0x846CA68B
 _INF = float("inf")
-_D2O_KEEP = 0.5  # share of D2O's threshold kept at each compression (its alpha; the new mean gets 1 - alpha)
-
-
-# ----------------------------------------------------------------------------
-# Section 6: deterministic draws
-
-
-def _mix(x: mx.array) -> mx.array:
-    x = x ^ (x >> 16)
-    x = x * mx.array(_MIX_MUL_1, mx.uint32)
-    x = x ^ (x >> 15)
-    x = x * mx.array(_MIX_MUL_2, mx.uint32)
-    return x ^ (x >> 16)
-
-
-def gate_hash(seed, row, position) -> mx.array:
-    """h = mix(mix(mix(p ^ 0x9e3779b9) ^ r) ^ seed) on uint32 with wrap-around."""
-    p = mx.array(position).astype(mx.uint32)
-    r = mx.array(row).astype(mx.uint32)
-    s = mx.array(seed).astype(mx.uint32)
-    return _mix(_mix(_mix(p ^ mx.array(_GOLDEN, mx.uint32)) ^ r) ^ s)
-
-
-def uniform(seed, row, position) -> mx.array:
-    """The gate's draw in [0, 1): (h >> 8) * 2^-24 as float32."""
-    return (gate_hash(seed, row, position) >> 8).astype(mx.float32) * (2.0**-24)
 
 
 # ----------------------------------------------------------------------------
@@ -59,7 +33,7 @@ def uniform(seed, row, position) -> mx.array:
 
 
 def _first_argmin(x: mx.array) -> mx.array:
-    """Index of the smallest entry of each row; ties go to the smaller index."""
+    """Index of the smallest entry along the last axis; ties go to the smaller index."""
     idx = mx.arange(x.shape[-1])
     lowest = mx.min(x, axis=-1, keepdims=True)
     return mx.min(mx.where(x == lowest, idx, x.shape[-1]), axis=-1)
@@ -69,28 +43,20 @@ def _first_argmax(x: mx.array) -> mx.array:
     return _first_argmin(-x)
 
 
-def _take_rows(x: mx.array, idx: mx.array) -> mx.array:
-    """x[r, idx[r]] for x [R, N] or [R, N, D]; idx [R]."""
+def _gathered(x: mx.array, idx: mx.array) -> mx.array:
+    """x[r, idx[r, j]] for x [R, N] or [R, N, D]; idx [R, k]: [R, k] or [R, k, D]."""
     if x.ndim == 2:
-        return mx.take_along_axis(x, idx[:, None], axis=1)[:, 0]
-    return mx.take_along_axis(x, idx[:, None, None], axis=1)[:, 0, :]
+        return mx.take_along_axis(x, idx, axis=1)
+    return mx.take_along_axis(x, idx[:, :, None], axis=1)
+
+
+def _norm(x: mx.array) -> mx.array:
+    """L2 norm along the last axis of float32 x, summed in feature order as the kernels do."""
+    return mx.sqrt((x * x).sum(axis=-1))
 
 
 # ----------------------------------------------------------------------------
-# Sections 4.1-4.4: one merge of loser e into the survivors, for every row
-
-
-def _blend_rows(rows: mx.array, target_mask: mx.array, source: mx.array, weight, do: mx.array):
-    """rows [R, N, D] storage dtype; replace each masked row by (1 - w) row + w source.
-
-    weight: a float, one weight per row [R], or one per stored token [R, N].
-    """
-    f = rows.astype(mx.float32)
-    w = weight
-    if isinstance(weight, mx.array):
-        w = weight[:, None, None] if weight.ndim == 1 else weight[:, :, None]
-    blended = ((1.0 - w) * f + w * source[:, None, :]).astype(rows.dtype)
-    return mx.where((target_mask & do[:, None])[:, :, None], blended, rows)
+# Sections 4.1-4.6: one compression's merges, all at once
 
 
 class _RuleState(NamedTuple):
@@ -98,7 +64,7 @@ class _RuleState(NamedTuple):
     the rule keeps none."""
 
     votes: mx.array | None  # [R, N] float32: the tokens each row stands for (keeps_votes)
-    threshold: mx.array | None  # [R] float32: moved for this compression (moving_threshold)
+    threshold: mx.array | None  # [R] float32: before this compression (moving_threshold)
     query: mx.array | None  # [R, Dk] float32: the compression's last token's mean query (keeps_votes)
     scale: float  # the attention scale of that query
 
@@ -106,119 +72,158 @@ class _RuleState(NamedTuple):
 _NO_RULE_STATE = _RuleState(None, None, None, 1.0)
 
 
-def _nearest(keys, positions, survivor, e, cfg: CaMConfig):
-    """Section 4.1: each row's non-sink survivor t most similar to loser e (index [R]).
-    Returns t [R], cos(K_e, K_t) [R] and K_e [R, Dk] float32."""
-    k_e = _take_rows(keys, e).astype(mx.float32)
+def _nearest(keys, positions, survivor, loser_idx, cfg: CaMConfig):
+    """Section 4.1: each loser's (loser_idx [R, k]) non-sink survivor t most similar to it,
+    against the keys before any merge. Returns t [R, k], cos(K_e, K_t) [R, k] and the
+    losers' keys [R, k, Dk] float32."""
     k_f = keys.astype(mx.float32)
-    dots = (k_f @ k_e[:, :, None])[:, :, 0]
-    norms = mx.sqrt((k_f * k_f).sum(axis=-1)) * mx.sqrt((k_e * k_e).sum(axis=-1))[:, None]
+    k_l = _gathered(k_f, loser_idx)
+    dots = k_l @ k_f.transpose(0, 2, 1)
+    norms = _norm(k_l)[:, :, None] * _norm(k_f)[:, None, :]
     cos = dots / mx.maximum(norms, 1e-12)
-    eligible = survivor & (positions >= cfg.n_sink)
+    eligible = (survivor & (positions >= cfg.n_sink))[:, None, :]
     t = _first_argmax(mx.where(eligible, cos, -_INF))
-    return t, _take_rows(cos, t), k_e
+    return t, mx.take_along_axis(cos, t[:, :, None], axis=2)[:, :, 0], k_l
 
 
-def _norm(x: mx.array) -> mx.array:
-    """L2 norm of each row of x [R, D] float32, summed in feature order as the kernels do."""
-    return mx.sqrt((x * x).sum(axis=-1))
+def _window_members(survivor, loser_idx, window: int) -> mx.array:
+    """Section 4.2: [R, k, N] bool, the `window` survivors that follow each loser."""
+    idx = mx.arange(survivor.shape[1])
+    after = survivor[:, None, :] & (idx[None, None, :] > loser_idx[:, :, None])
+    return after & (mx.cumsum(after.astype(mx.int32), axis=2) <= window)
 
 
-def _merge_one(
-    keys, values, scores, positions, survivor, e, row_ids, cfg: CaMConfig, extra: _RuleState = _NO_RULE_STATE
-):
-    """Merge loser e (index [R]) into the survivors, returning updated arrays and the gate outcome.
+def _merge_all(keys, values, scores, positions, survivor, loser_idx, row_ids, cfg: CaMConfig,
+               extra: _RuleState = _NO_RULE_STATE):
+    """Sections 4.1-4.6 for one compression: every loser (loser_idx [R, k]) picks its
+    targets among the survivors (survivor [R, N] bool) as the state stands before any
+    merge, the gate (and d2o's threshold) decides which losers merge, and every target
+    takes all of its merging losers at once.
 
-    keys [R, N, Dk], values [R, N, Dv], scores [R, N] f32, positions [R, N] i32,
-    survivor [R, N] bool (rows that may receive mass; excludes e); extra: the rule's state.
-    Returns (keys, values, scores, merged [R] bool, votes [R, N] or None).
+    keys [R, N, Dk], values [R, N, Dv] (storage dtype), scores [R, N] float32 with the
+    compression's mass added, positions [R, N] int32. Returns (keys, values, scores,
+    merged [R] int32, votes, threshold), votes and threshold None where the rule keeps none.
     """
     rule = merges.rule(cfg.merge)
     if rule.kind == merges.DROP:
-        return keys, values, scores, mx.zeros((keys.shape[0],), mx.bool_), extra.votes
-    idx = mx.arange(keys.shape[1])[None, :]
-    s_e = _take_rows(scores, e)
-    v_e = _take_rows(values, e).astype(mx.float32)
-    norm_e = norm_t = None
+        return keys, values, scores, mx.zeros((keys.shape[0],), mx.int32), extra.votes, extra.threshold
+    s_e = _gathered(scores, loser_idx)
+    v_l = _gathered(values, loser_idx).astype(mx.float32)
+    t = cos_t = k_l = None
     if rule.kind == merges.WINDOW:
-        after = survivor & (idx > e[:, None])
-        targets = after & (mx.cumsum(after.astype(mx.int32), axis=1) <= cfg.window)
-        width = targets.sum(axis=1).astype(mx.float32)
-        s_target = mx.where(targets, scores, 0.0).sum(axis=1) / width
-        s_in = (s_e / width)[:, None]  # each target's share
-        cos_t, s_t = None, scores  # each target's weight: its own mass against its share
+        member = _window_members(survivor, loser_idx, cfg.window)
+        width = mx.maximum(member.sum(axis=2), 1).astype(mx.float32)
+        s_target = mx.where(member, scores[:, None, :], 0.0).sum(axis=2) / width  # the mean score of W(e)
+        s_in = s_e / width  # what each target of W(e) receives
     else:
-        t, cos_t, k_e = _nearest(keys, positions, survivor, e, cfg)
-        s_target = _take_rows(scores, t)
-        targets = idx == t[:, None]
-        s_in, s_t = s_e[:, None], s_target[:, None]
-        norm_e, norm_t = _norm(v_e), _norm(_take_rows(values, t).astype(mx.float32))
+        t, cos_t, k_l = _nearest(keys, positions, survivor, loser_idx, cfg)
+        member = t[:, :, None] == mx.arange(keys.shape[1])[None, None, :]
+        s_target, s_in = _gathered(scores, t), s_e
 
-    do = _gate(s_e, s_target, row_ids, _take_rows(positions, e), cfg)
+    do = _gate(s_e, s_target, row_ids[:, None], _gathered(positions, loser_idx), cfg)
+    threshold = extra.threshold
     if rule.moving_threshold:
-        do = do & (cos_t >= extra.threshold)
+        threshold = merges.moved_threshold(threshold, cos_t)
+        do = do & (cos_t >= threshold[:, None])
+    gives = member & do[:, :, None]  # [R, k, N]: loser j merges into row i
     votes = extra.votes
     if rule.keeps_votes:
-        keys, values, votes = _merge_keeping_output(rule, keys, values, targets, t, e, k_e, v_e, do, extra)
+        keys, values, votes = _merge_keeping_output(rule, keys, values, gives, t, loser_idx, k_l, v_l, extra)
     elif rule.blends:
-        weight = _merge_weight(rule, cos_t, s_in, s_t, norm_e, norm_t)
-        values = _blend_rows(values, targets, v_e, weight, do)
+        norm_e = norm_t = None
+        if rule.kind == merges.NEAREST:
+            norm_e, norm_t = _norm(v_l), _gathered(_norm(values.astype(mx.float32)), t)
+        share_in = _loser_shares(rule, cos_t, s_in, s_target, norm_e, norm_t)
+        share_t = rule.target_share(scores)
+        values = _received(values, gives, _weighted_mean(values, gives, share_in, share_t, v_l))
         if cfg.merge_keys:
-            keys = _blend_rows(keys, targets, k_e, weight, do)
-    else:  # additive: each target gains its share of the value
-        summed = (values.astype(mx.float32) + (v_e / width[:, None])[:, None, :]).astype(values.dtype)
-        values = mx.where((targets & do[:, None])[:, :, None], summed, values)
-    scores = scores + mx.where(targets & do[:, None], s_in, 0.0)
-    return keys, values, scores, do, votes
+            keys = _received(keys, gives, _weighted_mean(keys, gives, share_in, share_t, k_l))
+    else:  # additive: each target of W(e) gains V_e / |W(e)|
+        values = _received(values, gives, values.astype(mx.float32) + _incoming(gives, 1.0) @ (v_l / width[:, :, None]))
+    scores = scores + mx.where(gives, s_in[:, :, None], 0.0).sum(axis=1)
+    return keys, values, scores, do.sum(axis=1).astype(mx.int32), votes, threshold
 
 
-def _merge_keeping_output(rule, keys, values, targets, t, e, k_e, v_e, do, extra: _RuleState):
-    """Section 4.6 (keepkv): merge e into t so that the mean query sees the same attention
-    output. Returns (keys, values, votes)."""
-    q, scale = extra.query, extra.scale
-    k_t = _take_rows(keys, t).astype(mx.float32)
-    c_e, c_t = _take_rows(extra.votes, e), _take_rows(extra.votes, t)
-    logit_e, logit_t = scale * (k_e * q).sum(axis=-1), scale * (k_t * q).sum(axis=-1)
-    finite = mx.isfinite(logit_e) & mx.isfinite(logit_t)
-    top = mx.where(finite, mx.maximum(logit_e, logit_t), 0.0)
-    # Each row's share of the query's attention, up to the common factor exp(-top); a
-    # query with a non-finite logit falls back to the votes alone.
-    m_e = c_e * mx.where(finite, mx.exp(logit_e - top), 1.0)
-    m_t = c_t * mx.where(finite, mx.exp(logit_t - top), 1.0)
-    w = _merge_weight(rule, None, m_e, m_t, None, None)
-    values = _blend_rows(values, targets, v_e, w, do)
-    mean_key = (1.0 - w)[:, None] * k_t + w[:, None] * k_e
-    # The merged row (c_e + c_t votes) must get the pair's mass: its logit is
-    # log((m_e + m_t) / (c_e + c_t)) + top. The key moves along q, the least change that does it.
-    want = top + mx.log(m_e + m_t) - mx.log(c_e + c_t)
-    shift = (want - scale * (mean_key * q).sum(axis=-1)) / (scale * (q * q).sum(axis=-1))
-    shift = mx.where(finite & mx.isfinite(shift), shift, 0.0)
-    merged_key = (mean_key + shift[:, None] * q).astype(keys.dtype)
-    receive = targets & do[:, None]
-    keys = mx.where(receive[:, :, None], merged_key[:, None, :], keys)
-    return keys, values, extra.votes + mx.where(receive, c_e[:, None], 0.0)
+def _incoming(gives, share) -> mx.array:
+    """[R, N, k] float32: what each row takes from each loser (share [R, k] or a float)."""
+    if isinstance(share, mx.array):
+        share = share[:, :, None]
+    return mx.where(gives, share, 0.0).transpose(0, 2, 1)
 
 
-# (config, scale) -> its compiled merge step, the most recently used last. Bounded: a
-# process that tries many configurations (a sweep, the tests) would otherwise keep every
-# compiled graph; a model's layers share one entry.
+def _weighted_mean(rows, gives, share_in, share_t, sources) -> mx.array:
+    """Section 4.4's blend, float32 [R, N, D]: each row i becomes
+    (A_i row_i + sum_e a_e source_e) / (A_i + sum_e a_e), computed as
+    (1 - W_i) row_i + sum_e w_e source_e with D_i = A_i + sum_e a_e, w_e = a_e / D_i and
+    W_i = (sum_e a_e) / D_i (so one loser gives (1 - w) V_t + w V_e); where D_i = 0 the row
+    stays. rows [R, N, D]; gives [R, k, N]; share_in [R, k]; share_t [R, N] or a float;
+    sources [R, k, D] float32."""
+    incoming = _incoming(gives, share_in)
+    taken = incoming.sum(axis=2)
+    total = share_t + taken
+    positive = total > 0
+    safe = mx.where(positive, total, 1.0)
+    weights = mx.where(positive[:, :, None], incoming / safe[:, :, None], 0.0)
+    kept = 1.0 - mx.where(positive, taken / safe, 0.0)
+    return kept[:, :, None] * rows.astype(mx.float32) + weights @ sources
+
+
+def _received(rows, gives, merged) -> mx.array:
+    """rows with each row that takes a merge replaced by merged (float32), rounded once."""
+    return mx.where(gives.any(axis=1)[:, :, None], merged.astype(rows.dtype), rows)
+
+
+def _merge_keeping_output(rule, keys, values, gives, t, loser_idx, k_l, v_l, extra: _RuleState):
+    """Section 4.6 (keepkv): every target t and its merging losers M_t become one row that
+    gives the compression's query q the group's mass and attention-weighted value.
+    Returns (keys, values, votes)."""
+    q, scale, votes = extra.query, extra.scale, extra.votes
+    k_f = keys.astype(mx.float32)
+    logits = scale * (k_f * q[:, None, :]).sum(axis=-1)  # [R, N]
+    l_e, c_e = _gathered(logits, loser_idx), _gathered(votes, loser_idx)
+    poisoned_in = mx.where(gives, ~mx.isfinite(l_e)[:, :, None], False).any(axis=1)
+    finite = mx.isfinite(logits) & ~poisoned_in
+    top_in = mx.where(gives, l_e[:, :, None], -_INF).max(axis=1)
+    top = mx.where(finite, mx.maximum(logits, top_in), 0.0)  # M over {t} and M_t
+    # Each row's share of the query's attention, up to the group's common factor exp(-M);
+    # a group with a non-finite logit falls back to the votes alone.
+    m_t = votes * mx.where(finite, mx.exp(logits - top), 1.0)
+    m_e = c_e * mx.where(_gathered(finite, t), mx.exp(l_e - _gathered(top, t)), 1.0)
+    share_in = _loser_shares(rule, None, m_e, _gathered(m_t, t), None, None)
+    share_t = rule.target_share(m_t)
+    values = _received(values, gives, _weighted_mean(values, gives, share_in, share_t, v_l))
+    mean_key = _weighted_mean(k_f, gives, share_in, share_t, k_l)
+    total_mass = share_t + _incoming(gives, share_in).sum(axis=2)
+    total_votes = votes + _incoming(gives, c_e).sum(axis=2)
+    merged_key = merges.output_preserving_key(mean_key, q[:, None, :], scale, top, total_mass, total_votes, finite)
+    return _received(keys, gives, merged_key), values, mx.where(gives.any(axis=1), total_votes, votes)
+
+
+def _loser_shares(rule: merges.MergeRule, cos_t, s_in, s_target, norm_in, norm_target):
+    """A blending rule's loser shares a_e (bench/merge_diagnostics.py records them here)."""
+    return rule.loser_share(cos_t, s_in, s_target, norm_in, norm_target)
+
+
+# (config, scale) -> its compiled compression merge, the most recently used last.
+# Bounded: a process that tries many configurations (a sweep, the tests) would otherwise
+# keep every compiled graph; a model's layers share one entry.
 _COMPILED_MERGES: OrderedDict = OrderedDict()
 _COMPILED_MERGES_KEPT = 32
 
 
 def _compiled_merge(cfg: CaMConfig, scale: float):
-    """_merge_one for one configuration and attention scale under mx.compile: a chunk's
-    merges run one after another (each sees the state the previous one left), and
-    compiled, each is a few fused kernels rather than some sixty small MLX operations
-    (keepkv's prefill on SmolLM2-135M: most of its time). The same arithmetic in the
-    same order, float32 throughout."""
+    """_merge_all for one configuration and attention scale under mx.compile: a few fused
+    kernels rather than some hundred small MLX operations. The same arithmetic in the same
+    order, float32 throughout; exact mode and chunks take the same compiled step (on a GPU,
+    fused kernels round otherwise than separate ones, and a one-token chunk must equal
+    exact mode, section 7)."""
     key = (cfg, scale)
     if key not in _COMPILED_MERGES:
-        def step(keys, values, scores, positions, survivor, e, row_ids, carried, fixed):
-            extra = _RuleState(carried.get("votes"), fixed.get("threshold"), fixed.get("query"), scale)
-            keys, values, scores, did, votes = _merge_one(keys, values, scores, positions, survivor, e,
-                                                          row_ids, cfg, extra)
-            return keys, values, scores, did, ({"votes": votes} if votes is not None else {})
+        def step(keys, values, scores, positions, survivor, loser_idx, row_ids, carried, fixed):
+            extra = _RuleState(carried.get("votes"), carried.get("threshold"), fixed.get("query"), scale)
+            keys, values, scores, did, votes, threshold = _merge_all(keys, values, scores, positions, survivor,
+                                                                     loser_idx, row_ids, cfg, extra)
+            return keys, values, scores, did, _carried(votes, threshold)
 
         _COMPILED_MERGES[key] = mx.compile(step)
         if len(_COMPILED_MERGES) > _COMPILED_MERGES_KEPT:
@@ -227,33 +232,26 @@ def _compiled_merge(cfg: CaMConfig, scale: float):
     return _COMPILED_MERGES[key]
 
 
-def _merge_by(step, keys, values, scores, positions, survivor, e, row_ids, votes, fixed):
-    """One merge through a compiled step of _compiled_merge: (keys, values, scores, did,
-    votes), votes None for a rule that keeps none."""
-    carried = {"votes": votes} if votes is not None else {}
-    keys, values, scores, did, carried = step(keys, values, scores, positions, survivor, e, row_ids, carried, fixed)
-    return keys, values, scores, did, carried.get("votes")
+def _carried(votes, threshold) -> dict:
+    """The rule state a compression reads and writes (the compiled step's `carried`)."""
+    return {k: a for k, a in (("votes", votes), ("threshold", threshold)) if a is not None}
 
 
-def _fixed_state(extra) -> dict:
-    """What a compression's merges read but never change (the compiled step's `fixed`)."""
-    return {k: a for k, a in (("threshold", extra.threshold), ("query", extra.query)) if a is not None}
-
-
-def _merge_weight(rule: merges.MergeRule, cos_t, s_in, s_target, norm_in, norm_target):
-    """A blending rule's weight (bench/merge_diagnostics.py records the weights here)."""
-    return rule.weight(cos_t, s_in, s_target, norm_in, norm_target)
-
+def _merge_compression(cfg: CaMConfig, scale: float, keys, values, scores, positions, survivor, loser_idx, row_ids,
+                       extra: _RuleState):
+    """One compression's merges through its compiled step: (keys, values, scores, merged
+    [R] int32, votes, threshold)."""
+    fixed = {} if extra.query is None else {"query": extra.query}
+    keys, values, scores, did, carried = _compiled_merge(cfg, scale)(
+        keys, values, scores, positions, survivor, loser_idx, row_ids, _carried(extra.votes, extra.threshold), fixed)
+    return keys, values, scores, did, carried.get("votes"), carried.get("threshold")
 
 
 def _gate(s_e, s_target, row_ids, p_e, cfg: CaMConfig) -> mx.array:
-    """Section 4.3: merge or not, per row."""
+    """Section 4.3: merge or not, per loser (the draw keyed by its position p_e)."""
     if not cfg.gate:
-        return mx.ones((s_e.shape[0],), mx.bool_)
-    ratio = mx.clip(s_e / mx.where(s_target > 0, s_target, 1.0), 0.0, 1.0)
-    fallback = mx.where(s_e > 0, 1.0, 0.0)
-    probability = mx.where(s_target > 0, ratio, fallback)
-    return uniform(cfg.seed, row_ids, p_e) < probability
+        return mx.ones(s_e.shape, mx.bool_)
+    return uniform(cfg.seed, row_ids, p_e) < probability(s_e, s_target)
 
 
 # ----------------------------------------------------------------------------
@@ -338,30 +336,11 @@ def _log_votes(votes):
     return None if votes is None else mx.log(votes)
 
 
-def _compression_state(state: RowState, votes, keys, positions, survivor, loser_idx, last_queries, scale,
-                       cfg: CaMConfig) -> _RuleState:
-    """The rule state one compression merges with: the threshold moved by its losers
-    (loser_idx [R, L], the survivors as they are before any merge) and the mean of its
-    last token's queries (last_queries [R, G, Dk])."""
-    rule = merges.rule(cfg.merge)
-    threshold = state.threshold
-    if rule.moving_threshold:
-        threshold = _moved_threshold(threshold, keys, positions, survivor, loser_idx, cfg)
-    query = last_queries.mean(axis=1) if rule.keeps_votes else None
-    return _RuleState(votes, threshold, query, scale)
-
-
-def _moved_threshold(threshold, keys, positions, survivor, loser_idx, cfg: CaMConfig):
-    """Section 4.5 (d2o): tau <- m at a row's first compression, else
-    _D2O_KEEP tau + (1 - _D2O_KEEP) m, with m the mean over the losers of the cosine to
-    their nearest survivor. Non-finite cosines are left out; a row with none keeps tau."""
-    cosines = mx.stack([_nearest(keys, positions, survivor, loser_idx[:, j], cfg)[1]
-                        for j in range(loser_idx.shape[1])], axis=1)
-    finite = mx.isfinite(cosines)
-    count = finite.sum(axis=1)
-    mean = mx.where(finite, cosines, 0.0).sum(axis=1) / mx.maximum(count, 1).astype(mx.float32)
-    moved = mx.where(mx.isnan(threshold), mean, _D2O_KEEP * threshold + (1.0 - _D2O_KEEP) * mean)
-    return mx.where(count > 0, moved, threshold)
+def _compression_state(state: RowState, votes, last_queries, scale, cfg: CaMConfig) -> _RuleState:
+    """The rule state one compression merges with: the votes of its rows, the threshold
+    before it and the mean of its last token's queries (last_queries [R, G, Dk])."""
+    query = last_queries.mean(axis=1) if merges.rule(cfg.merge).keeps_votes else None
+    return _RuleState(votes, state.threshold, query, scale)
 
 
 def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
@@ -381,13 +360,11 @@ def _update_one(state: RowState, k, v, p, cfg, row_ids, q, scale):
     e = _first_argmin(_ranked(scores, positions, p, cfg))
     idx = mx.arange(n + 1)[None, :]
     survivor = idx != e[:, None]
-    extra = _compression_state(state, votes, keys, positions, survivor, e[:, None], q, scale, cfg)
-    # Through the compiled step a chunk's merges take: on a GPU, fused kernels round
-    # otherwise than separate ones, and a one-token chunk must equal exact mode (section 7).
-    keys, values, scores, did, votes = _merge_by(_compiled_merge(cfg, scale), keys, values, scores, positions,
-                                                 survivor, e, row_ids, votes, _fixed_state(extra))
+    extra = _compression_state(state, votes, q, scale, cfg)
+    keys, values, scores, did, votes, threshold = _merge_compression(cfg, scale, keys, values, scores, positions,
+                                                                     survivor, e[:, None], row_ids, extra)
     keep = mx.arange(n)[None, :] + (mx.arange(n)[None, :] >= e[:, None])
-    return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep), did
+    return RowState(keys, values, scores, positions, votes, threshold).take(keep), did > 0
 
 
 def _ranked(scores, positions, p_last: int, cfg) -> mx.array:
@@ -433,10 +410,7 @@ def _update_chunk(state: RowState, new_keys, new_values, offset, cfg, row_ids, q
     order = mx.argsort(mx.where(loser, idx, idx + total), axis=1)
     loser_idx, keep_idx = order[:, :n_losers], mx.sort(order[:, n_losers:], axis=1)
     survivor = ~loser
-    extra = _compression_state(state, votes, keys, positions, survivor, loser_idx, q[:, -1], scale, cfg)
-    merge_step, fixed = _compiled_merge(cfg, scale), _fixed_state(extra)
-    for j in range(n_losers):
-        keys, values, scores, did, votes = _merge_by(merge_step, keys, values, scores, positions, survivor,
-                                                     loser_idx[:, j], row_ids, votes, fixed)
-        merges = merges + did.astype(mx.int32)
-    return RowState(keys, values, scores, positions, votes, extra.threshold).take(keep_idx), merges
+    extra = _compression_state(state, votes, q[:, -1], scale, cfg)
+    keys, values, scores, merged, votes, threshold = _merge_compression(cfg, scale, keys, values, scores, positions,
+                                                                        survivor, loser_idx, row_ids, extra)
+    return RowState(keys, values, scores, positions, votes, threshold).take(keep_idx), merged
