@@ -40,6 +40,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
+from . import quantized
 from .backends import drop
 from .cache import CaMKVCache
 
@@ -58,6 +59,7 @@ class BatchCaMKVCache(_BaseCache):
         self._rows = list(rows)
         for row in self._rows:
             _check_row(row)
+        _check_quantization(self._rows)
         B = len(self._rows)
         self._left = _padding_list(left_padding, B, "left_padding")
         self._lengths: list[int | None] = [_UNLIMITED] * B  # set by prepare(lengths=...)
@@ -133,6 +135,7 @@ class BatchCaMKVCache(_BaseCache):
             raise ValueError("cannot extend a batch in the middle of a padded prompt (before finalize)")
         self._settle_left_padding()
         other._settle_left_padding()
+        _check_quantization(self._rows + other._rows)
         self._make_whole()
         self._rows += other.rows
         self._left += other._left
@@ -177,7 +180,7 @@ class BatchCaMKVCache(_BaseCache):
         self._consumed += keys.shape[2]
         fetched = [self._row_update(b, lo, hi, keys, values) for b, (lo, hi) in enumerate(block)]
         self._block = block
-        self._fetched = [(hi > lo, k.shape[2]) for (lo, hi), (k, _) in zip(block, fetched)]
+        self._fetched = [(hi > lo, _tokens(k)) for (lo, hi), (k, _) in zip(block, fetched)]
         return _left_padded(fetched)
 
     def attention_bias(self) -> mx.array | None:
@@ -287,7 +290,23 @@ class BatchCaMKVCache(_BaseCache):
     def __len__(self) -> int:
         return len(self._rows)
 
+    @property
+    def bits(self) -> int:
+        """As CaMKVCache.bits (every row's: a batch's rows share bits and group_size)."""
+        if not self._rows:
+            raise AttributeError("bits: a batch of no rows")
+        return self._rows[0].bits
+
+    @property
+    def group_size(self) -> int:
+        if not self._rows:
+            raise AttributeError("group_size: a batch of no rows")
+        return self._rows[0].group_size
+
     # ------------------------------------------------------------------ internals
+    def _quantized(self) -> bool:
+        return bool(self._rows) and self._rows[0].config.bits is not None
+
     def _check_index(self, i) -> None:
         if not isinstance(i, int) or not -len(self._rows) <= i < len(self._rows):
             raise IndexError(f"row {i!r} is not in this batch of {len(self._rows)} rows")
@@ -330,15 +349,14 @@ class BatchCaMKVCache(_BaseCache):
         if hi > lo:
             return row.update_and_fetch(keys[b : b + 1, :, lo:hi], values[b : b + 1, :, lo:hi])
         if row.empty():
-            H = keys.shape[1]
-            return (mx.zeros((1, H, 0, keys.shape[3]), keys.dtype),
-                    mx.zeros((1, H, 0, values.shape[3]), values.dtype))
-        return row.keys, row.values
+            return quantized.empty_rows(row.config, keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        return row.attended()
 
     # ------------------------------------------------------------------ decoding
     def _is_decode_step(self, S: int) -> bool:
-        """Every row takes one real token (no padding to cut): the rectangle's work."""
-        return S == 1 and not self._in_padded_prompt() and all(
+        """Every row takes one real token (no padding to cut): the rectangle's work. Rows
+        of quantized rows (CaMConfig.bits) decode as prompt blocks do, each row on its own."""
+        return S == 1 and not self._in_padded_prompt() and not self._quantized() and all(
             self._left_pending(b) == 0 for b in range(len(self._rows)))
 
     def _decode_update(self, keys, values):
@@ -577,10 +595,19 @@ def _launches_alike(a: drop.DropLaunch, b: drop.DropLaunch) -> bool:
 def _check_row(row) -> None:
     if not isinstance(row, CaMKVCache):
         raise ValueError(f"a BatchCaMKVCache row must be a CaMKVCache, got {type(row).__name__}")
-    if not row.empty() and row.keys.shape[0] != 1:
+    if not row.empty() and row.layout[0] != 1:
         raise ValueError(
-            f"a BatchCaMKVCache row must hold one request (B=1), got B={row.keys.shape[0]}"
+            f"a BatchCaMKVCache row must hold one request (B=1), got B={row.layout[0]}"
         )
+
+
+def _check_quantization(rows: list) -> None:
+    """A batch's rows share bits and group_size: attention reads them as one rectangle."""
+    kinds = sorted({(row.config.bits or 0, row.config.group_size if row.config.bits else 0) for row in rows})
+    if len(kinds) > 1:
+        described = ", ".join(f"bits={b or None}" + (f" group_size={g}" if b else "") for b, g in kinds)
+        raise ValueError(f"a BatchCaMKVCache's rows must share bits and group_size (attention reads them "
+                         f"as one rectangle), got {described}")
 
 
 def _padding_list(values, B: int, name: str) -> list[int]:
@@ -592,17 +619,26 @@ def _padding_list(values, B: int, name: str) -> list[int]:
     return values
 
 
+def _tokens(keys) -> int:
+    """Tokens of a row's keys [1, H, n, D], or of its quantized triple's."""
+    return (keys[0] if isinstance(keys, tuple) else keys).shape[2]
+
+
 def _left_padded(fetched: list[tuple[mx.array, mx.array]]):
-    """Rows' [1, H, n_b, D] keys and values as [B, H, L, D], each row right-aligned."""
-    L = max(k.shape[2] for k, _ in fetched)
+    """Rows' [1, H, n_b, D] keys and values as [B, H, L, D], each row right-aligned
+    (quantized rows: each of their triples' arrays so; the padding's zeros are masked)."""
+    L = max(_tokens(k) for k, _ in fetched)
 
     def pad(a):
         n = a.shape[2]
         return a if n == L else mx.pad(a, [(0, 0), (0, 0), (L - n, 0), (0, 0)])
 
-    keys = mx.concatenate([pad(k) for k, _ in fetched], axis=0)
-    values = mx.concatenate([pad(v) for _, v in fetched], axis=0)
-    return keys, values
+    def stacked(parts: list):
+        if isinstance(parts[0], tuple):
+            return tuple(stacked([p[i] for p in parts]) for i in range(len(parts[0])))
+        return mx.concatenate([pad(p) for p in parts], axis=0)
+
+    return stacked([k for k, _ in fetched]), stacked([v for _, v in fetched])
 
 
 def _padded_causal_mask(N: int, held: list[int], block: list[tuple[int, int]]) -> mx.array:

@@ -89,14 +89,31 @@ class RowBuffers:
         positions = self.pending_start + mx.arange(pending, dtype=mx.int32)
         votes = None if self.votes is None else mx.concatenate([self.votes, mx.ones((R, pending), mx.float32)],
                                                                 axis=1)
+        keys, values = self.held_arrays(end)
         return RowState(
-            self.keys[:, :, :end].reshape(R, end, -1),
-            self.values[:, :, :end].reshape(R, end, -1),
+            keys.reshape(R, end, -1),
+            values.reshape(R, end, -1),
             mx.concatenate([self.scores, mx.zeros((R, pending), mx.float32)], axis=1),
             mx.concatenate([self.positions, mx.broadcast_to(positions, (R, pending))], axis=1),
             votes,
             self.threshold,
         )
+
+    def held_arrays(self, end: int) -> tuple[mx.array, mx.array]:
+        """Keys and values [B, H, end, D] of rows [0, end), in the model's dtype."""
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def for_compression(self, end: int) -> "RowBuffers":
+        """The buffers a compression of rows [0, end) works on (these; camkv.quantized's
+        hands over dequantized copies); compressed(work) takes the result back."""
+        return self
+
+    def compressed(self, work: "RowBuffers", may_change_rows: bool = True) -> None:
+        """The compression of for_compression's buffers is done (here: in place already)."""
+
+    def reappend(self, rest) -> None:
+        """Rows after(end) handed out before a compression, written back after the kept ones."""
+        self.append(*rest)
 
     def after(self, end: int) -> tuple[mx.array, mx.array]:
         """The held keys and values after row end [B, H, held - end, D]."""
@@ -162,6 +179,6 @@ class RowBuffers:
     def copy(self) -> "RowBuffers":
         """An independent copy: slice assignment rebinds an mx.array object in place, so
         every array gets a new object."""
-        clone = object.__new__(RowBuffers)
+        clone = object.__new__(type(self))
         clone.__dict__.update({k: mx.array(v) if isinstance(v, mx.array) else v for k, v in self.__dict__.items()})
         return clone

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, cache_input, hook, merges
+from . import backends, cache_input, hook, merges, quantized
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
@@ -78,7 +78,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         self._reset()
 
     def _reset(self) -> None:
-        self._rows = RowBuffers(_capacity(self._config))
+        self._rows = quantized.row_buffers(self._config, _capacity(self._config))
         self._pending = PendingChunk()
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._step_queries: tuple | None = None  # a decode step's queries' shape, once checked
@@ -114,6 +114,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         if not self.empty() and value != self._config:
             raise ValueError("cannot change a CaMKVCache's config mid-sequence; make a new cache")
         self._config = value
+        self._rows = quantized.row_buffers(value, _capacity(value)) if self.empty() else self._rows
         self._rows.capacity = _capacity(value)
 
     # ------------------------------------------------------------------ protocol
@@ -124,6 +125,8 @@ class CaMKVCache(BatchRow, _BaseCache):
         block = (keys.shape, values.shape, keys.dtype) if type(keys) is type(values) is mx.array else None
         if block is None or block != self._checked_block:
             cache_input.check_block(keys, values, self._layout, self._head_offset, self._n_heads_global)
+            if self._config.bits is not None:
+                quantized.check_dims(keys.shape[3], values.shape[3], self._config)
             self._layout = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
             self._checked_block = block
         if self._waiting:
@@ -131,7 +134,30 @@ class CaMKVCache(BatchRow, _BaseCache):
         self._warn_if_votes_unread()
         fetched = self._rows.append(keys, values)
         self._took(keys.shape[2])
-        return fetched
+        return self._for_attention(fetched)
+
+    def _for_attention(self, fetched):
+        """The rows held as attention reads them: as stored; quantized rows where MLX has no
+        quantized attention kernels (its CUDA build) dequantized, once a step (bounded rows)."""
+        if self._config.bits is None or quantized.kernels_here():
+            return fetched
+        return tuple(self._rows.dequantize(q) for q in fetched)
+
+    @property
+    def bits(self) -> int:
+        """The bits of quantized rows that attention reads quantized. mlx-lm's attention
+        (quantized_scaled_dot_product_attention) takes a cache with `bits` for a quantized
+        one, so this is absent (AttributeError) for unquantized rows and where the rows
+        are handed over dequantized (no quantized kernels on the device)."""
+        if self._config.bits is None or not quantized.kernels_here():
+            raise AttributeError("bits: this cache hands attention unquantized rows")
+        return self._config.bits
+
+    @property
+    def group_size(self) -> int:
+        """The quantization group of rows attention reads quantized (absent like bits)."""
+        self.bits  # noqa: B018 (raises where bits is absent)
+        return self._config.group_size
 
     def _took(self, S: int) -> None:
         """What follows the write of S new tokens after the held rows."""
@@ -236,43 +262,67 @@ class CaMKVCache(BatchRow, _BaseCache):
         raise NotImplementedError("CaMKVCache cannot be trimmed: evicted and merged tokens cannot be restored")
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
-        raise NotImplementedError("CaMKVCache cannot be quantized (kv_bits); use it without kv_bits")
+        raise NotImplementedError("CaMKVCache is not converted mid-sequence (kv_bits); build it quantized: "
+                                  "CaMConfig(bits=..., group_size=...), --kv-bits on the command line")
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the rows held: keys, values, scores and positions (the pending rows'
-        scores counted as the float32 each will take)."""
+        """Bytes of the rows held: keys, values (quantized: codes, scales and biases),
+        scores and positions (the pending rows' scores counted as the float32 each will take)."""
         if self._layout is None:
             return 0
-        B, H, Dk, Dv, dtype = self._layout
+        B, H = self._layout[:2]
         held = self._rows.held
         rule_state = (4 * held if self._rows.votes is not None else 0) + (4 if self._rows.threshold is not None else 0)
-        return B * H * (held * ((Dk + Dv) * dtype.size + 8) + rule_state)
+        return B * H * (held * self.row_bytes + rule_state)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one stored row (a token of one KV head) takes: key, value, score, position."""
+        _, _, Dk, Dv, dtype = self._layout
+        return quantized.row_bytes(Dk, Dv, dtype.size, self._config.bits, self._config.group_size)
 
     @property
     def keys(self):
-        """Held keys [B, H, n, Dk] (None while empty), as mlx-lm's KVCache.keys.
+        """Held keys [B, H, n, Dk] (None while empty), as mlx-lm's KVCache.keys; with
+        bits set the stored triple (codes, scales, biases), as its QuantizedKVCache.keys.
 
-        Settable (same shape) because mlx-lm's pipelined models attach their send to
+        Settable (same shapes) because mlx-lm's pipelined models attach their send to
         the last layer's state with `cache[-1].keys = mx.depends(cache[-1].keys, h)`,
         so evaluating the cache states also sends to the next rank.
         """
-        return None if self.empty() else self._rows.keys[:, :, : self._rows.held]
+        return None if self.empty() else self._held()[0]
 
     @keys.setter
     def keys(self, value) -> None:
         current = self.keys
         if current is None:
             raise ValueError("CaMKVCache.keys cannot be set while the cache is empty")
-        if not isinstance(value, mx.array) or value.shape != current.shape:
-            raise ValueError("CaMKVCache.keys can only be replaced by an array of the held keys' shape "
-                             f"{tuple(current.shape)}")
-        self._rows.keys[:, :, : self._rows.held] = value
+        parts, given = (current, value) if isinstance(current, tuple) else ((current,), (value,))
+        if (not isinstance(given, (tuple, list)) or len(given) != len(parts)
+                or any(not isinstance(v, mx.array) or v.shape != c.shape for v, c in zip(given, parts))):
+            raise ValueError("CaMKVCache.keys can only be replaced by what it holds: "
+                             f"{'arrays' if len(parts) > 1 else 'an array'} of the held keys' shape "
+                             f"{', '.join(str(tuple(c.shape)) for c in parts)}")
+        buffers = self._rows.keys if isinstance(current, tuple) else (self._rows.keys,)
+        for buffer, v in zip(buffers, given):
+            buffer[:, :, : self._rows.held] = v
 
     @property
     def values(self):
-        """Held values [B, H, n, Dv] (None while empty), as mlx-lm's KVCache.values."""
-        return None if self.empty() else self._rows.values[:, :, : self._rows.held]
+        """Held values [B, H, n, Dv] (None while empty), as mlx-lm's KVCache.values (with
+        bits set the stored triple, as keys)."""
+        return None if self.empty() else self._held()[1]
+
+    def _held(self):
+        """The held keys and values as stored (quantized triples with bits set)."""
+        if self._config.bits is not None:
+            return self._rows.quantized_views()
+        return self._rows.keys[:, :, : self._rows.held], self._rows.values[:, :, : self._rows.held]
+
+    def attended(self):
+        """The held keys and values as attention reads them (what update_and_fetch returns)."""
+        return self._for_attention(self._held())
 
     # ------------------------------------------------------------------ inspection
     def stored(self):
@@ -336,10 +386,10 @@ class CaMKVCache(BatchRow, _BaseCache):
         self._merges = mx.array(merges_so_far, mx.int32)
         if keys is None:
             return
-        B, H, n, Dk = keys.shape
+        B, H, n, Dk, Dv, dtype = quantized.saved_layout(keys, values, config)
         if n > config.budget:
             raise ValueError(f"a saved CaMKVCache holds {n} rows, more than its budget {config.budget}")
-        self._layout = (B, H, Dk, values.shape[3], keys.dtype)
+        self._layout = (B, H, Dk, Dv, dtype)
         rule_state = tuple(v[6:8]) + (None,) * (8 - max(6, len(v)))  # absent for most rules
         self._rows.load(keys, values, scores, positions, *rule_state, next_position=self.offset)
 
@@ -385,24 +435,26 @@ class CaMKVCache(BatchRow, _BaseCache):
         if self._pending.kind is None or chunk <= 0:
             return
         B, H = self._layout[:2]
-        pending_keys = rows.keys[:, :, rows.settled : end].reshape(B * H, chunk, -1)
+        work = rows.for_compression(end)  # rows itself; quantized rows hand over dequantized ones
+        pending_keys = work.keys[:, :, rows.settled : end].reshape(B * H, chunk, -1)
         queries, scale = self._pending.queries(pending_keys, H)
         self._evictions += max(0, end - self._config.budget) * B * H
-        rest = rows.after(end)
+        rest = rows.after(end) if end < rows.held else None
         request = Chunk(end, queries, scale, self._pending.key_scored, self._pending.config(self._config),
                         self._row_ids(B, H))
-        merged = compress(self._backend(), rows, request, may_defer=defer_launch and end == rows.held)
+        merged = compress(self._backend(), work, request, may_defer=defer_launch and end == rows.held and work is rows)
         if isinstance(merged, DropLaunch):
             self._deferred = merged  # camkv.batch runs it with the other rows due at this step
             return
+        rows.compressed(work, may_change_rows=merges.rule(self._config.merge).kind != merges.DROP)
         self._pending.settled()
         if merged is not None:
             self._merge_counts.append(merged)
             if len(self._merge_counts) >= _MERGE_BATCH:
                 self._total_merges()
         self._pending.release()
-        if rest[0].shape[2]:
-            rows.append(*rest)
+        if rest is not None:
+            rows.reappend(rest)
         if chunk > self._config.slack + 1:
             self._start_prompt_compression()
 

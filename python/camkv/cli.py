@@ -250,7 +250,7 @@ def check_cache_fits(model, prompt_cache: list, args) -> None:
     kv_heads = getattr(getattr(model, "args", None), "num_key_value_heads", None)
     from .cache import CaMKVCache
 
-    held = {c.keys.shape[1] for c in prompt_cache if isinstance(c, CaMKVCache) and not c.empty()}
+    held = {c.layout[1] for c in prompt_cache if isinstance(c, CaMKVCache) and not c.empty()}
     if len(prompt_cache) != expected or (isinstance(kv_heads, int) and held - {kv_heads}):
         raise ValueError(
             f"--prompt-cache-file {args.prompt_cache_file} holds {len(prompt_cache)} layers of "
@@ -509,9 +509,9 @@ def _check_serve_flags(parser, args) -> None:
         parser.error("--full-cache: camkv serve always builds camkv's caches; run mlx_lm.server "
                      "itself to serve with mlx-lm's full cache")
     for word in args.server_argv:
-        if word.split("=", 1)[0] in ("--kv-bits", "--kv-group-size", "--quantized-kv-start"):
-            parser.error(f"{word}: camkv's caches cannot be quantized (they bound memory by "
-                         "evicting instead); drop the quantized-KV flags")
+        if word.split("=", 1)[0] == "--quantized-kv-start":
+            parser.error(f"{word}: camkv's caches are quantized from the first token or not at all "
+                         "(--kv-bits, --kv-group-size); drop --quantized-kv-start")
     if args.prefill_round_tokens < 1:
         parser.error(f"--prefill-round-tokens must be >= 1, got {args.prefill_round_tokens}")
     port = _server_flag(args.server_argv, "--port")

@@ -15,6 +15,8 @@ BACKENDS = ("auto", "reference", "ext", "metal", "cuda")
 EVICTION_MODES = ("score", "recency")
 PREFILL_SCORING_MODES = ("causal", "window")
 UINT32_MAX = 2**32 - 1
+QUANTIZED_BITS = (8, 4)  # what CaMConfig.bits may be besides None (MLX's affine mx.quantize)
+GROUP_SIZES = (32, 64, 128)  # what CaMConfig.group_size may be (mx.quantize's group sizes)
 
 
 def _field(default, flag: str, help_text: str, choices: tuple[str, ...] | None = None):
@@ -124,6 +126,11 @@ class CaMConfig:
     - observation_window [32]: queries that score a chunk with prefill_scoring="window".
     - pool [1]: odd width of the max-pooling of a window-scored chunk's mass along the
       rows (1: none; SnapKV pools over 5 to 7); only with prefill_scoring="window".
+    - bits [None]: None keeps the rows in the model's dtype; 8 or 4 stores the kept keys
+      and values quantized (mx.quantize: packed codes, a scale and a bias per group of
+      group_size channels, docs/algorithm.md section 12). Scores and positions as always.
+    - group_size [64]: channels sharing one scale and bias with bits set: 32, 64 or 128
+      (it must divide the head dimensions).
 
     Requires n_sink + recent < budget. Invalid values raise ValueError naming the
     field, the bad value and what is allowed.
@@ -161,6 +168,10 @@ class CaMConfig:
                                      "--kv-prefill-scoring window")
     pool: int = _field(1, "pool", "odd width of the max-pooling of a window-scored chunk's attention "
                        "mass along the tokens (1: none)")
+    bits: int | None = _field(None, "bits", "store the kept keys and values quantized to 8 or 4 bits "
+                              "(default: unquantized, the model's dtype)")
+    group_size: int = _field(64, "group-size", "channels sharing one quantization scale and bias with "
+                             "--kv-bits: 32, 64 or 128")
 
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
@@ -182,6 +193,7 @@ class CaMConfig:
         _check_bool("merge_keys", self.merge_keys)
         _check_bool("gate", self.gate)
         self._check_scoring_policy()
+        self._check_quantization()
         if self.slack and self.prefill != "chunk":
             raise ValueError(
                 f"CaMConfig.slack={self.slack} needs prefill='chunk' (the buffered tokens are "
@@ -219,6 +231,15 @@ class CaMConfig:
         if self.prefill_scoring == "window" and self.prefill != "chunk":
             raise ValueError(f"CaMConfig.prefill_scoring='window' needs prefill='chunk' (it scores a "
                              f"chunk by its last queries), got prefill={self.prefill!r}")
+
+    def _check_quantization(self) -> None:
+        """bits and group_size (MLX's affine quantization offers these)."""
+        if self.bits is not None and (isinstance(self.bits, bool) or self.bits not in QUANTIZED_BITS):
+            raise ValueError(f"CaMConfig.bits must be None (unquantized) or one of "
+                             f"{', '.join(map(str, QUANTIZED_BITS))}, got {self.bits!r}")
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise ValueError(f"CaMConfig.group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                             f"got {self.group_size!r}")
 
     def replace(self, **changes) -> "CaMConfig":
         """A copy with some fields changed (validated like a new config)."""

@@ -47,12 +47,18 @@ def weighed_by_votes(mask, bias, queries, keys):
 
     mask: None, "causal" or an array (boolean: True attends; else additive), as mlx-lm
     passes it; bias [B, H, N]: the log of each row's votes per KV head, shared by the
-    Hq / H query heads of its group (query head h * G + g reads KV head h).
+    Hq / H query heads of its group (query head h * G + g reads KV head h). For quantized
+    keys (a triple) the mask stays per KV head [B, H, S, N], as mlx-lm's quantized
+    attention reads it.
     """
     if bias is None:
         return mask
-    s_len, n_keys = queries.shape[2], keys.shape[2]
-    per_query_head = mx.repeat(bias, queries.shape[1] // bias.shape[1], axis=1)[:, :, None, :]
+    quantized = isinstance(keys, tuple)  # a quantized cache's (codes, scales, biases)
+    s_len, n_keys = queries.shape[2], (keys[0] if quantized else keys).shape[2]
+    # mlx-lm's quantized attention groups the query heads [B, H, G, S, N] and reads a mask
+    # [B, H, S, N] per KV head; the fused one reads one per query head.
+    repeats = 1 if quantized else queries.shape[1] // bias.shape[1]
+    per_query_head = mx.repeat(bias, repeats, axis=1)[:, :, None, :]
     if isinstance(mask, str):  # "causal": bottom-right aligned, as mx.fast reads it
         mask = base.create_causal_mask(s_len, n_keys - s_len)
     if mask is None:

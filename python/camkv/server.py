@@ -80,9 +80,8 @@ def kv_bound(caches) -> int:
     bound = 0
     for c in caches:
         if isinstance(c, CaMKVCache) and not c.empty():
-            keys, values = c.keys, c.values
-            per_row = (keys.shape[3] + values.shape[3]) * keys.dtype.size + 8
-            bound += keys.shape[0] * keys.shape[1] * (c.config.budget + c.config.slack) * per_row
+            B, H = c.layout[:2]
+            bound += B * H * (c.config.budget + c.config.slack) * c.row_bytes
     return bound
 
 

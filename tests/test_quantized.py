@@ -1,0 +1,256 @@
+"""Quantized rows (CaMConfig.bits): storage, compression, attention, bytes, save/load, batches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+import camkv
+from camkv import CaMConfig, CaMKVCache, quantized
+from camkv.batch import BatchCaMKVCache
+from tiny_models import tiny_llama
+
+B, H, D = 1, 2, 64
+
+
+def _blocks(n: int, seed: int, dtype=mx.float32):
+    mx.random.seed(seed)
+    return mx.random.normal((B, H, n, D)).astype(dtype), mx.random.normal((B, H, n, D)).astype(dtype)
+
+
+def _decoded(cache, steps: int, seed: int = 1, prompt: int = 40):
+    """Feed a prompt block, then `steps` one-token steps; return each step's attention output
+    [B, H, steps, D] (one random query a step) and the tokens fed, in order."""
+    keys, values = _blocks(prompt + steps, seed)
+    queries = mx.random.normal((B, H, steps, D))
+    cache.update_and_fetch(keys[:, :, :prompt], values[:, :, :prompt])
+    outputs = []
+    for t in range(steps):
+        k, v = cache.update_and_fetch(keys[:, :, prompt + t : prompt + t + 1], values[:, :, prompt + t : prompt + t + 1])
+        q = queries[:, :, t : t + 1]
+        if isinstance(k, tuple):
+            o = quantized_scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=None,
+                                                       group_size=cache.group_size, bits=cache.bits)
+        else:
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=None)
+        outputs.append(o)
+    return mx.concatenate(outputs, axis=2), keys, values
+
+
+def _cache(**fields):
+    return CaMKVCache(**{"budget": 32, "scoring": "key", **fields})
+
+
+# ------------------------------------------------------------------ config
+@pytest.mark.parametrize("fields, words", [
+    ({"bits": 3}, ["bits", "3", "8, 4"]),
+    ({"bits": 16}, ["bits", "16"]),
+    ({"bits": True}, ["bits", "True"]),
+    ({"bits": "4"}, ["bits", "'4'"]),
+    ({"bits": 4, "group_size": 48}, ["group_size", "48", "32, 64, 128"]),
+    ({"group_size": 0}, ["group_size", "0"]),
+])
+def test_bad_bits_and_group_sizes_are_refused_naming_the_value(fields, words):
+    with pytest.raises(ValueError) as err:
+        CaMConfig(**fields)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_a_group_that_does_not_divide_the_head_dimension_is_refused_before_anything_is_held():
+    cache = _cache(bits=4, group_size=128)
+    keys, values = _blocks(8, 0)
+    with pytest.raises(ValueError, match="group_size=128 must divide the key head dimension 64"):
+        cache.update_and_fetch(keys, values)
+    assert cache.empty() and cache.offset == 0 and cache.nbytes == 0
+
+
+def test_config_round_trips_through_json():
+    config = CaMConfig(bits=4, group_size=32)
+    assert CaMConfig.from_json(config.to_json()) == config
+
+
+# ------------------------------------------------------------------ storage and compression
+@pytest.mark.parametrize("bits", [8, 4])
+def test_decode_attends_within_quantization_error_of_the_unquantized_cache(bits):
+    # Recency eviction keeps the same positions either way: what differs is only rounding.
+    plain_out, *_ = _decoded(_cache(eviction="recency", backend="reference"), 90)
+    quant_cache = _cache(eviction="recency", bits=bits, backend="reference")
+    quant_out, *_ = _decoded(quant_cache, 90)
+    assert quant_cache.stats["evictions"] > 0
+    error = mx.abs(quant_out - plain_out).max().item()
+    # One quantization step of a unit normal's range (about 8 / 2^bits) bounds each
+    # channel's rounding; an attention output averages rounded values.
+    assert 0 < error < 8 / 2**bits
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("merge", ["drop", "mass_weighted"])
+def test_a_survivor_keeps_the_codes_it_was_written_with(bits, merge):
+    """Rows that outlive many compressions are the ones rounded once: each held key (and a
+    value no merge touched) dequantizes to its token's key quantized once."""
+    cache = _cache(bits=bits, merge=merge, backend="reference")
+    _, keys, values = _decoded(cache, 200)
+    assert cache.stats["evictions"] > 0
+    held_keys, held_values, _, positions = cache.stored()
+    once = lambda x: mx.dequantize(*mx.quantize(x, group_size=64, bits=bits), group_size=64, bits=bits)
+    p = positions[0, 0]
+    assert mx.array_equal(held_keys[0, 0], once(keys[0, 0][p]))
+    if merge == "drop":
+        assert mx.array_equal(held_values[0, 0], once(values[0, 0][p]))
+    else:
+        assert cache.stats["merges"] > 0
+        # A merged value is its blend quantized once: it is on a quantization grid again.
+        again = once(held_values)
+        assert mx.array_equal(again, held_values) or mx.abs(again - held_values).max().item() < 8 / 2**bits
+
+
+def test_survivor_sources_finds_each_survivor_in_the_rows_before():
+    before = mx.array([[0, 1, 5, 6, 9, 12], [0, 2, 3, 4, 8, 10]], mx.int32)
+    after = mx.array([[0, 6, 12], [3, 4, 10]], mx.int32)
+    assert quantized.survivor_sources(before, after).tolist() == [[0, 3, 5], [2, 3, 5]]
+
+
+# ------------------------------------------------------------------ bytes
+@pytest.mark.parametrize("bits, most", [(4, 0.32), (8, 0.55)])
+def test_quantized_rows_hold_at_most_their_share_of_bf16_rows_at_budget_512(bits, most):
+    held = {}
+    for b in (None, bits):
+        cache = CaMKVCache(budget=512, bits=b, scoring="key", eviction="recency", backend="reference")
+        keys, values = _blocks(600, 0, mx.bfloat16)
+        cache.update_and_fetch(keys, values)
+        cache.stored()
+        assert cache.size() == 512
+        held[b] = cache.nbytes
+        if b is not None:  # nbytes is what the buffers really hold for those rows
+            codes_k, codes_v = cache.keys, cache.values
+            real = sum(a.nbytes for a in (*codes_k, *codes_v)) + 8 * H * cache.size()
+            assert cache.nbytes == real
+    assert held[bits] <= most * held[None]
+
+
+# ------------------------------------------------------------------ attention through a model
+@pytest.fixture
+def model(remove_hooks):
+    model = tiny_llama(heads=4, kv_heads=2, hidden=256, vocab=128)  # head dim 64
+    remove_hooks(model)
+    return model
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 128, n).tolist()
+
+
+def _logprobs(model, cache, prompt, n: int = 12):
+    steps = list(generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=cache))
+    return [int(t) for t, _ in steps], np.stack([np.array(lp) for _, lp in steps])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_model_attends_quantized_rows_scored_by_its_own_queries(model, bits):
+    prompt = _prompt(150)
+    plain = camkv.make_prompt_cache(model, budget=48, eviction="recency")
+    _, expected = _logprobs(model, plain, prompt)
+    cache = camkv.make_prompt_cache(model, budget=48, eviction="recency", bits=bits)
+    assert all(hasattr(c, "bits") for c in cache)  # mlx-lm's quantized attention reads them
+    _, got = _logprobs(model, cache, prompt)
+    stats = cache[0].stats
+    assert stats["query_scored"] == stats["tokens_seen"] and stats["evictions"] > 0
+    gap = np.abs(got - expected).max()
+    assert 0 < gap < {8: 0.05, 4: 1.0}[bits]
+
+
+def test_without_quantized_kernels_rows_are_dequantized_for_attention(model, monkeypatch):
+    """MLX's CUDA build has no quantized attention kernels: the cache hands attention its
+    rows dequantized (forced here on the CPU), which attends as the quantized kernels do."""
+    prompt = _prompt(150)
+    cache = camkv.make_prompt_cache(model, budget=48, bits=8)
+    _, expected = _logprobs(model, cache, prompt)
+    monkeypatch.setattr(quantized, "kernels_here", lambda: False)
+    cache = camkv.make_prompt_cache(model, budget=48, bits=8)
+    assert not hasattr(cache[0], "bits")
+    _, got = _logprobs(model, cache, prompt)
+    keys, values = cache[0].attended()
+    assert isinstance(keys, mx.array) and keys.dtype == mx.float32
+    assert mx.array_equal(keys, mx.dequantize(*cache[0].keys, group_size=64, bits=8))
+    np.testing.assert_allclose(got, expected, atol=1e-3)
+
+
+def test_generate_summary_counts_quantized_bytes(model):
+    from camkv.cli import kv_summary
+
+    prompt = _prompt(150)
+    caches = {bits: camkv.make_prompt_cache(model, budget=48, bits=bits) for bits in (None, 4)}
+    for cache in caches.values():
+        _logprobs(model, cache, prompt, n=2)
+    summary = {bits: kv_summary(cache) for bits, cache in caches.items()}
+    assert summary[4]["full"] == summary[None]["full"]  # a full cache is the model's dtype either way
+    assert summary[4]["held"] == sum(c.nbytes for c in caches[4]) < summary[None]["held"] / 3
+
+
+# ------------------------------------------------------------------ save and load
+def test_saved_quantized_cache_loads_the_same_codes_and_continues_identically(model, tmp_path):
+    prompt = _prompt(121)
+    cache = camkv.make_prompt_cache(model, budget=48, bits=4, group_size=32)
+    model(mx.array(prompt[:-1])[None], cache=cache)
+    path = camkv.save_prompt_cache(str(tmp_path / "q"), cache)
+    loaded = camkv.load_prompt_cache(path)
+    for before, after in zip(cache, loaded):
+        assert after.config == before.config and after.nbytes == before.nbytes
+        for a, b in zip((*before.keys, *before.values), (*after.keys, *after.values)):
+            assert a.dtype == b.dtype and mx.array_equal(a, b)
+    tokens, logprobs = _logprobs(model, cache, prompt[-1:])
+    tokens_loaded, logprobs_loaded = _logprobs(model, loaded, prompt[-1:])
+    assert tokens_loaded == tokens
+    np.testing.assert_allclose(logprobs_loaded, logprobs, atol=1e-6)
+
+
+# ------------------------------------------------------------------ batches
+def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model):
+    prompts = [_prompt(130, 1), _prompt(70, 2)]
+    alone = []
+    for prompt in prompts:
+        cache = camkv.make_prompt_cache(model, budget=32, bits=8)
+        model(mx.array(prompt)[None], cache=cache)
+        alone.append(cache)
+    batch = [BatchCaMKVCache.merge([c[i] for c in alone]) for i in range(len(alone[0]))]
+    assert all(hasattr(layer, "bits") and layer.group_size == 64 for layer in batch)
+    token = mx.array([[5], [9]])
+    steps = 40  # past budget + slack: each row compresses inside the batch
+    for _ in range(steps):
+        logits = model(token, cache=batch)
+        token = mx.argmax(logits[:, -1:], axis=-1)
+    for b, cache in enumerate(alone):
+        row_token = mx.array([[5, 9][b]])[None]
+        for _ in range(steps):
+            logits = model(row_token.reshape(1, 1), cache=cache)
+            row_token = mx.argmax(logits[:, -1:], axis=-1)
+        row = batch[0].extract(b)
+        assert row.stats["evictions"] == cache[0].stats["evictions"] > 0
+        for a, c in zip((*row.keys, *row.values), (*cache[0].keys, *cache[0].values)):
+            assert mx.array_equal(a, c)
+
+
+def test_a_batch_refuses_rows_of_different_bits():
+    rows = [CaMKVCache(bits=8), CaMKVCache(bits=4)]
+    with pytest.raises(ValueError, match="share bits and group_size.*bits=4.*bits=8"):
+        BatchCaMKVCache(rows)
+    batch = BatchCaMKVCache([CaMKVCache(bits=8)])
+    with pytest.raises(ValueError, match="share bits"):
+        batch.extend(BatchCaMKVCache([CaMKVCache()]))
+    assert len(batch) == 1
+
+
+def test_votes_weigh_quantized_attention_per_kv_head(model):
+    """A rule whose rows stand for several tokens (keepkv) has the hook add their log votes
+    to the logits; mlx-lm's quantized attention reads that mask per KV head (GQA 4 on 2)."""
+    prompt = _prompt(150)
+    plain = camkv.make_prompt_cache(model, budget=48, merge="keepkv")
+    _, expected = _logprobs(model, plain, prompt)
+    cache = camkv.make_prompt_cache(model, budget=48, merge="keepkv", bits=8)
+    _, got = _logprobs(model, cache, prompt)
+    assert cache[0].stats["merges"] > 0
+    assert np.abs(got - expected).max() < 0.1  # rounding, and the evictions it moves
