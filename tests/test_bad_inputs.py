@@ -130,6 +130,10 @@ GENERATE_CASES = {
     "unknown flag": (["--kv-bitz", "4"], ["unrecognized arguments: --kv-bitz 4"]),
     "kv bits unknown": (["--kv-bits", "3"], ["--kv-bits", "3", "8, 4"]),
     "kv group size unknown": (["--kv-bits", "4", "--kv-group-size", "48"], ["--kv-group-size", "48", "32, 64, 128"]),
+    "kv bytes not a count": (["--kv-bytes", "64XB"], ["--kv-bytes", "'64XB'", "MiB"]),
+    "kv bytes zero": (["--kv-bytes", "0"], ["--kv-bytes", "at least 1", "'0'"]),
+    "kv bytes and budget": (["--kv-bytes", "1MiB", "--kv-budget", "64"], ["--kv-bytes '1MiB'", "--kv-budget"]),
+    "kv bytes and full cache": (["--kv-bytes", "1MiB", "--full-cache"], ["--kv-bytes '1MiB'", "--full-cache"]),
 }
 
 
@@ -248,6 +252,8 @@ def test_a_corrupt_gguf_header_is_an_error_not_a_crash(files):
     (["demo", "--prompt-tokens", "0"], ["--prompt-tokens", ">= 1", "0"]),
     (["demo", "--kv-budget", "2"], ["--kv-budget", "2"]),
     (["serve", "--kv-bits", "5"], ["--kv-bits", "5", "8, 4"]),
+    (["serve", "--kv-bytes", "many"], ["--kv-bytes", "'many'"]),
+    (["serve", "--kv-bytes", "1MiB", "--kv-budget", "64"], ["--kv-bytes '1MiB'", "--kv-budget"]),
     (["serve", "--kv-bits=8", "--quantized-kv-start", "0"], ["--quantized-kv-start", "from the first token"]),
     (["serve", "--full-cache"], ["--full-cache", "mlx_lm.server"]),
     (["serve", "--kv-merge", "blend"], ["--kv-merge", "'blend'"]),

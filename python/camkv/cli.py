@@ -46,6 +46,10 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
             is_int = field.type.startswith("int")
             kwargs.update(type=int if is_int else str, metavar="N" if is_int else "NAME")
         group.add_argument("--kv-" + meta["flag"], **kwargs)
+    group.add_argument("--kv-bytes", metavar="BYTES",
+                       help="most bytes one layer's cache may hold (all its KV heads; a count or "
+                            "e.g. 64MiB): chooses each layer's budget for its head shape, 4-bit "
+                            "unless --kv-bits says otherwise (docs/kv-bytes.md); not with --kv-budget")
     group.add_argument("--full-cache", action="store_true",
                        help="use mlx-lm's ordinary full KV cache instead of camkv, to compare; "
                             "refused together with --kv-* flags (default: camkv's cache)")
@@ -203,6 +207,12 @@ def kv_fields(args: argparse.Namespace) -> dict:
 def _kv_fields_to_run(args: argparse.Namespace) -> dict:
     """kv_fields for the cache that runs, saying once on stderr when the merge rule is retired."""
     fields = kv_fields(args)
+    if getattr(args, "kv_bytes", None) is not None:
+        from .byte_budget import DEFAULT_BITS
+
+        del fields["budget"]  # --kv-bytes chooses it
+        if "kv_bits" not in args.explicit_kv:
+            fields["bits"] = DEFAULT_BITS
     retired = merges.rule(fields["merge"]).retired
     if retired:
         print(f"camkv: --kv-merge {fields['merge']!r} is retired ({retired}); running it as an experiment",
@@ -222,7 +232,7 @@ def make_cache(model, args: argparse.Namespace) -> list:
         return make_prompt_cache(model)
     import camkv
 
-    return camkv.make_prompt_cache(model, **_kv_fields_to_run(args))
+    return camkv.make_prompt_cache(model, kv_bytes=args.kv_bytes, **_kv_fields_to_run(args))
 
 
 def read_prompt_cache(path: str) -> tuple[list, dict]:
@@ -392,6 +402,7 @@ def format_prompt(tokenizer, prompt: str, mode: str, system: str | None):
 
 def _check_kv_flags(parser, args) -> None:
     """Build the CaMConfig once up front so bad flag values fail before any model loads."""
+    _check_kv_bytes(parser, args)
     if getattr(args, "full_cache", True):  # no camkv flags (bench), or mlx-lm's own cache
         return
     try:
@@ -404,6 +415,24 @@ def _check_kv_flags(parser, args) -> None:
         usable_config(config)
     except ValueError as err:
         parser.error(f"--kv-backend {args.kv_backend!r}: {err}")
+
+
+def _check_kv_bytes(parser, args) -> None:
+    """--kv-bytes: a byte count, and not with the flags it would contradict."""
+    value = getattr(args, "kv_bytes", None)
+    if value is None:
+        return
+    from .byte_budget import parse_bytes
+
+    try:
+        parse_bytes(value)
+    except ValueError as err:
+        parser.error(str(err).replace("kv_bytes", "--kv-bytes", 1))
+    for flag, clash in (("kv_budget" in args.explicit_kv, "--kv-budget (--kv-bytes chooses the budget)"),
+                        (getattr(args, "full_cache", False), "--full-cache (mlx-lm's own cache has no byte budget)"),
+                        (getattr(args, "prompt_cache_file", None), "--prompt-cache-file (its settings are used)")):
+        if flag:
+            parser.error(f"--kv-bytes {value!r} cannot be given with {clash}")
 
 
 def explicit_kv_flags(words: list[str]) -> list[str]:
@@ -654,6 +683,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget_words(args, prompt_cache: list) -> str:
+    """The demo's cache in words: its budget (and bits), chosen by --kv-bytes or given."""
+    from .cache import CaMKVCache
+
+    config = next(c.config for c in prompt_cache if isinstance(c, CaMKVCache))
+    bits = "" if config.bits is None else f", {config.bits}-bit"
+    chosen = "" if args.kv_bytes is None else f" (from --kv-bytes {args.kv_bytes})"
+    return f"budget {config.budget}{bits}{chosen}"
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -671,7 +710,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     mx.reset_peak_memory()
     print(f"camkv demo: random llama ({len(model.layers)} layers, {model.args.num_attention_heads} "
           f"query heads on {model.args.num_key_value_heads} KV heads), prompt of "
-          f"{args.prompt_tokens} tokens, {'full cache' if args.full_cache else f'budget {args.kv_budget}'}",
+          f"{args.prompt_tokens} tokens, {'full cache' if args.full_cache else _budget_words(args, prompt_cache)}",
           file=sys.stderr)
     start = time.perf_counter()
     steps = generate_step(prompt, model, max_tokens=args.max_tokens, sampler=sampler,
@@ -698,7 +737,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     path = models.resolve(args.model)
     serve(["--model", path, *args.server_argv], CaMConfig(**_kv_fields_to_run(args)), name=args.model,
-          allow_past_context=args.allow_past_context, prefill_round_tokens=args.prefill_round_tokens)
+          allow_past_context=args.allow_past_context, prefill_round_tokens=args.prefill_round_tokens,
+          kv_bytes=args.kv_bytes)
     return 0
 
 

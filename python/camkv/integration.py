@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 from mlx_lm.models.cache import KVCache
 
-from . import backends, hook, merges
+from . import backends, byte_budget, hook, merges
 from .cache import CaMKVCache
 from .config import UINT32_MAX, CaMConfig, resolve_config
 from .distributed import ShardInfo, kv_bytes, local_kv_heads, shard_info  # kv_bytes: cli.py's name for it
@@ -24,7 +24,8 @@ def _model_default_cache(model) -> list:
     return [KVCache() for _ in model.layers]
 
 
-def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
+def make_prompt_cache(model, config: CaMConfig | None = None, *, kv_bytes: int | str | None = None,
+                      **fields) -> list:
     """The model's cache list with each plain full-attention KVCache replaced by a CaMKVCache.
 
     Layer i gets seed = base seed + i (mod 2^32). On a model sharded over processes
@@ -34,19 +35,31 @@ def make_prompt_cache(model, config: CaMConfig | None = None, **fields) -> list:
     (the default), or a merge rule that weighs rows by their votes (keepkv), the attention hook
     is installed in the model's modules; camkv.remove(model) takes it out again once the caches
     are done with.
+
+    kv_bytes (an int, or a string like "64MiB"): the most one layer may hold, all its KV
+    heads together; each layer's budget (and quantization group) is chosen for its head
+    shape, 4-bit unless bits= or config says otherwise (camkv.byte_budget,
+    docs/kv-bytes.md). budget= cannot be given with it.
     """
     check_model(model)
-    base = usable_config(config, fields)
-    hooked = hook.install(model) if needs_hook(base) else None
+    base = usable_config(config, byte_budget.fields_for(config, fields, kv_bytes))
     caches = _model_default_cache(model)
-    model_type = getattr(getattr(model, "args", None), "model_type", None)
     shards = shard_info(model)
-    for i, cache in enumerate(caches):
-        if type(cache) is KVCache:
-            caches[i] = _camkv_cache(model, i, base, shards)
-            caches[i].model_type = model_type
-            caches[i].hook_modules = hooked
+    layer_configs = _layer_configs(model, caches, base, kv_bytes, shards)  # refused here, before the hook
+    hooked = hook.install(model) if needs_hook(base) else None
+    model_type = getattr(getattr(model, "args", None), "model_type", None)
+    for i, layer_config in layer_configs.items():
+        caches[i] = _camkv_cache(model, i, layer_config, shards)
+        caches[i].model_type = model_type
+        caches[i].hook_modules = hooked
     return caches
+
+
+def _layer_configs(model, caches: list, base: CaMConfig, kv_bytes, shards: ShardInfo) -> dict:
+    """Layer index -> the config of each layer camkv takes over (a plain KVCache): base, or
+    with kv_bytes the budget chosen for that layer's heads (ValueError when none fits)."""
+    return {i: base if kv_bytes is None else byte_budget.for_layer(model, i, base, kv_bytes, shards)
+            for i, cache in enumerate(caches) if type(cache) is KVCache}
 
 
 def check_model(model) -> None:
@@ -85,21 +98,23 @@ def _camkv_cache(model, i: int, base: CaMConfig, shards: ShardInfo) -> CaMKVCach
     )
 
 
-def apply(model, config: CaMConfig | None = None, **fields):
+def apply(model, config: CaMConfig | None = None, *, kv_bytes: int | str | None = None, **fields):
     """Make `model.make_cache` build camkv caches, so mlx_lm.generate and friends use them.
 
     Returns the model. With scoring="query" (the default), or a rule that weighs rows by
     their votes, the attention hook goes in now, so caches built elsewhere
     (camkv.load_prompt_cache) get what it hands over too. Undo both with `camkv.remove(model)`, or use `camkv.applied(...)` as a
-    context manager.
+    context manager. kv_bytes: a byte budget per layer, as make_prompt_cache's.
     """
     check_model(model)
-    base = usable_config(config, fields)
+    base = usable_config(config, byte_budget.fields_for(config, fields, kv_bytes))
+    if kv_bytes is not None:  # a byte budget no layer fits fails now, not at each request
+        _layer_configs(model, _model_default_cache(model), base, kv_bytes, shard_info(model))
     if needs_hook(base):
         hook.install(model)
     if not hasattr(model, _ORIGINAL):
         object.__setattr__(model, _ORIGINAL, getattr(model, "make_cache", None))
-    object.__setattr__(model, "make_cache", lambda: make_prompt_cache(model, base))
+    object.__setattr__(model, "make_cache", lambda: make_prompt_cache(model, base, kv_bytes=kv_bytes))
     return model
 
 

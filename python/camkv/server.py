@@ -27,18 +27,20 @@ def _announce(model, config: CaMConfig) -> None:
 
     def make_and_log():
         caches = make()
-        ours = sum(isinstance(c, CaMKVCache) for c in caches)
-        print(f"camkv: request cache has {ours}/{len(caches)} CaMKVCache layers "
-              f"(budget={config.budget}, merge={config.merge}, scoring={config.scoring})", file=sys.stderr, flush=True)
+        ours = [c for c in caches if isinstance(c, CaMKVCache)]
+        first = ours[0].config if ours else config  # a byte budget chooses each layer's budget
+        print(f"camkv: request cache has {len(ours)}/{len(caches)} CaMKVCache layers "
+              f"(budget={first.budget}, bits={first.bits}, merge={first.merge}, scoring={first.scoring})",
+              file=sys.stderr, flush=True)
         return caches
 
     object.__setattr__(model, "make_cache", make_and_log)
 
 
-def _with_camkv(loader, config: CaMConfig):
+def _with_camkv(loader, config: CaMConfig, kv_bytes=None):
     def load_and_apply(*args, **kwargs):
         loaded = loader(*args, **kwargs)
-        apply(loaded[0], config)
+        apply(loaded[0], config, kv_bytes=kv_bytes)
         _announce(loaded[0], config)
         return loaded
 
@@ -238,18 +240,19 @@ def _checking_tokenizer(generator_class, allow_past_context: bool):
 
 
 def serve(server_argv: list[str], config: CaMConfig, name: str, allow_past_context: bool = False,
-          prefill_round_tokens: int = PREFILL_ROUND_TOKENS) -> None:
+          prefill_round_tokens: int = PREFILL_ROUND_TOKENS, kv_bytes=None) -> None:
     """Run mlx_lm.server with the given arguments (see `mlx_lm.server --help`) and camkv caches.
 
     server_argv holds --model with the model's path; name is what requests and
     GET /v1/models call it. A prompt past the model's context is refused (a 400) unless
     allow_past_context; at most prefill_round_tokens prompt tokens are prefilled per
-    scheduling round, between decode steps.
+    scheduling round, between decode steps. kv_bytes: a byte budget per layer
+    (camkv.make_prompt_cache's), which chooses each layer's budget.
     """
     from mlx_lm import server
 
-    server.load = _with_camkv(server.load, config)
-    server.sharded_load = _with_camkv(server.sharded_load, config)
+    server.load = _with_camkv(server.load, config, kv_bytes)
+    server.sharded_load = _with_camkv(server.sharded_load, config, kv_bytes)
     server.ModelProvider = _serve_under(name, server.ModelProvider)
     server.APIHandler.handle_models_request = _list_served_model(name)
     _checking_handler(server.APIHandler)
