@@ -221,8 +221,9 @@ def test_rows_held_stay_within_budget_plus_slack_and_state_round_trips():
     # Held between calls: budget .. budget + slack; the compressing step attends over one more.
     assert (min(held), max(held), max(fetched)) == (32, 36, 37)
     assert cache.nbytes == 2 * cache.size() * (8 * 4 * 2 + 8)
-    state = cache.state  # scores the pending tokens
+    cache.compress_pending()  # scores the pending tokens, as camkv.save_prompt_cache does
     assert cache.size() <= cfg.budget
+    state = cache.state
     loaded = CaMKVCache()
     loaded.state = state
     for a, b in zip(loaded.stored(), cache.stored()):

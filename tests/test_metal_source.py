@@ -92,7 +92,8 @@ def captured(monkeypatch):
 
 def _drive(cfg: CaMConfig, batch: int, heads: int, dtype, rng) -> None:
     """A multi-turn chat on one layer: a prompt, decode steps past two compressions, a
-    one-token prompt, more decode steps, the state read with a token pending."""
+    one-token prompt, more decode steps, the pending tokens compressed (as saving does)
+    and the state read."""
     cache = CaMKVCache(cfg)
     groups, k_dim, v_dim = 2, 16, 16
 
@@ -106,6 +107,7 @@ def _drive(cfg: CaMConfig, batch: int, heads: int, dtype, rng) -> None:
 
     for s_len in [40] + [1] * (2 * cfg.slack + 4) + [1] + [1] * (cfg.slack + 2):
         feed(s_len)
+    cache.compress_pending()
     mx.eval(cache.state)
 
 

@@ -273,8 +273,10 @@ def test_the_cache_scores_prompt_blocks_by_the_window_and_decode_steps_by_every_
                        observation_window=4, pool=3, merge="window", gate=True, backend="reference")
     blocks = _blocks([prompt] + [1] * 23)
     whole = _feed_cache(CaMKVCache(window), blocks)
-    # The prompt alone, compressed (reading state compresses), then continued causally.
-    saved = _feed_cache(CaMKVCache(window), blocks[:1]).state
+    # The prompt alone, compressed, then continued causally.
+    prompt_only = _feed_cache(CaMKVCache(window), blocks[:1])
+    prompt_only.compress_pending()
+    saved = prompt_only.state
     meta = json.loads(saved[5])
     meta["config"].update(prefill_scoring="causal", pool=1)
     causal = CaMKVCache()
@@ -316,6 +318,8 @@ def test_a_pending_span_of_several_prompt_blocks_is_scored_by_its_last_queries(
     pieces = _feed_with_queries(CaMKVCache(cfg), sizes)
     assert pieces._pending.kept().shape[2] == min(observation_window, sum(sizes))
     whole = _feed_with_queries(CaMKVCache(cfg), [sum(sizes)])
+    pieces.compress_pending()
+    whole.compress_pending()
     for x, y in zip(pieces.state[:4], whole.state[:4]):
         assert mx.allclose(x, y, rtol=1e-5, atol=1e-6).item()
     assert pieces.size() == whole.size() == cfg.budget

@@ -10,14 +10,16 @@ where the rule keeps them, as its state holds them), its counters and the tokens
 generated are recorded.
 
 tests/data/states-identity.npz holds what the code recorded (regenerate it only for a
-deliberate change of behaviour, and say so in docs/algorithm.md):
+deliberate change of behaviour, and say so in docs/algorithm.md), every run, or only the
+runs named (NAME-BACKEND, as the test ids), the others kept as recorded:
 
-    python tests/test_state_identity.py --record tests/data/states-identity.npz
+    python tests/test_state_identity.py --record tests/data/states-identity.npz [RUN ...]
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +39,12 @@ from tiny_models import byte_tokenizer, tiny_llama  # noqa: E402
 FIXTURE = Path(__file__).resolve().parent / "data" / "states-identity.npz"
 DIGEST_ABOVE = 256  # arrays of more elements are recorded by digest
 STEP = 48  # prefill step: the first prompt is prefilled in several chunks
+# The state's items about rows not scored yet (none once compress_pending ran); the
+# meta recorded is the rest.
+PENDING_META = ("settled", "pending", "windowed", "waiting")
+# Config fields added since the fixture was recorded, at the defaults every scenario
+# runs with: a saved config holds them, the recorded meta does not.
+NEWER_CONFIG = {"bits": None, "group_size": 64}
 
 # name -> (config fields, model dtype). Rules the kernels run are recorded on both
 # backends; the reference-only rules (votes, thresholds) on the reference.
@@ -92,10 +100,17 @@ def _layer_record(cache, prefix: str, out: dict) -> None:
 
 
 def _state_record(caches, prefix: str, out: dict) -> None:
-    """Every layer's saved state (what save_prompt_cache writes) under prefix."""
+    """Every layer's saved state (what camkv.save_prompt_cache writes: the pending rows
+        compressed first) under prefix."""
     for i, cache in enumerate(caches):
+        cache.compress_pending()
         state = cache.state
-        out[f"{prefix}/{i}/meta"] = np.frombuffer(state[5].encode(), np.uint8)
+        meta = json.loads(state[5])
+        pending = {k: meta.pop(k) for k in PENDING_META}  # what a compressed cache's say, checked here
+        assert pending == {"settled": cache.size(), "pending": None, "windowed": pending["windowed"], "waiting": 0}
+        newer = {k: meta["config"].pop(k) for k in NEWER_CONFIG}
+        assert newer == NEWER_CONFIG
+        out[f"{prefix}/{i}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
         for name, a in zip(("keys", "values", "scores", "positions", "merges", "", "votes", "threshold"), state):
             if name and a is not None:
                 _put(out, f"{prefix}/{i}/{name}", a)
@@ -208,12 +223,26 @@ def test_stored_states_are_bit_identical_to_the_recorded_ones(name, backend):
     assert not differing, f"{name} on {backend}: {len(differing)} records differ, first {differing[:5]}"
 
 
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "--record":
-        sys.exit("usage: python tests/test_state_identity.py --record FILE.npz")
+def _record(path: Path, only: list[str]) -> None:
+    """Record every run into path, or only the runs named, keeping path's other runs."""
+    ids = [f"{n}-{b}" for n, b in runs()]
+    unknown = sorted(set(only) - set(ids))
+    if unknown:
+        sys.exit(f"unknown runs {unknown}; known: {ids}")
     everything = {}
-    for name, backend in runs():
-        everything.update({f"{name}-{backend}|{k}": v for k, v in record_run(name, backend).items()})
+    if only:
+        with np.load(path) as kept:
+            everything = {k: kept[k] for k in kept.files if k.split("|", 1)[0] not in only}
+    for (name, backend), run in zip(runs(), ids):
+        if only and run not in only:
+            continue
+        everything.update({f"{run}|{k}": v for k, v in record_run(name, backend).items()})
         print(f"recorded {name} on {backend}", flush=True)
-    Path(sys.argv[2]).parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(sys.argv[2], **everything)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **everything)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] != "--record":
+        sys.exit("usage: python tests/test_state_identity.py --record FILE.npz [NAME-BACKEND ...]")
+    _record(Path(sys.argv[2]), sys.argv[3:])

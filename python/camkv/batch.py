@@ -242,9 +242,10 @@ class BatchCaMKVCache(_BaseCache):
 
     @property
     def state(self):
-        """Every row's state (reading it scores the rows' pending tokens, as a lone
-        CaMKVCache's does, so mlx-lm's mx.eval of it after each prompt chunk runs the same
-        compressions as when the request runs alone)."""
+        """Every row's state (CaMKVCache.state: reading it compresses nothing, so mlx-lm's
+        mx.eval of it after each prompt chunk leaves every row's schedule as when its
+        request runs alone). Rows lent to the decode rectangles take their buffers back
+        first (their rows and pending queries unchanged)."""
         return [row.state for row in self.rows]
 
     def __deepcopy__(self, memo):

@@ -135,21 +135,36 @@ class RowBuffers:
         self.held = self.settled = scores.shape[1]
         self.pending_start = next_position
 
-    def load(self, keys, values, scores, positions, votes, threshold, next_position: int) -> None:
+    def load(self, keys, values, scores, positions, votes, threshold, next_position: int,
+             settled: int | None = None) -> None:
         """Hold saved rows (keys [B, H, n, Dk], values, scores, positions, votes [B, H, n]
-        and threshold [B, H] or None), all scored; the next token at next_position."""
+        and threshold [B, H] or None, as held_rows and rule_state give them), the first
+        `settled` (all by default) scored and the rest pending (the scores, positions and
+        votes pending rows have); the next token at next_position."""
         B, H, n, _ = keys.shape
         R = B * H
+        settled = n if settled is None else settled
         self.settle(RowState(
             keys.reshape(R, n, -1), values.reshape(R, n, -1),
-            scores.reshape(R, n).astype(mx.float32), positions.reshape(R, n).astype(mx.int32),
-            None if votes is None else votes.reshape(R, n).astype(mx.float32),
+            scores.reshape(R, n)[:, :settled].astype(mx.float32),
+            positions.reshape(R, n)[:, :settled].astype(mx.int32),
+            None if votes is None else votes.reshape(R, n)[:, :settled].astype(mx.float32),
             None if threshold is None else threshold.reshape(R).astype(mx.float32),
-        ), next_position, B, H)
+        ), next_position - (n - settled), B, H)
+        self.appended_elsewhere(n - settled)
+
+    def held_rows(self, B: int, H: int) -> tuple:
+        """(keys, values, scores, positions) of the rows held [B, H, held, ...], the pending
+        rows' score 0 (nothing changes)."""
+        rows = self.rows()
+        keys, values = self.held_arrays(self.held)
+        return keys, values, rows.scores.reshape(B, H, -1), rows.positions.reshape(B, H, -1)
 
     def rule_state(self, B: int, H: int) -> tuple:
-        """(votes [B, H, held], threshold [B, H]) of a rule that keeps them (None where not)."""
-        return (None if self.votes is None else self.votes.reshape(B, H, -1),
+        """(votes [B, H, held], threshold [B, H]) of a rule that keeps them (None where not);
+        a pending row's vote is 1 (it stands for its own token)."""
+        votes = None if self.votes is None else self.rows().votes
+        return (None if votes is None else votes.reshape(B, H, -1),
                 None if self.threshold is None else self.threshold.reshape(B, H))
 
     def arrays(self) -> list[mx.array]:

@@ -352,17 +352,27 @@ class CaMKVCache(BatchRow, _BaseCache):
     # ------------------------------------------------------------------ state
     @property
     def state(self):
-        """(keys, values, scores, positions, merges, meta JSON), then (votes [B, H, n],
-        threshold [B, H]) for a merge rule that keeps them (None where it keeps only one, or
-        while empty). Reading it first scores the pending tokens (a compression, evicting
-        back to the budget when more are held), so a saved cache holds only scored rows."""
-        self.flush_pending()
-        self._compress()
+        """(keys, values, scores, positions, merges, meta JSON) of every row held [B, H, n],
+        then (votes [B, H, n], threshold [B, H]) for a merge rule that keeps them (None
+        where it keeps only one, or while empty), then, while some are kept, the pending
+        rows' queries [B, Hq, k, Dk] (with None for the rule's items where it keeps none).
+
+        Reading it changes nothing (mlx-lm evaluates every cache's state after each prompt
+        chunk; docs/algorithm.md section 7): the rows held since the last compression are
+        in it unscored (score 0; meta "settled" counts the scored ones, "pending" says how
+        the rest will be scored, "waiting" how many wait for their queries), so a cache
+        loaded from it goes on exactly as this one. camkv.save_prompt_cache compresses
+        first (compress_pending), so its files hold only scored rows."""
         meta = {"offset": self.offset, "config": json.loads(self._config.to_json()),
                 "head_offset": self._head_offset, "n_heads_global": self._n_heads_global,
-                "evictions": self._evictions, "query_scored": self._query_scored}
-        arrays = (None,) * 4 if self._rows.keys is None else self.stored()
-        return (*arrays, self._total_merges(), json.dumps(meta)) + self._rule_state()
+                "evictions": self._evictions, "query_scored": self._query_scored,
+                "settled": self._rows.settled, "pending": self._pending.kind,
+                "windowed": self._pending.windowed, "waiting": self._waiting}
+        arrays = (None,) * 4 if self._rows.keys is None else self._rows.held_rows(*self._layout[:2])
+        queries = self._pending.peek()
+        rule_state = self._rule_state()
+        tail = rule_state if queries is None else (*(rule_state or (None, None)), queries)
+        return (*arrays, self._merges_so_far(), json.dumps(meta)) + tail
 
     def _rule_state(self) -> tuple:
         """The state items of a merge rule that keeps votes or a threshold (none otherwise)."""
@@ -370,6 +380,15 @@ class CaMKVCache(BatchRow, _BaseCache):
         if not (rule.keeps_votes or rule.moving_threshold):
             return ()
         return (None, None) if self._layout is None else self._rows.rule_state(*self._layout[:2])
+
+    def compress_pending(self) -> None:
+        """Score the tokens held since the last compression now, as one chunk (a block that
+        waits for its queries is scored with its keys first, with its warning), evicting
+        back to the budget when more are held: an early compression (docs/algorithm.md
+        section 7). camkv.save_prompt_cache calls it, so a saved file holds at most budget
+        rows, all scored, and no queries."""
+        self.flush_pending()
+        self._compress()
 
     @state.setter
     def state(self, v) -> None:
@@ -387,11 +406,16 @@ class CaMKVCache(BatchRow, _BaseCache):
         if keys is None:
             return
         B, H, n, Dk, Dv, dtype = quantized.saved_layout(keys, values, config)
-        if n > config.budget:
-            raise ValueError(f"a saved CaMKVCache holds {n} rows, more than its budget {config.budget}")
+        # Files of older versions hold only scored rows and none of the pending ones' items.
+        settled, waiting = meta.get("settled", n), meta.get("waiting", 0)
+        cache_input.check_saved_rows(n, settled, waiting, config)
         self._layout = (B, H, Dk, Dv, dtype)
         rule_state = tuple(v[6:8]) + (None,) * (8 - max(6, len(v)))  # absent for most rules
-        self._rows.load(keys, values, scores, positions, *rule_state, next_position=self.offset)
+        self._rows.load(keys, values, scores, positions, *rule_state, next_position=self.offset, settled=settled)
+        pending = meta.get("pending")
+        self._pending.restore(KEY_SCORED if pending == KEY_SCORED else pending, meta.get("windowed", False),
+                              v[8] if len(v) > 8 else None)
+        self._waiting = waiting
 
     # ------------------------------------------------------------------ rows
     def votes_bias(self) -> mx.array | None:
@@ -490,11 +514,15 @@ class CaMKVCache(BatchRow, _BaseCache):
             self._backend_for = (key, backends.resolve(self._config.backend, self._config.merge))
         return self._backend_for[1]
 
+    def _merges_so_far(self) -> mx.array:
+        """Merges so far (a scalar), the per-call counts added, nothing folded."""
+        if not self._merge_counts:
+            return self._merges
+        return self._merges + mx.concatenate(self._merge_counts).sum()
+
     def _total_merges(self) -> mx.array:
         """Merges so far (a scalar), folding in the per-call counts."""
-        if self._merge_counts:
-            self._merges = self._merges + mx.concatenate(self._merge_counts).sum()
-            self._merge_counts = []
+        self._merges, self._merge_counts = self._merges_so_far(), []
         return self._merges
 
     # ------------------------------------------------------------------ warnings

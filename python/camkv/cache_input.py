@@ -63,6 +63,20 @@ def check_block(keys, values, layout: tuple | None, head_offset: int, n_heads_gl
         )
 
 
+def check_saved_rows(held: int, settled: int, waiting: int, cfg) -> None:
+    """A saved state's row counts: at most budget scored rows, then pending ones (those a
+    call left within budget + slack, and a block waiting for its queries after them)."""
+    if not 0 <= settled <= cfg.budget:
+        raise ValueError(f"a saved CaMKVCache has {settled} scored rows; it can hold 0 to its budget "
+                         f"{cfg.budget}")
+    if not 0 <= waiting <= held - settled:
+        raise ValueError(f"a saved CaMKVCache has {waiting} rows waiting for their queries; it holds "
+                         f"{held - settled} pending rows")
+    if held - waiting > cfg.budget + cfg.slack:
+        raise ValueError(f"a saved CaMKVCache holds {held - waiting} rows besides those waiting for their "
+                         f"queries, more than its budget + slack = {cfg.budget} + {cfg.slack}")
+
+
 def check_queries(shape, B: int, H: int, S: int) -> None:
     """Reject queries [B, Hq, S, Dk] that do not belong to the block waiting for them."""
     if len(shape) != 4 or shape[0] != B or shape[2] != S:

@@ -85,10 +85,21 @@ class PendingChunk:
         """The kept queries as one array [B, Hq, k, Dk] (None when none): the decode
         steps' joined onto the buffer in one operation."""
         if self._steps:
-            parts = ([] if self._buffer is None else [self._buffer]) + self._steps
-            self._buffer = mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-            self._steps = []
+            self._buffer, self._steps = self.peek(), []
         return self._buffer
+
+    def peek(self) -> mx.array | None:
+        """What kept() returns, without joining the kept steps (nothing changes)."""
+        parts = ([] if self._buffer is None else [self._buffer]) + self._steps
+        if len(parts) > 1:
+            return mx.concatenate(parts, axis=2)
+        return parts[0] if parts else None
+
+    def restore(self, kind, windowed: bool, queries: mx.array | None) -> None:
+        """Pending tokens of a saved state: their kind, whether prompt blocks, the kept
+        queries [B, Hq, k, Dk] (None when none are kept)."""
+        self.kind, self.windowed = kind, windowed
+        self._buffer, self._steps = queries, []
 
     def release(self) -> None:
         """After a compression (or lent to a batch): the kept queries go."""

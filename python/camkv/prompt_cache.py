@@ -1,8 +1,11 @@
 """Save and load prompt caches that hold camkv layers, in mlx-lm's safetensors format.
 
-Saving needs nothing new: mlx-lm's ``save_prompt_cache`` writes each layer's
-``state`` and class name, and CaMKVCache's state is arrays plus a JSON string,
-which it serializes. Loading is the problem: ``mlx_lm.models.cache.load_prompt_cache``
+mlx-lm's ``save_prompt_cache`` writes each layer's ``state`` and class name, and
+CaMKVCache's state is arrays plus a JSON string, which it serializes; the state holds
+the rows not scored yet with what scoring them needs, so a file mlx-lm saves loads
+into a cache that goes on exactly as the saved one. ``camkv.save_prompt_cache``
+compresses those rows first (CaMKVCache.compress_pending), so its files hold at most
+budget rows per layer, all scored, and no queries. Loading is the problem: ``mlx_lm.models.cache.load_prompt_cache``
 finds each class by name in its own module's globals, so it cannot find
 ``CaMKVCache`` (a KeyError). ``camkv.load_prompt_cache`` reads the same file and
 looks classes up in mlx-lm's cache module and in camkv.
@@ -37,7 +40,9 @@ def saved_path(file_name: str) -> str:
 def save_prompt_cache(file_name: str, cache: list, metadata: dict | None = None) -> str:
     """mlx-lm's save_prompt_cache, checked first: cache must be a list of cache layers
     (TypeError), metadata a dict of strings (TypeError), and the file's folder must exist
-    and be writable (ValueError), so nothing is half written. Returns the path written
+    and be writable (ValueError), so nothing is half written. Then every CaMKVCache layer
+    compresses its pending rows (compress_pending: the cache itself changes, as by an
+    early compression) and the file holds only scored rows. Returns the path written
     (file_name, with .safetensors appended when it lacks it, as MLX does)."""
     _check_layers(cache)
     if metadata is not None and not (isinstance(metadata, dict) and all(
@@ -51,6 +56,9 @@ def save_prompt_cache(file_name: str, cache: list, metadata: dict | None = None)
         raise ValueError(f"cannot save a prompt cache to {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"cannot save a prompt cache to {path}: the folder {folder} is not writable")
+    for layer in cache:
+        if isinstance(layer, CaMKVCache):
+            layer.compress_pending()
     try:
         _mlx_save_prompt_cache(str(path), cache, metadata or {})
     except (RuntimeError, OSError) as err:  # what os.access cannot tell (root, /proc, a full disk)
