@@ -119,3 +119,18 @@ def test_apply_and_the_server_loader_build_caches_of_the_byte_budget(model):
     expected = byte_budget.choose("64KiB", CaMConfig(bits=4), 2, 64, 64, 4)
     assert [c.config for c in model.make_cache()] == [expected.replace(seed=i) for i in range(2)]
     camkv.remove(model)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_sharded_ranks_choose_the_unsharded_budget(rank, remove_hooks):
+    """The bytes are the layer's, all its heads: every rank of a split chooses the budget an
+    unsharded run does (the rows then match the unsharded run's), holding half the bytes."""
+    from test_distributed import FakeGroup
+
+    whole = tiny_llama(heads=8, kv_heads=4, hidden=512)  # head dim 64
+    remove_hooks(whole)
+    expected = camkv.make_prompt_cache(whole, kv_bytes="64KiB")[0].config
+    sharded = tiny_llama(heads=8, kv_heads=4, hidden=512)
+    remove_hooks(sharded)
+    sharded.shard(FakeGroup(rank, 2))
+    assert camkv.make_prompt_cache(sharded, kv_bytes="64KiB")[0].config == expected

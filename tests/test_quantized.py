@@ -254,3 +254,32 @@ def test_votes_weigh_quantized_attention_per_kv_head(model):
     _, got = _logprobs(model, cache, prompt)
     assert cache[0].stats["merges"] > 0
     assert np.abs(got - expected).max() < 0.1  # rounding, and the evictions it moves
+
+
+# ------------------------------------------------------------------ sharding
+def test_a_shard_of_the_heads_stores_what_the_whole_cache_stores_for_them():
+    """Tensor sharding splits the KV heads over ranks; a row is quantized on its own (groups
+    run along a head's channels), so a rank holding heads 2..3 of 4 holds their codes."""
+    mx.random.seed(3)
+    keys, values = mx.random.normal((1, 4, 90, D)), mx.random.normal((1, 4, 90, D))
+    fields = dict(budget=32, scoring="key", bits=4, merge="mass_weighted", gate=True, backend="reference")
+    whole, half = CaMKVCache(**fields), CaMKVCache(**fields, head_offset=2, n_heads_global=4)
+    for t in range(0, 90, 10):
+        whole.update_and_fetch(keys[:, :, t : t + 10], values[:, :, t : t + 10])
+        half.update_and_fetch(keys[:, 2:, t : t + 10], values[:, 2:, t : t + 10])
+    assert whole.stats["merges"] > 0
+    for a, b in zip((*whole.keys, *whole.values), (*half.keys, *half.values)):
+        assert mx.array_equal(a[:, 2:], b)
+    assert half.nbytes * 2 == whole.nbytes
+
+
+def test_a_pipeline_send_attaches_to_the_quantized_keys():
+    """mlx-lm's pipelined models send with cache.keys = mx.depends(cache.keys, h)."""
+    cache = _cache(bits=8)
+    keys, values = _blocks(5, 0)
+    cache.update_and_fetch(keys, values)
+    before = cache.keys
+    cache.keys = mx.depends(cache.keys, mx.array(1.0))
+    assert all(mx.array_equal(a, b) for a, b in zip(cache.keys, before))
+    with pytest.raises(ValueError, match=r"\(1, 2, 5, 16\), \(1, 2, 5, 1\), \(1, 2, 5, 1\)"):
+        cache.keys = keys
