@@ -1,7 +1,7 @@
 """Where a chunk-mode call's kernel time goes, phase by phase, on a GPU backend.
 
 Builds variants of the run-time kernel that stop (return) before each phase of
-camkv_update_chunk and camkv_merge_losers, times jit.update with each (same inputs
+camkv_update_chunk and camkv_merge_chunk, times jit.update with each (same inputs
 as bench/profile_prefill.py: a 2048-token chunk into a full cache of 512 rows, 8 KV
 heads of dim 128, 4 queries per KV head), and reports each phase's time as the
 difference between consecutive cuts. The variants' results are garbage; only their
@@ -31,9 +31,11 @@ CUTS = [
     ("chunk scores", "camkv_update_chunk", "camkv_score_chunk("),
     ("loser marking", "camkv_update_chunk", "camkv_mark_losers("),
     ("survivor lists", "camkv_update_chunk", "r.survivors = b.i32 + 3 * total;"),
-    ("loser list and norms", "camkv_merge_losers", "CAMKV_DEVICE int* losers = r.list;"),
-    ("phase 1: nearest searches", "camkv_merge_losers", "int lane = camkv_tid(g) % CAMKV_LANES"),
-    ("phase 2: merges by owner", "camkv_merge_losers", "int merged = 0;"),
+    ("loser list", "camkv_merge_chunk", "m.n_losers = camkv_list_rows(r, 1, m.losers, g);"),
+    ("phase 1: nearest searches", "camkv_merge_chunk", "camkv_nearest_targets(r, m, p->n_sink, g);"),
+    ("phase 2: gates and shares", "camkv_merge_chunk", "int merged = camkv_gates_and_shares("),
+    ("phase 3: losers by target", "camkv_merge_chunk", "camkv_group_by_target(r, m, p, r.group_counts, g);"),
+    ("phase 3: blends", "camkv_merge_chunk", "camkv_blend_targets(r, m, r.values, r.Dv, g);"),
     ("compaction", "camkv_update_chunk", "camkv_compact_survivors(r, b, g);"),
 ]
 

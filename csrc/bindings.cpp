@@ -32,7 +32,7 @@ std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array> update_py(
 nb::list merge_rules() {
   const char* kinds[] = {"drop", "nearest", "window"};  // CAMKV_KIND_* order
   nb::list rules;
-#define CAMKV_RULE_TUPLE(name, code, kind, blends, keys, weight) \
+#define CAMKV_RULE_TUPLE(name, code, kind, blends, keys, target_share, loser_share) \
   rules.append(nb::make_tuple(#name, code, kinds[CAMKV_KIND_##kind], blends != 0, keys != 0));
   CAMKV_MERGE_RULES(CAMKV_RULE_TUPLE)
 #undef CAMKV_RULE_TUPLE
@@ -63,6 +63,11 @@ NB_MODULE(_ext, m) {
   m.def("merge_rules", &merge_rules,
         "The kernel's merge rules in code order: (name, code, kind, blends, keys_allowed) each, kind 'drop', "
         "'nearest' or 'window' (csrc/camkv_merges.h).");
+  m.def("merge_shares", [](int merge, float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+        return nb::make_tuple(camkv_target_share(merge, s_target),
+                              camkv_loser_share(merge, cosine, s_in, s_target, norm_in, norm_target));
+      }, "merge"_a, "cosine"_a, "s_in"_a, "s_target"_a, "norm_in"_a, "norm_target"_a,
+        "Rule `merge`'s shares (A_t, a_e) as the kernel computes them, float32 (csrc/camkv_merges.h).");
   m.def("params_layout", &params_layout,
         "struct CamParams field by field: (name, byte offset, byte size), in declaration order.");
   m.attr("PARAMS_SIZE") = sizeof(CamParams);

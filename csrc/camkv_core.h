@@ -88,11 +88,20 @@ struct CamParams {
 
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
-// [logits (CAMKV_QUERY_BLOCK runs of the capacity) | mass | scores (the pending
-// token's, or the chunk's work scores) | key shadow | (chunk) survivors' squared
-// norms], i32 scratch [work positions | losers | index list | survivors | (chunk)
-// merge targets | (chunk) one count per thread], storage scratch the pending token
-// (exact) or the work rows (chunk).
+// [logits (CAMKV_QUERY_BLOCK runs of the capacity; in a chunk's merge phase the losers'
+// cosines and shares and the targets' totals and keeps) | mass | scores (the pending
+// token's, or the chunk's work scores) | key shadow | (chunk) survivors' squared norms],
+// i32 scratch [work positions | losers | index list | survivors | (chunk) merge targets |
+// (chunk) counts per target | (chunk) losers by target | (chunk) starts per target, one
+// more | (chunk) one count per thread], storage scratch the pending token (exact) or the
+// work rows (chunk).
+
+#if CAMKV_QUERY_BLOCK < 4
+#error "CAMKV_QUERY_BLOCK must be at least 4: a chunk's merge phase keeps four arrays in the logits' scratch"
+#endif
+
+// Where a chunk's i32 scratch's per-thread counts start, in capacities (plus one).
+#define CAMKV_I32_GROUP_COUNTS 8
 
 CAMKV_INLINE int camkv_runs_chunk(int chunk, int S) { return chunk != 0 && S > 1; }
 
@@ -117,7 +126,8 @@ CAMKV_INLINE int camkv_shadow_columns(int chunk, int n, int S, int n_out) {
 
 // A call of one token reads every key once and builds no shadow (see
 // camkv_update_exact), so its scratch has none.
-// A chunk's merge phase adds one more float and int per row (camkv_merge_losers).
+// A chunk's merge phase adds a float per row and four ints per row plus one
+// (camkv_merge_scratch), and one int per thread.
 
 CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
   int shadow = S > 1 ? Dk * camkv_shadow_columns(chunk, n, S, n_out) : 0;
@@ -127,7 +137,7 @@ CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
   int cap = camkv_capacity(chunk, n, S, n_out);
-  return 4 * cap + (camkv_runs_chunk(chunk, S) ? cap + CAMKV_MAX_GROUP : 0);
+  return camkv_runs_chunk(chunk, S) ? CAMKV_I32_GROUP_COUNTS * cap + 1 + CAMKV_MAX_GROUP : 4 * cap;
 }
 
 CAMKV_INLINE int camkv_store_stride(int chunk, int n, int S, int n_out, int Dk, int Dv) {
@@ -423,22 +433,10 @@ CAMKV_INLINE int camkv_position(CamRows<T> r, int j) {
   return j == r.count ? r.pend_position : r.positions[j];
 }
 
-// Rows that may receive a merged token: everything but the loser itself and
-// (chunk mode) the other losers.
-template <typename T>
-CAMKV_INLINE bool camkv_is_survivor(CamRows<T> r, int j, int e) {
-  if (j == e) {
-    return false;
-  }
-  return r.loser == 0 || j == r.count || r.loser[j] == 0;
-}
-
-// The row behind shadow column c: row c (exact mode, where the survivors are all
-// rows but e), or the c-th survivor (chunk mode's merge phase, whose shadow holds
-// only the survivors, so the losers' keys, most of a long prompt, are never read).
-template <typename T>
-CAMKV_INLINE int camkv_search_row(CamRows<T> r, int j) {
-  return r.survivors == 0 ? j : r.survivors[j];
+// Exact mode's one merge (section 4): every row but the loser e may receive it. (A
+// chunk's merges run in camkv_merge_chunk, on its list of survivors.)
+CAMKV_INLINE bool camkv_is_survivor(int j, int e) {
+  return j != e;
 }
 
 // Column c of the shadow := the key of row `row`.
@@ -519,7 +517,7 @@ CAMKV_INLINE void camkv_dot_keys(CamRows<T> r, const CAMKV_DEVICE Q* q, int q_st
                                  CAMKV_THREAD float* dots, CAMKV_THREAD float* squares, bool with_norms) {
   const CAMKV_DEVICE T* rows[CAMKV_DOT_ROWS];
   for (int i = 0; i < CAMKV_DOT_ROWS; ++i) {
-    rows[i] = camkv_key(r, camkv_search_row(r, c0 + i < end ? c0 + i : c0));
+    rows[i] = camkv_key(r, c0 + i < end ? c0 + i : c0);
     squares[i] = 0.0f;
   }
   for (int k = 0; k < CAMKV_QUERY_BLOCK * CAMKV_DOT_ROWS; ++k) {
@@ -682,11 +680,12 @@ CAMKV_INLINE float camkv_cosine_of(float dot, float square_j, float norm_e) {
   return dot / (denom > 1e-12f ? denom : 1e-12f);
 }
 
-// Section 4.1: the non-sink survivor most similar to e; ties to the smaller index
-// (the search visits rows in ascending order, so the smaller slot is the smaller row).
+// Section 4.1 in exact mode: the non-sink row other than e most similar to e (the
+// pending token included); ties to the smaller index (the search visits rows in
+// ascending order). r.cosines[j] keeps each searched row's cosine.
 template <typename T>
 CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
-  int total = r.survivors == 0 ? r.count + r.has_pending : r.n_survivors;
+  int total = r.count + r.has_pending;
   const CAMKV_DEVICE T* k_e = camkv_key(r, e);
   float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
   float best = CAMKV_INF;  // argmin of -cos
@@ -701,8 +700,8 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
       camkv_dot_keys(r, k_e, 0, 1, j0, total, dots, squares, true);
     }
     for (int i = 0; i < CAMKV_DOT_ROWS && j0 + i < total; ++i) {
-      int j = camkv_search_row(r, j0 + i);
-      if (camkv_is_survivor(r, j, e) && camkv_position(r, j) >= n_sink) {
+      int j = j0 + i;
+      if (camkv_is_survivor(j, e) && camkv_position(r, j) >= n_sink) {
         // Kept for the blend weight: recomputing the winner's cosine would cost
         // every thread three more dots.
         r.cosines[j0 + i] = camkv_cosine_of(dots[i], squares[i], norm_e);
@@ -717,24 +716,6 @@ CAMKV_INLINE int camkv_nearest(CamRows<T> r, int e, int n_sink, CamGroup g) {
   return camkv_group_argmin(g, best, best_j);
 }
 
-// The shadow column of survivor row t (inverse of camkv_search_row; t is a survivor).
-template <typename T>
-CAMKV_INLINE int camkv_column_of(CamRows<T> r, int t) {
-  if (r.survivors == 0) {
-    return t;
-  }
-  int lo = 0, hi = r.n_survivors - 1;
-  while (lo < hi) {
-    int mid = (lo + hi) / 2;
-    if (r.survivors[mid] < t) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 // Section 4.2: the first `window` survivors after e, written to r.list[1..|W|] with
 // |W| in r.list[0] so every thread reads it after the barrier; returns |W|.
 template <typename T>
@@ -743,7 +724,7 @@ CAMKV_INLINE int camkv_collect_window(CamRows<T> r, int e, int window, CamGroup 
     int width = 0;
     int total = r.count + r.has_pending;
     for (int j = e + 1; j < total && width < window; ++j) {
-      if (camkv_is_survivor(r, j, e)) {
+      if (camkv_is_survivor(j, e)) {
         width += 1;
         r.list[width] = j;
       }
@@ -787,7 +768,7 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   plan.open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, plan.target), p->seed, row_id, camkv_position(r, e)) : 1;
   plan.w = 0.5f;
   if (plan.open != 0) {
-    float c = r.cosines[camkv_column_of(r, plan.target)];  // written by camkv_nearest
+    float c = r.cosines[plan.target];  // written by camkv_nearest
     float norm_e = 0.0f, norm_t = 0.0f;
     if (camkv_reads_value_norms(p->merge)) {  // every thread computes the same sums
       norm_e = camkv_norm(camkv_value(r, e), r.Dv);
@@ -879,7 +860,7 @@ CAMKV_INLINE int camkv_apply_merge(CamRows<T> r, CamMergePlan plan, const CAMKV_
     camkv_blend_row(camkv_key(r, t), k_e, plan.w, r.Dk, g);
     camkv_barrier(g);
     if (r.shadow != 0) {
-      camkv_shadow_store(r, camkv_column_of(r, t), t, g);
+      camkv_shadow_store(r, t, t, g);
     }
   }
   camkv_barrier(g);
@@ -1272,12 +1253,30 @@ CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamG
 }
 
 // ----------------------------------------------------------------------------
-// A chunk's merges without merge_keys, in two phases instead of one merge after
-// another: keys never change then, so every loser's nearest survivor (and cosine)
-// is known up front and can be searched in parallel; the gate, the blend weight,
-// the score update and the value blend of a merge depend only on earlier merges
-// into the same survivor, so each thread replays, in loser order, the merges into
-// the survivors it owns. Same results as the sequential loop, bit for bit.
+// A chunk's merges, all at once (section 7): every loser picks its target among the
+// survivors as they stand before any merge, so the targets (phase 1) and the gates and
+// shares (phase 2) are independent per loser and run in parallel; each target then
+// takes all its merging losers in one closed-form blend (phase 3), in loser order.
+// A loser's target is a survivor column: column c is the c-th survivor (r.survivors)
+// and the c-th column of the key shadow.
+
+// Per-row scratch of the merge phase (camkv_merge_scratch says where each part lives).
+struct CamMergeScratch {
+  CAMKV_DEVICE int* losers;     // [n_losers] the losers' rows, ascending
+  CAMKV_DEVICE int* targets;    // per loser: its target column (nearest) or first window
+                                // column, -1 where it does not merge
+  CAMKV_DEVICE float* cosines;  // per loser: cos with its target (nearest); |W| (window)
+  CAMKV_DEVICE float* shares;   // per loser: a_e (nearest: then its weight a_e / total)
+  CAMKV_DEVICE float* squares;  // per column: the survivor key's squared norm
+  CAMKV_DEVICE float* totals;   // per column: A_t + the sum of its merging losers' a_e
+  CAMKV_DEVICE float* keep;     // per column: 1 - that sum / the total
+  CAMKV_DEVICE int* counts;     // per column: losers whose target it is (nearest) or whose
+                                // window may hold it (window)
+  CAMKV_DEVICE int* starts;     // per column: its first loser in `order` (nearest) or its
+                                // first loser (window); [n_survivors] the end (nearest)
+  CAMKV_DEVICE int* order;      // nearest: loser indices grouped by target, ascending in each
+  int n_losers;
+};
 
 // Survivor column c's squared norm, for every c (one per thread).
 template <typename T>
@@ -1295,8 +1294,8 @@ CAMKV_INLINE void camkv_survivor_squares(CamRows<T> r, CAMKV_DEVICE float* squar
 // Section 4.1 for loser e by lane `lane` of a team: over the survivor columns of
 // its share (blocks of 4, one block in CAMKV_LANES), the non-sink column with the
 // largest cosine (ties to the smaller column), as *best = -cosine and *best_c; each
-// dot a sequential sum, as camkv_nearest's. The team's best of its lanes' (ties to
-// the smaller column) is the one camkv_nearest finds.
+// dot a sequential sum in feature order. The team's best of its lanes' (ties to the
+// smaller column) is the search's answer.
 template <typename T>
 CAMKV_INLINE void camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAMKV_DEVICE float* squares, int lane,
                                       CAMKV_THREAD float* best_out, CAMKV_THREAD int* best_c_out) {
@@ -1330,61 +1329,301 @@ CAMKV_INLINE void camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAM
   *best_c_out = best_c;
 }
 
+// Phase 1, nearest rules: each loser's target column and cosine, a team of CAMKV_LANES
+// threads a loser, its lanes sharing the survivors. Every thread runs the same rounds
+// (the team's reduction); -1 where no non-sink survivor exists.
 template <typename T>
-CAMKV_INLINE int camkv_merge_losers(CamRows<T> r, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id,
-                                    CAMKV_DEVICE float* squares, CAMKV_DEVICE int* targets, CamGroup g) {
-  CAMKV_DEVICE int* losers = r.list;   // free: no window in this path
-  CAMKV_DEVICE float* weights = r.cosines;  // the logits' scratch: each loser's cosine
-  int n_losers = camkv_list_rows(r, 1, losers, g);
-  camkv_survivor_squares(r, squares, g);
+CAMKV_INLINE void camkv_nearest_targets(CamRows<T> r, CamMergeScratch m, int n_sink, CamGroup g) {
+  camkv_survivor_squares(r, m.squares, g);
   camkv_barrier(g);
-  // Phase 1, parallel over losers (a team each, its lanes sharing the survivors):
-  // targets and cosines. Every thread runs the same rounds (the team's reduction).
   int lane = camkv_tid(g) % CAMKV_LANES, teams = camkv_gsize(g) / CAMKV_LANES;
-  for (int k0 = 0; k0 < n_losers; k0 += teams) {
+  for (int k0 = 0; k0 < m.n_losers; k0 += teams) {
     int k = k0 + camkv_tid(g) / CAMKV_LANES;
     float best = CAMKV_INF;
     int best_c = r.n_survivors;
-    if (k < n_losers) {
-      camkv_nearest_alone(r, losers[k], p->n_sink, squares, lane, &best, &best_c);
+    if (k < m.n_losers) {
+      camkv_nearest_alone(r, m.losers[k], n_sink, m.squares, lane, &best, &best_c);
     }
     camkv_lane_best(g, &best, &best_c);
-    if (k < n_losers && lane == 0) {
-      weights[k] = -best;
-      targets[k] = best_c < r.n_survivors ? r.survivors[best_c] : r.count;
+    if (k < m.n_losers && lane == 0) {
+      m.cosines[k] = -best;
+      m.targets[k] = best_c < r.n_survivors ? best_c : -1;
     }
   }
-  camkv_barrier(g);
-  // Phase 2: every thread walks the losers in order and applies the merges into the
-  // survivors it owns (row t belongs to thread t % group size): gate, weight, score
-  // and value blend. A survivor's merges read only its own score and value, so each
-  // owner replays exactly the sequential loop's steps for its rows; a lone thread
-  // (the CPU) owns every row and runs that loop itself.
-  int merged = 0;
-  for (int k = 0; k < n_losers; ++k) {
-    int t = targets[k];
-    if (t >= r.count || t % camkv_gsize(g) != camkv_tid(g)) {
-      continue;
-    }
-    int e = losers[k];
+}
+
+// Loser k's first window column: the survivors before loser e = losers[k] are the e
+// rows before it less the k losers before it. Non-decreasing in k.
+CAMKV_INLINE int camkv_window_start(CamMergeScratch m, int k) {
+  return m.losers[k] - k;
+}
+
+// Phase 2, for every loser (one per thread): the gate (section 4.3, on the scores before
+// any merge, drawn at the loser's position) and its share; a loser that does not merge
+// gets target -1. Returns how many merge (every thread the same).
+template <typename T>
+CAMKV_INLINE int camkv_gates_and_shares(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p,
+                                        camkv_u32 row_id, int kind, CamGroup g) {
+  int merging = 0;
+  for (int k = camkv_tid(g); k < m.n_losers; k += camkv_gsize(g)) {
+    int e = m.losers[k];
     float s_e = r.scores[e];
-    if (p->gate && camkv_gate_open(s_e, r.scores[t], p->seed, row_id, r.positions[e]) == 0) {
+    float s_target = 0.0f;
+    int width = 0;
+    if (kind == CAMKV_KIND_WINDOW) {
+      int c0 = camkv_window_start(m, k);
+      width = r.n_survivors - c0 < p->window ? r.n_survivors - c0 : p->window;
+      float target_sum = 0.0f;
+      for (int i = 0; i < width; ++i) {
+        target_sum += r.scores[r.survivors[c0 + i]];
+      }
+      s_target = target_sum / (float)width;
+      m.targets[k] = width > 0 ? c0 : -1;
+    } else if (m.targets[k] >= 0) {
+      s_target = r.scores[r.survivors[m.targets[k]]];
+    }
+    if (m.targets[k] >= 0 && p->gate && camkv_gate_open(s_e, s_target, p->seed, row_id, r.positions[e]) == 0) {
+      m.targets[k] = -1;
+    }
+    if (m.targets[k] < 0) {
       continue;
     }
+    merging += 1;
+    if (kind == CAMKV_KIND_WINDOW) {
+      m.cosines[k] = (float)width;
+      m.shares[k] = s_e / (float)width;
+      continue;
+    }
+    int t = r.survivors[m.targets[k]];
     float norm_e = 0.0f, norm_t = 0.0f;
     if (camkv_reads_value_norms(p->merge)) {
       norm_e = camkv_norm(r.values + (long)e * r.Dv, r.Dv);
-      norm_t = camkv_norm(r.values + (long)t * r.Dv, r.Dv);  // as earlier merges into t left it
+      norm_t = camkv_norm(r.values + (long)t * r.Dv, r.Dv);
     }
-    float w = camkv_merge_weight(p->merge, weights[k], s_e, r.scores[t], norm_e, norm_t);
-    r.scores[t] += s_e;
-    merged += 1;
-    for (int d = 0; d < r.Dv; ++d) {
-      camkv_blend(r.values + (long)t * r.Dv + d, camkv_float(r.values[(long)e * r.Dv + d]), w);
-    }
+    m.shares[k] = camkv_loser_share(p->merge, m.cosines[k], s_e, s_target, norm_e, norm_t);
   }
   // Counts below 2^24 add exactly in float32.
-  return (int)camkv_group_sum(g, (float)merged);
+  return (int)camkv_group_sum(g, (float)merging);
+}
+
+// Exclusive prefix sums of counts[0, n) into starts[0, n], starts[n] the total: each
+// thread sums one contiguous block, after the blocks before it (parked in scratch).
+CAMKV_INLINE void camkv_exclusive_scan(const CAMKV_DEVICE int* counts, int n, CAMKV_DEVICE int* starts,
+                                       CAMKV_DEVICE int* block_sums, CamGroup g) {
+  int per = (n + camkv_gsize(g) - 1) / camkv_gsize(g);
+  int j0 = camkv_tid(g) * per;
+  int j1 = j0 + per < n ? j0 + per : n;
+  int mine = 0;
+  for (int j = j0; j < j1; ++j) {
+    mine += counts[j];
+  }
+  block_sums[camkv_tid(g)] = mine;
+  camkv_barrier(g);
+  int at = 0, total = 0;
+  for (int t = 0; t < camkv_gsize(g); ++t) {
+    at += t < camkv_tid(g) ? block_sums[t] : 0;
+    total += block_sums[t];
+  }
+  for (int j = j0; j < j1; ++j) {
+    starts[j] = at;
+    at += counts[j];
+  }
+  if (camkv_tid(g) == 0) {
+    starts[n] = total;
+  }
+  camkv_barrier(g);  // the sums are complete, and the block sums free again
+}
+
+// A target column's sums over its merging losers become its blend (section 4.4):
+// total = A_t + taken, each loser's weight a_e / total, keep = 1 - taken / total (one
+// loser: (1 - w) V_t + w V_e), and its score s_t + the mass it takes. Returns the total.
+template <typename T>
+CAMKV_INLINE float camkv_settle_target(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p, int c,
+                                       float taken, float mass_in) {
+  int t = r.survivors[c];
+  float total = camkv_target_share(p->merge, r.scores[t]) + taken;
+  r.scores[t] = r.scores[t] + mass_in;
+  m.keep[c] = total > 0.0f ? 1.0f - taken / total : 1.0f;
+  m.totals[c] = total;
+  return total;
+}
+
+// Phase 3's bookkeeping, nearest rules: each target column's merging losers listed in
+// loser order (a counting sort), their shares and masses summed, and their weights.
+// Column c belongs to thread c % group size, which walks the losers in order and keeps
+// the ones of its columns: so each column's lists and sums run in loser order, as the
+// single-thread loop does, and no two threads write one column.
+template <typename T>
+CAMKV_INLINE void camkv_group_by_target(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p,
+                                        CAMKV_DEVICE int* block_sums, CamGroup g) {
+  CAMKV_DEVICE float* taken = m.totals;  // the shares' sums, until settled
+  CAMKV_DEVICE float* mass_in = m.keep;  // the masses' sums, until settled
+  for (int c = camkv_tid(g); c < r.n_survivors; c += camkv_gsize(g)) {
+    m.counts[c] = 0;
+    taken[c] = 0.0f;
+    mass_in[c] = 0.0f;
+  }
+  for (int k = 0; k < m.n_losers; ++k) {
+    int c = m.targets[k];
+    if (c >= 0 && c % camkv_gsize(g) == camkv_tid(g)) {
+      m.counts[c] += 1;
+      taken[c] += m.shares[k];
+      mass_in[c] += r.scores[m.losers[k]];
+    }
+  }
+  camkv_barrier(g);
+  camkv_exclusive_scan(m.counts, r.n_survivors, m.starts, block_sums, g);
+  for (int c = camkv_tid(g); c < r.n_survivors; c += camkv_gsize(g)) {
+    m.counts[c] = 0;  // now the fill of the column's list
+  }
+  for (int k = 0; k < m.n_losers; ++k) {
+    int c = m.targets[k];
+    if (c >= 0 && c % camkv_gsize(g) == camkv_tid(g)) {
+      m.order[m.starts[c] + m.counts[c]] = k;
+      m.counts[c] += 1;
+    }
+  }
+  for (int c = camkv_tid(g); c < r.n_survivors; c += camkv_gsize(g)) {
+    if (m.counts[c] == 0) {
+      continue;
+    }
+    float total = camkv_settle_target(r, m, p, c, taken[c], mass_in[c]);
+    for (int i = m.starts[c]; i < m.starts[c + 1] && total > 0.0f; ++i) {
+      m.shares[m.order[i]] = m.shares[m.order[i]] / total;
+    }
+  }
+  camkv_barrier(g);
+}
+
+// Phase 3, nearest rules, on `len` features of rows `data` (values, or keys with
+// merge_keys): each target column that takes losers, with a positive total, becomes
+// keep V_t + (sum_k w_k V_e), the sum in loser order, rounded once. The group's threads
+// share the (column, feature) pairs.
+template <typename T>
+CAMKV_INLINE void camkv_blend_targets(CamRows<T> r, CamMergeScratch m, CAMKV_DEVICE T* data, int len, CamGroup g) {
+  long pairs = (long)r.n_survivors * len;
+  for (long f = camkv_tid(g); f < pairs; f += camkv_gsize(g)) {
+    int c = (int)(f / len);
+    int d = (int)(f - (long)c * len);
+    if (m.counts[c] == 0 || !(m.totals[c] > 0.0f)) {
+      continue;
+    }
+    float incoming = 0.0f;
+    for (int i = m.starts[c]; i < m.starts[c + 1]; ++i) {
+      int k = m.order[i];
+      incoming = camkv_madd(incoming, m.shares[k], camkv_float(data[(long)m.losers[k] * len + d]));
+    }
+    CAMKV_DEVICE T* target = data + (long)r.survivors[c] * len + d;
+    *target = (T)(camkv_mul(m.keep[c], camkv_float(*target)) + incoming);
+  }
+}
+
+// The first loser index in [0, n_losers) whose first window column is >= c (n_losers if none).
+CAMKV_INLINE int camkv_first_window_at(CamMergeScratch m, int c) {
+  int lo = 0, hi = m.n_losers;
+  while (lo < hi) {
+    int mid = (lo + hi) / 2;
+    if (camkv_window_start(m, mid) < c) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Phase 3's bookkeeping, window rules: column c lies in the windows of the losers
+// whose first column is in [c - window + 1, c], a run of consecutive losers (first
+// columns grow with k; a window runs to the last survivor where it is shorter). One
+// thread a column: its run, and the sums of its merging losers' shares (s_e / |W(e)|,
+// both its mass and, with "window_mass", its share) in loser order.
+template <typename T>
+CAMKV_INLINE void camkv_window_runs(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p, CamGroup g) {
+  for (int c = camkv_tid(g); c < r.n_survivors; c += camkv_gsize(g)) {
+    int k0 = camkv_first_window_at(m, c - p->window + 1);
+    int k1 = camkv_first_window_at(m, c + 1);
+    m.starts[c] = k0;
+    m.counts[c] = k1 - k0;
+    float taken = 0.0f;
+    for (int k = k0; k < k1; ++k) {
+      taken += m.targets[k] >= 0 ? m.shares[k] : 0.0f;
+    }
+    camkv_settle_target(r, m, p, c, taken, taken);
+  }
+  camkv_barrier(g);
+}
+
+// Phase 3, window rules, on the values: each column adds (sum V_e / |W(e)|) over the
+// merging losers whose window holds it ("window"), or becomes keep V_j + (sum
+// (share_e / total) V_e) ("window_mass", unchanged if its total is not > 0); sums in
+// loser order, rounded once.
+template <typename T>
+CAMKV_INLINE void camkv_blend_windows(CamRows<T> r, CamMergeScratch m, int blends, CamGroup g) {
+  long pairs = (long)r.n_survivors * r.Dv;
+  for (long f = camkv_tid(g); f < pairs; f += camkv_gsize(g)) {
+    int c = (int)(f / r.Dv);
+    int d = (int)(f - (long)c * r.Dv);
+    float total = m.totals[c];
+    if (m.counts[c] == 0 || (blends && !(total > 0.0f))) {
+      continue;
+    }
+    float incoming = 0.0f;
+    for (int k = m.starts[c]; k < m.starts[c] + m.counts[c]; ++k) {
+      if (m.targets[k] >= 0) {
+        float v_e = camkv_float(r.values[(long)m.losers[k] * r.Dv + d]);
+        incoming = blends ? camkv_madd(incoming, m.shares[k] / total, v_e) : incoming + v_e / m.cosines[k];
+      }
+    }
+    CAMKV_DEVICE T* target = r.values + (long)r.survivors[c] * r.Dv + d;
+    float own = camkv_float(*target);
+    *target = (T)((blends ? camkv_mul(m.keep[c], own) : own) + incoming);
+  }
+}
+
+// Section 7's merges of a chunk whose losers are flagged and survivors listed: returns
+// the losers that merged.
+template <typename T>
+CAMKV_INLINE int camkv_merge_chunk(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p,
+                                   camkv_u32 row_id, CamGroup g) {
+  CamMergeRule rule = camkv_merge_rule(p->merge);
+  m.n_losers = camkv_list_rows(r, 1, m.losers, g);
+  if (rule.kind == CAMKV_KIND_NEAREST) {
+    camkv_nearest_targets(r, m, p->n_sink, g);
+    camkv_barrier(g);
+  }
+  int merged = camkv_gates_and_shares(r, m, p, row_id, rule.kind, g);  // ends with the group sum's barrier
+  if (rule.kind == CAMKV_KIND_WINDOW) {
+    camkv_window_runs(r, m, p, g);
+    camkv_blend_windows(r, m, rule.blends, g);
+  } else {
+    camkv_group_by_target(r, m, p, r.group_counts, g);
+    camkv_blend_targets(r, m, r.values, r.Dv, g);
+    if (p->merge_keys && rule.keys_allowed) {
+      camkv_blend_targets(r, m, r.keys, r.Dk, g);
+    }
+  }
+  camkv_barrier(g);
+  return merged;
+}
+
+// The merge phase's scratch of a chunk call (the layout at the top): the logits' floats,
+// free once the chunk is scored, and the ints after the survivors.
+template <typename T>
+CAMKV_INLINE CamMergeScratch camkv_merge_scratch(CamRowBuffers<T> b, CAMKV_CONSTANT const CamParams* p, CamRows<T> r) {
+  int cap = p->n + p->S;
+  CamMergeScratch m;
+  m.losers = r.list;
+  m.cosines = b.f32;
+  m.shares = b.f32 + cap;
+  m.totals = b.f32 + 2 * cap;
+  m.keep = b.f32 + 3 * cap;
+  m.squares = r.shadow + (long)p->Dk * r.columns;
+  m.targets = b.i32 + 4 * cap;
+  m.counts = b.i32 + 5 * cap;
+  m.order = b.i32 + 6 * cap;
+  m.starts = b.i32 + 7 * cap;  // cap + 1 of them
+  m.n_losers = 0;
+  return m;
 }
 
 template <typename T>
@@ -1408,7 +1647,7 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.cosines = b.f32;  // the logits' scratch, free once the chunk is scored
   r.survivors = 0;
   r.n_survivors = 0;
-  r.group_counts = b.i32 + 5 * total;
+  r.group_counts = b.i32 + CAMKV_I32_GROUP_COUNTS * total + 1;
   r.shadow = b.f32 + CAMKV_F32_SHADOW * total;
   r.columns = camkv_shadow_columns(1, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
@@ -1433,15 +1672,8 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.n_survivors = camkv_list_rows(r, 0, r.survivors, g);
   camkv_shadow_keep_survivors(r, g);
   int merges = 0;
-  if (camkv_merge_rule(p->merge).kind == CAMKV_KIND_NEAREST && p->merge_keys == 0) {
-    merges = camkv_merge_losers(r, p, row_id, b.f32 + CAMKV_F32_SHADOW * total + p->Dk * r.columns,
-                                b.i32 + 4 * total, g);
-  } else {
-    for (int e = 0; e < total; ++e) {
-      if (r.loser[e] != 0) {
-        merges += camkv_merge(r, e, p, row_id, g);
-      }
-    }
+  if (camkv_merge_rule(p->merge).kind != CAMKV_KIND_DROP) {
+    merges = camkv_merge_chunk(r, camkv_merge_scratch(b, p, r), p, row_id, g);
   }
   camkv_compact_survivors(r, b, g);
   return merges;

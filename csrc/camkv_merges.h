@@ -15,54 +15,74 @@
 #define CAMKV_KIND_NEAREST 1
 #define CAMKV_KIND_WINDOW 2
 
-// A blending rule's weight w, the target becoming (1 - w) target + w source:
-// from the cosine of the evicted key with the target's (nearest rules; 0 in a
-// window), the mass the target receives (s_e, or s_e / |W| in a window), the
-// target's own score before the merge, and the L2 norms of the evicted value and of
-// the target's value before the merge (rules listed in CAMKV_VALUE_NORM_RULES; 0
-// for the others).
+// A blending rule's shares (docs/algorithm.md section 4.4): the target keeps A_t and
+// each evicted token e merging into it enters with a_e, all at once,
+//   V_t <- (A_t V_t + sum_e a_e V_e) / (A_t + sum_e a_e)   (unchanged if the sum is not > 0),
+// computed as keep V_t + sum_e w_e V_e with w_e = a_e / (A_t + sum a), keep = 1 - sum w
+// (one token: (1 - w) V_t + w V_e with w = a / (A_t + a)).
+// A target share reads the target's score; a loser share reads the cosine of the
+// evicted key with the target's (nearest rules; 0 in a window), the mass it brings (s_e,
+// or s_e / |W| in a window), the target's score, and the L2 norms of the evicted value
+// and of the target's value (rules listed in CAMKV_VALUE_NORM_RULES; 0 for the others),
+// all as they stand before the compression's merges.
 
-CAMKV_INLINE float camkv_weight_cosine(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
-  return cosine < 0.0f ? 0.0f : (cosine > 1.0f ? 1.0f : cosine);
+CAMKV_INLINE float camkv_share_one(float s_target) {
+  return 1.0f;
 }
 
-CAMKV_INLINE float camkv_weight_half(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
-  return 0.5f;
+CAMKV_INLINE float camkv_share_score(float s_target) {
+  return s_target;
 }
 
-// s_in / (s_in + s_target), 0 if both are 0: blending with it makes the target the
-// attention-mass-weighted mean of itself and what it receives (scores are >= 0).
-CAMKV_INLINE float camkv_weight_mass(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
-  float total = s_in + s_target;
-  return total > 0.0f ? s_in / total : 0.0f;
+CAMKV_INLINE float camkv_clamp01(float x) {
+  return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x);
 }
 
-// w / (1 + w) with w = clamp(cos, 0, 1) |V_e| / (|V_e| + |V_t|) (0 where both norms
-// are 0): one merge of kvpress's MergingPress, V_t <- (V_t + w V_e) / (1 + w), as a blend.
-CAMKV_INLINE float camkv_weight_value_norm(float cosine, float s_in, float s_target, float norm_in,
-                                           float norm_target) {
+CAMKV_INLINE float camkv_loser_one(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+  return 1.0f;
+}
+
+// c / (1 - c), c = clamp(cos, 0, 1 - 2^-12): with the target's 1, one token blends as
+// (1 - c) V_t + c V_e; the bound keeps the odds finite for a duplicate key.
+CAMKV_INLINE float camkv_loser_odds(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+  float c = cosine < 0.0f ? 0.0f : (cosine > 0.999755859375f ? 0.999755859375f : cosine);
+  return c / (1.0f - c);
+}
+
+// s_in: with the target's own score, the attention-mass-weighted mean (scores are >= 0).
+CAMKV_INLINE float camkv_loser_mass(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+  return s_in;
+}
+
+// clamp(cos, 0, 1) |V_e| / (|V_e| + |V_t|) (0 where both norms are 0): kvpress's
+// MergingPress, V_t <- (V_t + sum u_e V_e) / (1 + sum u_e).
+CAMKV_INLINE float camkv_loser_value_norm(float cosine, float s_in, float s_target, float norm_in,
+                                          float norm_target) {
   float total = norm_in + norm_target;
   float share = total > 0.0f ? norm_in / total : 0.0f;
-  float w = camkv_weight_cosine(cosine, s_in, s_target, norm_in, norm_target) * share;
-  return w / (1.0f + w);
+  return camkv_clamp01(cosine) * share;
 }
 
-// The weight of a rule that does not blend (never read).
-CAMKV_INLINE float camkv_weight_none(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+// The shares of a rule that does not blend (never read).
+CAMKV_INLINE float camkv_share_none(float s_target) {
   return 0.0f;
 }
 
-// One row per rule, in code order: X(name, code, kind, blends, keys_allowed, weight).
-// blends 0: a window rule adds V_e / |W| to each target instead (a nearest rule always
-// blends); keys_allowed 1: merge_keys blends the key too (nearest rules only).
-#define CAMKV_MERGE_RULES(X)                                  \
-  X(sim_weighted, 0, NEAREST, 1, 1, camkv_weight_cosine)      \
-  X(mean, 1, NEAREST, 1, 1, camkv_weight_half)                \
-  X(window, 2, WINDOW, 0, 0, camkv_weight_none)               \
-  X(drop, 3, DROP, 0, 0, camkv_weight_none)                   \
-  X(mass_weighted, 4, NEAREST, 1, 1, camkv_weight_mass)       \
-  X(window_mass, 5, WINDOW, 1, 0, camkv_weight_mass)         \
-  X(value_norm, 6, NEAREST, 1, 1, camkv_weight_value_norm)
+CAMKV_INLINE float camkv_loser_none(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+  return 0.0f;
+}
+
+// One row per rule, in code order: X(name, code, kind, blends, keys_allowed, target_share,
+// loser_share). blends 0: a window rule adds V_e / |W| to each target instead (a nearest
+// rule always blends); keys_allowed 1: merge_keys blends the key too (nearest rules only).
+#define CAMKV_MERGE_RULES(X)                                                   \
+  X(sim_weighted, 0, NEAREST, 1, 1, camkv_share_one, camkv_loser_odds)         \
+  X(mean, 1, NEAREST, 1, 1, camkv_share_one, camkv_loser_one)                  \
+  X(window, 2, WINDOW, 0, 0, camkv_share_none, camkv_loser_none)               \
+  X(drop, 3, DROP, 0, 0, camkv_share_none, camkv_loser_none)                   \
+  X(mass_weighted, 4, NEAREST, 1, 1, camkv_share_score, camkv_loser_mass)      \
+  X(window_mass, 5, WINDOW, 1, 0, camkv_share_score, camkv_loser_mass)         \
+  X(value_norm, 6, NEAREST, 1, 1, camkv_share_one, camkv_loser_value_norm)
 
 struct CamMergeRule {
   int kind;          // CAMKV_KIND_*, -1 for an unknown code
@@ -70,7 +90,7 @@ struct CamMergeRule {
   int keys_allowed;  // 1: merge_keys may blend keys
 };
 
-#define CAMKV_RULE_CASE(name, code, kind_, blends_, keys_, weight_) \
+#define CAMKV_RULE_CASE(name, code, kind_, blends_, keys_, target_, loser_) \
   case code:                                                         \
     rule.kind = CAMKV_KIND_##kind_;                                  \
     rule.blends = blends_;                                           \
@@ -90,29 +110,51 @@ CAMKV_INLINE CamMergeRule camkv_merge_rule(int merge) {
 }
 #undef CAMKV_RULE_CASE
 
-#define CAMKV_WEIGHT_CASE(name, code, kind_, blends_, keys_, weight_) \
-  case code:                                                           \
-    return weight_(cosine, s_in, s_target, norm_in, norm_target);
+#define CAMKV_TARGET_SHARE_CASE(name, code, kind_, blends_, keys_, target_, loser_) \
+  case code:                                                                   \
+    return target_(s_target);
 
-// Rule `merge`'s blend weight (see the weight functions above).
-CAMKV_INLINE float camkv_merge_weight(int merge, float cosine, float s_in, float s_target, float norm_in,
-                                      float norm_target) {
+// Rule `merge`'s share A_t of a target whose score is s_target.
+CAMKV_INLINE float camkv_target_share(int merge, float s_target) {
   switch (merge) {
-    CAMKV_MERGE_RULES(CAMKV_WEIGHT_CASE)
+    CAMKV_MERGE_RULES(CAMKV_TARGET_SHARE_CASE)
   }
   return 0.0f;
 }
-#undef CAMKV_WEIGHT_CASE
+#undef CAMKV_TARGET_SHARE_CASE
 
-// The rules whose weight reads the value norms, X(name, code): the core computes
-// |V_e| and |V_t| for these only (two dot products a merge), and passes 0 otherwise.
+#define CAMKV_LOSER_SHARE_CASE(name, code, kind_, blends_, keys_, target_, loser_) \
+  case code:                                                                  \
+    return loser_(cosine, s_in, s_target, norm_in, norm_target);
+
+// Rule `merge`'s share a_e of an evicted token (see the share functions above).
+CAMKV_INLINE float camkv_loser_share(int merge, float cosine, float s_in, float s_target, float norm_in,
+                                     float norm_target) {
+  switch (merge) {
+    CAMKV_MERGE_RULES(CAMKV_LOSER_SHARE_CASE)
+  }
+  return 0.0f;
+}
+#undef CAMKV_LOSER_SHARE_CASE
+
+// One token's blend weight w = a / (A + a), 0 if A + a is not > 0 (then the target
+// keeps its value): the rule's shares for a target that receives one token.
+CAMKV_INLINE float camkv_merge_weight(int merge, float cosine, float s_in, float s_target, float norm_in,
+                                      float norm_target) {
+  float a = camkv_loser_share(merge, cosine, s_in, s_target, norm_in, norm_target);
+  float total = camkv_target_share(merge, s_target) + a;
+  return total > 0.0f ? a / total : 0.0f;
+}
+
+// The rules whose loser share reads the value norms, X(name, code): the core computes
+// |V_e| and |V_t| for these only (two dot products a merging token), and passes 0 otherwise.
 #define CAMKV_VALUE_NORM_RULES(X) X(value_norm, 6)
 
 #define CAMKV_NORM_CASE(name, code) \
   case code:                        \
     return 1;
 
-// 1 if rule `merge`'s weight reads the value norms.
+// 1 if rule `merge`'s loser share reads the value norms.
 CAMKV_INLINE int camkv_reads_value_norms(int merge) {
   switch (merge) {
     CAMKV_VALUE_NORM_RULES(CAMKV_NORM_CASE)

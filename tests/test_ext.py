@@ -267,3 +267,28 @@ def test_a_given_chunk_mass_replaces_the_kernels_scoring_and_is_checked():
         _call(state, new_keys, new_values, chunk_mass=mass[:, :12])
     with pytest.raises(ValueError, match="chunk_mass is a chunk call's mass"):
         _call(state, new_keys, new_values, cfg=_CFG.replace(prefill="exact"), chunk_mass=mass)
+
+
+def test_the_kernels_shares_are_the_registrys_bit_for_bit():
+    """csrc/camkv_merges.h's target and loser shares (camkv._ext.merge_shares) give the same
+    float32 values as camkv.merges' for every blending kernel rule, over cosines, masses and
+    value norms at the edges (negative, 0, the odds' cap, 1, above 1): one table per
+    language, the same arithmetic in both."""
+    from camkv import merges
+
+    cosines = [-0.5, 0.0, 0.3, 0.9997, 1.0 - 2.0**-12, 0.99999, 1.0, 1.2]
+    masses = [0.0, 0.7, 3.25]
+    norms = [0.0, 1.5]
+    grid = [(c, s_in, s_t, n_in, n_t) for c in cosines for s_in in masses for s_t in masses for n_in in norms
+            for n_t in norms]
+    columns = [mx.array(np.array(column, np.float32)) for column in zip(*grid)]
+    for rule in merges.RULES:
+        if not (rule.kernels and rule.blends):
+            continue
+        want_target = np.broadcast_to(np.array(rule.target_share(columns[2]), np.float32), (len(grid),))
+        want_loser = np.broadcast_to(np.array(rule.loser_share(*columns), np.float32), (len(grid),))
+        for i, point in enumerate(grid):
+            got = ext._ext.merge_shares(rule.code, *point)
+            assert np.float32(got[0]) == want_target[i] and np.float32(got[1]) == want_loser[i], (
+                f"{rule.name} at (cos, s_in, s_target, |V_e|, |V_t|) = {point}: kernel {got}, "
+                f"registry ({want_target[i]}, {want_loser[i]})")

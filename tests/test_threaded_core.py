@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from camkv import CaMConfig, backends, reference
 from camkv.backends import jit, params
 from camkv import merges
-from test_equivalence import assert_states_match, feed
+from test_equivalence import KERNEL_BLENDS, assert_states_match, check_simultaneous_merges, feed
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -182,3 +182,15 @@ def test_nearest_survivor_ties_go_to_the_smaller_column_as_the_cpu_kernel(thread
         want = feed(backends.resolve("ext").update, cfg, [48, 9, 1, 1], **shape)
     assert sum(int(m.sum()) for m in want[1]) > 0, "the case merges nothing"
     assert_states_match(got, want, cfg, f"tied keys, {merge}")
+
+
+@pytest.mark.parametrize("merge", KERNEL_BLENDS)
+def test_targets_taking_several_losers_match_the_reference(threaded_update, merge):
+    """A chunk's simultaneous merges by a group of threads (phases over losers, targets
+    grouped by their owner threads, blends shared over (target, feature) pairs): 56 losers
+    for at most 13 non-sink survivors, the gate on, merge_keys where the rule allows it."""
+    cfg = CaMConfig(budget=16, n_sink=2, recent=3, merge=merge, window=3, prefill="chunk", gate=True, seed=5,
+                    merge_keys=merges.rule(merge).keys_allowed, scoring="query")
+    seen = check_simultaneous_merges(threaded_update, cfg, 12, 60, rows=3, k_dim=16, v_dim=12, dtype=mx.float32,
+                                     seed=3, queries_per_kv=2, label="threaded core")
+    assert seen["flips"] or seen["most"] >= 3, f"the case must give a target several losers, saw {seen}"

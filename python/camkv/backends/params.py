@@ -44,10 +44,12 @@ def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_d
     shadow_columns = (capacity + 7) // 8 * 8 + 8
     shadow = k_dim * shadow_columns if s_len > 1 else 0
     store = (n + s_len) * (k_dim + v_dim) if runs_chunk else k_dim + v_dim
-    merge_phase = capacity if runs_chunk else 0  # squared norms and targets of camkv_merge_losers
     f32_parts = QUERY_BLOCK + 2  # logits of a query block, mass, scores (CAMKV_F32_SHADOW)
-    group_counts = MAX_GROUP if runs_chunk else 0  # one count per thread (camkv_list_rows)
-    return f32_parts * capacity + shadow + merge_phase, 4 * capacity + merge_phase + group_counts, store
+    f32_merge = capacity if runs_chunk else 0  # survivors' squared norms (camkv_merge_scratch)
+    # Targets, counts, losers by target and starts (one more) of camkv_merge_scratch, and
+    # one count per thread (camkv_list_rows, camkv_exclusive_scan).
+    i32_merge = 4 * capacity + 1 + MAX_GROUP if runs_chunk else 0
+    return f32_parts * capacity + shadow + f32_merge, 4 * capacity + i32_merge, store
 
 
 def pack_words(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
