@@ -32,7 +32,8 @@ def _label_order(config: dict, records: list[dict]) -> list[str]:
 def _method_order(records: list[dict]) -> list[str]:
     present = {r["method"] for r in records}
     named = [m for m in method_catalog() if m in present or m == "full"]
-    return named + sorted(present - set(named))  # then the arms of --arm
+    # Then the arms of --arm and of other engines, each engine's full cache (kvpress-full) first.
+    return named + sorted(sorted(present - set(named)), key=lambda m: not m.endswith("-full"))
 
 
 def summarize_stream(records: list[dict], subset: str) -> dict:

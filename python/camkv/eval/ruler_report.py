@@ -1,14 +1,17 @@
 """The RULER part of `camkv eval`'s report: scores per task and averaged, with 95%
 intervals, by method, length and budget, from the records alone.
 
-- A cell is one method at one budget label of one length. The full cache has no budget:
+- A cell is one method at one budget label of one length. A full cache (a record with no
+  budget: camkv's full, or kvpress-full from bench/gpu/kvpress_ruler.py) has no budget:
   its record of a prompt counts under every label that prompt was run at.
 - RULER average: the mean over tasks of each task's mean score; niah average: the same
   over the niah tasks.
 - Intervals: percentile bootstrap (2000 draws, fixed seed), prompts redrawn within each
   task, so an average's interval reflects every task's own spread; none when a task
   has a single prompt. "vs full" is paired:
-  each prompt's score minus the full cache's on the same prompt, bootstrapped the same way.
+  each prompt's score minus the full cache's on the same prompt, bootstrapped the same way;
+  the full cache of the arm's own engine: a record's full_method (kvpress-full for the
+  kvpress arms), "full" when it names none.
 - Depths: the niah score by where the needles sit in the haystack (first, middle, last
   third; a prompt with needles in several thirds counts in each).
 """
@@ -33,7 +36,7 @@ def _cells(records: list[dict]) -> dict:
         labels_of[r["sample"]].update(r["labels"])
     cells: dict = defaultdict(lambda: defaultdict(dict))
     for r in ruler:
-        for label in labels_of[r["sample"]] if r["method"] == "full" else r["labels"]:
+        for label in labels_of[r["sample"]] if r["budget"] is None else r["labels"]:
             cells[(r["method"], r["length"], label)][r["ruler_task"]][r["sample"]] = r
     return cells
 
@@ -81,13 +84,20 @@ def _depth_scores(by_task: dict) -> dict:
     return {k: {"mean": float(np.mean(v)), "n": len(v)} for k, v in sums.items()}
 
 
+def _full_method(by_task: dict) -> str:
+    """The full-cache arm a cell's records are paired with."""
+    first = next(r for recs in by_task.values() for r in recs.values())
+    return first.get("full_method", "full")
+
+
 def summarize_ruler(records: list[dict]) -> dict:
     """{"cells": "method|length|label" -> {ruler, niah, tasks, depths}, "tasks": [...]}."""
     cells = _cells(records)
     out = {}
     for (method, length, label), by_task in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         rng = np.random.default_rng(0)  # the same draws for every cell: paired across methods
-        full = cells.get(("full", length, label)) if method != "full" else None
+        reference = _full_method(by_task)
+        full = cells.get((reference, length, label)) if method != reference else None
         out[f"{method}|{length}|{label}"] = {
             "method": method, "length": length, "label": label,
             "ruler": _group_stats(by_task, full, rng, lambda t: True),
@@ -145,9 +155,11 @@ def ruler_tables(summary: dict, methods: list[str], labels: list[str]) -> list[s
     niah = sum(t in NIAH for t in summary["tasks"])
     lines += _grid(f"niah average ({niah} needle tasks)", summary, methods, columns,
                    lambda c: _pct(c["niah"]["average"]))
-    lines += _grid("RULER average minus the full cache's on the same prompts (paired, points "
-                   "[95% interval])", summary, [m for m in methods if m != "full"], columns,
-                   lambda c: _pct(c["ruler"].get("vs_full", {})))
+    paired = [m for m in methods if any("vs_full" in c["ruler"] for c in summary["cells"].values()
+                                        if c["method"] == m)]
+    lines += _grid("RULER average minus the full cache's on the same prompts (the arm's own "
+                   "engine's: kvpress arms minus kvpress-full; paired, points [95% interval])",
+                   summary, paired, columns, lambda c: _pct(c["ruler"].get("vs_full", {})))
     for length, label in columns:
         tasks = summary["tasks"]
         lines += [f"**Per task at {length} tokens @ {label} (%; n prompts)**", "",

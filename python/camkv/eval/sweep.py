@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from . import report, ruler, texts
+from . import report, ruler, ruler_export, texts
 from .arms import Arm, CacheSettings, cache_stats, make_cache, parse_arm_spec, parse_methods, release_cache
 from .budgets import Budget, budgets_for, parse_budgets
 from .loading import cast_model, load_model
@@ -219,8 +219,18 @@ def run(opts) -> dict:
         print(f"camkv eval: texts cached under {texts.cache_root() / 'texts'}: "
               + ", ".join(f"{s} ({len(d)} documents)" for s, d in documents.items()))
         return {}
+    if opts.export_prompts is not None:
+        return _export_prompts(opts, documents)
     with folder_lock(opts.out):
         return _sweep(opts, documents, methods, budgets, settings)
+
+
+def _export_prompts(opts, documents) -> dict:
+    """--export-prompts: the RULER prompts of the plan to a file; no model runs."""
+    _, tokenizer = load_model(opts.model)
+    count = ruler_export.export_prompts(opts, documents, tokenizer, opts.export_prompts)
+    print(f"camkv eval: wrote {count} RULER prompts to {opts.export_prompts}")
+    return {}
 
 
 def _sweep(opts, documents, methods, budgets, settings) -> dict:
