@@ -1,9 +1,12 @@
 # On the H200 (device tool), after install.sh, results under $OUT. Two parts, each
 # within one device call (at most 10 minutes):
-#   bash bench/gpu/validate.sh tests   the cuda equivalence suite (with the amortized-
-#                                      eviction, window-scoring and whole-device
-#                                      compression tests, the cache and mlx-lm tests) and
-#                                      the peak memory of a 1k and a 32k prompt
+#   bash bench/gpu/validate.sh kernels the kernels against the reference: equivalence,
+#                                      merge rules, the JIT backends
+#   bash bench/gpu/validate.sh cache   the amortized-eviction, window-scoring and
+#                                      whole-device compression tests, the cache, mlx-lm
+#                                      and batch tests, and the peak memory of a 1k and a
+#                                      32k prompt
+#   bash bench/gpu/validate.sh tests   both (more than one call's 10 minutes)
 #   bash bench/gpu/validate.sh bench   the end-to-end run (defaults), more prefill
 #                                      trials at 8k-32k, and the batch run
 #   bash bench/gpu/validate.sh decode  a decode step against RotatingKVCache's, paired
@@ -15,12 +18,23 @@
 #   python3 bench/profile_prefill.py --backend cuda --groups 2 --repeats 5 --logit-mb 32 64 128 --out $OUT
 . bench/gpu/env.sh
 part=${1:-tests}
-if [ "$part" = tests ]; then
-  timeout ${PYTEST_S:-400} python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_amortized.py \
-    tests/test_policy.py tests/test_cache.py tests/test_mlx_lm.py tests/test_equivalence.py \
-    tests/test_query_scoring.py tests/test_rules.py tests/test_jit.py tests/test_batch.py \
-    > $OUT/pytest-cuda-h200.txt 2>&1; tail -3 $OUT/pytest-cuda-h200.txt
+cuda_tests() {  # NAME FILES...: one part of the CUDA suite, within one device call
+  name=$1; shift
+  timeout ${PYTEST_S:-540} python3 -m pytest -q -p no:cacheprovider --tb=short "$@" \
+    > $OUT/pytest-cuda-h200-$name.txt 2>&1; tail -3 $OUT/pytest-cuda-h200-$name.txt
+}
+kernel_tests() { cuda_tests kernels tests/test_equivalence.py tests/test_rules.py tests/test_jit.py; }
+cache_tests() {
+  cuda_tests cache tests/test_amortized.py tests/test_policy.py tests/test_cache.py tests/test_mlx_lm.py \
+    tests/test_query_scoring.py tests/test_batch.py
   timeout 90 python3 bench/peak_memory.py --model random-1b --prompt-lengths 1024 32768 --out $OUT 2>&1 | tail -4
+}
+if [ "$part" = kernels ]; then
+  kernel_tests
+elif [ "$part" = cache ]; then
+  cache_tests
+elif [ "$part" = tests ]; then
+  kernel_tests; cache_tests
 elif [ "$part" = bench ]; then
   timeout 170 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 128 \
     --trials ${TRIALS:-3} --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
@@ -33,5 +47,5 @@ elif [ "$part" = decode ]; then
   timeout 330 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 256 \
     --trials 7 --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
 else
-  echo "usage: bash bench/gpu/validate.sh tests|bench|decode" >&2; exit 2
+  echo "usage: bash bench/gpu/validate.sh kernels|cache|tests|bench|decode" >&2; exit 2
 fi
