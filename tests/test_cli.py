@@ -100,7 +100,6 @@ def test_demo_with_the_full_cache_holds_everything(capsys):
     (["--kv-budget", "5"], ["--kv-budget", "budget=5"]),
     (["--kv-prefill", "lazy"], ["--kv-prefill", "'lazy'", "'exact'", "'chunk'"]),
     (["--kv-backend", "tpu"], ["--kv-backend", "'tpu'", "'reference'"]),
-    (["--kv-merge", "d2o", "--kv-backend", "ext"], ["--kv-backend", "'reference' or 'auto'", "'d2o'", "'ext'"]),
     (["--kv-seed", "-1"], ["--kv-seed", "-1"]),
     (["--kv-budget", "many"], ["--kv-budget", "'many'"]),
     (["--max-tokens", "0"], ["--max-tokens", ">= 1", "0"]),

@@ -83,7 +83,8 @@ def assert_states_match(got, want, cfg: CaMConfig, context: str) -> None:
     exact = cfg.merge == "drop"
     rtol = MASS_WEIGHT_RTOL if cfg.merge in MASS_MODES else 0.0
     assert_rows_match("values", g_state.values, w_state.values, exact, context, rtol)
-    assert_rows_match("keys", g_state.keys, w_state.keys, exact or not cfg.merge_keys, context, rtol)
+    keys_move = cfg.merge_keys or merges.rule(cfg.merge).keeps_votes
+    assert_rows_match("keys", g_state.keys, w_state.keys, exact or not keys_move, context, rtol)
 
 
 def feed(update, cfg, sizes, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=0, row_base=0, keys_at=None):
@@ -113,15 +114,11 @@ def feed(update, cfg, sizes, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=
 
 
 def check_backend(backend: str, cfg: CaMConfig, sizes, **shape) -> None:
-    """The backend's states after each call match the reference's; a backend that does not
-    run cfg's merge rule (a reference-only rule on a kernel backend) must refuse it."""
+    """The backend's states after each call match the reference's (a rule the kernel core
+    lacks runs by the MLX merge engine on a kernel backend)."""
     if backend == "reference":
         pytest.skip("the reference is the oracle itself")
     context = f"backend={backend} cfg={cfg.to_json()} sizes={sizes} shape={shape}"
-    if not merges.rule(cfg.merge).kernels:
-        with pytest.raises(ValueError, match=f"merge='{cfg.merge}' runs on backend='reference' only"):
-            feed(backends.resolve(backend).update, cfg, sizes, **shape)
-        return
     got = feed(backends.resolve(backend).update, cfg, sizes, **shape)
     # The oracle runs on the CPU, whatever the default device: its dot products are
     # sums in feature order there, which every kernel (FMA-free) reproduces.

@@ -24,14 +24,13 @@ def test_every_rule_is_one_the_kernel_can_run(rule):
 
 
 @pytest.mark.parametrize("rule", merges.RULES, ids=lambda r: r.name)
-def test_a_rule_with_state_is_reference_only_and_says_so(rule):
-    """The kernel core has no per-row threshold or votes: a rule that keeps either runs on
-    the reference only, and its help says it is experimental."""
-    if rule.moving_threshold or rule.keeps_votes:
-        assert not rule.kernels
+def test_only_a_rule_with_state_the_core_lacks_skips_the_kernel_core(rule):
+    """A rule without a row in the kernel core's table runs on the MLX merge engine, which
+    exists for the per-row state the core has no place for (a threshold, votes)."""
     if not rule.kernels:
-        assert "Experimental: reference backend only" in rule.help
-        assert rule.kind == merges.NEAREST, "the reference's stateful merges are nearest-survivor merges"
+        assert rule.moving_threshold or rule.keeps_votes
+        assert rule.kind == merges.NEAREST, "the stateful merges are nearest-survivor merges"
+        assert "reference backend only" not in rule.help
 
 
 def test_the_kernels_table_is_the_registrys():
@@ -66,13 +65,10 @@ def test_the_config_accepts_exactly_the_registrys_rules():
 
 
 @pytest.mark.parametrize("merge", merges.names(kernels=False))
-def test_a_reference_only_rule_refuses_a_kernel_backend_and_auto_picks_the_reference(merge):
-    for backend in ("ext", "metal", "cuda"):
-        with pytest.raises(ValueError, match=f"'reference' or 'auto' with merge='{merge}'.*got '{backend}'"):
-            CaMConfig(merge=merge, backend=backend)
-    assert CaMConfig(merge=merge).backend == "auto"
-    assert backends.resolve("auto", merge) is reference
-    assert backends.resolve("reference", merge) is reference
+def test_a_rule_the_core_lacks_is_accepted_by_every_backend(merge):
+    for backend in ("auto", "reference", "ext", "metal", "cuda"):
+        assert CaMConfig(merge=merge, backend=backend).backend == backend
+    assert backends.resolve("reference") is reference
 
 
 def test_queries_filter_by_property_and_unknown_names_are_named():

@@ -23,6 +23,7 @@ import pytest
 
 from camkv import CaMConfig, CaMKVCache, hook, merges, reference
 from camkv.backends import jit
+from camkv.rows import RowState
 
 ROOT = Path(__file__).resolve().parents[1]
 CLANG = shutil.which("clang++")
@@ -39,7 +40,9 @@ CONFIGS = {
     "exact": dict(budget=16, n_sink=1, recent=4, prefill="exact"),
     "slack 0": dict(budget=16, n_sink=1, recent=4, slack=0),
     "causal prompts": dict(budget=16, n_sink=1, recent=4, prefill_scoring="causal"),
-    **{f"merge {rule}": dict(budget=16, n_sink=1, recent=4, merge=rule)
+    # A merge rule's chunks run as MLX operations on a GPU (backends.merge_ops); its
+    # one-token compressions (slack 0) launch the kernel.
+    **{f"merge {rule}": dict(budget=16, n_sink=1, recent=4, merge=rule, slack=0)
        for rule in merges.names(kernels=True) if rule != "drop"},
 }
 
@@ -111,12 +114,23 @@ def _drive(cfg: CaMConfig, batch: int, heads: int, dtype, rng) -> None:
     mx.eval(cache.state)
 
 
+def _prescored_chunk(dtype, rows: int, rng) -> None:
+    """A first chunk through the kernel with its mass prescored: the class a backend's
+    update still launches for a chunk, which a cache hands the MLX engines instead."""
+    keys, values = (mx.array(rng.standard_normal((rows, 40, 16)).astype(np.float32)).astype(dtype) for _ in range(2))
+    queries = mx.array(rng.standard_normal((rows, 40, 2, 16)).astype(np.float32))
+    empty = RowState.empty(rows, 16, 16, dtype)
+    cfg = CaMConfig(budget=16, n_sink=1, recent=4, merge="mass_weighted", backend="metal")
+    mx.eval(jit.metal.update(empty, keys, values, 0, cfg, mx.arange(rows).astype(mx.uint32), queries, 0.25))
+
+
 def _collect(captured) -> _Capture:
     rng = np.random.default_rng(0)
     for dtype in STORAGE:
         for batch, heads in LAYOUTS:
             for name, fields in CONFIGS.items():
                 _drive(CaMConfig(backend="metal", **fields), batch, heads, dtype, rng)
+            _prescored_chunk(dtype, batch * heads, rng)
     return captured
 
 

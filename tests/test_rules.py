@@ -22,15 +22,7 @@ def _update(backend):
 def _cfg(backend, **fields):
     base = dict(budget=8, n_sink=2, recent=3, gate=True, merge="mass_weighted", backend=backend)
     base.update(fields)
-    _skip_unless_it_runs(backend, base["merge"])
     return CaMConfig(**base)
-
-
-def _skip_unless_it_runs(backend: str, merge: str) -> None:
-    """A reference-only rule has nothing to check on a kernel backend but its refusal,
-    which tests/test_equivalence.py and tests/test_merges.py check."""
-    if backend != "reference" and not rules.rule(merge).kernels:
-        pytest.skip(f"merge={merge!r} runs on the reference backend only")
 
 
 def _np(state: RowState):
@@ -294,7 +286,6 @@ def test_drop_equals_a_gate_that_never_opens(monkeypatch):
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_gate_merges_at_a_rate_strictly_between_zero_and_one(backend, merge, prefill):
     """The defect docs/algorithm.md fixes (newest token always evicted, gate never open) stays fixed."""
-    _skip_unless_it_runs(backend, merge)
     cfg = CaMConfig(budget=16, n_sink=2, recent=4, merge=merge, prefill=prefill, gate=True, backend=backend)
     state, merges = run_calls(_update(backend), cfg, [1] * 120, rows=4, k_dim=16, v_dim=16)
     evictions = 4 * (120 - 16)
@@ -523,12 +514,12 @@ def test_overlapping_windows_take_every_loser_at_once(backend, merge):
     np.testing.assert_array_equal(np.array(out.keys[0, 1:4]), [[0, 1, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0]])
 
 
-def test_keepkv_folds_two_losers_into_one_row_for_the_query():
+def test_keepkv_folds_two_losers_into_one_row_for_the_query(backend):
     """Section 4.6 with two losers into row 4, votes 1 each: l_i = s q.K_i, M = max,
     m_i = exp(l_i - M); the value is the m-weighted mean, the key K' + d q with K' the
     m-weighted mean key, so that the merged row (3 votes) has the group's mass for q."""
     q = np.array([0.5, -1.0, 0.0, 0.0], np.float32)
-    out, values, s = _compress_two_losers("reference", "keepkv", query=q)
+    out, values, s = _compress_two_losers(backend, "keepkv", query=q)
     k = {1: np.array([1.0, 0, 0, 0]), 3: np.array([3.0, 0, 0, 0]), 4: np.array([2.0, 0, 0, 0])}
     logit = {i: 0.5 * q @ k[i] for i in k}
     top = max(logit.values())
@@ -553,10 +544,10 @@ def _nearest_cosines(keys, kept, losers, n_sink):
     return np.array([max(unit[e] @ unit[j] for j in targets) for e in losers])
 
 
-def test_d2o_merges_above_a_threshold_that_moves_with_each_compression():
+def test_d2o_merges_above_a_threshold_that_moves_with_each_compression(backend):
     """tau = m after a row's first compression, then tau <- 0.5 tau + 0.5 m, with m the mean
     of the losers' nearest cosines; a loser merges when its cosine reaches the new tau."""
-    cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge="d2o", gate=False, prefill="chunk", backend="reference")
+    cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge="d2o", gate=False, prefill="chunk", backend=backend)
     rng = np.random.default_rng(15)
     all_keys = rng.standard_normal((1, 40, 6)).astype(np.float32)
     all_keys[0, 20:] += 1.5  # the later tokens look alike: the second compression's cosines are higher
@@ -564,7 +555,7 @@ def test_d2o_merges_above_a_threshold_that_moves_with_each_compression():
     for s_len in (20, 20):
         keys_before = np.concatenate([np.array(state.keys[0]), all_keys[0, offset:offset + s_len]])
         before = np.array(state.positions[0]).tolist() + list(range(offset, offset + s_len))
-        state, merged = reference.update(state, mx.array(all_keys[:, offset:offset + s_len]),
+        state, merged = _update(backend)(state, mx.array(all_keys[:, offset:offset + s_len]),
                                          mx.zeros((1, s_len, 4)), offset, cfg, mx.zeros((1,), mx.uint32))
         offset += s_len
         kept = np.array(state.positions[0]).tolist()
@@ -577,12 +568,11 @@ def test_d2o_merges_above_a_threshold_that_moves_with_each_compression():
 
 
 @pytest.mark.parametrize("prefill, sizes", [("exact", [9, 1, 1, 5]), ("chunk", [6, 9, 1, 12])])
-def test_keepkv_leaves_the_current_querys_attention_output_unchanged(prefill, sizes):
+def test_keepkv_leaves_the_current_querys_attention_output_unchanged(backend, prefill, sizes):
     """Section 4.6: with one query per KV head and every eviction merging, the last token's
     attention output over the rows (each weighed by its votes) is the same after the
     evictions as over every row before them; the votes add up to the tokens seen."""
-    cfg = CaMConfig(budget=10, n_sink=2, recent=3, merge="keepkv", gate=False, prefill=prefill,
-                    backend="reference")
+    cfg = CaMConfig(budget=10, n_sink=2, recent=3, merge="keepkv", gate=False, prefill=prefill, backend=backend)
     rng = np.random.default_rng(16)
     state, offset, scale = RowState.empty(3, 8, 6, mx.float32), 0, 0.4
     rows = mx.arange(3).astype(mx.uint32)
@@ -602,7 +592,7 @@ def test_keepkv_leaves_the_current_querys_attention_output_unchanged(prefill, si
                                                                      (start.values, v[:, block]))]
             votes = mx.concatenate([start.votes, mx.ones((3, end - block.start))], axis=1)
             want = output(*every_row, votes, q[:, end - 1, 0])
-            state, _ = reference.update(state, k[:, block], v[:, block], offset + block.start, cfg, rows,
+            state, _ = _update(backend)(state, k[:, block], v[:, block], offset + block.start, cfg, rows,
                                         q[:, block], scale)
             got = output(state.keys, state.values, state.votes, q[:, end - 1, 0])
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6)

@@ -511,7 +511,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         # every backend whether it is usable, host work a decode step pays per layer.
         key = (self._config.backend, mx.default_device())
         if self._backend_for is None or self._backend_for[0] != key:
-            self._backend_for = (key, backends.resolve(self._config.backend, self._config.merge))
+            self._backend_for = (key, backends.resolve(self._config.backend))
         return self._backend_for[1]
 
     def _merges_so_far(self) -> mx.array:

@@ -200,11 +200,6 @@ class CaMConfig:
                 f"compressed as one chunk), got prefill={self.prefill!r}; use slack=0"
             )
         rule = merges.rule(self.merge)
-        if not rule.kernels and self.backend not in ("auto", "reference"):
-            raise ValueError(
-                f"CaMConfig.backend must be 'reference' or 'auto' with merge={self.merge!r} (an experimental "
-                f"rule only the reference runs), got {self.backend!r}"
-            )
         # With drop nothing merges, so merge_keys is moot there (and accepted).
         if self.merge_keys and rule.kind != merges.DROP and not rule.keys_allowed:
             raise ValueError(

@@ -136,7 +136,7 @@ class PendingChunk:
         cfg = self.config(cfg)
         if rows.votes is None:
             return mass.chunk_mass(queries, rows.keys, scale, settled, cfg, s_len, drop.reducer())
-        # Votes weigh attention (a reference-only rule): the reference's arithmetic.
+        # Votes weigh attention (keepkv): the reference's arithmetic, which takes them.
         return mass.chunk_mass(queries, rows.keys, scale, settled, cfg, s_len, mass.EXACT_WHOLE,
                                bias=mx.log(rows.votes))
 

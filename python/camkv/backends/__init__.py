@@ -3,9 +3,9 @@
 "reference" (pure MLX, any device), "ext" (the compiled extension: CPU, and Apple
 GPUs when built with Metal), "metal" and "cuda" (the same kernel core compiled at
 run time by mx.fast). "auto" picks metal on an Apple GPU, cuda on an NVIDIA GPU,
-ext on the CPU, and the reference (with one warning naming what is missing) otherwise;
-for a merge rule only the reference runs (camkv.merges, kernels=False) it picks the
-reference, and the kernel backends refuse that rule.
+ext on the CPU, and the reference (with one warning naming what is missing) otherwise.
+Every backend runs every merge rule: the kernel backends run a rule the kernel core has
+no row for (camkv.merges, kernels=False) by the MLX merge engine (backends.merge_ops).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import warnings
 
 import mlx.core as mx
 
-from .. import merges
 from . import ext, jit
 from .oracle import reference
 
@@ -74,11 +73,8 @@ def require_usable(name: str) -> None:
                          f"here: 'auto', {', '.join(repr(n) for n in usable)}")
 
 
-def resolve(name: str, merge: str = "drop"):
-    """The backend module for a CaMConfig.backend name ('auto' picks the best usable one
-    for merge rule `merge`: the reference for a rule the kernels do not run)."""
-    if not merges.rule(merge).kernels and name in ("auto", "reference"):
-        return reference()
+def resolve(name: str):
+    """The backend module for a CaMConfig.backend name ('auto' picks the best usable one)."""
     if name == "auto":
         return _auto()
     reasons = available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import mass, merges
+from .. import mass
 from ..rows import RowState
 
 STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -19,13 +19,6 @@ def check_kernel_inputs(state: RowState, new_keys, queries, scale, max_head_dim:
     for name, dim in (("Dk", new_keys.shape[-1]), ("Dv", state.values.shape[-1])):
         if dim > max_head_dim:
             raise ValueError(f"{name} = {dim} exceeds {who}'s limit of {max_head_dim}; use backend='reference'")
-
-
-def check_kernel_rule(merge: str, who: str) -> None:
-    """Refuse a merge rule the kernel core does not run (camkv.merges, kernels=False)."""
-    if not merges.rule(merge).kernels:
-        raise ValueError(f"merge={merge!r} runs on backend='reference' only (experimental), not on {who}; "
-                         f"the kernels run {', '.join(merges.names(kernels=True))}")
 
 
 def adopt_dtype(state: RowState, new_keys) -> RowState:

@@ -8,12 +8,18 @@ backend it has. The engines:
 - on an NVIDIA GPU, merge="drop" with score eviction: one launch chooses, compacts and
   copies the survivors (camkv.backends.drop.compress_drop_buffers over backends.compact_cuda);
   a batch may collect such launches of its rows and run the ones alike together;
-- on a GPU, merge="drop" over a chunk of several tokens: batched MLX operations (a
-  product, a partition, a gather) use the whole device, where the kernel core runs one
-  work group per row (camkv.backends.drop.compress_drop); on the CPU the extension's one pass
-  per row is faster;
+- on a GPU, a chunk of several tokens: batched MLX operations use the whole device,
+  where the kernel core runs one work group per row: for merge="drop" a product, a
+  partition and a gather (camkv.backends.drop.compress_drop), for a merge rule those
+  and its merges as one product of losers by survivors and segment sums
+  (camkv.backends.merge_ops.compress); on the CPU the extension's one pass per row is
+  faster;
+- a rule the kernel core has no row for (camkv.merges, kernels=False: keepkv, d2o) on
+  a kernel backend, on any device: the merge engine's MLX operations, the rule's votes
+  and threshold read from the rows and written back with them;
 - otherwise the backend's update (the kernel core, or the reference): the settled rows
-  and the pending ones handed over as a RowState and new blocks.
+  and the pending ones handed over as a RowState and new blocks (a kernel backend
+  hands an exact-mode call of a kernels=False rule to the merge engine itself).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import mlx.core as mx
 from .. import merges
 from ..buffers import RowBuffers
 from ..pending import every_query
-from . import drop
+from . import drop, merge_ops
+from .oracle import MODULE as REFERENCE_MODULE
 
 
 class Chunk(NamedTuple):
@@ -67,17 +74,33 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
     return merged
 
 
+def by_operations(backend, cfg, end: int, settled: int) -> bool:
+    """Whether a compression of rows [settled, end) runs as batched MLX operations: a
+    chunk of several tokens on a GPU, or a chunk with a rule the kernel core lacks on a
+    kernel backend. Exact prefill scores token by token (docs/algorithm.md section 2):
+    the backend's update."""
+    if cfg.prefill != "chunk":
+        return False
+    if getattr(backend, "target", None) and end - settled > 1:
+        return True
+    return not merges.rule(cfg.merge).kernels and getattr(backend, "__name__", None) != REFERENCE_MODULE
+
+
 def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
-    """A GPU drop of a chunk of several tokens as batched MLX operations (None elsewhere).
-    Exact prefill scores token by token (docs/algorithm.md section 2): the kernel."""
-    cfg, end, n = chunk.cfg, chunk.end, rows.settled
-    if not (merges.rule(cfg.merge).kind == merges.DROP and getattr(backend, "target", None) and end - n > 1
-            and cfg.prefill == "chunk"):
+    """The compression as batched MLX operations where by_operations says so (None elsewhere)."""
+    cfg, end = chunk.cfg, chunk.end
+    if not by_operations(backend, cfg, end, rows.settled):
         return None
     R = rows.scores.shape[0]
-    kept = drop.compress_drop(rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1),
-                              rows.scores, rows.positions, chunk.queries, rows.pending_start, chunk.scale, cfg)
-    return kept, mx.zeros((R,), mx.int32)
+    keys, values = rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1)
+    if merges.rule(cfg.merge).kind == merges.DROP:
+        kept = drop.compress_drop(keys, values, rows.scores, rows.positions, chunk.queries, rows.pending_start,
+                                  chunk.scale, cfg)
+        return kept, mx.zeros((R,), mx.int32)
+    settled = merge_ops.Settled(rows.scores, rows.positions, rows.votes, rows.threshold)
+    # The backend's own reduction of a chunk's logits where it has one (the extension's column sums).
+    return merge_ops.compress(keys, values, settled, chunk.queries, rows.pending_start, chunk.scale, cfg,
+                              chunk.row_ids, getattr(backend, "REDUCER", None))
 
 
 def _by_update(backend, rows: RowBuffers, chunk: Chunk):

@@ -7,7 +7,7 @@ Here both are a handful of batched operations: the logits as matrix products of 
 storage dtype's values cast to float32 (exact for float16 and bfloat16 inputs, and on a
 TF32 tensor core too, whose 10-bit mantissa holds theirs), a float32 softmax, a
 partition for the losers and a gather for the survivors. merge="drop" needs nothing
-else; the merge rules keep their ordered merges in the kernels.
+else; the merge rules add their merges to the same steps (camkv.backends.merge_ops).
 
 Sums run in the device's own order, so results match the reference within section 8's
 tie-aware tolerances, not bit for bit.
@@ -69,11 +69,18 @@ def losers_and_kept(scores: mx.array, positions: mx.array, p_last, budget: int, 
     rank as +inf; a NaN score ranks lowest. Rows tied at the boundary may go either way
     (section 8).
     """
+    return losers_and_survivors(scores, positions, p_last, budget, n_sink, recent)[1]
+
+
+def losers_and_survivors(scores: mx.array, positions: mx.array, p_last, budget: int, n_sink: int, recent: int
+                         ) -> tuple[mx.array, mx.array]:
+    """losers_and_kept's partition, both sides in position order: the loser indices
+    [R, N - budget] and the kept ones [R, budget]."""
     total = scores.shape[1]
     protected = policy.protected(positions, p_last, n_sink, recent)
     ranked = mx.where(protected, _INF, mx.where(mx.isnan(scores), -_INF, scores))
-    kept = mx.argpartition(ranked, kth=total - budget, axis=1)[:, total - budget:]
-    return mx.sort(kept, axis=1)
+    order = mx.argpartition(ranked, kth=total - budget, axis=1)
+    return mx.sort(order[:, :total - budget], axis=1), mx.sort(order[:, total - budget:], axis=1)
 
 
 def update_drop(state: RowState, new_keys, new_values, offset: int, cfg, row_ids,

@@ -15,8 +15,10 @@ import mlx.core as mx
 
 from .. import mass
 from ..config import CaMConfig
+from ..merges import rule as merge_rule
 from ..rows import RowState
-from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule, chunk_mass
+from . import merge_ops
+from ._common import adopt_dtype, check_kernel_inputs, chunk_mass
 from .params import decode_words, pack_words, scratch_strides
 
 try:  # the package works without the extension (reference backend)
@@ -96,7 +98,8 @@ def update(
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"backend 'ext' is not usable here: {reason}")
-    check_kernel_rule(cfg.merge, "the ext backend")
+    if not merge_rule(cfg.merge).kernels:  # a rule with state the core lacks: the MLX merge engine
+        return merge_ops.update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, REDUCER)
     check_kernel_inputs(state, new_keys, queries, scale, _ext.MAX_HEAD_DIM, "the ext backend")
     if queries is None:
         scale = 1.0 / math.sqrt(new_keys.shape[-1])

@@ -15,9 +15,10 @@ import os
 import mlx.core as mx
 
 from ..config import CaMConfig
+from ..merges import rule as merge_rule
 from ..rows import RowState
-from ._common import adopt_dtype, check_kernel_inputs, check_kernel_rule, chunk_mass as prescore_chunk
-from . import selfcheck
+from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk
+from . import merge_ops, selfcheck
 from .params import MAX_GROUP, pack_params, params_for, scratch_strides
 from .sources import inlined_source
 
@@ -151,7 +152,6 @@ def check_update(state: RowState, new_keys, new_values, offset: int, cfg: CaMCon
     """Refuse what the caller got wrong (a rule, a dtype, a head dim, a thread count, a
     missing GPU), with a message naming it: such errors reach the caller, where the
     self-check falls back only for the kernel's own failures."""
-    check_kernel_rule(cfg.merge, f"backend {target!r}")
     if target not in _usable:
         reason = unavailable_reason(target)
         if reason is not None:
@@ -259,6 +259,8 @@ class _Target:
         self.target = target
 
     def update(self, state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
+        if not merge_rule(cfg.merge).kernels:  # a rule with state the core lacks: the MLX merge engine
+            return merge_ops.update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale)
         return _guards[self.target].update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale)
 
     def unavailable_reason(self):

@@ -193,10 +193,8 @@ def snapkv_config(budget: int, context: int, after_context: int, settings: Cache
 
 
 def _config_for(arm: Arm, budget: int, settings: CacheSettings) -> CaMConfig:
-    """A "config" arm's CaMConfig at this budget, with the run's seed and, for a rule the
-    kernels run, its backend."""
-    backend = settings.backend if merges.rule(arm.config.merge).kernels else arm.config.backend
-    return arm.config.replace(budget=budget, seed=settings.seed, backend=backend)
+    """A "config" arm's CaMConfig at this budget, with the run's seed and backend."""
+    return arm.config.replace(budget=budget, seed=settings.seed, backend=settings.backend)
 
 
 def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings,

@@ -1,0 +1,311 @@
+"""The MLX merge engine (camkv.backends.merge_ops) against the reference, tie-aware as
+docs/algorithm.md section 8 says, for every merge rule; and where camkv.backends.compress
+sends a compression (the engine for a chunk on a GPU, and for the rules the kernel core
+lacks on every kernel backend). The engine is MLX operations, so it runs here, on the
+CPU, called directly."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from camkv import CaMConfig, CaMKVCache, gate, merges, reference
+from camkv.backends import compress, ext, jit, merge_ops
+from camkv.rows import RowState
+from test_amortized import near_tie_flips
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_MANTISSA = {mx.float32: 23, mx.float16: 10, mx.bfloat16: 7}
+MERGING = tuple(name for name in merges.names() if merges.rule(name).kind != merges.DROP)
+COSINE_TIE = 1e-3  # section 8: a loser's two best cosines closer than this may pick either
+DECISION_TIE = 1e-4  # a gate draw or d2o threshold this close to its bound may fall either way
+# (scores and cosines agree to float32 rounding, not bit for bit, between the two)
+
+pytestmark = pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
+
+
+def _ulp(scale: np.ndarray, dtype) -> np.ndarray:
+    return np.exp2(np.floor(np.log2(np.maximum(scale, 1e-30))) - _MANTISSA[dtype])
+
+
+def _random(rng, shape, dtype=mx.float32):
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def _calls(cfg, first: int, s_len: int, rows, k_dim, v_dim, dtype, seed, queries_per_kv):
+    """Two chunk calls' inputs: the first builds a state (compressed, with its votes and
+    threshold where the rule keeps them) the second compresses from."""
+    rng = np.random.default_rng(seed)
+    calls = []
+    for offset, size in ((0, first), (first, s_len)):
+        queries = _random(rng, (rows, size, queries_per_kv, k_dim)) if queries_per_kv else None
+        calls.append((_random(rng, (rows, size, k_dim), dtype), _random(rng, (rows, size, v_dim), dtype), offset,
+                      queries, 0.35 if queries_per_kv else None))
+    return calls
+
+
+def _undecided(cfg, joined: RowState, kept, row: int, r_id: int, threshold) -> tuple[list, list]:
+    """For one row of a compression (joined: every row before it, scored): each loser's
+    candidate targets (positions) and whether its merge is a near-tie decision (its
+    cosines within COSINE_TIE, its gate draw or its d2o cosine within DECISION_TIE of the
+    bound). Float64 from the joined state."""
+    rule = merges.rule(cfg.merge)
+    positions = np.array(joined.positions[row]).tolist()
+    keys = np.array(joined.keys[row].astype(mx.float32)).astype(np.float64)
+    scores = np.array(joined.scores[row]).astype(np.float64)
+    kept_set = set(np.array(kept).tolist())
+    survivors = [j for j, p in enumerate(positions) if p in kept_set]
+    candidates, undecided = [], []
+    for e, p in enumerate(positions):
+        if p in kept_set:
+            continue
+        if rule.kind == merges.WINDOW:
+            chosen = [j for j in survivors if j > e][: cfg.window]
+            s_target = scores[chosen].mean() if chosen else 0.0
+            cos = None
+            tied = False
+        else:
+            eligible = [j for j in survivors if positions[j] >= cfg.n_sink]
+            k = keys[eligible]
+            cos_all = k @ keys[e] / np.maximum(np.linalg.norm(k, axis=1) * np.linalg.norm(keys[e]), 1e-12)
+            best = cos_all.max()
+            chosen = [j for j, c in zip(eligible, cos_all) if c >= best - COSINE_TIE]
+            s_target, cos, tied = scores[chosen[0]], best, len(chosen) > 1
+        if cfg.gate:
+            s_e = scores[e]
+            prob = min(max(s_e / s_target, 0.0), 1.0) if s_target > 0 else (1.0 if s_e > 0 else 0.0)
+            draw = float(gate.uniform(cfg.seed, r_id, p).item())
+            tied = tied or abs(draw - prob) < DECISION_TIE * max(1.0, prob)
+        if rule.moving_threshold and threshold is not None:
+            tied = tied or abs(cos - threshold) < DECISION_TIE
+        candidates.append([positions[j] for j in chosen])
+        undecided.append(tied)
+    return candidates, undecided
+
+
+def check_engine(cfg, first, s_len, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=0) -> dict:
+    """Both calls by the engine and by the reference; the second's results compared
+    tie-aware. Returns what it saw (kept-set flips, rows left out, most losers a target took)."""
+    calls = _calls(cfg, first, s_len, rows, k_dim, v_dim, dtype, seed, queries_per_kv)
+    row_ids = mx.arange(rows).astype(mx.uint32) + 3
+    empty = RowState.empty(rows, k_dim, v_dim, dtype)
+    with mx.stream(mx.cpu):
+        start, _ = reference.update(empty, *calls[0][:3], cfg, row_ids, *calls[0][3:])
+        want, want_merged = reference.update(start, *calls[1][:3], cfg, row_ids, *calls[1][3:])
+        joined, _ = reference.update(start, *calls[1][:3], cfg.replace(budget=start.length + s_len + 1, n_sink=0,
+                                                                          recent=1), row_ids, *calls[1][3:])
+    got, got_merged = merge_ops.update(start, *calls[1][:3], cfg, row_ids, *calls[1][3:])
+    mx.eval(got, got_merged, want, want_merged, joined)
+    context = f"seed={seed} cfg={cfg.to_json()} first={first} s_len={s_len} rows={rows} dims={k_dim},{v_dim}"
+    assert got.keys.shape == want.keys.shape and got.keys.dtype == want.keys.dtype, context
+    p_last = first + s_len - 1
+    protected = (joined.positions < cfg.n_sink) | (joined.positions > p_last - cfg.recent)
+    n_losers = joined.length - want.length
+    seen = dict(flips=0, left_out=0, most=0)
+    if n_losers <= 0:
+        np.testing.assert_array_equal(np.array(got.positions), np.array(want.positions), err_msg=context)
+        return seen
+    seen["flips"] = near_tie_flips(got, want, joined.scores, joined.positions, n_losers, protected)
+    if seen["flips"]:
+        return seen  # another kept set: its merges differ by design (section 8)
+    np.testing.assert_array_equal(np.array(got.positions), np.array(want.positions), err_msg=context)
+    compare = np.ones(np.array(want.positions).shape, bool)
+    for r in range(rows):
+        kept = np.array(want.positions[r])
+        threshold = None if want.threshold is None else float(want.threshold[r])
+        candidates, undecided = _undecided(cfg, joined, kept, r, r + 3, threshold)
+        counts = {}
+        for chosen in candidates:
+            for p in chosen[:1] if merges.rule(cfg.merge).kind == merges.NEAREST else chosen:
+                counts[p] = counts.get(p, 0) + 1
+        seen["most"] = max([seen["most"], *counts.values()])
+        for chosen, tied in zip(candidates, undecided):
+            if tied:
+                compare[r] &= ~np.isin(kept, chosen)
+        assert abs(int(got_merged[r]) - int(want_merged[r])) <= sum(undecided), f"{context}: merges of row {r}"
+    seen["left_out"] = int((~compare).sum())
+    _assert_close(got, want, compare, cfg, 1 + seen["most"], context)
+    return seen
+
+
+def _assert_close(got: RowState, want: RowState, compare, cfg, terms: int, context: str) -> None:
+    """Scores rtol 1e-4; votes within float32 rounding; thresholds within the cosines'
+    float32 disagreement; keys and values within one ulp of the storage dtype at the
+    row's scale, plus `terms` float32 ulps (a target's sum in another order), plus 1e-5
+    of the scale for shares that are scores or masses (they inherit the scores' rtol)."""
+    rule = merges.rule(cfg.merge)
+    np.testing.assert_allclose(np.array(got.scores)[compare], np.array(want.scores)[compare], rtol=1e-4, atol=1e-6,
+                               err_msg=f"{context}: scores")
+    if want.votes is not None:
+        np.testing.assert_allclose(np.array(got.votes)[compare], np.array(want.votes)[compare], rtol=1e-6,
+                                   err_msg=f"{context}: votes")
+    if want.threshold is not None:
+        np.testing.assert_allclose(np.array(got.threshold), np.array(want.threshold), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{context}: threshold")
+    for name in ("values", "keys"):
+        g = np.array(getattr(got, name).astype(mx.float32))
+        w = np.array(getattr(want, name).astype(mx.float32))
+        if name == "keys" and not (cfg.merge_keys or rule.keeps_votes):
+            np.testing.assert_array_equal(g, w, err_msg=f"{context}: keys change only with merge_keys")
+            continue
+        scale = np.maximum(np.abs(g).max(axis=-1, keepdims=True), np.abs(w).max(axis=-1, keepdims=True))
+        limit = _ulp(scale, want.keys.dtype) + terms * _ulp(scale, mx.float32)
+        if rule.weight_uses_mass:
+            limit = limit + 1e-5 * scale
+        bad = np.argwhere((np.abs(g - w) > limit) & compare[:, :, None])
+        assert bad.size == 0, (f"{context}: {name} differ at {bad[:5].tolist()}: got {g[tuple(bad[0])]} "
+                               f"want {w[tuple(bad[0])]}")
+
+
+# ---------------------------------------------------------------- fixed cases, every rule
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("merge", MERGING)
+def test_the_engine_matches_the_reference_where_targets_take_several_losers(merge, dtype):
+    """A 60-token chunk after a compressed prompt into a budget of 16: about 56 losers for
+    at most 13 non-sink survivors, so targets take several at once; gate on, query
+    scoring with 3 queries per KV head, merge_keys where the rule allows it."""
+    cfg = CaMConfig(budget=16, n_sink=2, recent=3, merge=merge, window=3, prefill="chunk", gate=True, seed=5,
+                    scoring="query", merge_keys=merges.rule(merge).keys_allowed)
+    seen = check_engine(cfg, 30, 60, rows=3, k_dim=16, v_dim=12, dtype=DTYPES[dtype], seed=3, queries_per_kv=3)
+    print(f"{merge} {dtype}: {seen}")
+    assert seen["flips"] or seen["most"] >= 3, seen
+
+
+@pytest.mark.parametrize("merge", merges.names(kernels=False))
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+def test_the_engine_carries_votes_and_thresholds_over_many_calls(merge, prefill):
+    """The stateful rules over a prompt and decode steps, the engine's state fed back to
+    it, against the reference's: votes sum to the tokens seen (keepkv, gate off), the
+    threshold moves, and the two stay within section 8's tolerances."""
+    cfg = CaMConfig(budget=12, n_sink=2, recent=3, merge=merge, gate=False, prefill=prefill,
+                    slack=0, scoring="query")
+    rng = np.random.default_rng(8)
+    rows, row_ids = 2, mx.arange(2).astype(mx.uint32)
+    ours = theirs = RowState.empty(rows, 8, 6, mx.float32)
+    offset = 0
+    for size in (20, 1, 1, 1, 7, 1, 1):
+        k, v, q = _random(rng, (rows, size, 8)), _random(rng, (rows, size, 6)), _random(rng, (rows, size, 2, 8))
+        ours, _ = merge_ops.update(ours, k, v, offset, cfg, row_ids, q, 0.35)
+        theirs, _ = reference.update(theirs, k, v, offset, cfg, row_ids, q, 0.35)
+        offset += size
+    np.testing.assert_array_equal(np.array(ours.positions), np.array(theirs.positions))
+    np.testing.assert_allclose(np.array(ours.values), np.array(theirs.values), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.array(ours.keys), np.array(theirs.keys), rtol=1e-4, atol=1e-5)
+    if merge == "keepkv":
+        np.testing.assert_array_equal(np.array(ours.votes.sum(axis=1)), [offset] * rows)
+        np.testing.assert_array_equal(np.array(ours.votes), np.array(theirs.votes))
+    else:
+        assert np.isfinite(np.array(ours.threshold)).all()
+        np.testing.assert_allclose(np.array(ours.threshold), np.array(theirs.threshold), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- fuzz
+
+
+@st.composite
+def engine_cases(draw):
+    merge = draw(st.sampled_from(MERGING))
+    n_sink, recent = draw(st.integers(0, 2)), draw(st.integers(1, 4))
+    budget = n_sink + recent + draw(st.integers(1, 10))
+    cfg = CaMConfig(budget=budget, n_sink=n_sink, recent=recent, merge=merge, window=draw(st.integers(1, 4)),
+                    merge_keys=merges.rule(merge).keys_allowed and draw(st.booleans()), gate=draw(st.booleans()),
+                    seed=draw(st.integers(0, 2**32 - 1)), prefill="chunk", prefill_scoring="causal",
+                    eviction=draw(st.sampled_from(["score", "score", "recency"])))
+    first = draw(st.integers(1, 3 * budget))
+    s_len = draw(st.integers(2, 4 * budget))
+    shape = dict(rows=draw(st.integers(1, 3)), k_dim=draw(st.integers(1, 24)), v_dim=draw(st.integers(1, 24)),
+                 dtype=DTYPES[draw(st.sampled_from(sorted(DTYPES)))], seed=draw(st.integers(0, 2**31 - 1)),
+                 queries_per_kv=draw(st.sampled_from([0, 1, 3])))
+    return cfg, first, s_len, shape
+
+
+ENGINE_EXAMPLES = int(os.environ.get("CAMKV_FUZZ_EXAMPLES", "300")) // 3
+
+
+def test_the_engine_fuzz_matches_the_reference():
+    """Random rules, shapes, dtypes, chunkings and seeds (each example notes its seed)."""
+    several = []
+
+    @settings(max_examples=ENGINE_EXAMPLES, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+    @given(engine_cases())
+    def run(case):
+        cfg, first, s_len, shape = case
+        if shape["queries_per_kv"]:
+            cfg = cfg.replace(scoring="query")
+        note(f"seed={shape['seed']} cfg={cfg.to_json()} first={first} s_len={s_len} shape={shape}")
+        seen = check_engine(cfg, first, s_len, **shape)
+        note(f"seen: {seen}")
+        several.append(seen["most"] >= 2)
+
+    run()
+    print(f"examples with a target taking several losers: {sum(several)} of {len(several)}")
+    assert sum(several) >= len(several) // 3, "many examples must give some target several losers"
+
+
+# ---------------------------------------------------------------- routing
+
+
+class _GPUStandIn:
+    """A kernel backend as compress.py sees a GPU one (it has a target)."""
+
+    target = "cuda"
+    __name__ = "camkv.backends.cuda"
+
+
+@pytest.mark.parametrize("merge", merges.names())
+def test_compressions_go_to_the_engine_on_a_gpu_and_for_rules_the_core_lacks(merge):
+    chunk, exact = CaMConfig(merge=merge, budget=16), CaMConfig(merge=merge, budget=16, prefill="exact")
+    stateful = not merges.rule(merge).kernels
+    assert compress.by_operations(_GPUStandIn(), chunk, 40, 16)  # a chunk on a GPU: MLX operations
+    assert compress.by_operations(_GPUStandIn(), chunk, 17, 16) == stateful  # a decode step: the kernel
+    assert compress.by_operations(ext, chunk, 40, 16) == stateful  # the CPU: the extension's one pass a row
+    assert compress.by_operations(jit.metal, chunk, 17, 16) == stateful
+    assert not compress.by_operations(reference, chunk, 40, 16)  # the reference is the reference
+    assert not compress.by_operations(_GPUStandIn(), exact, 40, 16)  # exact mode: the backend's own update
+
+
+@pytest.mark.skipif(ext.unavailable_reason() is not None, reason="needs the extension")
+@pytest.mark.parametrize("backend", ["auto", "ext"])
+@pytest.mark.parametrize("merge", merges.names(kernels=False))
+def test_a_cache_on_the_ext_backend_runs_a_rule_the_core_lacks_by_the_engine(merge, backend, monkeypatch):
+    """backend="ext" (or "auto", which picks it on the CPU for every rule) with keepkv or
+    d2o is accepted, and its compressions run the engine: a prompt and decode steps
+    through the cache give the reference backend's rows."""
+    calls = []
+    real = merge_ops.compress
+    monkeypatch.setattr(merge_ops, "compress", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(9)
+    blocks = [(_random(rng, (1, 2, s, 8)), _random(rng, (1, 2, s, 6))) for s in (30, 1, 1, 1, 1, 1, 1)]
+    caches = {}
+    for name in (backend, "reference"):
+        cache = CaMKVCache(CaMConfig(budget=12, n_sink=2, recent=3, slack=2, scoring="key", merge=merge,
+                                     backend=name))
+        for keys, values in blocks:
+            cache.update_and_fetch(keys, values)
+        caches[name] = cache.stored()
+        if name == backend:
+            assert calls, f"backend {backend!r}'s compressions did not run the engine"
+    for got, want in zip(caches[backend], caches["reference"]):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("update", [reference.update, merge_ops.update], ids=["reference", "engine"])
+def test_a_loser_between_two_equally_near_survivors_merges_into_the_older(update):
+    """Section 4.1's tie rule, which section 8's tolerance cannot see: K_2 and K_3 point
+    exactly the way the loser's K_1 does; "mean" makes V_2 the mean of V_1 and V_2."""
+    keys = mx.array([[[1, 0], [0, 1], [0, 2], [0, 3]]], mx.float32)
+    values = mx.array([[[0, 0], [4, 4], [2, 0], [0, 2]]], mx.float32)
+    state = RowState(keys, values, mx.array([[5.0, 0.01, 5.0, 5.0]]), mx.arange(4, dtype=mx.int32)[None])
+    cfg = CaMConfig(budget=4, n_sink=0, recent=1, merge="mean", gate=False, prefill="chunk", scoring="key")
+    out, merged = update(state, mx.array([[[1.0, 0.0]]]), mx.zeros((1, 1, 2)), 4, cfg, mx.zeros((1,), mx.uint32))
+    assert merged.tolist() == [1] and out.positions.tolist() == [[0, 2, 3, 4]]
+    assert out.values[0, 1:3].tolist() == [[3, 2], [0, 2]]
