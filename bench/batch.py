@@ -16,6 +16,10 @@ capacity    (--capacity) the largest number of concurrent requests of --capacity
             (mx.get_peak_memory, prefill transients included) passes the limit
             (mx.set_memory_limit is set to it too, so MLX frees its buffer cache).
 
+--kv-bits 4 (or 8) adds a third arm, camkv with its rows quantized (CaMConfig.bits, group
+--kv-group-size), measured the same way; the JSON gives its ratios to unquantized camkv
+(throughput's and capacity's camkv-4bit_vs_camkv).
+
 Each throughput trial also reports the median wall time of a BatchGenerator step (decode
 steps far outnumber prompt calls) and, with --profile, the host time spent in the batch
 caches' methods per step (on a GPU, graph building the device waits for).
@@ -33,6 +37,8 @@ On this repository's CPU machine (2 cores):
         --capacity-model random-demo --limit-gb 1.5 --out bench/results/batch-cpu-capacity.json
 On a GPU (meant to finish within 100 s on an H200):
     python bench/batch.py --model random-1b --slack 16 --profile --capacity --out bench/results/batch-h200.json
+    python bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 \
+        --out bench/results/batch-h200-quant.json      # 16k-token requests in 2 GiB, three arms
 """
 
 from __future__ import annotations
@@ -54,6 +60,12 @@ from camkv.models import load, random_llama
 ARMS = ("batchkv", "camkv")
 
 
+def arms_of(settings: dict) -> tuple[str, ...]:
+    """The arms a run measures: ARMS, then camkv with quantized rows when --kv-bits is set."""
+    bits = settings.get("kv_bits")
+    return ARMS + ((f"camkv-{bits}bit",) if bits else ())
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct",
@@ -63,6 +75,10 @@ def parse_args(argv=None):
     p.add_argument("--gen", type=int, default=128, help="tokens generated each (default 128)")
     p.add_argument("--budget", type=int, default=512, help="camkv budget (default 512)")
     p.add_argument("--slack", type=int, default=None, help="camkv slack (default budget // 8)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(4, 8),
+                   help="also an arm of camkv with its rows quantized to these bits (CaMConfig.bits)")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
+                   help="quantization group of that arm (default 64)")
     p.add_argument("--prefill-step", type=int, default=2048, help="prefill chunk (default 2048)")
     p.add_argument("--trials", type=int, default=1, help="timed trials per arm (default 1)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
@@ -176,10 +192,12 @@ def profile_caches() -> None:
     _PROFILING[0] = True
 
 
-def with_arm(model, arm: str, budget: int, slack: int | None):
+def with_arm(model, arm: str, args):
     """A context manager: the model's caches for the arm (camkv applied, or mlx-lm's own)."""
-    if arm == "camkv":
-        fields = {"budget": budget} if slack is None else {"budget": budget, "slack": slack}
+    if arm.startswith("camkv"):
+        fields = {"budget": args.budget} if args.slack is None else {"budget": args.budget, "slack": args.slack}
+        if arm != "camkv":  # the quantized arm
+            fields.update(bits=args.kv_bits, group_size=args.kv_group_size)
         return camkv.applied(model, **fields)
     import contextlib
 
@@ -188,15 +206,16 @@ def with_arm(model, arm: str, budget: int, slack: int | None):
 
 def throughput(model, args) -> dict:
     prompts = prompts_for(model, args.batch, args.context, args.seed)
-    trials = {arm: [] for arm in ARMS}
+    arms = arms_of(vars(args))
+    trials = {arm: [] for arm in arms}
     if not args.no_warmup:
         warm = prompts_for(model, min(args.batch, 2), min(args.context, 2 * args.budget), args.seed + 1)
-        for arm in ARMS:
-            with with_arm(model, arm, args.budget, args.slack):
+        for arm in arms:
+            with with_arm(model, arm, args):
                 run_batch(model, warm, min(args.gen, 8), args.prefill_step)
     for t in range(args.trials):
-        for arm in ARMS if t % 2 == 0 else ARMS[::-1]:
-            with with_arm(model, arm, args.budget, args.slack):
+        for arm in arms if t % 2 == 0 else arms[::-1]:
+            with with_arm(model, arm, args):
                 result = run_batch(model, prompts, args.gen, args.prefill_step)
             host = result["cache_host_ms_per_step"]
             print(f"[throughput] trial {t} {arm}: {result['wall_s']:.1f} s, "
@@ -205,8 +224,11 @@ def throughput(model, args) -> dict:
                   + ("" if host is None else f" ({host:.1f} ms host in the cache)")
                   + f", peak KV {result['peak_kv_bytes'] / 2**20:.1f} MiB", flush=True)
             trials[arm].append(result)
-    best = {arm: max(trials[arm], key=lambda r: r["tokens_per_s"]) for arm in ARMS}
-    return {
+    best = {arm: max(trials[arm], key=lambda r: r["tokens_per_s"]) for arm in arms}
+    quantized = {f"{arm}_vs_camkv": {key: best[arm][key] / best["camkv"][key]
+                                     for key in ("tokens_per_s", "generation_tps", "peak_kv_bytes")}
+                 for arm in arms[len(ARMS):]}
+    return {**quantized,
         "trials": trials,
         "speedup": best["camkv"]["tokens_per_s"] / best["batchkv"]["tokens_per_s"],
         "generation_speedup": best["camkv"]["generation_tps"] / best["batchkv"]["generation_tps"],
@@ -221,7 +243,7 @@ def admitted(model, arm: str, args, base: int, limit: int, log: list) -> int:
     prompts = prompts_for(model, args.max_n, args.capacity_context, args.seed + 2)
     mx.clear_cache()
     mx.reset_peak_memory()
-    with with_arm(model, arm, args.budget, args.slack):
+    with with_arm(model, arm, args):
         generator = BatchGenerator(model, max_tokens=1 << 30, stop_tokens=[],
                                    completion_batch_size=args.max_n, prefill_batch_size=1,
                                    prefill_step_size=args.prefill_step)
@@ -251,8 +273,10 @@ def capacity(args) -> dict:
     limit = int(args.limit_gb * 2**30)
     mx.set_memory_limit(base + limit)  # MLX frees its buffer cache to stay under it
     log: list = []
-    result = {arm: admitted(model, arm, args, base, limit, log) for arm in ARMS}
-    return {"max_concurrent": result, "ratio": result["camkv"] / max(result["batchkv"], 1), "runs": log,
+    arms = arms_of(vars(args))
+    result = {arm: admitted(model, arm, args, base, limit, log) for arm in arms}
+    quantized = {f"{arm}_vs_camkv": result[arm] / max(result["camkv"], 1) for arm in arms[len(ARMS):]}
+    return {"max_concurrent": result, "ratio": result["camkv"] / max(result["batchkv"], 1), **quantized, "runs": log,
             "model": args.capacity_model or args.model, "context": args.capacity_context,
             "limit_gb": args.limit_gb, "capped": [arm for arm, n in result.items() if n == args.max_n]}
 
@@ -272,16 +296,16 @@ def _panels(record: dict) -> list[tuple[str, str, list[float]]]:
     panels = []
     if "throughput" in record:
         t, st = record["throughput"]["trials"], record["settings"]
-        best = {a: max(t[a], key=lambda r: r["tokens_per_s"]) for a in ARMS}
+        best = {a: max(t[a], key=lambda r: r["tokens_per_s"]) for a in arms_of(st)}
         title = f"{st['batch']} x {st['context']} + {st['gen']} tokens"
-        panels.append((title, "tokens / s (prompt + generated)", [best[a]["tokens_per_s"] for a in ARMS]))
-        panels.append((title, "generated tokens / s", [best[a]["generation_tps"] for a in ARMS]))
+        panels.append((title, "tokens / s (prompt + generated)", [best[a]["tokens_per_s"] for a in arms_of(st)]))
+        panels.append((title, "generated tokens / s", [best[a]["generation_tps"] for a in arms_of(st)]))
         panels.append((f"KV ratio {record['throughput']['kv_ratio']:.3f}", "peak KV MiB (batch)",
-                       [best[a]["peak_kv_bytes"] / 2**20 for a in ARMS]))
+                       [best[a]["peak_kv_bytes"] / 2**20 for a in arms_of(st)]))
     if "capacity" in record:
         c = record["capacity"]
         panels.append((f"{c['model']}, {c['context']} tokens, {c['limit_gb']:g} GiB",
-                       "max concurrent requests", [c["max_concurrent"][a] for a in ARMS]))
+                       "max concurrent requests", [c["max_concurrent"][a] for a in arms_of(record["settings"])]))
     return panels
 
 
@@ -294,8 +318,9 @@ def plot(record: dict, path: Path) -> None:
     panels = _panels(record)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
     labels = ["BatchKVCache", f"camkv {record['settings']['budget']}"]
+    labels += [f"camkv {record['settings']['budget']}, {a.split('-')[1]}" for a in arms_of(record["settings"])[2:]]
     for ax, (title, ylabel, values) in zip(axes[0], panels):
-        ax.bar(labels, values, color=["grey", "tab:blue"])
+        ax.bar(labels, values, color=["grey", "tab:blue", "tab:green"][: len(labels)])
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel)
     fig.suptitle(f"{record['settings']['model']} on {record['machine']['device']}", fontsize=9)
@@ -325,7 +350,8 @@ def main(argv=None) -> int:
               f"KV {tp['kv_ratio']:.3f} of BatchKVCache's")
     if args.capacity:
         c = record["capacity"]
-        print(f"capacity: {c['max_concurrent']} ({c['ratio']:.1f}x)")
+        quantized = "".join(f", {k} {v:.2f}x" for k, v in c.items() if k.endswith("_vs_camkv"))
+        print(f"capacity: {c['max_concurrent']} ({c['ratio']:.1f}x{quantized})")
     return 0
 
 
