@@ -116,3 +116,32 @@ def test_decode_parts_pipelined_times_blocks_of_generate_step_tokens(tmp_path, c
     assert all(r["build_median_ms"] is None and r["median_ms"] > 0 for r in arms.values())
     assert "graph built" not in capsys.readouterr().out
     assert not hook.installed_modules()
+
+
+def test_merge_speed_times_every_arm_in_turn_against_dropping(tmp_path, capsys):
+    """merge_speed: RotatingKVCache, drop and the rules asked for, the warm round dropped,
+    each arm's prefill and decode step paired with dropping's of the same round (drop's own
+    ratio 1), the table printed and the JSON written; no hook left on the model."""
+    from camkv import hook
+
+    script = _load_bench_script("merge_speed")
+    out = tmp_path / "speed.json"
+    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
+                          "--steps", "3", "--rounds", "2", "--rules", "mass_weighted", "keepkv", "--out", str(out)])
+    arms = result["arms"]
+    assert list(arms) == ["rotating", "drop", "mass_weighted", "keepkv"]
+    assert arms["drop"]["prefill_vs_drop"] == arms["drop"]["decode_vs_drop"] == 1.0
+    for arm in arms.values():
+        assert len(arm["rounds"]["prefill_s"]) == len(arm["rounds"]["decode_step_s"]) == 2
+        assert arm["prefill_ms"] > 0 and arm["decode_step_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "round 0 (warm)" in printed and "goals against drop" in printed
+    assert json.loads(out.read_text())["setup"]["rounds"] == 2
+    assert not hook.installed_modules()
+
+
+def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
+    script = _load_bench_script("merge_speed")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--model", "random-tiny", "--budget", "4"])
+    assert exit_info.value.code == 2 and "--budget 4" in capsys.readouterr().err

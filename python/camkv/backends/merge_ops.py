@@ -94,6 +94,8 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
         return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
     loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
                                                     first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent)
+    if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
+        return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
     losers = Rows.of(keys, values, scores, positions, votes, loser_idx)
     kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
@@ -115,45 +117,66 @@ class Merged(NamedTuple):
     count: mx.array
 
 
+class _Targets(NamedTuple):
+    """Where each loser [R, k] goes (section 4.1 or 4.2): survivor indices [R, k, w] (w = 1
+    for a nearest rule, the window otherwise) where valid [R, k, w]; the gate's s_T and the
+    mass each target receives, s_in [R, k]; a nearest rule's target t and cosine [R, k], a
+    window rule's width |W(e)| [R, k] (None where the kind has none)."""
+
+    index: mx.array
+    valid: mx.array
+    s_target: mx.array
+    s_in: mx.array
+    nearest: mx.array | None = None
+    cosine: mx.array | None = None
+    width: mx.array | None = None
+
+
+def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg) -> _Targets:
+    if merges.rule(cfg.merge).kind == merges.WINDOW:
+        index, width = _window_targets(loser_idx, kept_idx, cfg.window)
+        valid = mx.arange(index.shape[2])[None, None, :] < width[:, :, None]
+        shared = mx.maximum(width, 1)
+        s_target = mx.where(valid, _at(kept.scores, index), 0.0).sum(axis=2) / shared  # the mean score of W(e)
+        return _Targets(index, valid, s_target, losers.scores / shared, width=shared)
+    t, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink)
+    return _Targets(t[:, :, None], mx.ones(t.shape + (1,), mx.bool_), _at(kept.scores, t), losers.scores, t, cosine)
+
+
+def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
+    """Section 4.3 and 4.5: which losers merge [R, k] bool, and d2o's moved threshold."""
+    do = mx.ones(targets.s_in.shape, mx.bool_)
+    if cfg.gate:
+        draws = gate.uniform(cfg.seed, row_ids[:, None], losers.positions)
+        do = draws < gate.probability(losers.scores, targets.s_target)
+    if merges.rule(cfg.merge).moving_threshold:
+        threshold = merges.moved_threshold(threshold, targets.cosine)
+        do = do & (targets.cosine >= threshold[:, None])
+    return do, threshold
+
+
 def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids) -> Merged:
     """Sections 4.1-4.6: every loser's targets among the survivors (as they stand before
     any merge), the gate and d2o's threshold, then every target's merges at once."""
     rule = merges.rule(cfg.merge)
-    if rule.kind == merges.DROP:
-        zero = mx.zeros((kept.scores.shape[0],), mx.int32)
-        return Merged(kept.keys, kept.values, kept.scores, kept.votes, threshold, zero)
-    if rule.kind == merges.WINDOW:
-        targets, width = _window_targets(loser_idx, kept_idx, cfg.window)  # [R, k, m], [R, k]
-        cos_t = None
-        valid = mx.arange(targets.shape[2])[None, None, :] < width[:, :, None]
-        s_target = mx.where(valid, _at(kept.scores, targets), 0.0).sum(axis=2) / mx.maximum(width, 1)
-        s_in = losers.scores / mx.maximum(width, 1)
-    else:
-        t, cos_t = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink)
-        targets, valid = t[:, :, None], mx.ones(t.shape + (1,), mx.bool_)
-        s_target, s_in = _at(kept.scores, t), losers.scores
-    do = mx.ones(s_in.shape, mx.bool_)
-    if cfg.gate:
-        do = gate.uniform(cfg.seed, row_ids[:, None], losers.positions) < gate.probability(losers.scores, s_target)
-    if rule.moving_threshold:
-        threshold = merges.moved_threshold(threshold, cos_t)
-        do = do & (cos_t >= threshold[:, None])
-    edges = _Edges(targets, valid & do[:, :, None], kept.scores.shape[1])
+    targets = _targets(losers, loser_idx, kept, kept_idx, cfg)
+    do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
+    edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1])
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.keeps_votes:
-        keys, values, votes = _keep_output(rule, losers, kept, t, edges, query, scale)
+        keys, values, votes = _keep_output(rule, losers, kept, targets.nearest, edges, query, scale)
     elif rule.blends:
         norm_e = norm_t = None
         if rule.kind == merges.NEAREST:
-            norm_e, norm_t = _norm(losers.values), _at(_norm(kept.values), t)
-        share_in = rule.loser_share(cos_t, s_in, s_target, norm_e, norm_t)
+            norm_e, norm_t = _norm(losers.values), _at(_norm(kept.values), targets.nearest)
+        share_in = rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
         share_t = rule.target_share(kept.scores)
         values = edges.weighted_mean(kept.values, losers.values, share_in, share_t)
         if cfg.merge_keys:
             keys = edges.weighted_mean(kept.keys, losers.keys, share_in, share_t)
     else:  # additive: each target of W(e) gains V_e / |W(e)|
-        values = kept.values + edges.sum(losers.values / mx.maximum(width, 1)[:, :, None])
-    scores = kept.scores + edges.sum(s_in)
+        values = kept.values + edges.sum(losers.values / targets.width[:, :, None])
+    scores = kept.scores + edges.sum(targets.s_in)
     return Merged(keys, values, scores, votes, threshold, do.sum(axis=1).astype(mx.int32))
 
 

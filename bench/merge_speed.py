@@ -1,0 +1,177 @@
+"""Prefill time and decode step of every merge rule the command line lists, beside
+dropping and mlx-lm's RotatingKVCache, side by side in one process.
+
+Each arm is tried as a new user would: `camkv.make_prompt_cache(model, budget=B,
+merge=RULE)` (every other setting its default), the prompt run through mlx-lm's
+generate_step in chunks of --chunk tokens, then --steps greedy tokens. prefill: the time
+to the first token; decode step: the mean time of the tokens after it. Arms take turns
+round by round (the first arm moves one place each round) and the first round is a warm
+round, discarded. Each arm's prefill and decode step are reported against dropping's of
+the same round (the median of the paired ratios), with the goals they are held to
+(prefill <= 1.25x dropping's, decode step <= 1.05x).
+
+    python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
+        --steps 32 --rounds 3
+    python bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 \\
+        --out bench/results/merge-speed-1b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache
+
+import camkv
+from camkv import CaMConfig, merges
+from camkv.models import RANDOM_LLAMAS, load, random_llama
+
+ROTATING = "rotating"
+DROP = "drop"
+PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="random-1b",
+                        help=f"a random llama ({', '.join(RANDOM_LLAMAS)}) or a model camkv.models.load "
+                             "loads (default random-1b)")
+    parser.add_argument("--prompt-length", type=_positive, default=8192, help="prompt tokens (default 8192)")
+    parser.add_argument("--budget", type=_positive, default=512, help="rows kept per KV head (default 512)")
+    parser.add_argument("--chunk", type=_positive, default=2048,
+                        help="prefill chunk, mlx-lm's prefill_step_size (default 2048)")
+    parser.add_argument("--steps", type=_positive, default=160, help="decode steps timed per round (default 160)")
+    parser.add_argument("--rounds", type=_positive, default=3,
+                        help="timed rounds, after one warm round (default 3)")
+    parser.add_argument("--rules", nargs="+", default=list(merges.offered()), choices=merges.names(),
+                        metavar="RULE", help="merge rules timed (default every rule the command line lists: "
+                                             f"{', '.join(merges.offered())}); drop is always timed")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file for the results (default none)")
+    opts = parser.parse_args(argv)
+    try:
+        CaMConfig(budget=opts.budget)
+    except ValueError as err:
+        parser.error(f"--budget {opts.budget}: {err}")
+    return opts
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def arms_of(opts) -> list[str]:
+    """RotatingKVCache, dropping, then the merge rules asked for, each once."""
+    return [ROTATING, DROP] + [rule for rule in dict.fromkeys(opts.rules) if rule != DROP]
+
+
+def make_cache(model, arm: str, budget: int) -> list:
+    if arm == ROTATING:  # StreamingLLM as mlx-lm has it, with camkv's default sinks
+        return [RotatingKVCache(max_size=budget, keep=CaMConfig(budget=budget).n_sink) for _ in model.layers]
+    return camkv.make_prompt_cache(model, budget=budget, merge=arm)
+
+
+def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
+    """(seconds to the first token, mean seconds of each decode step after it)."""
+    cache = make_cache(model, arm, opts.budget)
+    try:
+        tick = time.perf_counter()
+        tokens = generate_step(prompt, model, prompt_cache=cache, max_tokens=opts.steps + 1,
+                               sampler=lambda logprobs: mx.argmax(logprobs, axis=-1), prefill_step_size=opts.chunk)
+        next(tokens)
+        prefilled = time.perf_counter()
+        for _ in tokens:
+            pass
+        done = time.perf_counter()
+    finally:
+        if arm != ROTATING:
+            camkv.remove(model)
+    return prefilled - tick, (done - prefilled) / opts.steps
+
+
+def in_turn(arms: list[str], round_index: int) -> list[str]:
+    first = round_index % len(arms)
+    return arms[first:] + arms[:first]
+
+
+def measure(model, prompt: mx.array, opts) -> dict[str, dict[str, list[float]]]:
+    """arm -> {"prefill_s": [...], "decode_step_s": [...]}, one entry a timed round."""
+    arms = arms_of(opts)
+    times = {arm: {"prefill_s": [], "decode_step_s": []} for arm in arms}
+    for round_index in range(opts.rounds + 1):
+        for arm in in_turn(arms, round_index):
+            prefill, step = run_arm(model, arm, prompt, opts)
+            print(f"round {round_index}{' (warm)' if round_index == 0 else ''} {arm}: prefill "
+                  f"{1e3 * prefill:.1f} ms, decode step {1e3 * step:.2f} ms", flush=True)
+            if round_index:
+                times[arm]["prefill_s"].append(prefill)
+                times[arm]["decode_step_s"].append(step)
+    return times
+
+
+def summarize(times: dict) -> dict:
+    """Medians over rounds, and each arm's paired ratios to dropping (medians over rounds)."""
+    drop = times[DROP]
+    out = {}
+    for arm, t in times.items():
+        prefill = statistics.median(a / b for a, b in zip(t["prefill_s"], drop["prefill_s"]))
+        decode = statistics.median(a / b for a, b in zip(t["decode_step_s"], drop["decode_step_s"]))
+        out[arm] = {"prefill_ms": 1e3 * statistics.median(t["prefill_s"]),
+                    "decode_step_ms": 1e3 * statistics.median(t["decode_step_s"]),
+                    "prefill_vs_drop": prefill, "decode_vs_drop": decode,
+                    "prefill_goal_met": prefill <= PREFILL_GOAL, "decode_goal_met": decode <= DECODE_GOAL,
+                    "rounds": t}
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = [f"{'arm':14s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s}",
+             "-" * 53]
+    for arm, r in summary.items():
+        marks = ("" if arm in (ROTATING, DROP) else
+                 f"  prefill {'ok' if r['prefill_goal_met'] else 'over'}, decode "
+                 f"{'ok' if r['decode_goal_met'] else 'over'}")
+        lines.append(f"{arm:14s} {r['prefill_ms']:11.1f} {r['prefill_vs_drop']:7.2f} {r['decode_step_ms']:10.2f} "
+                     f"{r['decode_vs_drop']:7.3f}{marks}")
+    lines.append(f"goals against drop: prefill <= {PREFILL_GOAL}x, decode step <= {DECODE_GOAL}x")
+    return "\n".join(lines)
+
+
+def load_model(name: str):
+    if name in RANDOM_LLAMAS:
+        return random_llama(name)
+    return load(name)[0]
+
+
+def main(argv=None) -> dict:
+    opts = parse_args(argv)
+    model = load_model(opts.model)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 1000)
+    prompt = mx.random.randint(0, min(vocab, 1000), (opts.prompt_length,), key=mx.random.key(0))
+    summary = summarize(measure(model, prompt, opts))
+    print(table(summary))
+    result = {"setup": {**vars(opts), "out": None if opts.out is None else str(opts.out),
+                        "device": str(mx.default_device()), "machine": platform.machine(), "mlx": mx.__version__,
+                        "command": " ".join(["python", "bench/merge_speed.py", *(argv or sys.argv[1:])])},
+              "arms": summary}
+    if opts.out is not None:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    from camkv._blas import reexec_with_openblas
+
+    reexec_with_openblas()  # the CPU's float32 matrix products by the system's OpenBLAS, where one exists
+    main()
