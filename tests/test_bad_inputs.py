@@ -131,6 +131,8 @@ GENERATE_CASES = {
     "kv bits unknown": (["--kv-bits", "3"], ["--kv-bits", "3", "8, 4"]),
     "kv group size unknown": (["--kv-bits", "4", "--kv-group-size", "48"], ["--kv-group-size", "48", "32, 64, 128"]),
     "kv bytes not a count": (["--kv-bytes", "64XB"], ["--kv-bytes", "'64XB'", "MiB"]),
+    "kv tier bits unknown": (["--kv-tier-budget", "64", "--kv-tier-bits", "5"], ["--kv-tier-bits", "5", "2, 3, 4"]),
+    "kv tier with a merge": (["--kv-tier-budget", "64", "--kv-merge", "mean"], ["--kv-tier-budget=64", "--kv-merge='drop'"]),
     "kv bytes zero": (["--kv-bytes", "0"], ["--kv-bytes", "at least 1", "'0'"]),
     "kv bytes and budget": (["--kv-bytes", "1MiB", "--kv-budget", "64"], ["--kv-bytes '1MiB'", "--kv-budget"]),
     "kv bytes and full cache": (["--kv-bytes", "1MiB", "--full-cache"], ["--kv-bytes '1MiB'", "--full-cache"]),

@@ -134,3 +134,17 @@ def test_tensor_sharded_ranks_choose_the_unsharded_budget(rank, remove_hooks):
     remove_hooks(sharded)
     sharded.shard(FakeGroup(rank, 2))
     assert camkv.make_prompt_cache(sharded, kv_bytes="64KiB")[0].config == expected
+
+
+def test_a_tier_takes_its_bytes_out_of_the_byte_budget(model):
+    target = 60_000
+    cache = camkv.make_prompt_cache(model, kv_bytes=target, tier_budget=64, tier_bits=2)
+    config = cache[0].config
+    tier = 64 * 2 * row_bytes(64, 64, 4, 2, 64)
+    assert (config.budget + config.slack) * 2 * row_bytes(64, 64, 4, 4, 64) <= target - tier
+    prompt = np.random.default_rng(0).integers(0, 128, 400).tolist()
+    model(mx.array(prompt)[None], cache=cache)
+    for token in range(60):
+        model(mx.array([[token % 128]]), cache=cache)
+        assert max(c.nbytes for c in cache) <= target
+    assert cache[0].tier_rows()[3].shape[2] == 64

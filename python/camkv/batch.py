@@ -306,7 +306,8 @@ class BatchCaMKVCache(_BaseCache):
 
     # ------------------------------------------------------------------ internals
     def _quantized(self) -> bool:
-        return bool(self._rows) and self._rows[0].config.bits is not None
+        """Rows quantized or with a tier, whose decode steps each row runs itself."""
+        return bool(self._rows) and (self._rows[0].config.bits is not None or self._rows[0].config.tier_budget > 0)
 
     def _check_index(self, i) -> None:
         if not isinstance(i, int) or not -len(self._rows) <= i < len(self._rows):
@@ -603,12 +604,15 @@ def _check_row(row) -> None:
 
 
 def _check_quantization(rows: list) -> None:
-    """A batch's rows share bits and group_size: attention reads them as one rectangle."""
-    kinds = sorted({(row.config.bits or 0, row.config.group_size if row.config.bits else 0) for row in rows})
+    """A batch's rows share bits and group_size, and a tier or none: attention reads them
+    as one rectangle, and every row's decode steps the same way."""
+    kinds = sorted({(row.config.bits or 0, row.config.group_size if row.config.bits else 0,
+                     row.config.tier_budget > 0) for row in rows})
     if len(kinds) > 1:
-        described = ", ".join(f"bits={b or None}" + (f" group_size={g}" if b else "") for b, g in kinds)
-        raise ValueError(f"a BatchCaMKVCache's rows must share bits and group_size (attention reads them "
-                         f"as one rectangle), got {described}")
+        described = ", ".join(f"bits={b or None}" + (f" group_size={g}" if b else "") + (" with a tier" if t else "")
+                              for b, g, t in kinds)
+        raise ValueError(f"a BatchCaMKVCache's rows must share bits and group_size, and a tier or none "
+                         f"(attention reads them as one rectangle), got {described}")
 
 
 def _padding_list(values, B: int, name: str) -> list[int]:

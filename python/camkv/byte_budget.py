@@ -12,7 +12,9 @@ compressions. Given the layer's head shape, it chooses:
 - group_size: the config's when it divides both head dimensions, else the largest of
   128, 64, 32 that does (bits None when none does: MLX cannot quantize such heads);
 - budget: the largest whose budget + slack rows fit (slack, and the recent window, as
-  their defaults make them for that budget unless the config sets them).
+  their defaults make them for that budget unless the config sets them), in what a
+  tier the config sets (tier_budget rows a head at tier_bits) leaves; kv_bytes chooses
+  no tier itself.
 
 docs/kv-bytes.md lists what it chooses for the measured models' head shapes
 (measured_table() makes that table).
@@ -109,13 +111,16 @@ def choose(kv_bytes, base: CaMConfig, heads: int, k_dim: int, v_dim: int, dtype_
         bits = None if group is None else bits
         group = base.group_size if group is None else group
     per_row = heads * row_bytes(k_dim, v_dim, dtype_size, bits, group)
-    rows = total // per_row  # budget + slack must not pass this
+    # A tier the config asks for takes its bytes first (its rows at tier_bits).
+    tier = base.tier_budget * heads * row_bytes(k_dim, v_dim, dtype_size, base.tier_bits, group)
+    rows = max(0, total - tier) // per_row  # budget + slack must not pass this
     budget = _largest_budget(base, rows)
     shape = (f"{heads} KV heads of {k_dim}+{v_dim} channels at {dtype_size} bytes"
              f"{'' if bits is None else f', {bits}-bit'}: {per_row} bytes a token")
     if budget is None:
-        raise ValueError(f"kv_bytes={kv_bytes!r} ({total} bytes) holds {rows} rows of {shape}; the config "
-                         f"needs at least {base.n_sink + 2} (n_sink + 2) plus its slack")
+        raise ValueError(f"kv_bytes={kv_bytes!r} ({total} bytes{f', {tier} of them the tier' if tier else ''}) "
+                         f"holds {rows} rows of {shape}; the config needs at least {base.n_sink + 2} "
+                         f"(n_sink + 2) plus its slack")
     try:
         return base.replace(budget=budget, bits=bits, group_size=group)
     except ValueError as err:

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, cache_input, hook, merges, quantized
+from . import backends, cache_input, hook, merges, quantized, tier
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
@@ -20,6 +20,11 @@ from .pending import KEY_SCORED, PendingChunk
 __all__ = ["CaMKVCache", "QueryScoringWarning", "VotesWarning"]
 
 _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
+
+
+def _tier_of(cfg: CaMConfig):
+    """The low-precision tier of a config with tier_budget > 0 (None without)."""
+    return tier.Tier(cfg.tier_budget, cfg.tier_bits, cfg.group_size) if cfg.tier_budget else None
 
 
 def _capacity(cfg: CaMConfig) -> int:
@@ -79,6 +84,7 @@ class CaMKVCache(BatchRow, _BaseCache):
 
     def _reset(self) -> None:
         self._rows = quantized.row_buffers(self._config, _capacity(self._config))
+        self._tier = _tier_of(self._config)
         self._pending = PendingChunk()
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._step_queries: tuple | None = None  # a decode step's queries' shape, once checked
@@ -115,6 +121,7 @@ class CaMKVCache(BatchRow, _BaseCache):
             raise ValueError("cannot change a CaMKVCache's config mid-sequence; make a new cache")
         self._config = value
         self._rows = quantized.row_buffers(value, _capacity(value)) if self.empty() else self._rows
+        self._tier = _tier_of(value) if self.empty() else self._tier
         self._rows.capacity = _capacity(value)
 
     # ------------------------------------------------------------------ protocol
@@ -125,7 +132,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         block = (keys.shape, values.shape, keys.dtype) if type(keys) is type(values) is mx.array else None
         if block is None or block != self._checked_block:
             cache_input.check_block(keys, values, self._layout, self._head_offset, self._n_heads_global)
-            if self._config.bits is not None:
+            if self._config.bits is not None or self._config.tier_budget:
                 quantized.check_dims(keys.shape[3], values.shape[3], self._config)
             self._layout = (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
             self._checked_block = block
@@ -139,9 +146,21 @@ class CaMKVCache(BatchRow, _BaseCache):
     def _for_attention(self, fetched):
         """The rows held as attention reads them: as stored; quantized rows where MLX has no
         quantized attention kernels (its CUDA build) dequantized, once a step (bounded rows)."""
+        if self._tier is not None:
+            return self._with_tier(fetched)
         if self._config.bits is None or quantized.kernels_here():
             return fetched
         return tuple(self._rows.dequantize(q) for q in fetched)
+
+    def _with_tier(self, fetched):
+        """The tier's rows dequantized, then the main rows (dequantized too where quantized):
+        one attention over both pools, in the model's dtype."""
+        main = fetched if self._config.bits is None else tuple(self._rows.dequantize(q) for q in fetched)
+        B, H, dtype = self._layout[0], self._layout[1], self._layout[4]
+        coarse = self._tier.attended(B, H, dtype)
+        if coarse is None:
+            return main
+        return tuple(mx.concatenate([c, m], axis=2) for c, m in zip(coarse, main))
 
     @property
     def bits(self) -> int:
@@ -149,7 +168,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         (quantized_scaled_dot_product_attention) takes a cache with `bits` for a quantized
         one, so this is absent (AttributeError) for unquantized rows and where the rows
         are handed over dequantized (no quantized kernels on the device)."""
-        if self._config.bits is None or not quantized.kernels_here():
+        if self._config.bits is None or self._tier is not None or not quantized.kernels_here():
             raise AttributeError("bits: this cache hands attention unquantized rows")
         return self._config.bits
 
@@ -224,8 +243,9 @@ class CaMKVCache(BatchRow, _BaseCache):
         return create_causal_mask(N, self.size()) if return_array else "causal"
 
     def size(self) -> int:
-        """Tokens held per row (at most budget + slack), not the absolute position (see offset)."""
-        return self._rows.held
+        """Tokens held per row, the rows attention reads (at most budget + slack, plus
+        tier_budget in the tier), not the absolute position (see offset)."""
+        return self._rows.held + (0 if self._tier is None else self._tier.size)
 
     def empty(self) -> bool:
         return self._layout is None
@@ -249,6 +269,7 @@ class CaMKVCache(BatchRow, _BaseCache):
             if isinstance(value, mx.array):
                 setattr(clone, name, mx.array(value))
         clone._rows, clone._pending = self._rows.copy(), self._pending.copy()
+        clone._tier = None if self._tier is None else self._tier.copy()
         clone._merge_counts = list(self._merge_counts)
         clone._warned = set(self._warned)
         clone._row_ids_for = clone._backend_for = None
@@ -274,7 +295,17 @@ class CaMKVCache(BatchRow, _BaseCache):
         B, H = self._layout[:2]
         held = self._rows.held
         rule_state = (4 * held if self._rows.votes is not None else 0) + (4 if self._rows.threshold is not None else 0)
-        return B * H * (held * self.row_bytes + rule_state)
+        return B * H * (held * self.row_bytes + rule_state) + (0 if self._tier is None else self._tier.nbytes)
+
+    def bytes_bound(self) -> int:
+        """Most bytes the rows may hold between calls: budget + slack main rows and
+        tier_budget tier rows a head (0 while empty)."""
+        if self._layout is None:
+            return 0
+        B, H, Dk, Dv, dtype = self._layout
+        cfg = self._config
+        tier_rows = cfg.tier_budget * quantized.row_bytes(Dk, Dv, dtype.size, cfg.tier_bits, cfg.group_size)
+        return B * H * ((cfg.budget + cfg.slack) * self.row_bytes + tier_rows)
 
     @property
     def row_bytes(self) -> int:
@@ -339,6 +370,15 @@ class CaMKVCache(BatchRow, _BaseCache):
             rows = rows._replace(scores=rows.scores + mass)
         return tuple(a.reshape(B, H, self._rows.held, *a.shape[2:]) for a in rows[:4])
 
+    def tier_rows(self):
+        """(keys, values [B, H, t, D] dequantized, scores, positions [B, H, t]) of the
+        low-precision tier's rows (tier_budget > 0), ascending by position."""
+        if self._tier is None or self._tier.scores is None:
+            raise ValueError("no tier rows: tier_budget is 0, or nothing was evicted yet")
+        B, H, dtype = self._layout[0], self._layout[1], self._layout[4]
+        keys, values = self._tier.attended(B, H, dtype)
+        return keys, values, *(a.reshape(B, H, -1) for a in (self._tier.scores, self._tier.positions))
+
     @property
     def stats(self) -> dict:
         """Counters: tokens_seen, query_scored (tokens scored with the model's queries),
@@ -372,6 +412,8 @@ class CaMKVCache(BatchRow, _BaseCache):
         queries = self._pending.peek()
         rule_state = self._rule_state()
         tail = rule_state if queries is None else (*(rule_state or (None, None)), queries)
+        if self._tier is not None:  # the tier's rows after the items above (Nones where absent)
+            tail = (*tail, *(None,) * (3 - len(tail)), *self._tier.state(*(self._layout or (0, 0))[:2]))
         return (*arrays, self._merges_so_far(), json.dumps(meta)) + tail
 
     def _rule_state(self) -> tuple:
@@ -415,6 +457,8 @@ class CaMKVCache(BatchRow, _BaseCache):
         pending = meta.get("pending")
         self._pending.restore(KEY_SCORED if pending == KEY_SCORED else pending, meta.get("windowed", False),
                               v[8] if len(v) > 8 else None)
+        if self._tier is not None and len(v) > 9:
+            self._tier.load(*v[9:13])
         self._waiting = waiting
 
     # ------------------------------------------------------------------ rows
@@ -460,6 +504,7 @@ class CaMKVCache(BatchRow, _BaseCache):
             return
         B, H = self._layout[:2]
         work = rows.for_compression(end)  # rows itself; quantized rows hand over dequantized ones
+        before = work.rows(end) if self._tier is not None else None  # the evicted go to the tier
         pending_keys = work.keys[:, :, rows.settled : end].reshape(B * H, chunk, -1)
         queries, scale = self._pending.queries(pending_keys, H)
         self._evictions += max(0, end - self._config.budget) * B * H
@@ -471,6 +516,8 @@ class CaMKVCache(BatchRow, _BaseCache):
             self._deferred = merged  # camkv.batch runs it with the other rows due at this step
             return
         rows.compressed(work, may_change_rows=merges.rule(self._config.merge).kind != merges.DROP)
+        if before is not None:
+            self._to_tier(before, rows.positions)
         self._pending.settled()
         if merged is not None:
             self._merge_counts.append(merged)
@@ -481,6 +528,13 @@ class CaMKVCache(BatchRow, _BaseCache):
             rows.reappend(rest)
         if chunk > self._config.slack + 1:
             self._start_prompt_compression()
+
+    def _to_tier(self, before, kept_positions: mx.array) -> None:
+        """The rows of before (a RowState of the rows compressed) not kept: into the tier,
+        each with its score before this compression (0 for a token it scored first)."""
+        lost = tier.losers(before.positions, kept_positions)
+        gather = lambda a: mx.take_along_axis(a, lost.reshape(*lost.shape, *([1] * (a.ndim - 2))), axis=1)
+        self._tier.absorb(*(gather(a) for a in before[:4]))
 
     def _start_prompt_compression(self) -> None:
         """Start computing a prompt block's compression now, not when the caller evaluates.

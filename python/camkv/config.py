@@ -17,6 +17,7 @@ PREFILL_SCORING_MODES = ("causal", "window")
 UINT32_MAX = 2**32 - 1
 QUANTIZED_BITS = (8, 4)  # what CaMConfig.bits may be besides None (MLX's affine mx.quantize)
 GROUP_SIZES = (32, 64, 128)  # what CaMConfig.group_size may be (mx.quantize's group sizes)
+TIER_BITS = (2, 3, 4)  # what CaMConfig.tier_bits may be (the low-precision tier)
 
 
 def _field(default, flag: str, help_text: str, choices: tuple[str, ...] | None = None):
@@ -131,6 +132,11 @@ class CaMConfig:
       group_size channels, docs/algorithm.md section 12). Scores and positions as always.
     - group_size [64]: channels sharing one scale and bias with bits set: 32, 64 or 128
       (it must divide the head dimensions).
+    - tier_budget [0]: with tier_budget > 0, the rows a compression evicts move into a
+      second pool of at most tier_budget rows a head, stored at tier_bits, and are
+      dropped from there, lowest score first; attention reads both (docs/algorithm.md
+      section 13). merge="drop" only.
+    - tier_bits [2]: bits of the tier's rows: 2, 3 or 4.
 
     Requires n_sink + recent < budget. Invalid values raise ValueError naming the
     field, the bad value and what is allowed.
@@ -172,6 +178,9 @@ class CaMConfig:
                               "(default: unquantized, the model's dtype)")
     group_size: int = _field(64, "group-size", "channels sharing one quantization scale and bias with "
                              "--kv-bits: 32, 64 or 128")
+    tier_budget: int = _field(0, "tier-budget", "evicted rows a head keeps at --kv-tier-bits before they are "
+                              "dropped, lowest score first (0: none; --kv-merge drop only)")
+    tier_bits: int = _field(2, "tier-bits", "bits of the evicted rows --kv-tier-budget keeps: 2, 3 or 4")
 
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
@@ -235,6 +244,13 @@ class CaMConfig:
         if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
             raise ValueError(f"CaMConfig.group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
                              f"got {self.group_size!r}")
+        _check_int("tier_budget", self.tier_budget, 0)
+        if isinstance(self.tier_bits, bool) or self.tier_bits not in TIER_BITS:
+            raise ValueError(f"CaMConfig.tier_bits must be one of {', '.join(map(str, TIER_BITS))}, "
+                             f"got {self.tier_bits!r}")
+        if self.tier_budget and self.merge != "drop":
+            raise ValueError(f"CaMConfig.tier_budget={self.tier_budget} keeps evicted rows, which a merge rule "
+                             f"blends into the survivors instead: it needs merge='drop', got merge={self.merge!r}")
 
     def replace(self, **changes) -> "CaMConfig":
         """A copy with some fields changed (validated like a new config)."""

@@ -78,12 +78,12 @@ def _list_served_model(name: str):
 
 
 def kv_bound(caches) -> int:
-    """Most KV bytes a request's camkv layers may hold: budget + slack rows of every head."""
+    """Most KV bytes a request's camkv layers may hold: budget + slack rows of every head
+    (and a tier's rows)."""
     bound = 0
     for c in caches:
-        if isinstance(c, CaMKVCache) and not c.empty():
-            B, H = c.layout[:2]
-            bound += B * H * (c.config.budget + c.config.slack) * c.row_bytes
+        if isinstance(c, CaMKVCache):
+            bound += c.bytes_bound()
     return bound
 
 
