@@ -1298,11 +1298,39 @@ CAMKV_INLINE void camkv_survivor_squares(CamRows<T> r, CAMKV_DEVICE float* squar
 // smaller column) is the search's answer.
 template <typename T>
 CAMKV_INLINE void camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAMKV_DEVICE float* squares, int lane,
-                                      CAMKV_THREAD float* best_out, CAMKV_THREAD int* best_c_out) {
+                                      CAMKV_DEVICE float* row_dots, CAMKV_THREAD float* best_out,
+                                      CAMKV_THREAD int* best_c_out) {
   const CAMKV_DEVICE T* k_e = camkv_key(r, e);
   float norm_e = camkv_sqrt(camkv_dot(k_e, k_e, r.Dk));
   float best = CAMKV_INF;
   int best_c = r.n_survivors;
+#if CAMKV_HOST_SEARCH
+  // A lone CPU thread: the same dots, feature by feature over every column at once
+  // (row_dots, n_survivors floats), a loop the compiler runs as SIMD lanes; each dot
+  // is still a sequential sum in feature order, so the cosines are the same bits.
+  for (int c = 0; c < r.n_survivors; ++c) {
+    row_dots[c] = 0.0f;
+  }
+  for (int d = 0; d < r.Dk; ++d) {
+    float ed = camkv_float(k_e[d]);
+    const CAMKV_DEVICE float* feature = r.shadow + (long)d * r.columns;
+    for (int c = 0; c < r.n_survivors; ++c) {
+      row_dots[c] = camkv_madd(row_dots[c], ed, feature[c]);
+    }
+  }
+  for (int c = 0; c < r.n_survivors; ++c) {
+    if (r.positions[r.survivors[c]] >= n_sink) {
+      float neg = -camkv_cosine_of(row_dots[c], squares[c], norm_e);
+      if (neg < best) {
+        best = neg;
+        best_c = c;
+      }
+    }
+  }
+  *best_out = best;
+  *best_c_out = best_c;
+  return;
+#endif
   float dots[4];
   for (int c0 = 4 * lane; c0 < r.n_survivors; c0 += 4 * CAMKV_LANES) {
     for (int i = 0; i < 4; ++i) {
@@ -1330,7 +1358,8 @@ CAMKV_INLINE void camkv_nearest_alone(CamRows<T> r, int e, int n_sink, const CAM
 }
 
 // Phase 1, nearest rules: each loser's target column and cosine, a team of CAMKV_LANES
-// threads a loser, its lanes sharing the survivors. Every thread runs the same rounds
+// threads a loser, its lanes sharing the survivors (a lone CPU thread keeps its dots in
+// the totals' scratch, free until phase 3). Every thread runs the same rounds
 // (the team's reduction); -1 where no non-sink survivor exists.
 template <typename T>
 CAMKV_INLINE void camkv_nearest_targets(CamRows<T> r, CamMergeScratch m, int n_sink, CamGroup g) {
@@ -1342,7 +1371,7 @@ CAMKV_INLINE void camkv_nearest_targets(CamRows<T> r, CamMergeScratch m, int n_s
     float best = CAMKV_INF;
     int best_c = r.n_survivors;
     if (k < m.n_losers) {
-      camkv_nearest_alone(r, m.losers[k], n_sink, m.squares, lane, &best, &best_c);
+      camkv_nearest_alone(r, m.losers[k], n_sink, m.squares, lane, m.totals, &best, &best_c);
     }
     camkv_lane_best(g, &best, &best_c);
     if (k < m.n_losers && lane == 0) {

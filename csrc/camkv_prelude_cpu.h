@@ -20,8 +20,10 @@
 #define CAMKV_THREAD
 // A lone thread dots 8 rows at once: 8 independent addition chains.
 #define CAMKV_DOT_ROWS 8
-// One thread a search: teams of one lane (the lane reduction is an identity).
+// One thread a search: teams of one lane (the lane reduction is an identity), whose
+// nearest-survivor search dots every column at once (camkv_nearest_alone).
 #define CAMKV_LANES 1
+#define CAMKV_HOST_SEARCH 1
 // Plain element loops: the compiler vectorises them itself.
 #define CAMKV_WIDE 0
 
