@@ -4,7 +4,8 @@ One run, one process, the same prompts: at each --budgets value B and prompt len
 mlx-lm's RotatingKVCache(max_size=B, keep=4) (StreamingLLM), camkv at B unquantized
 (today's rows) and camkv at B with its rows quantized to each of --bits, and, with
 --equal-bytes, camkv 4-bit at the byte budget of the unquantized camkv (kv_bytes: a larger
-budget in the same bytes). Prompts are prefilled in chunks of --prefill-step, then
+budget in the same bytes), and with --tier-budget N, camkv 4-bit with a 2-bit tier of N
+evicted rows a head. Prompts are prefilled in chunks of --prefill-step, then
 --gen-tokens tokens generated greedily; arms take turns trial by trial after a warm-up
 (camkv.eval.bench's measurement, the one `camkv bench` makes).
 
@@ -48,20 +49,24 @@ class QuantArm:
     budget: int
     bits: int | None = None
     kv_bytes: int | None = None
+    tier_budget: int = 0  # rows a head of the low-precision tier (2-bit), 0: none
 
     @property
     def name(self) -> str:
         if self.kind == "rotating":
             return f"rotating-{self.budget}"
         bits = "bf" if self.bits is None else f"q{self.bits}"
-        return f"camkv-{bits}-{self.budget}" + ("" if self.kv_bytes is None else f"-bytes{self.kv_bytes}")
+        return (f"camkv-{bits}-{self.budget}" + ("" if self.kv_bytes is None else f"-bytes{self.kv_bytes}")
+                + (f"-tier{self.tier_budget}" if self.tier_budget else ""))
 
 
-def arms_for(budget: int, bits_options: list[int], equal_bytes: int | None) -> list[QuantArm]:
+def arms_for(budget: int, bits_options: list[int], equal_bytes: int | None, tier_budget: int = 0) -> list[QuantArm]:
     arms = [QuantArm("rotating", budget), QuantArm("camkv", budget)]
     arms += [QuantArm("camkv", budget, bits) for bits in bits_options]
     if equal_bytes is not None:
         arms.append(QuantArm("camkv", budget, 4, kv_bytes=equal_bytes))
+    if tier_budget:
+        arms.append(QuantArm("camkv", budget, 4, tier_budget=tier_budget))
     return arms
 
 
@@ -85,7 +90,7 @@ def build(model, arm: QuantArm, backend: str) -> list:
         return make_cache(model, STREAMING, arm.budget, cache_settings(backend))
     if arm.kv_bytes is not None:
         return camkv.make_prompt_cache(model, kv_bytes=arm.kv_bytes, bits=arm.bits, backend=backend)
-    fields = {"budget": arm.budget, "backend": backend}
+    fields = {"budget": arm.budget, "backend": backend, "tier_budget": arm.tier_budget}
     if arm.bits is not None:
         heads, k_dim, v_dim, _ = byte_budget.layer_shape(model, _first_camkv_layer(model), shard_info(model))
         fields.update(bits=arm.bits, group_size=byte_budget.group_for(CaMConfig(bits=arm.bits), k_dim, v_dim))
@@ -107,7 +112,8 @@ def run(model, args) -> list[dict]:
     for length in args.prompt_lengths:
         prompt = mx.random.randint(0, model.args.vocab_size, (length,), key=mx.random.key(length))
         for budget in args.budgets:
-            arms = arms_for(budget, args.bits, unquantized_bytes(model, budget) if args.equal_bytes else None)
+            arms = arms_for(budget, args.bits, unquantized_bytes(model, budget) if args.equal_bytes else None,
+                            args.tier_budget)
             for arm in arms:  # warm-up: compiles what the timed trials run
                 trial(model, arm, prompt[: min(length, 2 * args.prefill_step)], args)
             measured = {arm.name: [] for arm in arms}
@@ -146,6 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, nargs="+", default=[8, 4], choices=(4, 8))
     p.add_argument("--equal-bytes", action="store_true",
                    help="also camkv 4-bit at the unquantized camkv's bytes (kv_bytes), a larger budget")
+    p.add_argument("--tier-budget", type=int, default=0,
+                   help="also camkv 4-bit with a 2-bit tier of this many evicted rows a head (0: no such arm)")
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--prefill-step", type=int, default=2048)
@@ -156,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("prompt_lengths", "budgets"):
         if any(v < 1 for v in getattr(args, name)):
             p.error(f"--{name.replace('_', '-')} must be integers >= 1, got {getattr(args, name)}")
+    if args.tier_budget < 0:
+        p.error(f"--tier-budget must be >= 0, got {args.tier_budget}")
     for name in ("gen_tokens", "trials", "prefill_step"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
