@@ -8,10 +8,11 @@ from dataclasses import dataclass
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from .. import hook, merges
+from .. import byte_budget, hook, merges
 from ..config import CAM_STREAMING, CaMConfig, default_recent
-from ..distributed import kv_bytes
+from ..distributed import kv_bytes, shard_info
 from ..integration import make_prompt_cache as camkv_prompt_cache
+from ..quantized import row_bytes
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class Arm:
     window: int | None = None  # survivors of a window rule; None: the run's --window
     config: CaMConfig | None = None  # kind "config": the cache's settings but the budget
     prefill_scoring: str | None = None  # kind "camkv": None takes the run's --prefill-scoring
+    equal_bytes: bool = False  # kind "config": the bytes camkv's default holds at the budget, not the budget
 
 
 MERGE_ARMS = merges.names(kind=merges.NEAREST) + merges.names(kind=merges.WINDOW)  # every rule but drop (h2o)
@@ -85,7 +87,21 @@ def parse_arm_spec(spec: str) -> Arm:
     if not isinstance(values, dict) or "budget" in values:
         raise ValueError(f"--arm {name}: give a JSON object of CaMConfig fields other than budget, "
                          f"got {fields!r}")
-    return Arm(name.strip(), "config", config=CaMConfig(**values))
+    equal_bytes = values.pop("equal_bytes", False)
+    if not isinstance(equal_bytes, bool):
+        raise ValueError(f"--arm {name}: equal_bytes must be true or false, got {equal_bytes!r}")
+    return Arm(name.strip(), "config", config=CaMConfig(**values), equal_bytes=equal_bytes)
+
+
+def default_layer_bytes(model, budget: int) -> int:
+    """The most one layer of camkv's default cache (unquantized CaMConfig()) holds at this
+    budget: budget + slack rows of every KV head (keys, values, scores, positions), for
+    the head shape of the model's first layer camkv takes over."""
+    base = CaMConfig(budget=budget)
+    shards = shard_info(model)
+    layer = next(i for i, c in enumerate(make_prompt_cache(model)) if type(c) is KVCache)
+    heads, k_dim, v_dim, dtype_size = byte_budget.layer_shape(model, layer, shards)
+    return heads * row_bytes(k_dim, v_dim, dtype_size, None, base.group_size) * (base.budget + base.slack)
 
 
 def is_retired(arm: Arm) -> bool:
@@ -206,6 +222,9 @@ def make_cache(model, arm: Arm, budget: int | None, settings: CacheSettings,
         if context is None:
             raise ValueError("the snapkv arm runs on RULER prompts only (--tasks ruler)")
         return camkv_prompt_cache(model, snapkv_config(budget, context, after_context, settings))
+    if arm.kind == "config" and arm.equal_bytes:
+        return camkv_prompt_cache(model, _config_for(arm, budget, settings),
+                                  kv_bytes=default_layer_bytes(model, budget))
     if arm.kind == "config":
         return camkv_prompt_cache(model, _config_for(arm, budget, settings))
     if arm.kind == "full":
