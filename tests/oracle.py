@@ -204,7 +204,8 @@ def _merge_simultaneously(K, V, S, P, votes, losers, survivors, query, scale, cf
             for j in survivors:
                 if P[j] >= cfg.n_sink and _cosine(K[e], K[j]) > best:
                     best, t = _cosine(K[e], K[j]), j
-            targets[e], cosines[e], s_target[e] = [t], best, S[t]
+            # No finite cosine (a poisoned key): no target, it merges nowhere.
+            targets[e], cosines[e], s_target[e] = ([], best, 0.0) if t is None else ([t], best, S[t])
     passing = []
     if rule.moving_threshold:
         finite = [c for c in cosines.values() if np.isfinite(c)]
@@ -218,7 +219,7 @@ def _merge_simultaneously(K, V, S, P, votes, losers, survivors, query, scale, cf
         ok = (draw(cfg.seed, row, int(P[e])) < prob) if cfg.gate else True
         if rule.moving_threshold:
             ok = ok and cosines[e] >= state.get("threshold", np.nan)
-        if ok:
+        if ok and targets[e]:
             passing.append(e)
     before_V, before_K, before_S = V.copy(), K.copy(), S.copy()
     for j in survivors:

@@ -309,3 +309,29 @@ def test_a_loser_between_two_equally_near_survivors_merges_into_the_older(update
     out, merged = update(state, mx.array([[[1.0, 0.0]]]), mx.zeros((1, 1, 2)), 4, cfg, mx.zeros((1,), mx.uint32))
     assert merged.tolist() == [1] and out.positions.tolist() == [[0, 2, 3, 4]]
     assert out.values[0, 1:3].tolist() == [[3, 2], [0, 2]]
+
+
+@pytest.mark.parametrize("merge", MERGING)
+def test_a_poisoned_key_or_query_spreads_no_nan_and_both_agree(merge):
+    """Section 2's poisoned inputs in a compression: a NaN key (no mass, evicted, no finite
+    cosine, so no nearest survivor: it merges nowhere) and a query with an infinite
+    feature (its logits not finite: keepkv's shares fall back to the votes and its keys
+    to K'). The engine and the reference keep the same rows, and no NaN reaches them."""
+    rng = np.random.default_rng(1)
+    rows = 2
+    keys = rng.standard_normal((rows, 20, 4)).astype(np.float32)
+    keys[0, 5] = np.nan
+    queries = rng.standard_normal((rows, 20, 1, 4)).astype(np.float32)
+    queries[1, -1, 0, 0] = np.inf
+    values = rng.standard_normal((rows, 20, 3)).astype(np.float32)
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, merge=merge, gate=False, prefill="chunk", scoring="query")
+    args = (RowState.empty(rows, 4, 3, mx.float32), mx.array(keys), mx.array(values), 0, cfg,
+            mx.arange(rows).astype(mx.uint32), mx.array(queries), 0.5)
+    want, want_merged = reference.update(*args)
+    got, got_merged = merge_ops.update(*args)
+    assert 5 not in np.array(want.positions[0]).tolist()
+    assert got_merged.tolist() == want_merged.tolist()
+    np.testing.assert_array_equal(np.array(got.positions), np.array(want.positions))
+    for a, b in ((got.values, want.values), (got.keys, want.keys)):
+        assert np.isfinite(np.array(a)).all() and np.isfinite(np.array(b)).all()
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)

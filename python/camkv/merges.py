@@ -204,5 +204,6 @@ def output_preserving_key(mean_key, query, scale: float, top, total_mass, total_
     or d is not, the key stays K')."""
     want = top + mx.log(total_mass) - mx.log(total_votes)
     shift = (want - scale * (mean_key * query).sum(axis=-1)) / (scale * (query * query).sum(axis=-1))
-    shift = mx.where(finite & mx.isfinite(shift), shift, 0.0)
-    return mean_key + shift[..., None] * query
+    moved = finite & mx.isfinite(shift)
+    # Where the key stays K', it is not moved by 0 * q either (an infinite q would make it NaN).
+    return mx.where(moved[..., None], mean_key + mx.where(moved, shift, 0.0)[..., None] * query, mean_key)

@@ -74,16 +74,19 @@ _NO_RULE_STATE = _RuleState(None, None, None, 1.0)
 
 def _nearest(keys, positions, survivor, loser_idx, cfg: CaMConfig):
     """Section 4.1: each loser's (loser_idx [R, k]) non-sink survivor t most similar to it,
-    against the keys before any merge. Returns t [R, k], cos(K_e, K_t) [R, k] and the
+    against the keys before any merge, among those with a finite cosine. Returns t [R, k]
+    (0 where there is none), whether there is one [R, k], cos(K_e, K_t) [R, k] and the
     losers' keys [R, k, Dk] float32."""
     k_f = keys.astype(mx.float32)
     k_l = _gathered(k_f, loser_idx)
     dots = k_l @ k_f.transpose(0, 2, 1)
     norms = _norm(k_l)[:, :, None] * _norm(k_f)[:, None, :]
     cos = dots / mx.maximum(norms, 1e-12)
-    eligible = (survivor & (positions >= cfg.n_sink))[:, None, :]
-    t = _first_argmax(mx.where(eligible, cos, -_INF))
-    return t, mx.take_along_axis(cos, t[:, :, None], axis=2)[:, :, 0], k_l
+    eligible = (survivor & (positions >= cfg.n_sink))[:, None, :] & mx.isfinite(cos)
+    ranked = mx.where(eligible, cos, -_INF)
+    found = ranked.max(axis=2) > -_INF
+    t = mx.where(found, _first_argmax(ranked), 0)
+    return t, found, mx.take_along_axis(cos, t[:, :, None], axis=2)[:, :, 0], k_l
 
 
 def _window_members(survivor, loser_idx, window: int) -> mx.array:
@@ -116,11 +119,11 @@ def _merge_all(keys, values, scores, positions, survivor, loser_idx, row_ids, cf
         s_target = mx.where(member, scores[:, None, :], 0.0).sum(axis=2) / width  # the mean score of W(e)
         s_in = s_e / width  # what each target of W(e) receives
     else:
-        t, cos_t, k_l = _nearest(keys, positions, survivor, loser_idx, cfg)
-        member = t[:, :, None] == mx.arange(keys.shape[1])[None, None, :]
+        t, found, cos_t, k_l = _nearest(keys, positions, survivor, loser_idx, cfg)
+        member = (t[:, :, None] == mx.arange(keys.shape[1])[None, None, :]) & found[:, :, None]
         s_target, s_in = _gathered(scores, t), s_e
 
-    do = _gate(s_e, s_target, row_ids[:, None], _gathered(positions, loser_idx), cfg)
+    do = _gate(s_e, s_target, row_ids[:, None], _gathered(positions, loser_idx), cfg) & member.any(axis=2)
     threshold = extra.threshold
     if rule.moving_threshold:
         threshold = merges.moved_threshold(threshold, cos_t)
@@ -165,6 +168,9 @@ def _weighted_mean(rows, gives, share_in, share_t, sources) -> mx.array:
     safe = mx.where(positive, total, 1.0)
     weights = mx.where(positive[:, :, None], incoming / safe[:, :, None], 0.0)
     kept = 1.0 - mx.where(positive, taken / safe, 0.0)
+    # A loser that gives nothing adds nothing, not even 0 * NaN (a poisoned key, which
+    # has no nearest survivor) through the product.
+    sources = mx.where(gives.any(axis=2)[:, :, None], sources, 0.0)
     return kept[:, :, None] * rows.astype(mx.float32) + weights @ sources
 
 

@@ -139,8 +139,8 @@ def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg) -> _Targets:
         shared = mx.maximum(width, 1)
         s_target = mx.where(valid, _at(kept.scores, index), 0.0).sum(axis=2) / shared  # the mean score of W(e)
         return _Targets(index, valid, s_target, losers.scores / shared, width=shared)
-    t, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink)
-    return _Targets(t[:, :, None], mx.ones(t.shape + (1,), mx.bool_), _at(kept.scores, t), losers.scores, t, cosine)
+    t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink)
+    return _Targets(t[:, :, None], found[:, :, None], _at(kept.scores, t), losers.scores, t, cosine)
 
 
 def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
@@ -161,6 +161,7 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     rule = merges.rule(cfg.merge)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
+    do = do & targets.valid.any(axis=2)  # a loser with no target merges nowhere
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1])
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.keeps_votes:
@@ -194,15 +195,16 @@ def _norm(x: mx.array) -> mx.array:
 def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
     """Section 4.1 for every loser at once: the non-sink survivor of largest cosine
     (ties to the smaller position: survivors are in position order, the first maximum
-    wins), as one product of losers [R, k, Dk] by survivors [R, m, Dk]. Returns
-    t [R, k] (indices into the survivors) and cos_t [R, k]."""
+    wins), as one product of losers [R, k, Dk] by survivors [R, m, Dk], among those with
+    a finite cosine. Returns t [R, k] (indices into the survivors, 0 where there is none),
+    whether there is one [R, k] and cos_t [R, k]."""
     dots = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), drop.on_cuda())
     cos = dots / mx.maximum(_norm(loser_keys)[:, :, None] * _norm(kept_keys)[:, None, :], 1e-12)
-    ranked = mx.where((kept_positions >= n_sink)[:, None, :], cos, -_INF)
+    ranked = mx.where((kept_positions >= n_sink)[:, None, :] & mx.isfinite(cos), cos, -_INF)
     best = ranked.max(axis=2, keepdims=True)
-    t = mx.where(ranked == best, mx.arange(cos.shape[2]), cos.shape[2]).min(axis=2)
-    t = mx.minimum(t, cos.shape[2] - 1)  # a loser with no candidate (NaN cosines): any target, as the reference
-    return t, mx.take_along_axis(cos, t[:, :, None], axis=2)[:, :, 0]
+    found = best[:, :, 0] > -_INF
+    t = mx.where(found, mx.where(ranked == best, mx.arange(cos.shape[2]), cos.shape[2]).min(axis=2), 0)
+    return t, found, mx.take_along_axis(cos, t[:, :, None], axis=2)[:, :, 0]
 
 
 def _window_targets(loser_idx, kept_idx, window: int):
@@ -264,10 +266,11 @@ class _Edges:
         return mx.where(self.receiving[:, :, None], blended, rows)
 
     def max(self, x: mx.array) -> mx.array:
-        """Each survivor's largest x over its merging losers, -inf where none: [R, m]."""
-        spread = mx.where(self.live, x[:, :, None], -_INF).reshape(-1)
-        out = mx.full((self.rows * self.m,), -_INF, mx.float32).at[self.index].maximum(spread)
-        return out.reshape(self.rows, self.m)
+        """Each survivor's largest x [R, k] over its merging losers, -inf where none: [R, m].
+        A dense masked maximum over (loser, survivor) pairs, as large as the cosines'
+        product, where a scatter of maxima would need an atomic maximum of floats."""
+        onehot = (self.targets[:, :, :, None] == mx.arange(self.m)) & self.live[:, :, :, None]  # [R, k, w, m]
+        return mx.where(onehot, x[:, :, None, None], -_INF).max(axis=(1, 2))
 
 
 def _keep_output(rule, losers: Rows, kept: Rows, t, edges: _Edges, query, scale: float):
