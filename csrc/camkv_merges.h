@@ -1,7 +1,8 @@
 // The merge rules of the kernel core: what happens to an evicted token
 // (CamParams.merge holds a rule's code). The same table as python/camkv/merges.py,
-// which the hosts pack codes from; tests/test_ext.py checks the two against each
-// other through camkv._ext.merge_rules(). Adding a rule: CONTRIBUTING.md.
+// which the hosts pack codes from: tests/test_merges.py checks the two tables against
+// each other through camkv._ext.merge_rules(), tests/test_ext.py their shares through
+// camkv._ext.merge_shares(). Adding a rule: CONTRIBUTING.md.
 //
 // Written in the core's common subset of C++, Metal and CUDA (see camkv_core.h),
 // after the prelude, before the core.
