@@ -764,6 +764,11 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   CamMergePlan plan;
   plan.target = camkv_nearest(r, e, p->n_sink, g);
   plan.width = 0;
+  plan.w = 0.0f;
+  if (plan.target > r.count) {  // no finite cosine (e's key is poisoned): it merges nowhere
+    plan.open = 0;
+    return plan;
+  }
   float s_e = *camkv_score(r, e);
   plan.open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, plan.target), p->seed, row_id, camkv_position(r, e)) : 1;
   plan.w = 0.5f;

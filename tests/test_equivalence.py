@@ -395,3 +395,19 @@ def test_simultaneous_merges_fuzz_match_reference(backend):
     run()
     print(f"examples with a target taking several losers: {sum(several)} of {len(several)}")
     assert sum(several) >= len(several) // 2, "most examples must give some target several losers"
+
+
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST, kernels=True))
+def test_a_loser_with_a_poisoned_key_merges_nowhere(backend, merge, prefill):
+    """A token whose key is NaN gets no mass, so it is evicted first, and it has no finite
+    cosine to any survivor: it merges nowhere (no merge counted, no row changed), in exact
+    mode as in a chunk."""
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, merge=merge, prefill=prefill, gate=False, slack=0)
+
+    def keys_at(tokens):
+        keys = np.random.default_rng(3).standard_normal((2, 40, 8)).astype(np.float32)[:, tokens]
+        keys[1, tokens == 5, 2] = np.nan  # row 1's token 5
+        return keys
+
+    check_backend(backend, cfg, [6] + [1] * 6, rows=2, k_dim=8, v_dim=4, dtype=mx.float32, seed=2, keys_at=keys_at)

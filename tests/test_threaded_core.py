@@ -194,3 +194,16 @@ def test_targets_taking_several_losers_match_the_reference(threaded_update, merg
     seen = check_simultaneous_merges(threaded_update, cfg, 12, 60, rows=3, k_dim=16, v_dim=12, dtype=mx.float32,
                                      seed=3, queries_per_kv=2, label="threaded core")
     assert seen["flips"] or seen["most"] >= 3, f"the case must give a target several losers, saw {seen}"
+
+
+@pytest.mark.parametrize("prefill", ["exact", "chunk"])
+@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST, kernels=True))
+def test_a_loser_with_a_poisoned_key_merges_nowhere(threaded_update, merge, prefill):
+    """A loser whose key is NaN has no finite cosine: it merges nowhere, in a group of threads too."""
+    def keys_at(tokens):
+        keys = np.random.default_rng(3).standard_normal((2, 40, 8)).astype(np.float32)[:, tokens]
+        keys[1, tokens == 5, 2] = np.nan  # row 1's token 5
+        return keys
+
+    cfg = CaMConfig(budget=8, n_sink=1, recent=2, merge=merge, prefill=prefill, gate=False, slack=0)
+    _check(threaded_update, cfg, [6, 1, 1, 1, 9, 1], rows=2, k_dim=8, v_dim=4, seed=2, keys_at=keys_at)
