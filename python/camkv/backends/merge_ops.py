@@ -195,16 +195,24 @@ def _norm(x: mx.array) -> mx.array:
 def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
     """Section 4.1 for every loser at once: the non-sink survivor of largest cosine
     (ties to the smaller position: survivors are in position order, the first maximum
-    wins), as one product of losers [R, k, Dk] by survivors [R, m, Dk], among those with
-    a finite cosine. Returns t [R, k] (indices into the survivors, 0 where there is none),
-    whether there is one [R, k] and cos_t [R, k]."""
-    dots = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), drop.on_cuda())
-    cos = dots / mx.maximum(_norm(loser_keys)[:, :, None] * _norm(kept_keys)[:, None, :], 1e-12)
-    ranked = mx.where((kept_positions >= n_sink)[:, None, :] & mx.isfinite(cos), cos, -_INF)
+    wins), among those with a finite cosine, as one product of losers [R, k, Dk] by the
+    survivors' unit keys [R, m, Dk]: for one loser a survivor's cosine is that product
+    over |K_e|, a positive constant, so the product ranks them as the cosines do (to
+    rounding: section 8's near-tie). Returns t [R, k] (indices into the survivors, 0 where
+    there is none), whether there is one [R, k] and cos_t [R, k] as section 4.1 computes it."""
+    norm_l, norm_k = _norm(loser_keys), _norm(kept_keys)
+    unit = kept_keys / mx.maximum(norm_k, 1e-12)[:, :, None]
+    ranked = mass.float32_product(loser_keys, unit.transpose(0, 2, 1), drop.on_cuda())
+    # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
+    # loser has none.
+    candidate = (kept_positions >= n_sink) & mx.isfinite(norm_k)
+    ranked = mx.where(candidate[:, None, :], ranked, -_INF)
     best = ranked.max(axis=2, keepdims=True)
-    found = best[:, :, 0] > -_INF
-    t = mx.where(found, mx.where(ranked == best, mx.arange(cos.shape[2]), cos.shape[2]).min(axis=2), 0)
-    return t, found, mx.take_along_axis(cos, t[:, :, None], axis=2)[:, :, 0]
+    found = (best[:, :, 0] > -_INF) & mx.isfinite(norm_l)
+    t = mx.where(found, mx.where(ranked == best, mx.arange(ranked.shape[2]), ranked.shape[2]).min(axis=2), 0)
+    k_t = mx.take_along_axis(kept_keys, t[:, :, None], axis=1)
+    cos_t = (loser_keys * k_t).sum(axis=-1) / mx.maximum(norm_l * _norm(k_t), 1e-12)
+    return t, found, cos_t
 
 
 def _window_targets(loser_idx, kept_idx, window: int):
