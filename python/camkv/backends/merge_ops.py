@@ -194,8 +194,9 @@ def _norm(x: mx.array) -> mx.array:
 
 def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
     """Section 4.1 for every loser at once: the non-sink survivor of largest cosine
-    (ties to the smaller position: survivors are in position order, the first maximum
-    wins), among those with a finite cosine, as one product of losers [R, k, Dk] by the
+    (ties to the smaller position: survivors are in position order, and the first
+    maximum wins; a device whose argmax broke exact ties otherwise would stay within
+    section 8's near-tie of the cosines), among those with a finite cosine, as one product of losers [R, k, Dk] by the
     survivors' unit keys [R, m, Dk]: for one loser a survivor's cosine is that product
     over |K_e|, a positive constant, so the product ranks them as the cosines do (to
     rounding: section 8's near-tie). Returns t [R, k] (indices into the survivors, 0 where
@@ -207,9 +208,9 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
     # loser has none.
     candidate = (kept_positions >= n_sink) & mx.isfinite(norm_k)
     ranked = mx.where(candidate[:, None, :], ranked, -_INF)
-    best = ranked.max(axis=2, keepdims=True)
-    found = (best[:, :, 0] > -_INF) & mx.isfinite(norm_l)
-    t = mx.where(found, mx.where(ranked == best, mx.arange(ranked.shape[2]), ranked.shape[2]).min(axis=2), 0)
+    t = mx.argmax(ranked, axis=2)  # MLX's argmax takes the first of equal maxima
+    found = (mx.take_along_axis(ranked, t[:, :, None], axis=2)[:, :, 0] > -_INF) & mx.isfinite(norm_l)
+    t = mx.where(found, t, 0).astype(mx.int32)
     k_t = mx.take_along_axis(kept_keys, t[:, :, None], axis=1)
     cos_t = (loser_keys * k_t).sum(axis=-1) / mx.maximum(norm_l * _norm(k_t), 1e-12)
     return t, found, cos_t
