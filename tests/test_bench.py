@@ -145,3 +145,14 @@ def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.main(["--model", "random-tiny", "--budget", "4"])
     assert exit_info.value.code == 2 and "--budget 4" in capsys.readouterr().err
+
+
+def test_profile_merge_engine_pairs_every_rule_with_the_drop_engine(capsys):
+    script = _load_bench_script("profile_merge_engine")
+    result = script.main(["--rows", "2", "--head-dim", "8", "--budget", "16", "--chunk", "40", "--repeats", "2"])
+    from camkv import merges
+
+    assert set(result["ms"]) == {"drop"} | {r for r in merges.names() if merges.rule(r).kind != merges.DROP}
+    assert result["ms"]["drop"]["vs_drop"] == 1.0
+    assert all(r["median_ms"] > 0 and r["vs_drop"] > 0 for r in result["ms"].values())
+    assert "x drop's (paired)" in capsys.readouterr().out
