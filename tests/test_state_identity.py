@@ -42,9 +42,10 @@ STEP = 48  # prefill step: the first prompt is prefilled in several chunks
 # The state's items about rows not scored yet (none once compress_pending ran); the
 # meta recorded is the rest.
 PENDING_META = ("settled", "pending", "windowed", "waiting")
-# Config fields added since the fixture was recorded, at the defaults every scenario
-# runs with: a saved config holds them, the recorded meta does not.
-NEWER_CONFIG = {"bits": None, "group_size": 64}
+# The config fields the fixture records. Fields added since are left out of the recorded
+# meta, and each must hold its default in every scenario (so none changes a run unseen).
+RECORDED_CONFIG = ("backend", "budget", "eviction", "gate", "merge", "merge_keys", "n_sink", "observation_window",
+                   "pool", "prefill", "prefill_scoring", "recent", "scoring", "seed", "slack", "window")
 
 # name -> (config fields, model dtype). Rules the kernels run are recorded on both
 # backends; the reference-only rules (votes, thresholds) on the reference.
@@ -108,8 +109,9 @@ def _state_record(caches, prefix: str, out: dict) -> None:
         meta = json.loads(state[5])
         pending = {k: meta.pop(k) for k in PENDING_META}  # what a compressed cache's say, checked here
         assert pending == {"settled": cache.size(), "pending": None, "windowed": pending["windowed"], "waiting": 0}
-        newer = {k: meta["config"].pop(k) for k in NEWER_CONFIG}
-        assert newer == NEWER_CONFIG
+        newer = {k: meta["config"].pop(k) for k in list(meta["config"]) if k not in RECORDED_CONFIG}
+        defaults = json.loads(CaMConfig().to_json())
+        assert newer == {k: defaults[k] for k in newer}
         out[f"{prefix}/{i}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
         for name, a in zip(("keys", "values", "scores", "positions", "merges", "", "votes", "threshold"), state):
             if name and a is not None:
