@@ -138,10 +138,11 @@ class CaMKVCache(BatchRow, _BaseCache):
             self._checked_block = block
         if self._waiting:
             self.flush_pending()
-        self._warn_if_votes_unread()
+        if self._bias_unread:
+            self._warn_if_votes_unread()
         fetched = self._rows.append(keys, values)
-        self._took(keys.shape[2])
-        return self._for_attention(fetched)
+        self._took(block[0][2])
+        return fetched if self._config.bits is None else self._for_attention(fetched)
 
     def _for_attention(self, fetched):
         """The rows held as attention reads them: as stored; quantized rows where MLX has no
@@ -202,7 +203,7 @@ class CaMKVCache(BatchRow, _BaseCache):
             self._waiting = 0
             self._query_scored += 1
             self._pending.add_step(queries)
-            if self.steps_before_compression() < 0:
+            if self._rows.held >= self._rows.capacity:  # steps_before_compression() < 0
                 self._compress(defer_launch=defer_launch)
             return
         if not self._waiting:
@@ -223,8 +224,9 @@ class CaMKVCache(BatchRow, _BaseCache):
         """Whether these are one decode step's queries that only join those kept: one token
         waits, its queries have the shape the checks passed before, and the pending tokens
         are decode steps queued under this scale that each kept its queries."""
+        rows = self._rows
         return (self._waiting == 1 and queries.shape == self._step_queries
-                and self._pending.takes_step(scale, self._rows.pending - 1))
+                and self._pending.takes_step(scale, rows.held - rows.settled - 1))
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:
@@ -469,8 +471,9 @@ class CaMKVCache(BatchRow, _BaseCache):
 
     def steps_before_compression(self) -> int:
         """Tokens the rows held can take before they pass budget + slack and a compression
-        is due (docs/algorithm.md section 7); negative once it is."""
-        return self._config.budget + self._config.slack - self._rows.held
+        is due (docs/algorithm.md section 7); negative once it is. (The buffers' capacity is
+        budget + slack + 1, _capacity.)"""
+        return self._rows.capacity - 1 - self._rows.held
 
     def flush_pending(self) -> None:
         """A block the model never showed its queries for: score it with its keys, warn once."""
