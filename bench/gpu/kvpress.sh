@@ -23,6 +23,11 @@ if [ ! -f /tmp/kvp-site/kvpress/__init__.py ]; then
     --target /tmp/kvp-site -r "$stage/kvpress-requirements.txt"
 fi
 if [ ! -f "$model/config.json" ]; then
+  if [ ! -f /root/ckv/downloads/SmolLM2-135M-Instruct.Q4_1.gguf ] || [ ! -d /tmp/site/mlx ]; then
+    echo "bench/gpu/kvpress.sh: no $model, and no GGUF file and MLX to convert it from: install MLX" \
+      "(install.sh) and unpack the parts of stage-models.sh (quality.sh, ruler.sh) first" >&2
+    exit 2
+  fi
   (. bench/gpu/env.sh && python3 -c 'from camkv.models import resolve; print(resolve("smollm2-135m-instruct"))')
 fi
 # kvpress's transformers and tokenizers before the machine's; camkv's package is not needed.

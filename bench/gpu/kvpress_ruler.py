@@ -165,6 +165,7 @@ class Engine:
         import transformers
 
         self.torch, self.opts = torch, opts
+        transformers.utils.logging.disable_progress_bar()  # one bar a model load floods the log
         self.kvpress = import_kvpress()
         self.device = opts.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = getattr(torch, opts.dtype)
