@@ -1,0 +1,39 @@
+# On the H200 (device tool), after install.sh: the speed runs of the merge rules, the
+# quantized rows and the decode step, side by side in each run, JSON under $OUT. Name the
+# parts to run (each within one 10-minute call unless noted):
+#   bash bench/gpu/speed.sh merges    every rule's prefill and decode step against drop's and
+#                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048)
+#   bash bench/gpu/speed.sh decode8b  camkv's decode step paired with RotatingKVCache's on
+#                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048
+#   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
+#                                     4k-32k, random-8b 32k) and the capacity of 16k-token
+#                                     requests in 2 GiB with 4-bit rows
+# e.g. `bash bench/gpu/speed.sh merges decode8b` (about 7 minutes).
+. bench/gpu/env.sh
+mkdir -p "$OUT"
+step() {  # SECONDS COMMAND...: one run, cut at SECONDS, its last lines printed
+  local seconds=$1; shift
+  timeout "$seconds" "$@" 2>&1 | grep -v "it/s\]\|Warn" | tail -${TAIL:-14}
+}
+for part in "$@"; do
+  case $part in
+    merges)
+      step 200 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 --steps 160 \
+        --rounds 3 --out "$OUT/merge-speed-random-1b-8k.json"
+      step 260 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 --budget 2048 --steps 64 \
+        --rounds 2 --out "$OUT/merge-speed-random-8b-16k.json" ;;
+    decode8b)
+      for length in 65536 131072; do
+        step 150 python3 bench/decode_parts.py --model random-8b --prompt-length $length --budget 2048 \
+          --arms rotating camkv --interleave --cache-host --trials 2 --steps 64 --out "$OUT/decode8b-$length"
+      done ;;
+    quant)
+      step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \
+        --equal-bytes --out "$OUT" --tag quant-h200-random-1b
+      step 120 python3 bench/quant.py --model random-8b --prompt-lengths 32768 --budgets 2048 --out "$OUT" \
+        --tag quant-h200-random-8b
+      step 150 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 \
+        --out "$OUT/batch-h200-quant.json" ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant; got '$part'" >&2; exit 2 ;;
+  esac
+done
