@@ -1,7 +1,7 @@
 # On the H200 (device tool), after install.sh, results under $OUT. Two parts, each
 # within one device call (at most 10 minutes):
 #   bash bench/gpu/validate.sh kernels the kernels against the reference: equivalence,
-#                                      merge rules, the JIT backends
+#                                      the merge engine, merge rules, the JIT backends
 #   bash bench/gpu/validate.sh cache   the amortized-eviction, window-scoring and
 #                                      whole-device compression tests, the cache, mlx-lm
 #                                      and batch tests, and the peak memory of a 1k and a
@@ -23,7 +23,7 @@ cuda_tests() {  # NAME FILES...: one part of the CUDA suite, within one device c
   timeout ${PYTEST_S:-540} python3 -m pytest -q -p no:cacheprovider --tb=short "$@" \
     > $OUT/pytest-cuda-h200-$name.txt 2>&1; tail -3 $OUT/pytest-cuda-h200-$name.txt
 }
-kernel_tests() { cuda_tests kernels tests/test_equivalence.py tests/test_rules.py tests/test_jit.py; }
+kernel_tests() { cuda_tests kernels tests/test_equivalence.py tests/test_merge_ops.py tests/test_rules.py tests/test_jit.py; }
 cache_tests() {
   cuda_tests cache tests/test_amortized.py tests/test_policy.py tests/test_cache.py tests/test_mlx_lm.py \
     tests/test_query_scoring.py tests/test_batch.py
