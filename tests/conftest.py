@@ -81,6 +81,17 @@ def run_calls(update, cfg, sizes, *, rows=3, k_dim=8, v_dim=6, dtype=mx.float32,
     return state, merges
 
 
+def assert_config_refused(fields: dict, words: list[str]) -> None:
+    """CaMConfig(**fields) raises a ValueError whose message holds each of words (the
+    field, the value given and what is allowed)."""
+    from camkv import CaMConfig
+
+    with pytest.raises(ValueError) as err:
+        CaMConfig(**fields)
+    for word in words:
+        assert word in str(err.value)
+
+
 def subprocess_env(*extra_paths: str, **variables: str) -> dict:
     """The environment for a child Python that must import the camkv this process imported
     (installed or from source), plus whatever was already on PYTHONPATH (e.g. mlx's)."""

@@ -133,17 +133,24 @@ def test_exact_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, q
             *mirror[r], did = oracle.step(*mirror[r], np.array(k[r, 0]), np.array(v[r, 0]), p, qr, sc, cfg, r + 5,
                                           rule_state[r])
             merged_total[r] += did
-        K, V, S, P = _np(state)[:4]
-        for r in range(rows):
-            np.testing.assert_array_equal(P[r], mirror[r][3], err_msg=f"row {r} step {p}")
-            np.testing.assert_allclose(S[r], mirror[r][2], rtol=1e-4, atol=1e-6)
-            np.testing.assert_allclose(V[r], mirror[r][1], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(K[r], mirror[r][0], rtol=1e-5, atol=1e-6)
-            if state.votes is not None:
-                np.testing.assert_array_equal(np.array(state.votes[r]), rule_state[r]["votes"])
-            if state.threshold is not None:
-                np.testing.assert_allclose(np.array(state.threshold[r]), rule_state[r].get("threshold", np.nan),
-                                           rtol=1e-5)
+        _assert_mirrored(state, mirror, rule_state, f"step {p}", rtol=1e-5, atol=1e-6)
+
+
+def _assert_mirrored(state, mirror, rule_state, where: str, rtol: float, atol: float) -> None:
+    """Every row of state equals the oracle's mirror of it: positions exactly, scores
+    within rtol 1e-4, keys and values within rtol / atol, and the rule's votes and
+    threshold."""
+    K, V, S, P = _np(state)[:4]
+    for r in range(len(mirror)):
+        np.testing.assert_array_equal(P[r], mirror[r][3], err_msg=f"row {r} {where}")
+        np.testing.assert_allclose(S[r], mirror[r][2], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(V[r], mirror[r][1], rtol=rtol, atol=atol)
+        np.testing.assert_allclose(K[r], mirror[r][0], rtol=rtol, atol=atol)
+        if state.votes is not None:
+            np.testing.assert_allclose(np.array(state.votes[r]), rule_state[r]["votes"])
+        if state.threshold is not None:
+            np.testing.assert_allclose(np.array(state.threshold[r]), rule_state[r].get("threshold", np.nan),
+                                       rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -179,17 +186,7 @@ def test_chunk_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, q
                                            rule_state[r])
             want_total += did
         offset += s_len
-        K, V, S, P = _np(state)[:4]
-        for r in range(rows):
-            np.testing.assert_array_equal(P[r], mirror[r][3], err_msg=f"row {r} at {offset}")
-            np.testing.assert_allclose(S[r], mirror[r][2], rtol=1e-4, atol=1e-6)
-            np.testing.assert_allclose(V[r], mirror[r][1], rtol=1e-4, atol=1e-5)
-            np.testing.assert_allclose(K[r], mirror[r][0], rtol=1e-4, atol=1e-5)
-            if state.votes is not None:
-                np.testing.assert_allclose(np.array(state.votes[r]), rule_state[r]["votes"])
-            if state.threshold is not None:
-                np.testing.assert_allclose(np.array(state.threshold[r]), rule_state[r].get("threshold", np.nan),
-                                           rtol=1e-5)
+        _assert_mirrored(state, mirror, rule_state, f"at {offset}", rtol=1e-4, atol=1e-5)
     assert merged_total == want_total
     if rules.rule(merge).kind != rules.DROP and not gate:
         assert merged_total > 0
