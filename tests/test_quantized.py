@@ -12,7 +12,7 @@ import camkv
 from camkv import CaMConfig, CaMKVCache, quantized
 from camkv.batch import BatchCaMKVCache
 from conftest import assert_config_refused
-from tiny_models import tiny_llama
+from tiny_models import batch_of_lone_caches, tiny_llama
 
 B, H, D = 1, 2, 64
 
@@ -209,12 +209,7 @@ def test_saved_quantized_cache_loads_the_same_codes_and_continues_identically(mo
 # ------------------------------------------------------------------ batches
 def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model):
     prompts = [_prompt(130, 1), _prompt(70, 2)]
-    alone = []
-    for prompt in prompts:
-        cache = camkv.make_prompt_cache(model, budget=32, bits=8)
-        model(mx.array(prompt)[None], cache=cache)
-        alone.append(cache)
-    batch = [BatchCaMKVCache.merge([c[i] for c in alone]) for i in range(len(alone[0]))]
+    alone, batch = batch_of_lone_caches(model, prompts, budget=32, bits=8)
     assert all(hasattr(layer, "bits") and layer.group_size == 64 for layer in batch)
     token = mx.array([[5], [9]])
     steps = 40  # past budget + slack: each row compresses inside the batch

@@ -106,22 +106,32 @@ def test_scores_are_the_softmax_mass_of_each_key_query(backend):
 # ---------------------------------------------------------------- sections 3-5 against the oracle
 
 
-@pytest.mark.parametrize(
-    "merge,merge_keys",
-    [(m, False) for m in MERGES] + [(m, True) for m in rules.names(keys_allowed=True)],
-)
-@pytest.mark.parametrize("gate", [True, False])
-@pytest.mark.parametrize("queries_per_kv", [0, 2])
+def _empty_rows_and_mirror(rows: int, k_dim: int, v_dim: int):
+    """Empty float32 rows (global row ids 5, 6, ...), the oracle's empty mirror of each
+    (keys, values, scores, positions) and its per-row rule state (votes, threshold)."""
+    mirror = [[np.zeros((0, k_dim), np.float32), np.zeros((0, v_dim), np.float32),
+               np.zeros(0, np.float32), np.zeros(0, np.int64)] for _ in range(rows)]
+    return (RowState.empty(rows, k_dim, v_dim, mx.float32), mx.arange(rows).astype(mx.uint32) + 5, mirror,
+            [{} for _ in range(rows)])
+
+
+def _every_rule_gated(test):
+    """Each rule (and each that may blend keys, with merge_keys), gate on and off, key
+    scoring and two queries a KV head."""
+    test = pytest.mark.parametrize("queries_per_kv", [0, 2])(test)
+    test = pytest.mark.parametrize("gate", [True, False])(test)
+    return pytest.mark.parametrize(
+        "merge,merge_keys", [(m, False) for m in MERGES] + [(m, True) for m in rules.names(keys_allowed=True)],
+    )(test)
+
+
+@_every_rule_gated
 def test_exact_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, queries_per_kv):
     cfg = _cfg(backend, merge=merge, gate=gate, merge_keys=merge_keys, prefill="exact", seed=7)
     rows, k_dim, v_dim = 4, 8, 6
     rng = np.random.default_rng(11)
-    state = RowState.empty(rows, k_dim, v_dim, mx.float32)
-    row_ids = mx.arange(rows).astype(mx.uint32) + 5
-    mirror = [[np.zeros((0, k_dim), np.float32), np.zeros((0, v_dim), np.float32),
-               np.zeros(0, np.float32), np.zeros(0, np.int64)] for _ in range(rows)]
+    state, row_ids, mirror, rule_state = _empty_rows_and_mirror(rows, k_dim, v_dim)
     merged_total = np.zeros(rows, int)
-    rule_state = [{} for _ in range(rows)]  # the oracle's votes and threshold, per row
     for p in range(20):
         k, v = random_block(rng, rows, 1, k_dim, v_dim, mx.float32)
         q = mx.array(rng.standard_normal((rows, 1, queries_per_kv, k_dim)).astype(np.float32)) if queries_per_kv else None
@@ -153,12 +163,7 @@ def _assert_mirrored(state, mirror, rule_state, where: str, rtol: float, atol: f
                                        rtol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "merge,merge_keys",
-    [(m, False) for m in MERGES] + [(m, True) for m in rules.names(keys_allowed=True)],
-)
-@pytest.mark.parametrize("gate", [True, False])
-@pytest.mark.parametrize("queries_per_kv", [0, 2])
+@_every_rule_gated
 def test_chunk_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, queries_per_kv):
     """Section 7's chunk calls, their merges simultaneous (section 4.4), against the
     oracle's loop-by-loop reading: several losers a compression, several into one target."""
@@ -166,11 +171,7 @@ def test_chunk_mode_matches_the_numpy_oracle(backend, merge, gate, merge_keys, q
                seed=7, window=2)
     rows, k_dim, v_dim = 4, 8, 6
     rng = np.random.default_rng(17)
-    state = RowState.empty(rows, k_dim, v_dim, mx.float32)
-    row_ids = mx.arange(rows).astype(mx.uint32) + 5
-    mirror = [[np.zeros((0, k_dim), np.float32), np.zeros((0, v_dim), np.float32),
-               np.zeros(0, np.float32), np.zeros(0, np.int64)] for _ in range(rows)]
-    rule_state = [{} for _ in range(rows)]
+    state, row_ids, mirror, rule_state = _empty_rows_and_mirror(rows, k_dim, v_dim)
     offset, merged_total, want_total = 0, 0, 0
     for s_len in (11, 6, 1, 9, 4):
         k, v = random_block(rng, rows, s_len, k_dim, v_dim, mx.float32)

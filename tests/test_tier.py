@@ -11,7 +11,7 @@ import camkv
 from camkv import CaMConfig, CaMKVCache, tier
 from camkv.batch import BatchCaMKVCache
 from conftest import assert_config_refused
-from tiny_models import tiny_llama
+from tiny_models import batch_of_lone_caches, tiny_llama
 
 H, D = 2, 64
 
@@ -131,12 +131,7 @@ def test_a_saved_tier_loads_as_it_was(model, tmp_path):
 
 def test_a_batch_of_rows_with_tiers_decodes_each_row_as_alone(model):
     prompts = [np.random.default_rng(s).integers(0, 128, n).tolist() for s, n in ((2, 130), (3, 60))]
-    alone = []
-    for prompt in prompts:
-        cache = camkv.make_prompt_cache(model, budget=32, tier_budget=16)
-        model(mx.array(prompt)[None], cache=cache)
-        alone.append(cache)
-    batch = [BatchCaMKVCache.merge([c[i] for c in alone]) for i in range(len(alone[0]))]
+    alone, batch = batch_of_lone_caches(model, prompts, budget=32, tier_budget=16)
     token = mx.array([[5], [9]])
     for _ in range(30):
         token = mx.argmax(model(token, cache=batch)[:, -1:], axis=-1)

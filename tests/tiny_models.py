@@ -136,3 +136,17 @@ def save_tiny_model_dir(path):
     (path / "config.json").write_text(json.dumps(config))
     byte_tokenizer().save_pretrained(str(path))
     return path
+
+
+def batch_of_lone_caches(model, prompts: list[list[int]], **fields):
+    """Each prompt prefilled alone into camkv caches of these fields, then those caches
+    merged into one BatchCaMKVCache list: (the lone cache lists, the batch's)."""
+    import camkv
+    from camkv.batch import BatchCaMKVCache
+
+    alone = []
+    for prompt in prompts:
+        cache = camkv.make_prompt_cache(model, **fields)
+        model(mx.array(prompt)[None], cache=cache)
+        alone.append(cache)
+    return alone, [BatchCaMKVCache.merge([c[i] for c in alone]) for i in range(len(alone[0]))]
