@@ -22,22 +22,15 @@ from camkv import CaMConfig, CaMKVCache, hook, mass, reference
 from camkv.backends import drop
 from camkv.rows import RowState
 
+import dtype_logits
+
 RTOL, ATOL = 1e-3, 1e-5  # section 8's score and near-tie tolerances
-# Mantissa bits of the logits camkv.backends.drop's CUDA path computes: the storage dtype's, or
-# TF32's for float32 (MLX's CUDA matmul rounds float32 inputs to TF32).
-_LOGIT_MANTISSA = {mx.float16: 10, mx.bfloat16: 7, mx.float32: 10}
 
 
 def score_rtol(queries, keys, scale, dtype) -> float:
-    """Section 8's rtol, widened on the CUDA path by what its logits' rounding allows: a
-    logit l is off by up to |l| 2^-(m+1), so a softmax weight by up to twice that
-    relatively (its own logit and its row's normaliser), max |l| 2^-m over the call."""
-    if not drop.on_cuda():
-        return RTOL
-    q = np.array(queries.astype(mx.float32)).reshape(queries.shape[0], -1, queries.shape[-1])
-    k = np.array(keys.astype(mx.float32))
-    largest = float(np.abs(scale * q @ k.transpose(0, 2, 1)).max())
-    return RTOL + largest * 2.0 ** -_LOGIT_MANTISSA[dtype]
+    """Section 8's rtol, widened on the CUDA path by what its logits' rounding allows
+    (tests/dtype_logits.py)."""
+    return RTOL + dtype_logits.widening(queries, keys, scale, dtype)
 
 
 def _random_block(rng, rows, s_len, dim, dtype=mx.float32):
