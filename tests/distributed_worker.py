@@ -119,7 +119,15 @@ def first_layer_against_reference(reference, model, config: dict) -> dict:
     mine, ref = stored(caches[0]), stored(reference_caches[0])
     offset = caches[0]._head_offset
     heads = slice(offset, offset + mine["keys"].shape[0])
+    # Control: the same sharded run with its caches drawing as heads 0.. (sharding
+    # ignored) must not store what the reference's heads store.
+    unplaced_caches = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, **config)]
+    forced(model, unplaced_caches)
+    camkv.remove(model)
+    unplaced = stored(unplaced_caches[0])
     return {
+        "unplaced_identical": bool(unplaced["positions"] == ref["positions"][heads]
+                                   and np.array_equal(unplaced["keys"], ref["keys"][heads])),
         "positions": mine["positions"],
         "reference_positions": ref["positions"][heads],
         # With merge_keys the stored keys and scores carry every merge: equal only
@@ -129,15 +137,6 @@ def first_layer_against_reference(reference, model, config: dict) -> dict:
         "merges": caches[0].stats["merges"],
         "evictions": caches[0].stats["evictions"],
     }
-
-
-def unplaced_first_layer(model) -> list:
-    """Control: the sharded run with its caches drawing as heads 0.. (sharding ignored),
-    scored with keys like the reference it is compared with (layer0["key"])."""
-    config = dict(CAM, scoring="key")
-    caches = [camkv.CaMKVCache(c.config) for c in camkv.make_prompt_cache(model, **config)]
-    forced(model, caches)
-    return stored(caches[0])["positions"]
 
 
 def tensor_parallel(group) -> dict:
@@ -161,7 +160,6 @@ def tensor_parallel(group) -> dict:
         "gathered_kv_bytes": gathered,
         "layer0": {scoring: first_layer_against_reference(reference, model, dict(CAM, scoring=scoring))
                    for scoring in ("key", "query")},
-        "unplaced_layer0_positions": unplaced_first_layer(model),
     }
 
 

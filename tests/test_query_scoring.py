@@ -32,7 +32,10 @@ def _greedy(model, cache, max_tokens=12):
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_scores_equal_the_models_attention_probabilities_divided_by_g(monkeypatch, prefill):
     model = tiny_llama(heads=4, kv_heads=2, layers=1)
-    cache = camkv.make_prompt_cache(model, budget=256, recent=8, scoring="query", prefill=prefill)
+    # Every query adds its mass (causal scoring): window scoring would count only a
+    # compression's last queries, and the prompt's blocks wait in the slack together.
+    cache = camkv.make_prompt_cache(model, budget=256, recent=8, scoring="query", prefill=prefill,
+                                    prefill_scoring="causal")
     seen = []
 
     def recording(queries, keys, values, cache_, scale, mask, *args, **kwargs):

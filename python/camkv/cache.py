@@ -142,7 +142,8 @@ class CaMKVCache(BatchRow, _BaseCache):
             self._warn_if_votes_unread()
         fetched = self._rows.append(keys, values)
         self._took(block[0][2])
-        return fetched if self._config.bits is None else self._for_attention(fetched)
+        # Plain rows (no quantization, no tier) go to attention as held.
+        return fetched if self._config.bits is None and self._tier is None else self._for_attention(fetched)
 
     def _for_attention(self, fetched):
         """The rows held as attention reads them: as stored; quantized rows where MLX has no
