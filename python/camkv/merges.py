@@ -61,6 +61,12 @@ def own_mass(s_target):
     return s_target
 
 
+def feature_norm(x: mx.array) -> mx.array:
+    """L2 norm along the last axis of float32 x, summed in feature order as the kernels
+    do: the norms of the cosines (section 4.1) and of value_norm's values."""
+    return mx.sqrt((x * x).sum(axis=-1))
+
+
 def _loser_mass(cosine, s_in, s_target, norm_in, norm_target):
     return s_in
 

@@ -50,11 +50,6 @@ def _gathered(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, idx[:, :, None], axis=1)
 
 
-def _norm(x: mx.array) -> mx.array:
-    """L2 norm along the last axis of float32 x, summed in feature order as the kernels do."""
-    return mx.sqrt((x * x).sum(axis=-1))
-
-
 # ----------------------------------------------------------------------------
 # Sections 4.1-4.6: one compression's merges, all at once
 
@@ -80,7 +75,7 @@ def _nearest(keys, positions, survivor, loser_idx, cfg: CaMConfig):
     k_f = keys.astype(mx.float32)
     k_l = _gathered(k_f, loser_idx)
     dots = k_l @ k_f.transpose(0, 2, 1)
-    norms = _norm(k_l)[:, :, None] * _norm(k_f)[:, None, :]
+    norms = merges.feature_norm(k_l)[:, :, None] * merges.feature_norm(k_f)[:, None, :]
     cos = dots / mx.maximum(norms, 1e-12)
     eligible = (survivor & (positions >= cfg.n_sink))[:, None, :] & mx.isfinite(cos)
     ranked = mx.where(eligible, cos, -_INF)
@@ -135,7 +130,7 @@ def _merge_all(keys, values, scores, positions, survivor, loser_idx, row_ids, cf
     elif rule.blends:
         norm_e = norm_t = None
         if rule.kind == merges.NEAREST:
-            norm_e, norm_t = _norm(v_l), _gathered(_norm(values.astype(mx.float32)), t)
+            norm_e, norm_t = merges.feature_norm(v_l), _gathered(merges.feature_norm(values.astype(mx.float32)), t)
         share_in = _loser_shares(rule, cos_t, s_in, s_target, norm_e, norm_t)
         share_t = rule.target_share(scores)
         values = _received(values, gives, _weighted_mean(values, gives, share_in, share_t, v_l))

@@ -169,7 +169,7 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     elif rule.blends:
         norm_e = norm_t = None
         if rule.kind == merges.NEAREST:
-            norm_e, norm_t = _norm(losers.values), _at(_norm(kept.values), targets.nearest)
+            norm_e, norm_t = merges.feature_norm(losers.values), _at(merges.feature_norm(kept.values), targets.nearest)
         share_in = rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
         share_t = rule.target_share(kept.scores)
         values = edges.weighted_mean(kept.values, losers.values, share_in, share_t)
@@ -187,11 +187,6 @@ def _at(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, flat, axis=1).reshape(idx.shape)
 
 
-def _norm(x: mx.array) -> mx.array:
-    """L2 norm along the last axis of float32 x, summed in feature order."""
-    return mx.sqrt((x * x).sum(axis=-1))
-
-
 def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
     """Section 4.1 for every loser at once: the non-sink survivor of largest cosine
     (ties to the smaller position: survivors are in position order, and the first
@@ -201,7 +196,7 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
     over |K_e|, a positive constant, so the product ranks them as the cosines do (to
     rounding: section 8's near-tie). Returns t [R, k] (indices into the survivors, 0 where
     there is none), whether there is one [R, k] and cos_t [R, k] as section 4.1 computes it."""
-    norm_l, norm_k = _norm(loser_keys), _norm(kept_keys)
+    norm_l, norm_k = merges.feature_norm(loser_keys), merges.feature_norm(kept_keys)
     unit = kept_keys / mx.maximum(norm_k, 1e-12)[:, :, None]
     ranked = mass.float32_product(loser_keys, unit.transpose(0, 2, 1), drop.on_cuda())
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
@@ -212,7 +207,7 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
     found = (mx.take_along_axis(ranked, t[:, :, None], axis=2)[:, :, 0] > -_INF) & mx.isfinite(norm_l)
     t = mx.where(found, t, 0).astype(mx.int32)
     k_t = mx.take_along_axis(kept_keys, t[:, :, None], axis=1)
-    cos_t = (loser_keys * k_t).sum(axis=-1) / mx.maximum(norm_l * _norm(k_t), 1e-12)
+    cos_t = (loser_keys * k_t).sum(axis=-1) / mx.maximum(norm_l * merges.feature_norm(k_t), 1e-12)
     return t, found, cos_t
 
 
