@@ -73,6 +73,16 @@ def _first(q: tuple, end: int) -> tuple:
     return tuple(a[:, :, :end] for a in q)
 
 
+def quantize(x: mx.array, bits: int, group_size: int) -> tuple:
+    """x [..., D] as mx.quantize's (codes, scales, biases) tuple."""
+    return tuple(mx.quantize(x, group_size=group_size, bits=bits))
+
+
+def dequantize(q: tuple, bits: int, group_size: int) -> mx.array:
+    """The values a (codes, scales, biases) tuple of quantize stands for."""
+    return mx.dequantize(*q, group_size=group_size, bits=bits)
+
+
 class QuantizedRowBuffers(RowBuffers):
     """RowBuffers whose keys and values are quantized tuples (codes, scales, biases), each
     [B, H, size, w]; scores, positions and a rule's state as in RowBuffers. Appending
@@ -85,10 +95,10 @@ class QuantizedRowBuffers(RowBuffers):
         self._before = None  # what for_compression dequantized, until compressed
 
     def quantize(self, x: mx.array) -> tuple:
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+        return quantize(x, self.bits, self.group_size)
 
     def dequantize(self, q: tuple) -> mx.array:
-        return mx.dequantize(*q, group_size=self.group_size, bits=self.bits)
+        return dequantize(q, self.bits, self.group_size)
 
     def append(self, keys: mx.array, values: mx.array):
         """Quantize the block [B, H, S, D] and write it after the held rows; return the

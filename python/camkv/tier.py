@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .quantized import survivor_sources
+from .quantized import dequantize, quantize, survivor_sources
 
 
 def losers(before_positions: mx.array, after_positions: mx.array) -> mx.array:
@@ -45,16 +45,14 @@ class Tier:
     def size(self) -> int:
         return 0 if self.scores is None else self.scores.shape[1]
 
-    def _quantize(self, x: mx.array) -> tuple:
-        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
-
     def absorb(self, keys: mx.array, values: mx.array, scores: mx.array, positions: mx.array) -> None:
         """Take evicted rows (keys, values [R, l, D] in the model's dtype, scores, positions
         [R, l]), quantized once; past the budget, keep the best-scored rows (the newer of
         two alike), in position order."""
         if keys.shape[1] == 0:
             return
-        new = (self._quantize(keys), self._quantize(values), scores.astype(mx.float32), positions)
+        new = (quantize(keys, self.bits, self.group_size), quantize(values, self.bits, self.group_size),
+               scores.astype(mx.float32), positions)
         if self.scores is None:
             joined = new
         else:
@@ -86,7 +84,7 @@ class Tier:
         if self.scores is None:
             return None
         t = self.size
-        return tuple(mx.dequantize(*q, group_size=self.group_size, bits=self.bits).astype(dtype).reshape(B, H, t, -1)
+        return tuple(dequantize(q, self.bits, self.group_size).astype(dtype).reshape(B, H, t, -1)
                      for q in (self.keys, self.values))
 
     @property
