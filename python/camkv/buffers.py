@@ -20,6 +20,12 @@ def with_room(before: list, block: mx.array, spare: int) -> mx.array:
     return mx.concatenate(parts, axis=2) if len(parts) > 1 else mx.array(block)
 
 
+def capacity_for(cfg) -> int:
+    """Rows a decode of config cfg needs in place: budget + slack held, plus the step
+    that compresses."""
+    return cfg.budget + cfg.slack + 1
+
+
 class RowBuffers:
     """Keys and values [B, H, size, D] whose first `held` rows are in use: the first
     `settled` of them scored (scores and positions [B*H, settled], and a merge rule's
@@ -102,6 +108,16 @@ class RowBuffers:
     def held_arrays(self, end: int) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, end, D] of rows [0, end), in the model's dtype."""
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def as_stored(self) -> tuple:
+        """The held keys and values as stored [B, H, held, D] (camkv.quantized's: triples)."""
+        return self.held_arrays(self.held)
+
+    def overwrite_keys(self, given: tuple) -> None:
+        """Write given (one array, or a quantized triple's three, each of the held keys'
+        shape) over the held keys."""
+        for buffer, v in zip(self.keys if isinstance(self.keys, tuple) else (self.keys,), given):
+            buffer[:, :, : self.held] = v
 
     def for_compression(self, end: int) -> "RowBuffers":
         """The buffers a compression of rows [0, end) works on (these; camkv.quantized's

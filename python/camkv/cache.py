@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import backends, cache_input, hook, merges, quantized, tier
+from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, quantized, tier
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
-from .buffers import RowBuffers
+from .buffers import capacity_for
 from .cache_input import QueryScoringWarning, VotesWarning
+from .cache_state import CacheState
 from .config import CaMConfig, resolve_config
 from .pending import KEY_SCORED, PendingChunk
 
@@ -22,17 +21,7 @@ __all__ = ["CaMKVCache", "QueryScoringWarning", "VotesWarning"]
 _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
 
 
-def _tier_of(cfg: CaMConfig):
-    """The low-precision tier of a config with tier_budget > 0 (None without)."""
-    return tier.Tier(cfg.tier_budget, cfg.tier_bits, cfg.group_size) if cfg.tier_budget else None
-
-
-def _capacity(cfg: CaMConfig) -> int:
-    """Rows a decode needs in place: budget + slack held, plus the step that compresses."""
-    return cfg.budget + cfg.slack + 1
-
-
-class CaMKVCache(BatchRow, _BaseCache):
+class CaMKVCache(BatchRow, CacheState, _BaseCache):
     """A KV cache that holds at most `budget + slack` tokens per (batch, KV head) row.
 
     Amortized eviction (docs/algorithm.md section 7): a call writes its keys and values
@@ -63,7 +52,9 @@ class CaMKVCache(BatchRow, _BaseCache):
     that attends without asking for them is warned once (VotesWarning).
 
     What camkv.batch asks of a row (its rows lent to a shared rectangle while decoding,
-    compressions of rows due together in one launch) is camkv.batch_row.BatchRow's.
+    compressions of rows due together in one launch) is camkv.batch_row.BatchRow's; the
+    state mlx-lm saves and loads is camkv.cache_state.CacheState's; how the rows reach
+    attention (quantized, dequantized, after a tier's) is camkv.attention_rows'.
     """
 
     # camkv.batch.BatchCaMKVCache, set by that module (which imports this one; the
@@ -74,17 +65,14 @@ class CaMKVCache(BatchRow, _BaseCache):
                  **fields):
         self._config = resolve_config(config, fields)
         backends.require_usable(self._config.backend)
-        if head_offset < 0:
-            raise ValueError(f"head_offset must be >= 0, got {head_offset}")
-        if n_heads_global is not None and n_heads_global <= head_offset:
-            raise ValueError(f"n_heads_global ({n_heads_global}) must exceed head_offset ({head_offset})")
+        cache_input.check_head_placement(head_offset, n_heads_global)
         self._head_offset = head_offset
         self._n_heads_global = n_heads_global
         self._reset()
 
     def _reset(self) -> None:
-        self._rows = quantized.row_buffers(self._config, _capacity(self._config))
-        self._tier = _tier_of(self._config)
+        self._rows = quantized.row_buffers(self._config)
+        self._tier = tier.of_config(self._config)
         self._pending = PendingChunk()
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._step_queries: tuple | None = None  # a decode step's queries' shape, once checked
@@ -120,9 +108,9 @@ class CaMKVCache(BatchRow, _BaseCache):
         if not self.empty() and value != self._config:
             raise ValueError("cannot change a CaMKVCache's config mid-sequence; make a new cache")
         self._config = value
-        self._rows = quantized.row_buffers(value, _capacity(value)) if self.empty() else self._rows
-        self._tier = _tier_of(value) if self.empty() else self._tier
-        self._rows.capacity = _capacity(value)
+        self._rows = quantized.row_buffers(value) if self.empty() else self._rows
+        self._tier = tier.of_config(value) if self.empty() else self._tier
+        self._rows.capacity = capacity_for(value)
 
     # ------------------------------------------------------------------ protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -146,23 +134,8 @@ class CaMKVCache(BatchRow, _BaseCache):
         return fetched if self._config.bits is None and self._tier is None else self._for_attention(fetched)
 
     def _for_attention(self, fetched):
-        """The rows held as attention reads them: as stored; quantized rows where MLX has no
-        quantized attention kernels (its CUDA build) dequantized, once a step (bounded rows)."""
-        if self._tier is not None:
-            return self._with_tier(fetched)
-        if self._config.bits is None or quantized.kernels_here():
-            return fetched
-        return tuple(self._rows.dequantize(q) for q in fetched)
-
-    def _with_tier(self, fetched):
-        """The tier's rows dequantized, then the main rows (dequantized too where quantized):
-        one attention over both pools, in the model's dtype."""
-        main = fetched if self._config.bits is None else tuple(self._rows.dequantize(q) for q in fetched)
-        B, H, dtype = self._layout[0], self._layout[1], self._layout[4]
-        coarse = self._tier.attended(B, H, dtype)
-        if coarse is None:
-            return main
-        return tuple(mx.concatenate([c, m], axis=2) for c, m in zip(coarse, main))
+        """The rows held (fetched: as stored) as attention reads them (camkv.attention_rows)."""
+        return attention_rows.for_attention(fetched, self._rows, self._tier, self._layout, hasattr(self, "bits"))
 
     @property
     def bits(self) -> int:
@@ -292,29 +265,18 @@ class CaMKVCache(BatchRow, _BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the rows held: keys, values (quantized: codes, scales and biases),
-        scores and positions (the pending rows' scores counted as the float32 each will take)."""
-        if self._layout is None:
-            return 0
-        B, H = self._layout[:2]
-        held = self._rows.held
-        rule_state = (4 * held if self._rows.votes is not None else 0) + (4 if self._rows.threshold is not None else 0)
-        return B * H * (held * self.row_bytes + rule_state) + (0 if self._tier is None else self._tier.nbytes)
+        scores and positions, a rule's state, a tier's rows (camkv.cache_bytes.held)."""
+        return cache_bytes.held(self._layout, self._config, self._rows, self._tier)
 
     def bytes_bound(self) -> int:
         """Most bytes the rows may hold between calls: budget + slack main rows and
         tier_budget tier rows a head (0 while empty)."""
-        if self._layout is None:
-            return 0
-        B, H, Dk, Dv, dtype = self._layout
-        cfg = self._config
-        tier_rows = cfg.tier_budget * quantized.row_bytes(Dk, Dv, dtype.size, cfg.tier_bits, cfg.group_size)
-        return B * H * ((cfg.budget + cfg.slack) * self.row_bytes + tier_rows)
+        return cache_bytes.bound(self._layout, self._config)
 
     @property
     def row_bytes(self) -> int:
         """Bytes one stored row (a token of one KV head) takes: key, value, score, position."""
-        _, _, Dk, Dv, dtype = self._layout
-        return quantized.row_bytes(Dk, Dv, dtype.size, self._config.bits, self._config.group_size)
+        return cache_bytes.stored_row(self._layout, self._config)
 
     @property
     def keys(self):
@@ -325,38 +287,24 @@ class CaMKVCache(BatchRow, _BaseCache):
         the last layer's state with `cache[-1].keys = mx.depends(cache[-1].keys, h)`,
         so evaluating the cache states also sends to the next rank.
         """
-        return None if self.empty() else self._held()[0]
+        return None if self.empty() else self._rows.as_stored()[0]
 
     @keys.setter
     def keys(self, value) -> None:
         current = self.keys
         if current is None:
             raise ValueError("CaMKVCache.keys cannot be set while the cache is empty")
-        parts, given = (current, value) if isinstance(current, tuple) else ((current,), (value,))
-        if (not isinstance(given, (tuple, list)) or len(given) != len(parts)
-                or any(not isinstance(v, mx.array) or v.shape != c.shape for v, c in zip(given, parts))):
-            raise ValueError("CaMKVCache.keys can only be replaced by what it holds: "
-                             f"{'arrays' if len(parts) > 1 else 'an array'} of the held keys' shape "
-                             f"{', '.join(str(tuple(c.shape)) for c in parts)}")
-        buffers = self._rows.keys if isinstance(current, tuple) else (self._rows.keys,)
-        for buffer, v in zip(buffers, given):
-            buffer[:, :, : self._rows.held] = v
+        self._rows.overwrite_keys(cache_input.keys_replacing(current, value))
 
     @property
     def values(self):
         """Held values [B, H, n, Dv] (None while empty), as mlx-lm's KVCache.values (with
         bits set the stored triple, as keys)."""
-        return None if self.empty() else self._held()[1]
-
-    def _held(self):
-        """The held keys and values as stored (quantized triples with bits set)."""
-        if self._config.bits is not None:
-            return self._rows.quantized_views()
-        return self._rows.keys[:, :, : self._rows.held], self._rows.values[:, :, : self._rows.held]
+        return None if self.empty() else self._rows.as_stored()[1]
 
     def attended(self):
         """The held keys and values as attention reads them (what update_and_fetch returns)."""
-        return self._for_attention(self._held())
+        return self._for_attention(self._rows.as_stored())
 
     # ------------------------------------------------------------------ inspection
     def stored(self):
@@ -378,9 +326,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         low-precision tier's rows (tier_budget > 0), ascending by position."""
         if self._tier is None or self._tier.scores is None:
             raise ValueError("no tier rows: tier_budget is 0, or nothing was evicted yet")
-        B, H, dtype = self._layout[0], self._layout[1], self._layout[4]
-        keys, values = self._tier.attended(B, H, dtype)
-        return keys, values, *(a.reshape(B, H, -1) for a in (self._tier.scores, self._tier.positions))
+        return self._tier.rows(*self._layout[:2], self._layout[4])
 
     @property
     def stats(self) -> dict:
@@ -393,39 +339,6 @@ class CaMKVCache(BatchRow, _BaseCache):
                 "budget": self._config.budget}
 
     # ------------------------------------------------------------------ state
-    @property
-    def state(self):
-        """(keys, values, scores, positions, merges, meta JSON) of every row held [B, H, n],
-        then (votes [B, H, n], threshold [B, H]) for a merge rule that keeps them (None
-        where it keeps only one, or while empty), then, while some are kept, the pending
-        rows' queries [B, Hq, k, Dk] (with None for the rule's items where it keeps none).
-
-        Reading it changes nothing (mlx-lm evaluates every cache's state after each prompt
-        chunk; docs/algorithm.md section 7): the rows held since the last compression are
-        in it unscored (score 0; meta "settled" counts the scored ones, "pending" says how
-        the rest will be scored, "waiting" how many wait for their queries), so a cache
-        loaded from it goes on exactly as this one. camkv.save_prompt_cache compresses
-        first (compress_pending), so its files hold only scored rows."""
-        meta = {"offset": self.offset, "config": json.loads(self._config.to_json()),
-                "head_offset": self._head_offset, "n_heads_global": self._n_heads_global,
-                "evictions": self._evictions, "query_scored": self._query_scored,
-                "settled": self._rows.settled, "pending": self._pending.kind,
-                "windowed": self._pending.windowed, "waiting": self._waiting}
-        arrays = (None,) * 4 if self._rows.keys is None else self._rows.held_rows(*self._layout[:2])
-        queries = self._pending.peek()
-        rule_state = self._rule_state()
-        tail = rule_state if queries is None else (*(rule_state or (None, None)), queries)
-        if self._tier is not None:  # the tier's rows after the items above (Nones where absent)
-            tail = (*tail, *(None,) * (3 - len(tail)), *self._tier.state(*(self._layout or (0, 0))[:2]))
-        return (*arrays, self._merges_so_far(), json.dumps(meta)) + tail
-
-    def _rule_state(self) -> tuple:
-        """The state items of a merge rule that keeps votes or a threshold (none otherwise)."""
-        rule = merges.rule(self._config.merge)
-        if not (rule.keeps_votes or rule.moving_threshold):
-            return ()
-        return (None, None) if self._layout is None else self._rows.rule_state(*self._layout[:2])
-
     def compress_pending(self) -> None:
         """Score the tokens held since the last compression now, as one chunk (a block that
         waits for its queries is scored with its keys first, with its warning), evicting
@@ -434,35 +347,6 @@ class CaMKVCache(BatchRow, _BaseCache):
         rows, all scored, and no queries."""
         self.flush_pending()
         self._compress()
-
-    @state.setter
-    def state(self, v) -> None:
-        keys, values, scores, positions, merges_so_far, meta_json = v[:6]
-        meta = json.loads(meta_json)
-        config = CaMConfig(**meta["config"])
-        self._config = config
-        self._head_offset = meta["head_offset"]
-        self._n_heads_global = meta["n_heads_global"]
-        self._reset()
-        self.offset = meta["offset"]
-        self._evictions = meta["evictions"]
-        self._query_scored = meta.get("query_scored", 0)  # absent from older files
-        self._merges = mx.array(merges_so_far, mx.int32)
-        if keys is None:
-            return
-        B, H, n, Dk, Dv, dtype = quantized.saved_layout(keys, values, config)
-        # Files of older versions hold only scored rows and none of the pending ones' items.
-        settled, waiting = meta.get("settled", n), meta.get("waiting", 0)
-        cache_input.check_saved_rows(n, settled, waiting, config)
-        self._layout = (B, H, Dk, Dv, dtype)
-        rule_state = tuple(v[6:8]) + (None,) * (8 - max(6, len(v)))  # absent for most rules
-        self._rows.load(keys, values, scores, positions, *rule_state, next_position=self.offset, settled=settled)
-        pending = meta.get("pending")
-        self._pending.restore(KEY_SCORED if pending == KEY_SCORED else pending, meta.get("windowed", False),
-                              v[8] if len(v) > 8 else None)
-        if self._tier is not None and len(v) > 9:
-            self._tier.load(*v[9:13])
-        self._waiting = waiting
 
     # ------------------------------------------------------------------ rows
     def votes_bias(self) -> mx.array | None:
@@ -473,7 +357,7 @@ class CaMKVCache(BatchRow, _BaseCache):
     def steps_before_compression(self) -> int:
         """Tokens the rows held can take before they pass budget + slack and a compression
         is due (docs/algorithm.md section 7); negative once it is. (The buffers' capacity is
-        budget + slack + 1, _capacity.)"""
+        budget + slack + 1, camkv.buffers.capacity_for.)"""
         return self._rows.capacity - 1 - self._rows.held
 
     def flush_pending(self) -> None:
@@ -521,7 +405,7 @@ class CaMKVCache(BatchRow, _BaseCache):
             return
         rows.compressed(work, may_change_rows=merges.rule(self._config.merge).kind != merges.DROP)
         if before is not None:
-            self._to_tier(before, rows.positions)
+            self._tier.absorb_evicted(before, rows.positions)
         self._pending.settled()
         if merged is not None:
             self._merge_counts.append(merged)
@@ -532,13 +416,6 @@ class CaMKVCache(BatchRow, _BaseCache):
             rows.reappend(rest)
         if chunk > self._config.slack + 1:
             self._start_prompt_compression()
-
-    def _to_tier(self, before, kept_positions: mx.array) -> None:
-        """The rows of before (a RowState of the rows compressed) not kept: into the tier,
-        each with its score before this compression (0 for a token it scored first)."""
-        lost = tier.losers(before.positions, kept_positions)
-        gather = lambda a: mx.take_along_axis(a, lost.reshape(*lost.shape, *([1] * (a.ndim - 2))), axis=1)
-        self._tier.absorb(*(gather(a) for a in before[:4]))
 
     def _start_prompt_compression(self) -> None:
         """Start computing a prompt block's compression now, not when the caller evaluates.
@@ -556,10 +433,7 @@ class CaMKVCache(BatchRow, _BaseCache):
         # Made once per shape: on a GPU every small array op of a decode step costs a
         # launch, and this one would otherwise be five of them per layer and token.
         if self._row_ids_for is None or self._row_ids_for[0] != (B, H):
-            heads = self._n_heads_global or H
-            b = mx.arange(B, dtype=mx.uint32)[:, None]
-            h = mx.arange(H, dtype=mx.uint32)[None, :] + self._head_offset
-            ids = (b * heads + h).reshape(-1)
+            ids = gate.row_ids(B, H, self._head_offset, self._n_heads_global)
             mx.eval(ids)
             self._row_ids_for = ((B, H), ids)
         return self._row_ids_for[1]

@@ -28,6 +28,14 @@ def warn_once(warned: set, kind: str, message: str, stacklevel: int = 4, categor
     warnings.warn(message, category, stacklevel=stacklevel)
 
 
+def check_head_placement(head_offset: int, n_heads_global: int | None) -> None:
+    """ValueError unless head_offset >= 0 and n_heads_global (None: unsharded) exceeds it."""
+    if head_offset < 0:
+        raise ValueError(f"head_offset must be >= 0, got {head_offset}")
+    if n_heads_global is not None and n_heads_global <= head_offset:
+        raise ValueError(f"n_heads_global ({n_heads_global}) must exceed head_offset ({head_offset})")
+
+
 def check_block(keys, values, layout: tuple | None, head_offset: int, n_heads_global: int | None) -> None:
     """Reject a bad block of keys and values before anything changes; layout (B, H, Dk,
     Dv, dtype) is the one the first block fixed (None before it)."""
@@ -75,6 +83,18 @@ def check_saved_rows(held: int, settled: int, waiting: int, cfg) -> None:
     if held - waiting > cfg.budget + cfg.slack:
         raise ValueError(f"a saved CaMKVCache holds {held - waiting} rows besides those waiting for their "
                          f"queries, more than its budget + slack = {cfg.budget} + {cfg.slack}")
+
+
+def keys_replacing(current, value) -> tuple:
+    """value, replacing the held keys current (an array, or a quantized triple), as a
+    tuple of arrays; ValueError unless it is what they hold, shape for shape."""
+    parts, given = (current, value) if isinstance(current, tuple) else ((current,), (value,))
+    if (not isinstance(given, (tuple, list)) or len(given) != len(parts)
+            or any(not isinstance(v, mx.array) or v.shape != c.shape for v, c in zip(given, parts))):
+        raise ValueError("CaMKVCache.keys can only be replaced by what it holds: "
+                         f"{'arrays' if len(parts) > 1 else 'an array'} of the held keys' shape "
+                         f"{', '.join(str(tuple(c.shape)) for c in parts)}")
+    return tuple(given)
 
 
 def check_queries(shape, B: int, H: int, S: int) -> None:

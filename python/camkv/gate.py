@@ -27,6 +27,17 @@ def gate_hash(seed, row, position) -> mx.array:
     return _mix(_mix(_mix(p ^ mx.array(_GOLDEN, mx.uint32)) ^ r) ^ s)
 
 
+def row_ids(B: int, H: int, head_offset: int = 0, n_heads_global: int | None = None) -> mx.array:
+    """The gate's row id of each (batch, KV head) row of a cache, uint32 [B * H]:
+    b * heads + head_offset + h, heads the model's KV heads (n_heads_global; H where
+    unsharded), so a cache holding some of the heads draws what an unsharded one draws
+    (section 1)."""
+    heads = n_heads_global or H
+    b = mx.arange(B, dtype=mx.uint32)[:, None]
+    h = mx.arange(H, dtype=mx.uint32)[None, :] + head_offset
+    return (b * heads + h).reshape(-1)
+
+
 def uniform(seed, row, position) -> mx.array:
     """The gate's draw in [0, 1): (h >> 8) * 2^-24 as float32."""
     return (gate_hash(seed, row, position) >> 8).astype(mx.float32) * (2.0**-24)

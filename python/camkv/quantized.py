@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .buffers import RowBuffers, with_room
+from .buffers import RowBuffers, capacity_for, with_room
 
 SCORE_AND_POSITION_BYTES = 8  # float32 score + int32 position per row, quantized or not
 
@@ -133,6 +133,9 @@ class QuantizedRowBuffers(RowBuffers):
         end = self.held if end is None else end
         return _first(self.keys, end), _first(self.values, end)
 
+    def as_stored(self) -> tuple:
+        return self.quantized_views()
+
     def after(self, end: int):
         """The held rows after row end, still quantized (reappend writes them back)."""
         return tuple(a[:, :, end : self.held] for a in self.keys), tuple(a[:, :, end : self.held] for a in self.values)
@@ -235,11 +238,11 @@ def _rows_at(a: mx.array, idx: mx.array, B: int, H: int) -> mx.array:
     return mx.take_along_axis(flat, idx[:, :, None], axis=1).reshape(B, H, m, -1)
 
 
-def row_buffers(cfg, capacity: int) -> RowBuffers:
+def row_buffers(cfg) -> RowBuffers:
     """The rows of a cache of config cfg: quantized with cfg.bits set, else plain."""
     if cfg.bits is None:
-        return RowBuffers(capacity)
-    return QuantizedRowBuffers(capacity, cfg.bits, cfg.group_size)
+        return RowBuffers(capacity_for(cfg))
+    return QuantizedRowBuffers(capacity_for(cfg), cfg.bits, cfg.group_size)
 
 
 def saved_layout(keys, values, cfg) -> tuple:

@@ -25,6 +25,11 @@ def losers(before_positions: mx.array, after_positions: mx.array) -> mx.array:
     return mx.sort(mx.where(kept, n, index), axis=1)[:, : n - m]
 
 
+def of_config(cfg) -> "Tier | None":
+    """The tier of a cache of config cfg: tier_budget > 0 keeps one (None without)."""
+    return Tier(cfg.tier_budget, cfg.tier_bits, cfg.group_size) if cfg.tier_budget else None
+
+
 def _rows(a: mx.array, idx: mx.array) -> mx.array:
     """Rows idx [R, m] of a [R, n, ...] (an index per row)."""
     return mx.take_along_axis(a, idx.reshape(*idx.shape, *([1] * (a.ndim - 2))), axis=1)
@@ -73,6 +78,13 @@ class Tier:
             scores, positions = _rows(scores, keep), _rows(positions, keep)
         self.keys, self.values, self.scores, self.positions = keys_q, values_q, scores, positions
 
+    def absorb_evicted(self, before, kept_positions: mx.array) -> None:
+        """The rows of before (a RowState [R, n, ...] of the rows a compression took) whose
+        position is not among kept_positions [R, m] (the survivors'), each with its score
+        before the compression (0 for a token it scored first)."""
+        lost = losers(before.positions, kept_positions)
+        self.absorb(*(_rows(a, lost) for a in before[:4]))
+
     def _in_position_order(self) -> None:
         order = mx.argsort(self.positions, axis=1)
         self.keys = tuple(_rows(a, order) for a in self.keys)
@@ -86,6 +98,10 @@ class Tier:
         t = self.size
         return tuple(dequantize(q, self.bits, self.group_size).astype(dtype).reshape(B, H, t, -1)
                      for q in (self.keys, self.values))
+
+    def rows(self, B: int, H: int, dtype) -> tuple:
+        """(keys, values [B, H, t, D] dequantized in dtype, scores, positions [B, H, t])."""
+        return *self.attended(B, H, dtype), *(a.reshape(B, H, -1) for a in (self.scores, self.positions))
 
     @property
     def nbytes(self) -> int:
