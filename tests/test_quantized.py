@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -64,6 +67,39 @@ def test_a_group_that_does_not_divide_the_head_dimension_is_refused_before_anyth
     with pytest.raises(ValueError, match="group_size=128 must divide the key head dimension 64"):
         cache.update_and_fetch(keys, values)
     assert cache.empty() and cache.offset == 0 and cache.nbytes == 0
+
+
+def _read_quantized(cache) -> tuple | None:
+    """(bits, group_size) the cache tells attention to read its rows with, None without;
+    asserting they are plain instance attributes, no class attribute (a property)."""
+    for name in ("bits", "group_size"):
+        # mlx-lm asks hasattr(cache, "bits") at every layer and step: a property there
+        # would be called, and raise AttributeError, for every unquantized cache.
+        assert inspect.getattr_static(type(cache), name, None) is None
+    if not hasattr(cache, "bits"):
+        assert not hasattr(cache, "group_size")
+        return None
+    assert cache.__dict__["bits"] == cache.bits and cache.__dict__["group_size"] == cache.group_size
+    return cache.bits, cache.group_size
+
+
+def test_bits_are_attributes_present_only_where_attention_reads_the_rows_quantized(monkeypatch):
+    quantized_here = (4, 32) if quantized.kernels_here() else None
+    assert _read_quantized(_cache()) is None
+    assert _read_quantized(_cache(bits=4, tier_budget=8)) is None  # a tier: arrays, the tier's first
+    cache = _cache(bits=4, group_size=32)
+    assert _read_quantized(cache) == quantized_here
+    # Wherever the config is set: a new config, a copy, a loaded state.
+    cache.config = CaMConfig(budget=32, scoring="key")
+    assert _read_quantized(cache) is None
+    cache.config = CaMConfig(budget=32, scoring="key", bits=8)
+    assert _read_quantized(cache) == (None if quantized_here is None else (8, 64))
+    cache.update_and_fetch(*_blocks(40, 0))
+    assert _read_quantized(copy.deepcopy(cache)) == _read_quantized(cache)
+    assert _read_quantized(CaMKVCache.from_state(cache.state)) == _read_quantized(cache)
+    assert _read_quantized(CaMKVCache.from_state(_cache().state)) is None
+    monkeypatch.setattr(quantized, "kernels_here", lambda: False)  # MLX's CUDA build
+    assert _read_quantized(_cache(bits=4)) is None
 
 
 def test_config_round_trips_through_json():

@@ -63,7 +63,7 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
 
     def __init__(self, config: CaMConfig | None = None, *, head_offset: int = 0, n_heads_global: int | None = None,
                  **fields):
-        self._config = resolve_config(config, fields)
+        self._use_config(resolve_config(config, fields))
         backends.require_usable(self._config.backend)
         cache_input.check_head_placement(head_offset, n_heads_global)
         self._head_offset = head_offset
@@ -107,10 +107,20 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
             raise ValueError(f"config must be a CaMConfig, got {type(value).__name__}")
         if not self.empty() and value != self._config:
             raise ValueError("cannot change a CaMKVCache's config mid-sequence; make a new cache")
-        self._config = value
+        self._use_config(value)
         self._rows = quantized.row_buffers(value) if self.empty() else self._rows
         self._tier = tier.of_config(value) if self.empty() else self._tier
         self._rows.capacity = capacity_for(value)
+
+    def _use_config(self, config: CaMConfig) -> None:
+        """Hold config, and with it `bits` and `group_size` where attention reads the rows
+        quantized (camkv.attention_rows.quantized_fields: mlx-lm's attention takes a cache
+        that has bits for a quantized one). Plain attributes, absent elsewhere: mlx-lm asks
+        hasattr(cache, "bits") at every layer and step, a failed lookup, nothing raised."""
+        self._config = config
+        for name in attention_rows.QUANTIZED_FIELDS:
+            self.__dict__.pop(name, None)
+        self.__dict__.update(attention_rows.quantized_fields(config))
 
     # ------------------------------------------------------------------ protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -136,22 +146,6 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
     def _for_attention(self, fetched):
         """The rows held (fetched: as stored) as attention reads them (camkv.attention_rows)."""
         return attention_rows.for_attention(fetched, self._rows, self._tier, self._layout, hasattr(self, "bits"))
-
-    @property
-    def bits(self) -> int:
-        """The bits of quantized rows that attention reads quantized. mlx-lm's attention
-        (quantized_scaled_dot_product_attention) takes a cache with `bits` for a quantized
-        one, so this is absent (AttributeError) for unquantized rows and where the rows
-        are handed over dequantized (no quantized kernels on the device)."""
-        if self._config.bits is None or self._tier is not None or not quantized.kernels_here():
-            raise AttributeError("bits: this cache hands attention unquantized rows")
-        return self._config.bits
-
-    @property
-    def group_size(self) -> int:
-        """The quantization group of rows attention reads quantized (absent like bits)."""
-        self.bits  # noqa: B018 (raises where bits is absent)
-        return self._config.group_size
 
     def _took(self, S: int) -> None:
         """What follows the write of S new tokens after the held rows."""

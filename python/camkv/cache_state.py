@@ -60,7 +60,7 @@ class CacheState:
         keys, values, scores, positions, merges_so_far, meta_json = v[:6]
         meta = json.loads(meta_json)
         config = CaMConfig(**meta["config"])
-        self._config = config
+        self._use_config(config)
         self._head_offset = meta["head_offset"]
         self._n_heads_global = meta["n_heads_global"]
         self._reset()
