@@ -98,6 +98,14 @@ def test_bits_are_attributes_present_only_where_attention_reads_the_rows_quantiz
     assert _read_quantized(copy.deepcopy(cache)) == _read_quantized(cache)
     assert _read_quantized(CaMKVCache.from_state(cache.state)) == _read_quantized(cache)
     assert _read_quantized(CaMKVCache.from_state(_cache().state)) is None
+    # A batch reads its rows as they are read alone (they share bits and group_size).
+    batch = BatchCaMKVCache([_cache(bits=4, group_size=32), _cache(bits=4, group_size=32)])
+    assert _read_quantized(batch) == quantized_here
+    batch.filter([])
+    assert _read_quantized(batch) is None
+    batch.extend(BatchCaMKVCache([_cache(bits=4, group_size=32)]))
+    assert _read_quantized(batch) == quantized_here
+    assert _read_quantized(BatchCaMKVCache([_cache(), _cache()])) is None
     monkeypatch.setattr(quantized, "kernels_here", lambda: False)  # MLX's CUDA build
     assert _read_quantized(_cache(bits=4)) is None
 
@@ -189,7 +197,9 @@ def test_a_model_attends_quantized_rows_scored_by_its_own_queries(model, bits):
     plain = camkv.make_prompt_cache(model, budget=48, eviction="recency")
     _, expected = _logprobs(model, plain, prompt)
     cache = camkv.make_prompt_cache(model, budget=48, eviction="recency", bits=bits)
-    assert all(hasattr(c, "bits") for c in cache)  # mlx-lm's quantized attention reads them
+    # mlx-lm's quantized attention reads bits and group_size where MLX has its quantized
+    # kernels; elsewhere (its CUDA build) the cache hands attention dequantized rows.
+    assert all(hasattr(c, "bits") == hasattr(c, "group_size") == quantized.kernels_here() for c in cache)
     _, got = _logprobs(model, cache, prompt)
     stats = cache[0].stats
     assert stats["query_scored"] == stats["tokens_seen"] and stats["evictions"] > 0
@@ -246,7 +256,8 @@ def test_saved_quantized_cache_loads_the_same_codes_and_continues_identically(mo
 def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model):
     prompts = [_prompt(130, 1), _prompt(70, 2)]
     alone, batch = batch_of_lone_caches(model, prompts, budget=32, bits=8)
-    assert all(hasattr(layer, "bits") and layer.group_size == 64 for layer in batch)
+    # Attention reads the rows quantized where MLX has its quantized kernels.
+    assert all(_read_quantized(layer) == ((8, 64) if quantized.kernels_here() else None) for layer in batch)
     token = mx.array([[5], [9]])
     steps = 40  # past budget + slack: each row compresses inside the batch
     for _ in range(steps):

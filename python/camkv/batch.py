@@ -40,7 +40,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import quantized
+from . import attention_rows, quantized
 from .backends import drop
 from .cache import CaMKVCache
 
@@ -60,6 +60,7 @@ class BatchCaMKVCache(_BaseCache):
         for row in self._rows:
             _check_row(row)
         _check_quantization(self._rows)
+        self._read_as_rows()
         B = len(self._rows)
         self._left = _padding_list(left_padding, B, "left_padding")
         self._lengths: list[int | None] = [_UNLIMITED] * B  # set by prepare(lengths=...)
@@ -121,6 +122,7 @@ class BatchCaMKVCache(_BaseCache):
         self._settle_left_padding()
         self._make_whole()
         self._rows = [self._rows[i] for i in indices]
+        self._read_as_rows()
         self._left = [self._left[i] for i in indices]
         self._lengths = [self._lengths[i] for i in indices]
 
@@ -138,6 +140,7 @@ class BatchCaMKVCache(_BaseCache):
         _check_quantization(self._rows + other._rows)
         self._make_whole()
         self._rows += other.rows
+        self._read_as_rows()
         self._left += other._left
         self._lengths += other._lengths
 
@@ -291,20 +294,16 @@ class BatchCaMKVCache(_BaseCache):
     def __len__(self) -> int:
         return len(self._rows)
 
-    @property
-    def bits(self) -> int:
-        """As CaMKVCache.bits (every row's: a batch's rows share bits and group_size)."""
-        if not self._rows:
-            raise AttributeError("bits: a batch of no rows")
-        return self._rows[0].bits
-
-    @property
-    def group_size(self) -> int:
-        if not self._rows:
-            raise AttributeError("group_size: a batch of no rows")
-        return self._rows[0].group_size
-
     # ------------------------------------------------------------------ internals
+    def _read_as_rows(self) -> None:
+        """bits and group_size as the rows have them (they share them, and a tier or none):
+        attributes present where attention reads the rows quantized, as CaMKVCache's, so
+        mlx-lm's hasattr(cache, "bits") at every layer and step raises nothing."""
+        for name in attention_rows.QUANTIZED_FIELDS:
+            self.__dict__.pop(name, None)
+            if self._rows and hasattr(self._rows[0], name):
+                setattr(self, name, getattr(self._rows[0], name))
+
     def _quantized(self) -> bool:
         """Rows quantized or with a tier, whose decode steps each row runs itself."""
         return bool(self._rows) and (self._rows[0].config.bits is not None or self._rows[0].config.tier_budget > 0)
