@@ -138,6 +138,34 @@ def save_tiny_model_dir(path):
     return path
 
 
+def assert_as_alone(got: mx.array, alone: mx.array) -> None:
+    """A batch row's array against the same request's run alone: equal bit for bit on the
+    CPU. On a GPU within float32 rounding (rtol 1e-4, atol 1e-5): its attention kernels
+    split the work by the batch's shape, so a row's outputs differ in the last digits
+    (an H200: 0.831403 against 0.83144, 5e-5 relatively), while a row mixed up with
+    another, or compressed otherwise, differs in the first ones."""
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(got, alone)
+    else:
+        assert got.shape == alone.shape and mx.allclose(got, alone, rtol=1e-4, atol=1e-5).item()
+
+
+def assert_quantized_as_alone(got: tuple, alone: tuple, bits: int, group_size: int) -> None:
+    """A batch row's quantized keys or values (codes, scales, biases) against the same
+    request's run alone: equal bit for bit on the CPU. On a GPU the scales and biases as
+    assert_as_alone, and each value within one step of the lone run's (its group's scale,
+    5% more for the scales' and biases' own rounding): an input that differs in the last
+    digits may round to the next code, while a row mixed up with another is many off."""
+    if mx.default_device() == mx.cpu:
+        assert all(mx.array_equal(a, c) for a, c in zip(got, alone))
+        return
+    for a, c in zip(got[1:], alone[1:]):
+        assert_as_alone(a, c)
+    values = [mx.dequantize(*q, group_size=group_size, bits=bits) for q in (got, alone)]
+    step = mx.repeat(mx.abs(alone[1]), group_size, axis=-1)
+    assert mx.all(mx.abs(values[0] - values[1]) <= 1.05 * step + 1e-5).item()
+
+
 def batch_of_lone_caches(model, prompts: list[list[int]], **fields):
     """Each prompt prefilled alone into camkv caches of these fields, then those caches
     merged into one BatchCaMKVCache list: (the lone cache lists, the batch's)."""
