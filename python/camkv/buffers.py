@@ -187,6 +187,18 @@ class RowBuffers:
         """The arrays a compression writes (to start computing them)."""
         return [a for a in (self.keys, self.values, self.scores, self.positions, self.votes) if a is not None]
 
+    def start_computing(self) -> None:
+        """Start computing the arrays a compression wrote now, not when the caller evaluates.
+
+        A prompt chunk is evaluated once for all layers (mlx-lm evaluates every cache's
+        state after a chunk), and MLX then ran the compressions last: every layer's
+        uncompressed rows and scoring inputs were alive at once, the whole peak memory of
+        a short prompt (random llama, 16 layers, 1k prompt on the CPU: 1.20x the full
+        cache's peak, 0.75x with this). Queued, not waited for: the model's next layers
+        are built meanwhile.
+        """
+        mx.async_eval(*self.arrays())
+
     def lend(self) -> tuple[mx.array, mx.array]:
         """The held keys and values [B, H, held, D]; these buffers hold nothing until take_back."""
         lent = (self.keys[:, :, : self.held], self.values[:, :, : self.held])

@@ -103,10 +103,7 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
 
     @config.setter
     def config(self, value: CaMConfig) -> None:
-        if not isinstance(value, CaMConfig):
-            raise ValueError(f"config must be a CaMConfig, got {type(value).__name__}")
-        if not self.empty() and value != self._config:
-            raise ValueError("cannot change a CaMKVCache's config mid-sequence; make a new cache")
+        cache_input.check_new_config(value, self._config, self.empty())
         self._use_config(value)
         self._rows = quantized.row_buffers(value) if self.empty() else self._rows
         self._tier = tier.of_config(value) if self.empty() else self._tier
@@ -408,20 +405,8 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
         self._pending.release()
         if rest is not None:
             rows.reappend(rest)
-        if chunk > self._config.slack + 1:
-            self._start_prompt_compression()
-
-    def _start_prompt_compression(self) -> None:
-        """Start computing a prompt block's compression now, not when the caller evaluates.
-
-        A prompt chunk is evaluated once for all layers (mlx-lm evaluates every cache's
-        state after a chunk), and MLX then ran the compressions last: every layer's
-        uncompressed rows and scoring inputs were alive at once, the whole peak memory of
-        a short prompt (random llama, 16 layers, 1k prompt on the CPU: 1.20x the full
-        cache's peak, 0.75x with this). Queued, not waited for: the model's next layers
-        are built meanwhile. A decode step's compression is left to the step's evaluation.
-        """
-        mx.async_eval(*self._rows.arrays())
+        if chunk > self._config.slack + 1:  # a prompt block's (a decode step's waits for the step)
+            rows.start_computing()
 
     def _row_ids(self, B: int, H: int) -> mx.array:
         # Made once per shape: on a GPU every small array op of a decode step costs a

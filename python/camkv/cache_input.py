@@ -7,6 +7,7 @@ import warnings
 import mlx.core as mx
 
 from .backends._common import STORAGE_DTYPES
+from .config import CaMConfig
 
 
 class QueryScoringWarning(RuntimeWarning):
@@ -26,6 +27,15 @@ def warn_once(warned: set, kind: str, message: str, stacklevel: int = 4, categor
         return
     warned.add(kind)
     warnings.warn(message, category, stacklevel=stacklevel)
+
+
+def check_new_config(value, current, empty: bool) -> None:
+    """ValueError unless value is a CaMConfig, and current (the config held) while the
+    cache holds rows."""
+    if not isinstance(value, CaMConfig):
+        raise ValueError(f"config must be a CaMConfig, got {type(value).__name__}")
+    if not empty and value != current:
+        raise ValueError("cannot change a CaMKVCache's config mid-sequence; make a new cache")
 
 
 def check_head_placement(head_offset: int, n_heads_global: int | None) -> None:
