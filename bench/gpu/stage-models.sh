@@ -13,11 +13,16 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 grep -qx '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
 cache=${CAMKV_CACHE_DIR:-$HOME/.cache/camkv}
+case ${1:-all} in
+  all) models="downloads/SmolLM2-135M-Instruct.Q4_1.gguf downloads/gemma-3-270m-q4_k_m.gguf"; size=50M ;;
+  smollm2) models=downloads/SmolLM2-135M-Instruct.Q4_1.gguf; size=38M ;;
+  *) echo "bench/gpu/stage-models.sh: stage 'all' (the default) or 'smollm2', got '$1'" >&2; exit 2 ;;
+esac
 gguf_parent=$(python3 -c 'import gguf, os; print(os.path.dirname(os.path.dirname(gguf.__file__)))')
 rm -rf .gpu-stage && mkdir -p .gpu-stage
-tar cf .gpu-stage/bundle.tar -C "$cache" downloads/SmolLM2-135M-Instruct.Q4_1.gguf \
-  downloads/gemma-3-270m-q4_k_m.gguf texts -C "$gguf_parent" gguf
-split -b 50M -d -a 2 .gpu-stage/bundle.tar .gpu-stage/part_
+# shellcheck disable=SC2086  # models is a list of paths without spaces
+tar cf .gpu-stage/bundle.tar -C "$cache" $models texts -C "$gguf_parent" gguf
+split -b "$size" -d -a 2 .gpu-stage/bundle.tar .gpu-stage/part_
 rm .gpu-stage/bundle.tar
 n=0
 for part in .gpu-stage/part_*; do
