@@ -6,8 +6,10 @@
 #   bash bench/gpu/speed.sh decode8b  camkv's decode step paired with RotatingKVCache's on
 #                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
-#                                     4k-32k, random-8b 32k) and the capacity of 16k-token
-#                                     requests in 2 GiB with 4-bit rows
+#                                     4k-32k, random-8b 32k; about 5 minutes)
+#   bash bench/gpu/speed.sh capacity  16k-token requests admitted into 2 GiB: BatchKVCache,
+#                                     camkv and camkv with 4-bit rows (about 100 of those
+#                                     fit, one admitted a second: up to 8 minutes)
 # e.g. `bash bench/gpu/speed.sh merges decode8b` (about 7 minutes).
 . bench/gpu/env.sh
 mkdir -p "$OUT"
@@ -31,9 +33,10 @@ for part in "$@"; do
       step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \
         --equal-bytes --out "$OUT" --tag quant-h200-random-1b
       step 120 python3 bench/quant.py --model random-8b --prompt-lengths 32768 --budgets 2048 --out "$OUT" \
-        --tag quant-h200-random-8b
-      step 150 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 \
+        --tag quant-h200-random-8b ;;
+    capacity)
+      step 480 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 \
         --out "$OUT/batch-h200-quant.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, capacity; got '$part'" >&2; exit 2 ;;
   esac
 done
