@@ -13,17 +13,13 @@ from camkv import CaMKVCache
 from camkv.backends import drop
 from camkv.backends import compress
 from camkv.batch import _ROOM, BatchCaMKVCache
-from tiny_models import byte_tokenizer, tiny_llama
+from tiny_models import assert_scores_as_alone, byte_tokenizer, tiny_llama
 
 # Shorter than the small budget, near it, and far longer; more than the prefill step.
 LENGTHS = [5, 40, 130, 300, 77, 520]
 PROMPTS = [[(7 * i + 13 * j + 1) % 250 for i in range(n)] for j, n in enumerate(LENGTHS)]
 STEP = 64  # prefill step: the long prompts are prefilled in several chunks
 BUDGET = 32
-# Section 8's score tolerances: a batch attends through a padded mask where a lone request
-# has none, so on a GPU (TF32 products for float32) its queries, and the scores they pay,
-# differ from the lone run's in the last bits.
-SCORE_RTOL, SCORE_ATOL = 1e-3, 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +78,7 @@ def test_small_budget_rows_match_each_prompt_run_alone(model, tokenizer, scoring
                 _, _, alone_scores, alone_positions = single.stored()
                 assert batched.offset == single.offset >= len(prompt) + len(tokens) - 1
                 assert mx.array_equal(positions, alone_positions)
-                assert mx.allclose(scores, alone_scores, rtol=SCORE_RTOL, atol=SCORE_ATOL)
+                assert_scores_as_alone(scores, alone_scores)
                 assert 0 < batched.nbytes <= _row_bound(batched.config, batched)
     # Every prompt plus its answer is longer than the budget: each row evicted.
     assert all(caches[0].stats["evictions"] > 0 for caches in result.caches)
@@ -108,7 +104,7 @@ def _generate_batched(model, tokenizer, prompts, max_tokens, watch=None, **gener
 
 
 def _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches,
-                             score_rtol: float | None = SCORE_RTOL):
+                             compare_scores: bool = True):
     for prompt, m, row_tokens, row_caches in zip(prompts, max_tokens, tokens, caches):
         alone_tokens, alone = _alone(model, prompt, m, tokenizer.eos_token_ids)
         assert row_tokens == alone_tokens
@@ -117,8 +113,8 @@ def _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, cach
             _, _, alone_scores, alone_positions = single.stored()
             assert batched.stats == single.stats  # tokens seen and query-scored, evictions, merges
             assert mx.array_equal(positions, alone_positions)
-            if score_rtol is not None:
-                assert mx.allclose(scores, alone_scores, rtol=score_rtol, atol=SCORE_ATOL)
+            if compare_scores:
+                assert_scores_as_alone(scores, alone_scores)
 
 
 def test_decoding_shares_one_rectangle_and_rows_still_match_alone(model, tokenizer):
@@ -154,8 +150,8 @@ def test_rows_weighed_by_votes_decode_as_alone(model, tokenizer):
         # are that close may go to the other one (section 8 allows the flip within 1e-3 of
         # the cosines), moving mass between rows: there tokens, positions and counts must
         # agree, scores only on the CPU.
-        rtol = None if drop.on_cuda() else SCORE_RTOL
-        _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches, score_rtol=rtol)
+        _assert_rows_match_alone(model, tokenizer, prompts, max_tokens, tokens, caches,
+                                 compare_scores=not drop.on_cuda())
 
 
 def test_continuous_batching_rows_join_and_leave_without_changing_each_other(model, tokenizer):

@@ -15,7 +15,7 @@ import camkv
 from camkv import CaMConfig, CaMKVCache, quantized
 from camkv.batch import BatchCaMKVCache
 from conftest import assert_config_refused
-from tiny_models import assert_quantized_as_alone, batch_of_lone_caches, tiny_llama
+from tiny_models import assert_state_as_alone, batch_of_lone_caches, tiny_llama
 
 B, H, D = 1, 2, 64
 
@@ -253,13 +253,16 @@ def test_saved_quantized_cache_loads_the_same_codes_and_continues_identically(mo
 
 
 # ------------------------------------------------------------------ batches
-def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model, bits):
+    """Each row's whole state (codes, scores, positions, counters, the pending queries) is
+    the lone run's: the batch hands every row its own queries, which attention then reads."""
     prompts = [_prompt(130, 1), _prompt(70, 2)]
-    alone, batch = batch_of_lone_caches(model, prompts, budget=32, bits=8)
+    alone, batch = batch_of_lone_caches(model, prompts, budget=32, bits=bits)
     # Attention reads the rows quantized where MLX has its quantized kernels.
-    assert all(_read_quantized(layer) == ((8, 64) if quantized.kernels_here() else None) for layer in batch)
+    assert all(_read_quantized(layer) == ((bits, 64) if quantized.kernels_here() else None) for layer in batch)
     token = mx.array([[5], [9]])
-    steps = 40  # past budget + slack: each row compresses inside the batch
+    steps = 42  # past budget + slack: each row compresses inside the batch, then keeps 2 steps' queries
     for _ in range(steps):
         logits = model(token, cache=batch)
         token = mx.argmax(logits[:, -1:], axis=-1)
@@ -268,10 +271,28 @@ def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model):
         for _ in range(steps):
             logits = model(row_token.reshape(1, 1), cache=cache)
             row_token = mx.argmax(logits[:, -1:], axis=-1)
-        row = batch[0].extract(b)
-        assert row.stats["evictions"] == cache[0].stats["evictions"] > 0
-        for a, c in ((row.keys, cache[0].keys), (row.values, cache[0].values)):
-            assert_quantized_as_alone(a, c, bits=8, group_size=64)
+        for layer, single in zip(batch, cache):
+            row = layer.extract(b)
+            assert row.stats["evictions"] == single.stats["evictions"] > 0
+            assert row.state[-1].shape[2] == 2  # the pending steps' queries are compared too
+            assert_state_as_alone(row.state, single.state, row.config)
+
+
+def test_the_queries_a_quantized_row_keeps_are_the_models(model):
+    """mlx-lm's quantized attention scales its queries in place (`queries *= scale`) after
+    the hook handed them over: the cache keeps them as handed over. The first layer's
+    queries do not depend on the cache, so the quantized rows keep the plain rows' queries."""
+    prompt, steps = _prompt(130), [5, 9]
+    kept = {}
+    for bits in (None, 8):
+        cache = camkv.make_prompt_cache(model, budget=32, bits=bits)
+        model(mx.array(prompt)[None], cache=cache)
+        for token in steps:
+            model(mx.array([[token]]), cache=cache)
+        kept[bits] = cache[0].state[-1]
+    assert hasattr(cache[0], "bits") == quantized.kernels_here()
+    assert kept[8].shape[2] == len(steps)
+    assert mx.array_equal(kept[8], kept[None])
 
 
 def test_a_batch_refuses_rows_of_different_bits():

@@ -11,7 +11,7 @@ import camkv
 from camkv import CaMConfig, CaMKVCache, tier
 from camkv.batch import BatchCaMKVCache
 from conftest import assert_config_refused
-from tiny_models import assert_as_alone, batch_of_lone_caches, tiny_llama
+from tiny_models import assert_state_as_alone, batch_of_lone_caches, tiny_llama
 
 H, D = 2, 64
 
@@ -130,17 +130,21 @@ def test_a_saved_tier_loads_as_it_was(model, tmp_path):
 
 
 def test_a_batch_of_rows_with_tiers_decodes_each_row_as_alone(model):
+    """Each row's whole state (main rows, their scores, the tier's rows, the pending
+    queries) is the lone run's."""
     prompts = [np.random.default_rng(s).integers(0, 128, n).tolist() for s, n in ((2, 130), (3, 60))]
     alone, batch = batch_of_lone_caches(model, prompts, budget=32, tier_budget=16)
+    steps = 32  # compressions every 5 steps: the last 2 steps' queries are pending
     token = mx.array([[5], [9]])
-    for _ in range(30):
+    for _ in range(steps):
         token = mx.argmax(model(token, cache=batch)[:, -1:], axis=-1)
     for b, cache in enumerate(alone):
         row_token = mx.array([[[5, 9][b]]])
-        for _ in range(30):
+        for _ in range(steps):
             row_token = mx.argmax(model(row_token.reshape(1, 1), cache=cache)[:, -1:], axis=-1)
-        row = batch[0].extract(b)
-        for a, c in zip(row.tier_rows(), cache[0].tier_rows()):
-            assert_as_alone(a, c)
+        for layer, single in zip(batch, cache):
+            row = layer.extract(b)
+            assert row.tier_rows()[3].shape[2] == 16
+            assert_state_as_alone(row.state, single.state, row.config)
     with pytest.raises(ValueError, match="a tier or none"):
         BatchCaMKVCache([CaMKVCache(tier_budget=8), CaMKVCache()])

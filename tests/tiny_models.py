@@ -166,6 +166,39 @@ def assert_quantized_as_alone(got: tuple, alone: tuple, bits: int, group_size: i
     assert mx.all(mx.abs(values[0] - values[1]) <= 1.05 * step + 1e-5).item()
 
 
+def assert_scores_as_alone(got: mx.array, alone: mx.array) -> None:
+    """A batch row's scores against the same request's run alone: equal bit for bit on the
+    CPU (docs/algorithm.md section 10). On a GPU within section 8's score tolerance (rtol
+    1e-3, atol 1e-5): the queries differ there in the last digits (assert_as_alone), and
+    a softmax over logits of magnitude l moves a weight by about l times that."""
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(got, alone)
+    else:
+        assert got.shape == alone.shape and mx.allclose(got, alone, rtol=1e-3, atol=1e-5).item()
+
+
+def assert_state_as_alone(got: tuple, alone: tuple, config) -> None:
+    """Every item of a batch row's CaMKVCache.state against the same request's run alone
+    (config: the row's CaMConfig): its meta (offset, counters, what is pending) equal, its
+    scores (item 2) as assert_scores_as_alone, quantized keys and values (the rows' at
+    config.bits, then a tier's at tier_bits) as assert_quantized_as_alone, every other
+    array (positions, merges, a rule's state, the pending queries, a tier's scores and
+    positions) as assert_as_alone."""
+    assert len(got) == len(alone)
+    for i, (a, c) in enumerate(zip(got, alone)):
+        if a is None or c is None:
+            assert a is c is None, f"state item {i}: one run holds it, the other not"
+        elif isinstance(a, str):
+            assert a == c, f"state item {i}: {a} != {c}"
+        elif isinstance(a, tuple):
+            bits = config.bits if i < 2 else config.tier_bits
+            assert_quantized_as_alone(a, c, bits=bits, group_size=config.group_size)
+        elif i == 2:
+            assert_scores_as_alone(a, c)
+        else:
+            assert_as_alone(a, c)
+
+
 def batch_of_lone_caches(model, prompts: list[list[int]], **fields):
     """Each prompt prefilled alone into camkv caches of these fields, then those caches
     merged into one BatchCaMKVCache list: (the lone cache lists, the batch's)."""

@@ -162,6 +162,10 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
     def observe_queries(self, queries: mx.array, scale: float, defer_launch: bool = False) -> None:
         """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring).
         defer_launch (camkv.batch): hold a one-launch compression due now (deferred_launch)."""
+        # A handle of its own: the caller's may change in place once attention reads it
+        # (mlx-lm's quantized attention runs `queries *= scale`), and kept queries
+        # scaled so would score the pending tokens at scale squared.
+        queries = mx.array(queries)
         if self._continues_decoding(queries, scale):
             # What _queue does for such a step, without its checks (host time is most of
             # a GPU decode step's cost, and every layer pays this at every token).
