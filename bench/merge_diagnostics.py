@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     if "norms" in opts.parts:
         full = arms.Arm("full", "full")
         result["value_norms"]["full"] = norm_series(model, full, budget, tokens, opts, settings)
-        for merge in merges.names(kernels=True):  # every rule the kernel core runs, drop included
+        for merge in merges.names():  # every rule, drop included
             method = arms.Arm(merge, "camkv", merge, False, "key")
             result["value_norms"][merge] = norm_series(model, method, budget, tokens, opts, settings)
             print(f"{merge}: value norm mean {result['value_norms'][merge]['mean'][-1]:.2f}, "

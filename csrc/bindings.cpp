@@ -18,22 +18,35 @@ namespace mx = mlx::core;
 
 namespace {
 
-std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array> update_py(
+// The outputs of camkv::update the caller keeps: the state, the merges, then the rule's
+// state (None for a rule that keeps none).
+using UpdateResult = std::tuple<mx::array, mx::array, mx::array, mx::array, mx::array, std::optional<mx::array>,
+                                std::optional<mx::array>>;
+
+UpdateResult update_py(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
     const std::optional<mx::array>& queries, const nb::bytes& params, const std::optional<mx::array>& chunk_mass,
-    mx::StreamOrDevice stream) {
+    const std::optional<mx::array>& votes, const std::optional<mx::array>& threshold, mx::StreamOrDevice stream) {
   std::vector<mx::array> out = camkv::update(keys, values, scores, positions, new_keys, new_values, row_ids,
                                              queries, std::string(params.c_str(), params.size()), chunk_mass,
-                                             stream);
-  return {out[0], out[1], out[2], out[3], out[4]};
+                                             votes, threshold, stream);
+  std::optional<mx::array> out_votes, out_threshold;
+  if (votes.has_value()) {
+    out_votes = out[8];
+  }
+  if (threshold.has_value()) {
+    out_threshold = out[9];
+  }
+  return {out[0], out[1], out[2], out[3], out[4], out_votes, out_threshold};
 }
 
 nb::list merge_rules() {
   const char* kinds[] = {"drop", "nearest", "window"};  // CAMKV_KIND_* order
   nb::list rules;
 #define CAMKV_RULE_TUPLE(name, code, kind, blends, keys, target_share, loser_share) \
-  rules.append(nb::make_tuple(#name, code, kinds[CAMKV_KIND_##kind], blends != 0, keys != 0));
+  rules.append(nb::make_tuple(#name, code, kinds[CAMKV_KIND_##kind], blends != 0, keys != 0,          \
+                              camkv_keeps_votes(code) != 0, camkv_moves_threshold(code) != 0));
   CAMKV_MERGE_RULES(CAMKV_RULE_TUPLE)
 #undef CAMKV_RULE_TUPLE
   return rules;
@@ -61,8 +74,8 @@ NB_MODULE(_ext, m) {
       }, "chunk"_a, "n"_a, "S"_a, "n_out"_a, "Dk"_a, "Dv"_a,
         "Per-row scratch sizes (floats, ints, storage elements) the kernel core needs for a call.");
   m.def("merge_rules", &merge_rules,
-        "The kernel's merge rules in code order: (name, code, kind, blends, keys_allowed) each, kind 'drop', "
-        "'nearest' or 'window' (csrc/camkv_merges.h).");
+        "The kernel's merge rules in code order: (name, code, kind, blends, keys_allowed, keeps_votes, "
+        "moving_threshold) each, kind 'drop', 'nearest' or 'window' (csrc/camkv_merges.h).");
   m.def("merge_shares", [](int merge, float cosine, float s_in, float s_target, float norm_in, float norm_target) {
         return nb::make_tuple(camkv_target_share(merge, s_target),
                               camkv_loser_share(merge, cosine, s_in, s_target, norm_in, norm_target));
@@ -73,10 +86,13 @@ NB_MODULE(_ext, m) {
   m.attr("PARAMS_SIZE") = sizeof(CamParams);
   m.def("update", &update_py, "keys"_a, "values"_a, "scores"_a, "positions"_a, "new_keys"_a, "new_values"_a,
         "row_ids"_a, "queries"_a = nb::none(), nb::kw_only(), "params"_a, "chunk_mass"_a = nb::none(),
-        "stream"_a = nb::none(),
+        "votes"_a = nb::none(), "threshold"_a = nb::none(), "stream"_a = nb::none(),
         R"(Absorb S new tokens per row: score, evict, merge and compact in one launch.
 
-Returns (keys, values, scores, positions, merges); merge is an index into MERGE_CODES.
+Returns (keys, values, scores, positions, merges, votes, threshold). votes [R, n] and
+threshold [R] float32: the state of a rule that keeps it (keepkv's votes, d2o's moving
+threshold, NaN before a row's first compression), required for that rule and None for
+the others; the returned ones are the state after the call (None where not given).
 params: struct CamParams as bytes, PARAMS_SIZE of them (camkv.backends.params.pack_words,
 the block the GPU kernels take as int32 words); its shape, scoring and stride fields must
 agree with the arrays, and in_place is set when the call runs. chunk_mass: a chunk call's

@@ -14,7 +14,8 @@
 //   camkv_barrier(g)                              group barrier
 //   camkv_group_sum(g, x), camkv_group_max(g, x)  float reductions
 //   camkv_group_argmin(g, v, i)                   smallest v, ties to smaller i
-//   camkv_exp(x), camkv_sqrt(x), CAMKV_INF        float32 math
+//   camkv_exp(x), camkv_log(x), camkv_sqrt(x),
+//   CAMKV_INF                                     float32 math
 //   camkv_float(x)                                storage dtype -> float32
 //   camkv_mul(a, b), camkv_madd(acc, a, b)        a * b and acc + a * b, each product and sum
 //                                                 rounded on its own (never fused), so every
@@ -89,8 +90,10 @@ struct CamParams {
 // ----------------------------------------------------------------------------
 // Scratch layout (one definition for every host): per row, f32 scratch holds
 // [logits (CAMKV_QUERY_BLOCK runs of the capacity; in a chunk's merge phase the losers'
-// cosines and shares and the targets' totals and keeps) | mass | scores (the pending
-// token's, or the chunk's work scores) | key shadow | (chunk) survivors' squared norms],
+// cosines and shares and the targets' totals and keeps) | mass (in a chunk's merge phase
+// keepkv's group maxima per target) | scores (the pending token's, then its vote; or the
+// chunk's work scores) | key shadow | (chunk) survivors' squared norms | (chunk) work
+// votes | the compression's query, Dk floats (keepkv)],
 // i32 scratch [work positions | losers | index list | survivors | (chunk) merge targets |
 // (chunk) counts per target | (chunk) losers by target | (chunk) starts per target, one
 // more | (chunk) one count per thread], storage scratch the pending token (exact) or the
@@ -126,13 +129,19 @@ CAMKV_INLINE int camkv_shadow_columns(int chunk, int n, int S, int n_out) {
 
 // A call of one token reads every key once and builds no shadow (see
 // camkv_update_exact), so its scratch has none.
-// A chunk's merge phase adds a float per row and four ints per row plus one
-// (camkv_merge_scratch), and one int per thread.
+// A chunk's merge phase adds two floats per row (squared norms, work votes) and four
+// ints per row plus one (camkv_merge_scratch), and one int per thread.
 
-CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
+// Where the f32 scratch's query (its last Dk floats) starts; a chunk's work votes are
+// the capacity before it.
+CAMKV_INLINE int camkv_f32_query_at(int chunk, int n, int S, int n_out, int Dk) {
   int shadow = S > 1 ? Dk * camkv_shadow_columns(chunk, n, S, n_out) : 0;
   int cap = camkv_capacity(chunk, n, S, n_out);
-  return CAMKV_F32_SHADOW * cap + shadow + (camkv_runs_chunk(chunk, S) ? cap : 0);
+  return CAMKV_F32_SHADOW * cap + shadow + (camkv_runs_chunk(chunk, S) ? 2 * cap : 0);
+}
+
+CAMKV_INLINE int camkv_f32_stride(int chunk, int n, int S, int n_out, int Dk) {
+  return camkv_f32_query_at(chunk, n, S, n_out, Dk) + Dk;
 }
 
 CAMKV_INLINE int camkv_i32_stride(int chunk, int n, int S, int n_out) {
@@ -403,6 +412,15 @@ struct CamRows {
   CAMKV_DEVICE int* survivors; // chunk mode: the rows that are not losers, ascending
   CAMKV_DEVICE int* group_counts; // chunk mode: CAMKV_MAX_GROUP ints of scratch (camkv_list_rows)
   int n_survivors;
+  // A rule's state (camkv_merges.h): votes [count] (0 unless the rule keeps votes; the
+  // pending token's in *pend_vote), the row's threshold (0 unless it moves one).
+  CAMKV_DEVICE float* votes;
+  CAMKV_DEVICE float* pend_vote;
+  CAMKV_DEVICE float* threshold;
+  // keepkv: the compression's query (Dk floats of scratch) and where the pending token's
+  // G queries are (exact mode with query scoring).
+  CAMKV_DEVICE float* query;
+  const CAMKV_DEVICE float* pend_queries;
   // Float32 copy of the keys, transposed: shadow[d * columns + c] is feature d of
   // column c (row c, or in a chunk's merge phase the c-th survivor). Dots then read
   // consecutive columns: SIMD lanes on a CPU, coalesced threads on a GPU, and no
@@ -431,6 +449,17 @@ CAMKV_INLINE CAMKV_DEVICE float* camkv_score(CamRows<T> r, int j) {
 template <typename T>
 CAMKV_INLINE int camkv_position(CamRows<T> r, int j) {
   return j == r.count ? r.pend_position : r.positions[j];
+}
+
+// Row j's votes (rules that keep them).
+template <typename T>
+CAMKV_INLINE CAMKV_DEVICE float* camkv_vote(CamRows<T> r, int j) {
+  return j == r.count ? r.pend_vote : r.votes + j;
+}
+
+// A float that is neither NaN nor infinite.
+CAMKV_INLINE bool camkv_finite(float x) {
+  return x - x == 0.0f;
 }
 
 // Exact mode's one merge (section 4): every row but the loser e may receive it. (A
@@ -622,7 +651,10 @@ CAMKV_INLINE void camkv_add_attention(
     for (int k = 0; k < CAMKV_QUERY_BLOCK; ++k) {
       for (int i = 0; k < nq && i < CAMKV_DOT_ROWS && j0 + i < visible; ++i) {
         float l = scale * dots[k * CAMKV_DOT_ROWS + i];
-        l = l - l == 0.0f ? l : -CAMKV_INF;  // a NaN or infinite logit counts as masked
+        if (r.votes != 0 && j0 + i < r.count) {
+          l = l + camkv_log(r.votes[j0 + i]);  // a row standing for c tokens weighs c times (the pending token: 1)
+        }
+        l = camkv_finite(l) ? l : -CAMKV_INF;  // a NaN or infinite logit counts as masked
         logits[(long)k * logit_stride + j0 + i] = l;
         local_max[k] = l > local_max[k] ? l : local_max[k];
       }
@@ -757,7 +789,69 @@ struct CamMergePlan {
   int target;  // nearest modes: the receiving row (r.count: the pending token)
   float w;     // nearest modes: blend weight
   int width;   // window mode: |W|
+  // keepkv (section 4.6): the merged key's logit l*, whether the group's logits are
+  // finite (else the key stays the weighted mean), and the votes the loser brings.
+  float want;
+  int finite;
+  float vote_in;
 };
+
+// keepkv: the compression's query q into r.query (section 4.6): the mean of its token's
+// G queries (queries [G, Dk]), or with key scoring its key.
+template <typename T>
+CAMKV_INLINE void camkv_load_query(CamRows<T> r, const CAMKV_DEVICE T* key, const CAMKV_DEVICE float* queries,
+                                   CAMKV_CONSTANT const CamParams* p, CamGroup g) {
+  float inverse = 1.0f / (float)p->G;  // as MLX's mean: the sum times 1 / G
+  for (int d = camkv_tid(g); d < r.Dk; d += camkv_gsize(g)) {
+    if (p->key_scoring) {
+      r.query[d] = camkv_float(key[d]);
+      continue;
+    }
+    float sum = 0.0f;
+    for (int k = 0; k < p->G; ++k) {
+      sum += queries[(long)k * r.Dk + d];
+    }
+    r.query[d] = sum * inverse;
+  }
+  camkv_barrier(g);
+}
+
+// keepkv: a key's logit for the compression's query, s (q . K).
+template <typename T>
+CAMKV_INLINE float camkv_query_logit(CamRows<T> r, const CAMKV_DEVICE T* key, float scale) {
+  return scale * camkv_dot((const CAMKV_DEVICE float*)r.query, key, r.Dk);
+}
+
+// keepkv: how far the merged key moves along q, d = (l* - s q.K') / (s |q|^2), from
+// dot = q.K' and square = |q|^2.
+CAMKV_INLINE float camkv_key_shift(float want, float dot, float square, float scale) {
+  return (want - camkv_mul(scale, dot)) / camkv_mul(scale, square);
+}
+
+// keepkv's l* = M + log(sum m) - log(sum c): the logit that gives a row standing for
+// votes tokens the group's mass for q.
+CAMKV_INLINE float camkv_wanted_logit(float top, float mass, float votes) {
+  return top + camkv_log(mass) - camkv_log(votes);
+}
+
+// Section 4.6 for exact mode's one loser e into plan->target: the group's masses for the
+// pending token's query, m_i = c_i exp(l_i - M), give the blend weight m_e / (m_t + m_e).
+template <typename T>
+CAMKV_INLINE void camkv_plan_keep_output(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p,
+                                         CAMKV_THREAD CamMergePlan* plan, CamGroup g) {
+  camkv_load_query(r, (const CAMKV_DEVICE T*)camkv_key(r, r.count), r.pend_queries, p, g);
+  float l_t = camkv_query_logit(r, (const CAMKV_DEVICE T*)camkv_key(r, plan->target), p->scale);
+  float l_e = camkv_query_logit(r, (const CAMKV_DEVICE T*)camkv_key(r, e), p->scale);
+  int finite = camkv_finite(l_t) && camkv_finite(l_e) ? 1 : 0;
+  float top = finite ? (l_t > l_e ? l_t : l_e) : 0.0f;
+  float c_t = *camkv_vote(r, plan->target), c_e = *camkv_vote(r, e);
+  float m_t = c_t * (finite ? camkv_exp(l_t - top) : 1.0f);
+  float m_e = c_e * (finite ? camkv_exp(l_e - top) : 1.0f);
+  plan->w = camkv_merge_weight(p->merge, 0.0f, m_e, m_t, 0.0f, 0.0f);
+  plan->finite = finite;
+  plan->want = camkv_wanted_logit(top, m_t + m_e, c_t + c_e);
+  plan->vote_in = c_e;
+}
 
 template <typename T>
 CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT const CamParams* p, camkv_u32 row_id, CamGroup g) {
@@ -765,6 +859,9 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   plan.target = camkv_nearest(r, e, p->n_sink, g);
   plan.width = 0;
   plan.w = 0.0f;
+  plan.want = 0.0f;
+  plan.finite = 0;
+  plan.vote_in = 0.0f;
   if (plan.target > r.count) {  // no finite cosine (e's key is poisoned): it merges nowhere
     plan.open = 0;
     return plan;
@@ -772,7 +869,22 @@ CAMKV_INLINE CamMergePlan camkv_plan_nearest(CamRows<T> r, int e, CAMKV_CONSTANT
   float s_e = *camkv_score(r, e);
   plan.open = p->gate ? camkv_gate_open(s_e, *camkv_score(r, plan.target), p->seed, row_id, camkv_position(r, e)) : 1;
   plan.w = 0.5f;
-  if (plan.open != 0) {
+  plan.want = 0.0f;
+  plan.finite = 0;
+  plan.vote_in = 0.0f;
+  if (r.threshold != 0) {  // d2o (section 4.5): one loser's cosine is its compression's mean
+    float c = r.cosines[plan.target];
+    float tau = camkv_moved_threshold(*r.threshold, camkv_finite(c) ? c : 0.0f, camkv_finite(c) ? 1 : 0);
+    camkv_barrier(g);  // every thread has read the threshold
+    if (camkv_tid(g) == 0) {
+      *r.threshold = tau;
+    }
+    camkv_barrier(g);
+    plan.open = plan.open != 0 && c >= tau ? 1 : 0;
+  }
+  if (plan.open != 0 && r.votes != 0) {
+    camkv_plan_keep_output(r, e, p, &plan, g);
+  } else if (plan.open != 0) {
     float c = r.cosines[plan.target];  // written by camkv_nearest
     float norm_e = 0.0f, norm_t = 0.0f;
     if (camkv_reads_value_norms(p->merge)) {  // every thread computes the same sums
@@ -789,6 +901,9 @@ CAMKV_INLINE CamMergePlan camkv_plan_window(CamRows<T> r, int e, CAMKV_CONSTANT 
   CamMergePlan plan;
   plan.target = 0;
   plan.w = 0.0f;
+  plan.want = 0.0f;
+  plan.finite = 0;
+  plan.vote_in = 0.0f;
   plan.width = camkv_collect_window(r, e, p->window, g);
   float s_e = *camkv_score(r, e);
   float target_sum = 0.0f;
@@ -810,6 +925,9 @@ CAMKV_INLINE CamMergePlan camkv_plan_merge(CamRows<T> r, int e, CAMKV_CONSTANT c
     none.target = 0;
     none.w = 0.0f;
     none.width = 0;
+    none.want = 0.0f;
+    none.finite = 0;
+    none.vote_in = 0.0f;
     return none;
   }
   if (kind == CAMKV_KIND_WINDOW) {
@@ -823,6 +941,27 @@ CAMKV_INLINE CamMergePlan camkv_plan_merge(CamRows<T> r, int e, CAMKV_CONSTANT c
 // (j == r.count) has not moved.
 CAMKV_INLINE int camkv_moved(int j, int removed, int count) {
   return j != count && j > removed ? j - 1 : j;
+}
+
+// Section 4.6's key for exact mode's one loser: K' = (1 - w) K_t + w K_e in float32,
+// then K' + d q where the group's logits are finite and d is, rounded once. Every thread
+// sums q.K' in feature order, then each writes its features.
+template <typename T>
+CAMKV_INLINE void camkv_keep_output_key(CAMKV_DEVICE T* k_t, const CAMKV_DEVICE T* k_e, CamMergePlan plan,
+                                        const CAMKV_DEVICE float* q, float scale, int Dk, CamGroup g) {
+  float dot = 0.0f, square = 0.0f;
+  for (int d = 0; d < Dk; ++d) {
+    float merged = camkv_madd(camkv_mul(1.0f - plan.w, camkv_float(k_t[d])), plan.w, camkv_float(k_e[d]));
+    dot = camkv_madd(dot, merged, q[d]);
+    square = camkv_madd(square, q[d], q[d]);
+  }
+  float shift = camkv_key_shift(plan.want, dot, square, scale);
+  bool moved = plan.finite != 0 && camkv_finite(shift);
+  camkv_barrier(g);  // every thread has read k_t
+  for (int d = camkv_tid(g); d < Dk; d += camkv_gsize(g)) {
+    float merged = camkv_madd(camkv_mul(1.0f - plan.w, camkv_float(k_t[d])), plan.w, camkv_float(k_e[d]));
+    k_t[d] = (T)(moved ? camkv_madd(merged, shift, q[d]) : merged);
+  }
 }
 
 // Section 4.4: apply a plan. k_e, v_e, s_e: the loser's key, value and score, read
@@ -861,8 +1000,12 @@ CAMKV_INLINE int camkv_apply_merge(CamRows<T> r, CamMergePlan plan, const CAMKV_
   }
   int t = camkv_moved(plan.target, removed, r.count);
   camkv_blend_row(camkv_value(r, t), v_e, plan.w, r.Dv, g);
-  if (p->merge_keys) {
-    camkv_blend_row(camkv_key(r, t), k_e, plan.w, r.Dk, g);
+  if (r.votes != 0 || p->merge_keys) {
+    if (r.votes != 0) {
+      camkv_keep_output_key(camkv_key(r, t), k_e, plan, (const CAMKV_DEVICE float*)r.query, p->scale, r.Dk, g);
+    } else {
+      camkv_blend_row(camkv_key(r, t), k_e, plan.w, r.Dk, g);
+    }
     camkv_barrier(g);
     if (r.shadow != 0) {
       camkv_shadow_store(r, t, t, g);
@@ -871,6 +1014,9 @@ CAMKV_INLINE int camkv_apply_merge(CamRows<T> r, CamMergePlan plan, const CAMKV_
   camkv_barrier(g);
   if (camkv_tid(g) == 0) {
     *camkv_score(r, t) += s_e;
+    if (r.votes != 0) {
+      *camkv_vote(r, t) += plan.vote_in;
+    }
   }
   camkv_barrier(g);
   return 1;
@@ -939,6 +1085,9 @@ CAMKV_INLINE void camkv_store_pending(CamRows<T> r, int slot, CamGroup g) {
   if (camkv_tid(g) == 0) {
     r.scores[slot] = *r.pend_score;
     r.positions[slot] = r.pend_position;
+    if (r.votes != 0) {
+      r.votes[slot] = *r.pend_vote;
+    }
   }
   camkv_barrier(g);
 }
@@ -950,6 +1099,9 @@ CAMKV_INLINE void camkv_remove_and_append(CamRows<T> r, int e, CamGroup g) {
   camkv_move_rows_down(r.values, e, r.count, r.Dv, g);
   camkv_move_rows_down(r.scores, e, r.count, 1, g);
   camkv_move_rows_down(r.positions, e, r.count, 1, g);
+  if (r.votes != 0) {
+    camkv_move_rows_down(r.votes, e, r.count, 1, g);
+  }
   // Shadow columns e+1 .. count (the pending token's included) move down by one.
   if (r.shadow != 0) {
     camkv_shadow_move_left(r.shadow, r.columns, r.Dk, e, r.count, g);
@@ -1013,7 +1165,26 @@ struct CamRowBuffers {
   CAMKV_DEVICE float* f32;            // f32_stride floats
   CAMKV_DEVICE int* i32;              // i32_stride ints
   CAMKV_DEVICE T* store;              // store_stride elements
+  // A rule's state (camkv_merges.h), read and written only by the rules that keep it:
+  // votes [n] in, [n_out] out; the threshold, one float each.
+  const CAMKV_DEVICE float* in_votes;
+  const CAMKV_DEVICE float* in_threshold;
+  CAMKV_DEVICE float* out_votes;
+  CAMKV_DEVICE float* out_threshold;
 };
+
+// The rule's state into the work arrays: the threshold (always: its out buffer is its
+// own), and the stored rows' votes unless they are there already (in place).
+template <typename T>
+CAMKV_INLINE void camkv_rule_state_in(CamRows<T> r, CamRowBuffers<T> b, int n, bool votes_too, CamGroup g) {
+  if (r.votes != 0 && votes_too) {
+    camkv_copy_flat(r.votes, b.in_votes, (long)n, g);
+  }
+  if (r.threshold != 0 && camkv_tid(g) == 0) {
+    *r.threshold = *b.in_threshold;
+  }
+  camkv_barrier(g);
+}
 
 // Pointers of an exact-mode call's rows: the out arrays, a pending token in scratch.
 template <typename T>
@@ -1036,6 +1207,11 @@ CAMKV_INLINE CamRows<T> camkv_exact_rows(CamRowBuffers<T> b, CAMKV_CONSTANT cons
   r.survivors = 0;
   r.n_survivors = 0;
   r.group_counts = 0;
+  r.votes = camkv_keeps_votes(p->merge) ? b.out_votes : 0;
+  r.pend_vote = b.f32 + CAMKV_F32_SCORES * cap + 1;
+  r.threshold = camkv_moves_threshold(p->merge) ? b.out_threshold : 0;
+  r.query = b.f32 + camkv_f32_query_at(0, p->n, p->S, p->n_out, p->Dk);
+  r.pend_queries = 0;
   // One token reads every key once: no shadow, whose build would cost as much.
   r.shadow = p->S > 1 ? b.f32 + CAMKV_F32_SHADOW * cap : 0;
   r.columns = camkv_shadow_columns(0, p->n, p->S, p->n_out);
@@ -1050,6 +1226,10 @@ CAMKV_INLINE void camkv_load_pending(CAMKV_THREAD CamRows<T>& r, CamRowBuffers<T
   camkv_copy_row(r.pend_key, b.new_keys + (long)t * p->Dk, p->Dk, g);
   camkv_copy_row(r.pend_value, b.new_values + (long)t * p->Dv, p->Dv, g);
   r.pend_position = p->offset + t;
+  r.pend_queries = b.queries + (p->key_scoring ? 0 : (long)t * p->G * p->Dk);
+  if (camkv_tid(g) == 0) {
+    *r.pend_vote = 1.0f;  // a new token stands for itself
+  }
   if (r.shadow != 0) {
     camkv_barrier(g);
     camkv_shadow_store(r, r.count, r.count, g);
@@ -1066,8 +1246,11 @@ CAMKV_INLINE int camkv_decode_copying(CamRowBuffers<T> b, CAMKV_CONSTANT const C
   CamRows<T> r = camkv_exact_rows(b, p);
   r.keys = (CAMKV_DEVICE T*)b.in_keys;  // read only until the copy below
   r.values = (CAMKV_DEVICE T*)b.in_values;
+  CAMKV_DEVICE float* out_votes = r.votes;
+  r.votes = r.votes != 0 ? (CAMKV_DEVICE float*)b.in_votes : 0;  // read only until the copy below
   camkv_copy_flat(r.scores, b.in_scores, (long)p->n, g);
   camkv_copy_flat(r.positions, b.in_positions, (long)p->n, g);
+  camkv_rule_state_in(r, b, p->n, false, g);
   camkv_load_pending(r, b, 0, p, g);
   CAMKV_DEVICE float* logits = b.f32;
   CAMKV_DEVICE float* mass = b.f32 + CAMKV_F32_MASS * camkv_capacity(0, p->n, p->S, p->n_out);
@@ -1080,6 +1263,11 @@ CAMKV_INLINE int camkv_decode_copying(CamRowBuffers<T> b, CAMKV_CONSTANT const C
   camkv_copy_flat(b.out_keys + (long)e * p->Dk, b.in_keys + (long)(e + 1) * p->Dk, tail * p->Dk, g);
   camkv_copy_flat(b.out_values, b.in_values, (long)e * p->Dv, g);
   camkv_copy_flat(b.out_values + (long)e * p->Dv, b.in_values + (long)(e + 1) * p->Dv, tail * p->Dv, g);
+  if (out_votes != 0) {
+    camkv_copy_flat(out_votes, b.in_votes, (long)e, g);
+    camkv_copy_flat(out_votes + e, b.in_votes + e + 1, tail, g);
+    r.votes = out_votes;
+  }
   camkv_barrier(g);  // every thread has read scores[e] before the move overwrites it
   camkv_move_rows_down(r.scores, e, r.count, 1, g);
   camkv_move_rows_down(r.positions, e, r.count, 1, g);
@@ -1104,6 +1292,7 @@ CAMKV_INLINE int camkv_update_exact(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
     camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
                         b.in_positions, p->n, p->Dk, p->Dv, g);
   }
+  camkv_rule_state_in(r, b, p->n, p->in_place == 0, g);
   if (r.shadow != 0) {
     camkv_shadow_build(r, r.count, g);
   }
@@ -1254,6 +1443,9 @@ CAMKV_INLINE void camkv_compact_survivors(CamRows<T> r, CamRowBuffers<T> b, CamG
   camkv_gather_rows(b.out_values, (const CAMKV_DEVICE T*)r.values, r.survivors, r.n_survivors, r.Dv, g);
   camkv_gather_rows(b.out_scores, (const CAMKV_DEVICE float*)r.scores, r.survivors, r.n_survivors, 1, g);
   camkv_gather_rows(b.out_positions, (const CAMKV_DEVICE int*)r.positions, r.survivors, r.n_survivors, 1, g);
+  if (r.votes != 0) {
+    camkv_gather_rows(b.out_votes, (const CAMKV_DEVICE float*)r.votes, r.survivors, r.n_survivors, 1, g);
+  }
   camkv_barrier(g);
 }
 
@@ -1270,7 +1462,8 @@ struct CamMergeScratch {
   CAMKV_DEVICE int* losers;     // [n_losers] the losers' rows, ascending
   CAMKV_DEVICE int* targets;    // per loser: its target column (nearest) or first window
                                 // column, -1 where it does not merge
-  CAMKV_DEVICE float* cosines;  // per loser: cos with its target (nearest); |W| (window)
+  CAMKV_DEVICE float* cosines;  // per loser: cos with its target (nearest; keepkv: after the
+                                // gates, its logit for the query); |W| (window)
   CAMKV_DEVICE float* shares;   // per loser: a_e (nearest: then its weight a_e / total)
   CAMKV_DEVICE float* squares;  // per column: the survivor key's squared norm
   CAMKV_DEVICE float* totals;   // per column: A_t + the sum of its merging losers' a_e
@@ -1280,6 +1473,8 @@ struct CamMergeScratch {
   CAMKV_DEVICE int* starts;     // per column: its first loser in `order` (nearest) or its
                                 // first loser (window); [n_survivors] the end (nearest)
   CAMKV_DEVICE int* order;      // nearest: loser indices grouped by target, ascending in each
+  CAMKV_DEVICE float* tops;     // keepkv, per column: its group's largest logit M, +inf where
+                                // one of the group's logits is not finite
   int n_losers;
 };
 
@@ -1395,9 +1590,31 @@ CAMKV_INLINE int camkv_window_start(CamMergeScratch m, int k) {
 // Phase 2, for every loser (one per thread): the gate (section 4.3, on the scores before
 // any merge, drawn at the loser's position) and its share; a loser that does not merge
 // gets target -1. Returns how many merge (every thread the same).
+// d2o (section 4.5), once the losers' targets are known: the row's threshold moved by the
+// mean of its losers' finite nearest cosines, written back and returned (every thread).
+template <typename T>
+CAMKV_INLINE float camkv_move_threshold(CamRows<T> r, CamMergeScratch m, CamGroup g) {
+  float sum = 0.0f, count = 0.0f;
+  for (int k = camkv_tid(g); k < m.n_losers; k += camkv_gsize(g)) {
+    if (camkv_finite(m.cosines[k])) {  // a loser with no target has cosine -inf
+      sum += m.cosines[k];
+      count += 1.0f;
+    }
+  }
+  float total = camkv_group_sum(g, sum);
+  int counted = (int)camkv_group_sum(g, count);  // counts below 2^24 add exactly
+  float tau = camkv_moved_threshold(*r.threshold, total, counted);
+  camkv_barrier(g);  // every thread has read the threshold
+  if (camkv_tid(g) == 0) {
+    *r.threshold = tau;
+  }
+  camkv_barrier(g);
+  return tau;
+}
+
 template <typename T>
 CAMKV_INLINE int camkv_gates_and_shares(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p,
-                                        camkv_u32 row_id, int kind, CamGroup g) {
+                                        camkv_u32 row_id, int kind, float threshold, CamGroup g) {
   int merging = 0;
   for (int k = camkv_tid(g); k < m.n_losers; k += camkv_gsize(g)) {
     int e = m.losers[k];
@@ -1419,10 +1636,18 @@ CAMKV_INLINE int camkv_gates_and_shares(CamRows<T> r, CamMergeScratch m, CAMKV_C
     if (m.targets[k] >= 0 && p->gate && camkv_gate_open(s_e, s_target, p->seed, row_id, r.positions[e]) == 0) {
       m.targets[k] = -1;
     }
+    if (m.targets[k] >= 0 && r.threshold != 0 && !(m.cosines[k] >= threshold)) {
+      m.targets[k] = -1;  // d2o: below the row's threshold, dropped
+    }
     if (m.targets[k] < 0) {
       continue;
     }
     merging += 1;
+    if (r.votes != 0) {  // keepkv: its shares wait for its group's largest logit (camkv_settle_keeping_output)
+      m.cosines[k] = camkv_query_logit(r, (const CAMKV_DEVICE T*)camkv_key(r, e), p->scale);
+      m.shares[k] = 0.0f;
+      continue;
+    }
     if (kind == CAMKV_KIND_WINDOW) {
       m.cosines[k] = (float)width;
       m.shares[k] = s_e / (float)width;
@@ -1471,16 +1696,56 @@ CAMKV_INLINE void camkv_exclusive_scan(const CAMKV_DEVICE int* counts, int n, CA
 // A target column's sums over its merging losers become its blend (section 4.4):
 // total = A_t + taken, each loser's weight a_e / total, keep = 1 - taken / total (one
 // loser: (1 - w) V_t + w V_e), and its score s_t + the mass it takes. Returns the total.
+// Column c's blend from its target share, the sum of its losers' shares and their mass.
 template <typename T>
-CAMKV_INLINE float camkv_settle_target(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p, int c,
-                                       float taken, float mass_in) {
+CAMKV_INLINE float camkv_settle_shares(CamRows<T> r, CamMergeScratch m, int c, float share, float taken,
+                                       float mass_in) {
   int t = r.survivors[c];
-  float total = camkv_target_share(p->merge, r.scores[t]) + taken;
+  float total = share + taken;
   r.scores[t] = r.scores[t] + mass_in;
   m.keep[c] = total > 0.0f ? 1.0f - taken / total : 1.0f;
   m.totals[c] = total;
   return total;
 }
+
+template <typename T>
+CAMKV_INLINE float camkv_settle_target(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p, int c,
+                                       float taken, float mass_in) {
+  return camkv_settle_shares(r, m, c, camkv_target_share(p->merge, r.scores[r.survivors[c]]), taken, mass_in);
+}
+
+// keepkv's column c (section 4.6), by its owner thread over its merging losers (listed in
+// `order`): the group's largest logit M for the query, the masses m_i = c_i exp(l_i - M)
+// as its shares (the votes alone where a logit is not finite), its votes summed, and the
+// blend settled. Returns the total.
+template <typename T>
+CAMKV_INLINE float camkv_settle_keeping_output(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p,
+                                               int c) {
+  int t = r.survivors[c];
+  float top_in = -CAMKV_INF;
+  bool finite = true;
+  for (int i = m.starts[c]; i < m.starts[c + 1]; ++i) {
+    float l_e = m.cosines[m.order[i]];
+    finite = finite && camkv_finite(l_e);
+    top_in = l_e > top_in ? l_e : top_in;
+  }
+  float l_t = camkv_query_logit(r, (const CAMKV_DEVICE T*)(r.keys + (long)t * r.Dk), p->scale);
+  finite = finite && camkv_finite(l_t);
+  float top = finite ? (l_t > top_in ? l_t : top_in) : 0.0f;
+  float m_t = r.votes[t] * (finite ? camkv_exp(l_t - top) : 1.0f);
+  float taken = 0.0f, mass_in = 0.0f, votes_in = 0.0f;
+  for (int i = m.starts[c]; i < m.starts[c + 1]; ++i) {
+    int k = m.order[i], e = m.losers[k];
+    m.shares[k] = r.votes[e] * (finite ? camkv_exp(m.cosines[k] - top) : 1.0f);
+    taken += m.shares[k];
+    mass_in += r.scores[e];
+    votes_in += r.votes[e];
+  }
+  r.votes[t] = r.votes[t] + votes_in;
+  m.tops[c] = finite ? top : CAMKV_INF;  // not finite: the key stays the weighted mean
+  return camkv_settle_shares(r, m, c, camkv_target_share(p->merge, m_t), taken, mass_in);
+}
+
 
 // Phase 3's bookkeeping, nearest rules: each target column's merging losers listed in
 // loser order (a counting sort), their shares and masses summed, and their weights.
@@ -1521,12 +1786,25 @@ CAMKV_INLINE void camkv_group_by_target(CamRows<T> r, CamMergeScratch m, CAMKV_C
     if (m.counts[c] == 0) {
       continue;
     }
-    float total = camkv_settle_target(r, m, p, c, taken[c], mass_in[c]);
+    float total = r.votes != 0 ? camkv_settle_keeping_output(r, m, p, c)
+                               : camkv_settle_target(r, m, p, c, taken[c], mass_in[c]);
     for (int i = m.starts[c]; i < m.starts[c + 1] && total > 0.0f; ++i) {
       m.shares[m.order[i]] = m.shares[m.order[i]] / total;
     }
   }
   camkv_barrier(g);
+}
+
+// Feature d of column c's blend of keys, keep K_t + sum_k w_k K_e in float32, before rounding
+// (camkv_blend_targets' arithmetic).
+template <typename T>
+CAMKV_INLINE float camkv_merged_feature(CamRows<T> r, CamMergeScratch m, int c, const CAMKV_DEVICE T* k_t, int d) {
+  float incoming = 0.0f;
+  for (int i = m.starts[c]; i < m.starts[c + 1]; ++i) {
+    int k = m.order[i];
+    incoming = camkv_madd(incoming, m.shares[k], camkv_float(r.keys[(long)m.losers[k] * r.Dk + d]));
+  }
+  return camkv_mul(m.keep[c], camkv_float(k_t[d])) + incoming;
 }
 
 // Phase 3, nearest rules, on `len` features of rows `data` (values, or keys with
@@ -1549,6 +1827,37 @@ CAMKV_INLINE void camkv_blend_targets(CamRows<T> r, CamMergeScratch m, CAMKV_DEV
     }
     CAMKV_DEVICE T* target = data + (long)r.survivors[c] * len + d;
     *target = (T)(camkv_mul(m.keep[c], camkv_float(*target)) + incoming);
+  }
+}
+
+// Section 4.6's keys of a chunk's targets (keepkv): each column c that takes losers, with
+// a positive total, gets K' = keep K_t + sum_k w_k K_e (float32, the sum in loser order),
+// then K' + d q where its group's logits are finite and d is, rounded once. One thread a
+// column: it sums q.K' over the features, then writes them.
+template <typename T>
+CAMKV_INLINE void camkv_keep_output_keys(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTANT const CamParams* p,
+                                         CamGroup g) {
+  const CAMKV_DEVICE float* q = r.query;
+  float square = 0.0f;
+  for (int d = 0; d < r.Dk; ++d) {
+    square = camkv_madd(square, q[d], q[d]);
+  }
+  for (int c = camkv_tid(g); c < r.n_survivors; c += camkv_gsize(g)) {
+    if (m.counts[c] == 0 || !(m.totals[c] > 0.0f)) {
+      continue;
+    }
+    CAMKV_DEVICE T* k_t = r.keys + (long)r.survivors[c] * r.Dk;
+    float dot = 0.0f;
+    for (int d = 0; d < r.Dk; ++d) {
+      dot = camkv_madd(dot, camkv_merged_feature(r, m, c, k_t, d), q[d]);
+    }
+    float want = camkv_wanted_logit(m.tops[c], m.totals[c], r.votes[r.survivors[c]]);
+    float shift = camkv_key_shift(want, dot, square, p->scale);
+    bool moved = camkv_finite(m.tops[c]) && camkv_finite(shift);
+    for (int d = 0; d < r.Dk; ++d) {
+      float merged = camkv_merged_feature(r, m, c, k_t, d);
+      k_t[d] = (T)(moved ? camkv_madd(merged, shift, q[d]) : merged);
+    }
   }
 }
 
@@ -1625,14 +1934,20 @@ CAMKV_INLINE int camkv_merge_chunk(CamRows<T> r, CamMergeScratch m, CAMKV_CONSTA
     camkv_nearest_targets(r, m, p->n_sink, g);
     camkv_barrier(g);
   }
-  int merged = camkv_gates_and_shares(r, m, p, row_id, rule.kind, g);  // ends with the group sum's barrier
+  float threshold = r.threshold != 0 ? camkv_move_threshold(r, m, g) : 0.0f;
+  if (r.votes != 0) {  // keepkv's query: the chunk's last token's, its key as it was before any merge
+    camkv_load_query(r, (const CAMKV_DEVICE T*)(r.keys + (long)(r.count - 1) * r.Dk), r.pend_queries, p, g);
+  }
+  int merged = camkv_gates_and_shares(r, m, p, row_id, rule.kind, threshold, g);  // ends with the group sum's barrier
   if (rule.kind == CAMKV_KIND_WINDOW) {
     camkv_window_runs(r, m, p, g);
     camkv_blend_windows(r, m, rule.blends, g);
   } else {
     camkv_group_by_target(r, m, p, r.group_counts, g);
     camkv_blend_targets(r, m, r.values, r.Dv, g);
-    if (p->merge_keys && rule.keys_allowed) {
+    if (r.votes != 0) {
+      camkv_keep_output_keys(r, m, p, g);
+    } else if (p->merge_keys && rule.keys_allowed) {
       camkv_blend_targets(r, m, r.keys, r.Dk, g);
     }
   }
@@ -1656,6 +1971,7 @@ CAMKV_INLINE CamMergeScratch camkv_merge_scratch(CamRowBuffers<T> b, CAMKV_CONST
   m.counts = b.i32 + 5 * cap;
   m.order = b.i32 + 6 * cap;
   m.starts = b.i32 + 7 * cap;  // cap + 1 of them
+  m.tops = b.f32 + CAMKV_F32_MASS * cap;  // the mass, free once the chunk is scored
   m.n_losers = 0;
   return m;
 }
@@ -1686,14 +2002,24 @@ CAMKV_INLINE int camkv_update_chunk(CamRowBuffers<T> b, CAMKV_CONSTANT const Cam
   r.columns = camkv_shadow_columns(1, p->n, p->S, p->n_out);
   r.Dk = p->Dk;
   r.Dv = p->Dv;
+  int query_at = camkv_f32_query_at(1, p->n, p->S, p->n_out, p->Dk);
+  r.votes = camkv_keeps_votes(p->merge) ? (evicts ? b.f32 + query_at - total : b.out_votes) : 0;
+  r.pend_vote = 0;
+  r.threshold = camkv_moves_threshold(p->merge) ? b.out_threshold : 0;
+  r.query = b.f32 + query_at;
+  r.pend_queries = b.queries + (p->key_scoring ? 0 : (long)(p->S - 1) * p->G * p->Dk);  // the last token's
 
   camkv_copy_state_in(r.keys, r.values, r.scores, r.positions, b.in_keys, b.in_values, b.in_scores,
                       b.in_positions, p->n, p->Dk, p->Dv, g);
+  camkv_rule_state_in(r, b, p->n, true, g);
   camkv_copy_flat(r.keys + (long)p->n * p->Dk, b.new_keys, (long)p->S * p->Dk, g);
   camkv_copy_flat(r.values + (long)p->n * p->Dv, b.new_values, (long)p->S * p->Dv, g);
   for (int i = camkv_tid(g); i < p->S; i += camkv_gsize(g)) {
     r.scores[p->n + i] = 0.0f;
     r.positions[p->n + i] = p->offset + i;
+    if (r.votes != 0) {
+      r.votes[p->n + i] = 1.0f;  // a new token stands for itself
+    }
   }
   camkv_barrier(g);
   camkv_shadow_build(r, total, g);
@@ -1732,7 +2058,8 @@ CAMKV_INLINE CamRowBuffers<T> camkv_row_buffers(
     const CAMKV_DEVICE int* in_positions, const CAMKV_DEVICE T* new_keys, const CAMKV_DEVICE T* new_values,
     const CAMKV_DEVICE float* queries, const CAMKV_DEVICE float* chunk_mass, CAMKV_DEVICE T* out_keys,
     CAMKV_DEVICE T* out_values, CAMKV_DEVICE float* out_scores, CAMKV_DEVICE int* out_positions, CAMKV_DEVICE float* f32,
-    CAMKV_DEVICE int* i32, CAMKV_DEVICE T* store) {
+    CAMKV_DEVICE int* i32, CAMKV_DEVICE T* store, const CAMKV_DEVICE float* in_votes,
+    const CAMKV_DEVICE float* in_threshold, CAMKV_DEVICE float* out_votes, CAMKV_DEVICE float* out_threshold) {
   long r = (long)row;
   CamRowBuffers<T> b;
   b.in_keys = in_keys + r * p->n * p->Dk;
@@ -1750,6 +2077,12 @@ CAMKV_INLINE CamRowBuffers<T> camkv_row_buffers(
   b.f32 = f32 + r * p->f32_stride;
   b.i32 = i32 + r * p->i32_stride;
   b.store = store + r * p->store_stride;
+  // The rule state's buffers are placeholders for a rule that keeps none.
+  bool votes = camkv_keeps_votes(p->merge) != 0, threshold = camkv_moves_threshold(p->merge) != 0;
+  b.in_votes = in_votes + (votes ? r * p->n : 0);
+  b.out_votes = out_votes + (votes ? r * p->n_out : 0);
+  b.in_threshold = in_threshold + (threshold ? r : 0);
+  b.out_threshold = out_threshold + (threshold ? r : 0);
   return b;
 }
 

@@ -64,6 +64,11 @@ CAMKV_INLINE float camkv_loser_value_norm(float cosine, float s_in, float s_targ
   return camkv_clamp01(cosine) * share;
 }
 
+// clamp(cos, 0, 1): D2O's similarity-weighted mean, V_t <- (V_t + sum c_e V_e) / (1 + sum c_e).
+CAMKV_INLINE float camkv_loser_cosine(float cosine, float s_in, float s_target, float norm_in, float norm_target) {
+  return camkv_clamp01(cosine);
+}
+
 // The shares of a rule that does not blend (never read).
 CAMKV_INLINE float camkv_share_none(float s_target) {
   return 0.0f;
@@ -76,6 +81,8 @@ CAMKV_INLINE float camkv_loser_none(float cosine, float s_in, float s_target, fl
 // One row per rule, in code order: X(name, code, kind, blends, keys_allowed, target_share,
 // loser_share). blends 0: a window rule adds V_e / |W| to each target instead (a nearest
 // rule always blends); keys_allowed 1: merge_keys blends the key too (nearest rules only).
+// keepkv's shares are the query's masses of section 4.6 (m_t as the target's "score",
+// m_e as the mass it brings), which the core computes for it (camkv_keeps_votes).
 #define CAMKV_MERGE_RULES(X)                                                   \
   X(sim_weighted, 0, NEAREST, 1, 1, camkv_share_one, camkv_loser_odds)         \
   X(mean, 1, NEAREST, 1, 1, camkv_share_one, camkv_loser_one)                  \
@@ -83,7 +90,9 @@ CAMKV_INLINE float camkv_loser_none(float cosine, float s_in, float s_target, fl
   X(drop, 3, DROP, 0, 0, camkv_share_none, camkv_loser_none)                   \
   X(mass_weighted, 4, NEAREST, 1, 1, camkv_share_score, camkv_loser_mass)      \
   X(window_mass, 5, WINDOW, 1, 0, camkv_share_score, camkv_loser_mass)         \
-  X(value_norm, 6, NEAREST, 1, 1, camkv_share_one, camkv_loser_value_norm)
+  X(value_norm, 6, NEAREST, 1, 1, camkv_share_one, camkv_loser_value_norm)      \
+  X(d2o, 7, NEAREST, 1, 1, camkv_share_one, camkv_loser_cosine)                \
+  X(keepkv, 8, NEAREST, 1, 0, camkv_share_score, camkv_loser_mass)
 
 struct CamMergeRule {
   int kind;          // CAMKV_KIND_*, -1 for an unknown code
@@ -163,5 +172,45 @@ CAMKV_INLINE int camkv_reads_value_norms(int merge) {
   return 0;
 }
 #undef CAMKV_NORM_CASE
+
+// The rules that carry per-row state between calls (docs/algorithm.md sections 1, 4.5
+// and 4.6), X(name, code): each stored row's votes (they weigh its attention, and keepkv
+// merges keep the current query's attention output), and each row's moving similarity
+// threshold (d2o merges only above it). The hosts pass these arrays in and take them out.
+#define CAMKV_VOTE_RULES(X) X(keepkv, 8)
+#define CAMKV_THRESHOLD_RULES(X) X(d2o, 7)
+
+#define CAMKV_STATE_CASE(name, code) \
+  case code:                         \
+    return 1;
+
+// 1 if rule `merge` keeps votes per stored row.
+CAMKV_INLINE int camkv_keeps_votes(int merge) {
+  switch (merge) {
+    CAMKV_VOTE_RULES(CAMKV_STATE_CASE)
+  }
+  return 0;
+}
+
+// 1 if rule `merge` merges only above its row's moving threshold.
+CAMKV_INLINE int camkv_moves_threshold(int merge) {
+  switch (merge) {
+    CAMKV_THRESHOLD_RULES(CAMKV_STATE_CASE)
+  }
+  return 0;
+}
+#undef CAMKV_STATE_CASE
+
+// D2O's threshold after a compression whose losers' nearest cosines have the finite sum
+// `sum` over `count` of them (section 4.5): their mean at a row's first compression (tau
+// NaN), else D2O_KEEP tau + (1 - D2O_KEEP) mean (camkv.merges.moved_threshold), with
+// D2O_KEEP = 0.5; unchanged when count is 0.
+CAMKV_INLINE float camkv_moved_threshold(float tau, float sum, int count) {
+  if (count == 0) {
+    return tau;
+  }
+  float mean = sum / (float)count;
+  return tau != tau ? mean : 0.5f * tau + 0.5f * mean;
+}
 
 #endif  // CAMKV_MERGES_H

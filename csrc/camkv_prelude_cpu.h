@@ -51,6 +51,7 @@ inline int camkv_group_argmin(CamGroup, float, int index) { return index; }
 inline void camkv_lane_best(CamGroup, float*, int*) {}
 inline float camkv_exp(float x) { return std::exp(x); }
 inline float camkv_sqrt(float x) { return std::sqrt(x); }
+inline float camkv_log(float x) { return std::log(x); }
 
 // Storage dtype -> float32. Hosts may add faster overloads for their 16-bit types
 // before including the core (csrc/camkv_primitive.cpp does for float16).

@@ -122,6 +122,32 @@ CamParams read_params(const std::string& bytes) {
   return p;
 }
 
+// A rule's state array (votes [R, n], or with n < 0 threshold [R]): float32, given exactly
+// when the rule keeps it; a placeholder the kernel never reads otherwise.
+mx::array rule_state(const char* name, const std::optional<mx::array>& given, bool kept, int rows, int n, int merge) {
+  if (!kept) {
+    if (given.has_value()) {
+      bad(std::string(name) + " is the state of a rule that keeps it; merge code " + std::to_string(merge) +
+          " keeps none (pass None)");
+    }
+    return mx::array(0.0f);
+  }
+  if (!given.has_value()) {
+    bad(std::string(name) + " is required for merge code " + std::to_string(merge) + " (its rule keeps them)");
+  }
+  const mx::array& a = *given;
+  check_dtype(name, a, mx::float32, "float32");
+  if (n < 0) {
+    check_ndim(name, a, 1, "[R]");
+  } else {
+    check_ndim(name, a, 2, "[R, n]");
+    check_dim(name, a, 1, n, "tokens");
+  }
+  check_dim(name, a, 0, rows, "rows");
+  // A zero-length state still needs a buffer to point at.
+  return a.size() == 0 ? mx::array(0.0f) : a;
+}
+
 // A field the arrays determine must say what they say: the core indexes by it.
 void check_field(const char* name, int packed, int from_arrays) {
   if (packed != from_arrays) {
@@ -136,7 +162,8 @@ std::vector<mx::array> update(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
     const std::optional<mx::array>& queries, const std::string& params,
-    const std::optional<mx::array>& chunk_mass, mx::StreamOrDevice s) {
+    const std::optional<mx::array>& chunk_mass, const std::optional<mx::array>& votes,
+    const std::optional<mx::array>& threshold, mx::StreamOrDevice s) {
   CamParams p = read_params(params);
   check_ndim("keys", keys, 3, "[R, n, Dk]");
   check_ndim("values", values, 3, "[R, n, Dv]");
@@ -204,6 +231,9 @@ std::vector<mx::array> update(
     check_dim("chunk_mass", m, 1, n + s_len, "tokens");
     mass_block = m;
   }
+  bool keeps_votes = camkv_keeps_votes(p.merge) != 0, moves_threshold = camkv_moves_threshold(p.merge) != 0;
+  mx::array votes_block = rule_state("votes", votes, keeps_votes, rows, n, p.merge);
+  mx::array threshold_block = rule_state("threshold", threshold, moves_threshold, rows, -1, p.merge);
   int n_out = std::min(n + s_len, p.budget);
   int f32_stride = camkv_f32_stride(p.chunk, n, s_len, n_out, k_dim);
   int i32_stride = camkv_i32_stride(p.chunk, n, s_len, n_out);
@@ -227,10 +257,13 @@ std::vector<mx::array> update(
   auto stream = mx::to_stream(s);
   return mx::array::make_arrays(
       {{rows, n_out, k_dim}, {rows, n_out, v_dim}, {rows, n_out}, {rows, n_out}, {rows},
-       {rows, f32_stride}, {rows, i32_stride}, {rows, store_stride}},
-      {keys.dtype(), keys.dtype(), mx::float32, mx::int32, mx::int32, mx::float32, mx::int32, keys.dtype()},
+       {rows, f32_stride}, {rows, i32_stride}, {rows, store_stride}, {rows, keeps_votes ? n_out : 0},
+       {moves_threshold ? rows : 0}},
+      {keys.dtype(), keys.dtype(), mx::float32, mx::int32, mx::int32, mx::float32, mx::int32, keys.dtype(),
+       mx::float32, mx::float32},
       std::make_shared<CamUpdate>(stream, std::move(words)),
-      {keys, values, scores, positions, new_keys, new_values, query_block, row_ids, mass_block});
+      {keys, values, scores, positions, new_keys, new_values, query_block, row_ids, mass_block, votes_block,
+       threshold_block});
 }
 
 bool CamUpdate::is_equivalent(const mx::Primitive& other) const {
@@ -244,8 +277,14 @@ namespace {
 
 // CHUNK_MASS last: the Metal entry points take the inputs before it (eval_gpu refuses
 // a prescored call).
-enum Input { IN_KEYS, IN_VALUES, IN_SCORES, IN_POSITIONS, NEW_KEYS, NEW_VALUES, QUERIES, ROW_IDS, CHUNK_MASS };
-enum Output { OUT_KEYS, OUT_VALUES, OUT_SCORES, OUT_POSITIONS, MERGES, SCRATCH_F32, SCRATCH_I32, SCRATCH_STORE };
+enum Input {
+  IN_KEYS, IN_VALUES, IN_SCORES, IN_POSITIONS, NEW_KEYS, NEW_VALUES, QUERIES, ROW_IDS, CHUNK_MASS, IN_VOTES,
+  IN_THRESHOLD
+};
+enum Output {
+  OUT_KEYS, OUT_VALUES, OUT_SCORES, OUT_POSITIONS, MERGES, SCRATCH_F32, SCRATCH_I32, SCRATCH_STORE, OUT_VOTES,
+  OUT_THRESHOLD
+};
 
 // Every output of a multi-output primitive holds its own copy of the input list,
 // so while the siblings keep theirs no input is ever is_donatable(). MLX drops
@@ -273,8 +312,11 @@ bool can_update_in_place(const std::vector<mx::array>& inputs, const CamParams& 
   if (camkv_runs_chunk(p.chunk, p.S) || p.n_out != p.n || p.n == 0) {
     return false;
   }
-  for (int i = IN_KEYS; i <= IN_POSITIONS; ++i) {
+  for (int i = IN_KEYS; i <= IN_VOTES; ++i) {
     const mx::array& in = inputs[i];
+    if (i > IN_POSITIONS && (i != IN_VOTES || !camkv_keeps_votes(p.merge))) {
+      continue;  // the new tokens, and a rule's votes where it keeps none, are not the state
+    }
     if (!in.is_donatable() || !in.flags().row_contiguous || in.data_size() != in.size()) {
       return false;
     }
@@ -282,10 +324,15 @@ bool can_update_in_place(const std::vector<mx::array>& inputs, const CamParams& 
   return true;
 }
 
-void allocate_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, bool in_place) {
+// The inputs an in-place update works inside (votes: only a rule's that keeps them).
+bool shares_input(int output, const CamParams& p) {
+  return output <= OUT_POSITIONS || (output == OUT_VOTES && camkv_keeps_votes(p.merge));
+}
+
+void allocate_outputs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, const CamParams& p) {
   for (int i = 0; i < (int)outputs.size(); ++i) {
-    if (in_place && i <= OUT_POSITIONS) {
-      outputs[i].copy_shared_buffer(inputs[i]);
+    if (p.in_place && shares_input(i, p)) {
+      outputs[i].copy_shared_buffer(inputs[i == OUT_VOTES ? IN_VOTES : i]);
     } else {
       outputs[i].set_data(mx::allocator::malloc(std::max<size_t>(outputs[i].nbytes(), 1)));
     }
@@ -422,11 +469,13 @@ template <typename T>
 void run_cpu(const CamParams p, const T* in_keys, const T* in_values, const float* in_scores,
              const int* in_positions, const T* new_keys, const T* new_values, const float* queries,
              const uint32_t* row_ids, const float* chunk_mass, T* out_keys, T* out_values, float* out_scores, int* out_positions,
-             int* merges, float* f32, int* i32, T* store) {
+             int* merges, float* f32, int* i32, T* store, const float* in_votes, const float* in_threshold,
+             float* out_votes, float* out_threshold) {
   std::function<void(int)> body = [&](int row) {
     CamRowBuffers<T> b = camkv_row_buffers<T>(row, &p, in_keys, in_values, in_scores, in_positions, new_keys,
                                               new_values, queries, chunk_mass, out_keys, out_values, out_scores,
-                                              out_positions, f32, i32, store);
+                                              out_positions, f32, i32, store, in_votes, in_threshold, out_votes,
+                                              out_threshold);
     merges[row] = camkv_update_row<T>(b, &p, row_ids[row], camkv_single_thread_group());
   };
   RowPool::instance().run(p.rows, threads_for(p), body);
@@ -441,7 +490,8 @@ void dispatch_cpu(const CamParams& p, const std::vector<const void*>& in, std::v
              outputs[OUT_VALUES].data<T>(), outputs[OUT_SCORES].data<float>(),
              outputs[OUT_POSITIONS].data<int>(), outputs[MERGES].data<int>(),
              outputs[SCRATCH_F32].data<float>(), outputs[SCRATCH_I32].data<int>(),
-             outputs[SCRATCH_STORE].data<T>());
+             outputs[SCRATCH_STORE].data<T>(), (const float*)in[IN_VOTES], (const float*)in[IN_THRESHOLD],
+             outputs[OUT_VOTES].data<float>(), outputs[OUT_THRESHOLD].data<float>());
 }
 
 }  // namespace
@@ -451,7 +501,7 @@ void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
   CamParams params;
   std::memcpy(&params, words_.data(), sizeof(CamParams));
   params.in_place = can_update_in_place(inputs, params) ? 1 : 0;
-  allocate_outputs(inputs, outputs, params.in_place != 0);
+  allocate_outputs(inputs, outputs, params);
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
@@ -463,7 +513,7 @@ void CamUpdate::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     for (size_t i = 0; i < inputs.size(); ++i) {
       const mx::array& a = inputs[i];
       bool plain = a.flags().row_contiguous && a.data_size() == a.size();
-      if (plain || (params.in_place && i <= IN_POSITIONS)) {
+      if (plain || (params.in_place && (i <= IN_POSITIONS || i == IN_VOTES))) {
         in[i] = a.data<void>();
       } else {
         copies.push_back(contiguous_bytes(a));

@@ -54,13 +54,17 @@ class CamColumnMass : public mx::Primitive {
 };
 
 // params: struct CamParams's bytes (sizeof(CamParams)); its shape, scoring and stride
-// fields must agree with the arrays. Outputs: keys, values, scores, positions, merges
-// [R] int32 (then the scratch buffers the kernel used, which callers drop).
+// fields must agree with the arrays. votes [R, n] and threshold [R] (float32): the state
+// of a rule that keeps it (camkv_merges.h), required for that rule and refused for the
+// others. Outputs: keys, values, scores, positions, merges [R] int32, then the scratch
+// buffers the kernel used (which callers drop), then votes [R, n_out] and threshold [R]
+// (empty for a rule that keeps none).
 std::vector<mx::array> update(
     const mx::array& keys, const mx::array& values, const mx::array& scores, const mx::array& positions,
     const mx::array& new_keys, const mx::array& new_values, const mx::array& row_ids,
     const std::optional<mx::array>& queries, const std::string& params,
-    const std::optional<mx::array>& chunk_mass = std::nullopt, mx::StreamOrDevice s = {});
+    const std::optional<mx::array>& chunk_mass = std::nullopt, const std::optional<mx::array>& votes = std::nullopt,
+    const std::optional<mx::array>& threshold = std::nullopt, mx::StreamOrDevice s = {});
 
 // logits [R, M, N] float32, M = G x S query rows (row m is chunk token m mod S, which
 // sees columns j <= n_before + m mod S): weight x the sum over m of each row's softmax

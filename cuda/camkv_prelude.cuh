@@ -45,6 +45,7 @@ __device__ __forceinline__ int camkv_gsize(CamGroup g) { return (int)g.size; }
 __device__ __forceinline__ void camkv_barrier(CamGroup) { __syncthreads(); }
 __device__ __forceinline__ float camkv_exp(float x) { return expf(x); }
 __device__ __forceinline__ float camkv_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ float camkv_log(float x) { return logf(x); }
 
 // Explicitly rounded: nvrtc would otherwise fuse a * b + c into one FMA and round
 // differently from the CPU build.

@@ -42,6 +42,7 @@ inline void camkv_barrier(CamGroup g) {
 
 inline float camkv_exp(float x) { return precise::exp(x); }
 inline float camkv_sqrt(float x) { return precise::sqrt(x); }
+inline float camkv_log(float x) { return precise::log(x); }
 
 inline float camkv_mul(float a, float b) { return a * b; }
 inline float camkv_madd(float acc, float a, float b) { return acc + a * b; }

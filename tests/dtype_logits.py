@@ -10,8 +10,7 @@ its row's normaliser), so scores get |l| 2^-m more rtol for the call's largest l
 engine's reducer (camkv.backends.merge_ops.reducer, where it has no votes' bias, for any
 backend, as the CUDA backend's compressions run it) and the drop engine's compute their
 logits in the keys' dtype, and drop.on_cuda() answers True (so the tests widen as they
-would there). CAMKV_EMULATE_CUDA_LOGITS=1 runs tests/test_merge_ops.py's and
-tests/test_equivalence.py's comparisons that way."""
+would there). CAMKV_EMULATE_CUDA_LOGITS=1 runs tests/test_merge_ops.py's comparisons that way."""
 
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 positions, n, kept rows and merge counts exactly; with merge="drop" keys and values
 bit for bit; scores within rtol 1e-4 / atol 1e-6; blended keys and values within one
 unit in the last place of the storage dtype (plus, for the mass-weighted modes, what
-the scores' own float32 disagreement does to their blend weights). Where the MLX merge
-engine runs (d2o, keepkv) its own allowances: a float32 ulp per summed term, and on an
-NVIDIA GPU the scores' widening for logits in the keys' dtype (EngineAllowance). Parametrised by the `backend` fixture
+the scores' own float32 disagreement does to their blend weights); a rule's state
+(keepkv's votes exactly, d2o's threshold to a float32 sum's rounding). Parametrised by the `backend` fixture
 (tests/conftest.py), which skips a backend that is not usable here with its reason.
 """
 
@@ -24,20 +23,10 @@ from camkv.config import MERGE_MODES
 from camkv.rows import RowState
 from test_amortized import near_tie_flips
 
-import dtype_logits
-
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _MANTISSA_BITS = {mx.float32: 23, mx.float16: 10, mx.bfloat16: 7}
 # Smallest normal exponent of each dtype: below it the spacing stops shrinking.
 _MIN_EXPONENT = {mx.float32: -126, mx.float16: -14, mx.bfloat16: -126}
-
-
-@pytest.fixture(autouse=True)
-def _dtype_logits_on_request(monkeypatch):
-    """CAMKV_EMULATE_CUDA_LOGITS=1: the merge engine scores as on an NVIDIA GPU
-    (tests/dtype_logits.py)."""
-    if dtype_logits.EMULATE:
-        dtype_logits.emulate(monkeypatch)
 
 
 def ulp(x: np.ndarray, dtype) -> np.ndarray:
@@ -82,8 +71,7 @@ def assert_rows_match(name: str, got: mx.array, want: mx.array, exact: bool, con
     )
 
 
-def assert_states_match(got, want, cfg: CaMConfig, context: str, terms: int = 0, widen: float = 0.0) -> None:
-    """terms, widen: the merge engine's allowances where it ran (see EngineAllowance)."""
+def assert_states_match(got, want, cfg: CaMConfig, context: str) -> None:
     (g_state, g_merges), (w_state, w_merges) = got, want
     assert g_state.keys.shape == w_state.keys.shape, f"{context}: shapes {g_state.keys.shape} vs {w_state.keys.shape}"
     assert g_state.values.shape == w_state.values.shape, f"{context}: value shapes differ"
@@ -92,42 +80,33 @@ def assert_states_match(got, want, cfg: CaMConfig, context: str, terms: int = 0,
     for i, (gm, wm) in enumerate(zip(g_merges, w_merges)):
         np.testing.assert_array_equal(np.array(gm), np.array(wm), err_msg=f"{context}: merges of call {i}")
     np.testing.assert_allclose(
-        np.array(g_state.scores), np.array(w_state.scores), rtol=1e-4 + widen, atol=1e-6,
+        np.array(g_state.scores), np.array(w_state.scores), rtol=1e-4, atol=1e-6,
         err_msg=f"{context}: scores"
     )
     exact = cfg.merge == "drop"
     # A weighted mean whose weights (scores) are off by rtol e moves by at most 2 e of its operands' scale.
-    rtol = MASS_WEIGHT_RTOL + 2 * widen if cfg.merge in MASS_MODES else 0.0
-    assert_rows_match("values", g_state.values, w_state.values, exact, context, rtol, terms)
+    rtol = MASS_WEIGHT_RTOL if cfg.merge in MASS_MODES else 0.0
+    assert_rows_match("values", g_state.values, w_state.values, exact, context, rtol)
     keys_move = cfg.merge_keys or merges.rule(cfg.merge).keeps_votes
-    assert_rows_match("keys", g_state.keys, w_state.keys, exact or not keys_move, context, rtol, terms)
+    assert_rows_match("keys", g_state.keys, w_state.keys, exact or not keys_move, context, rtol)
+    assert_rule_states_match(g_state, w_state, cfg, context)
 
 
-class EngineAllowance:
-    """Wraps a backend's update to learn, over its calls, what section 8 allows the MLX
-    merge engine where the update runs it (a rule the kernel core lacks, on every kernel
-    backend): its blends are scatter-adds in the
-    device's order, one float32 ulp per summed term, and a row's terms are at most one
-    per loser of each call (an earlier call's difference carries into a later blend with
-    a weight of at most 1) plus its own; on an NVIDIA GPU its chunk mass comes from logits
-    in the keys' dtype, which widens the scores' rtol (tests/dtype_logits.py; keepkv's
-    votes keep the float32 products)."""
-
-    def __init__(self, backend: str, cfg: CaMConfig):
-        rule = merges.rule(cfg.merge)
-        self.module, self.engine = backends.resolve(backend), not rule.kernels
-        self.widens = self.engine and not rule.keeps_votes
-        self.terms, self.widen = 0, 0.0
-
-    def update(self, state, keys, values, offset, cfg, row_ids, queries=None, scale=None):
-        out = self.module.update(state, keys, values, offset, cfg, row_ids, queries, scale)
-        if self.engine:
-            self.terms += max(0, state.length + keys.shape[1] - out[0].length)
-        if self.widens:
-            q, s = dtype_logits.scoring_inputs(keys, queries, scale)
-            joined = mx.concatenate([state.keys, keys], axis=1)
-            self.widen = max(self.widen, dtype_logits.widening(q, joined, s, keys.dtype))
-        return out
+def assert_rule_states_match(got: RowState, want: RowState, cfg: CaMConfig, context: str, compare=None) -> None:
+    """A rule's state (section 1) as the reference's: votes exactly (sums of whole tokens, at
+    the rows compare [R, n] bool marks), d2o's threshold (a mean of cosines, NaN before a
+    row's first compression) within a float32 sum's rounding."""
+    rule = merges.rule(cfg.merge)
+    if rule.keeps_votes and want.votes is not None:
+        assert got.votes is not None, f"{context}: votes not carried"
+        g, w = np.array(got.votes), np.array(want.votes)
+        if compare is not None:
+            g, w = g[compare], w[compare]
+        np.testing.assert_array_equal(g, w, err_msg=f"{context}: votes")
+    if rule.moving_threshold and want.threshold is not None:
+        assert got.threshold is not None, f"{context}: threshold not carried"
+        np.testing.assert_allclose(np.array(got.threshold), np.array(want.threshold), rtol=1e-5, atol=1e-6,
+                                   equal_nan=True, err_msg=f"{context}: threshold")
 
 
 def feed(update, cfg, sizes, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=0, row_base=0, keys_at=None):
@@ -157,18 +136,16 @@ def feed(update, cfg, sizes, *, rows, k_dim, v_dim, dtype, seed, queries_per_kv=
 
 
 def check_backend(backend: str, cfg: CaMConfig, sizes, **shape) -> None:
-    """The backend's states after each call match the reference's (a rule the kernel core
-    lacks runs by the MLX merge engine on a kernel backend)."""
+    """The backend's states after each call match the reference's."""
     if backend == "reference":
         pytest.skip("the reference is the oracle itself")
     context = f"backend={backend} cfg={cfg.to_json()} sizes={sizes} shape={shape}"
-    allowance = EngineAllowance(backend, cfg)
-    got = feed(allowance.update, cfg, sizes, **shape)
+    got = feed(backends.resolve(backend).update, cfg, sizes, **shape)
     # The oracle runs on the CPU, whatever the default device: its dot products are
     # sums in feature order there, which every kernel (FMA-free) reproduces.
     with mx.stream(mx.cpu):
         want = feed(reference.update, cfg, sizes, **shape)
-    assert_states_match(got, want, cfg, context, 1 + allowance.terms if allowance.engine else 0, allowance.widen)
+    assert_states_match(got, want, cfg, context)
 
 
 # ----------------------------------------------------------------------------
@@ -219,7 +196,7 @@ def fuzz_cases(draw):
     n_sink = draw(st.integers(0, 3))
     recent = draw(st.integers(1, 4))
     budget = n_sink + recent + draw(st.integers(1, 8))
-    merge = draw(st.sampled_from(merges.names(kernels=True)))  # check_backend's refusals need no fuzzing
+    merge = draw(st.sampled_from(merges.names()))
     merge_keys = merges.rule(merge).keys_allowed and draw(st.booleans())
     cfg = CaMConfig(
         budget=budget,
@@ -278,7 +255,7 @@ def test_fuzz_matches_reference(backend):
 # the eviction boundary, and then the rows are not compared at all.
 
 COSINE_TIE = 1e-3  # section 8: the nearest-survivor choice may differ within this
-KERNEL_BLENDS = tuple(name for name in merges.names(kernels=True) if merges.rule(name).kind != merges.DROP)
+KERNEL_BLENDS = tuple(name for name in merges.names() if merges.rule(name).kind != merges.DROP)
 
 
 def _start_state(rng, rows, n, k_dim, v_dim, dtype) -> RowState:
@@ -369,9 +346,11 @@ def check_simultaneous_merges(update, cfg: CaMConfig, n: int, s_len: int, *, row
     for name in ("values", "keys"):
         g, w = getattr(got, name), getattr(want, name)
         rows_compared = mx.array(compare)
+        keys_move = cfg.merge_keys or merges.rule(cfg.merge).keeps_votes
         assert_rows_match(name, g * rows_compared[:, :, None], w * rows_compared[:, :, None],
-                          exact or (name == "keys" and not cfg.merge_keys), context, rtol,
+                          exact or (name == "keys" and not keys_move), context, rtol,
                           float32_terms=terms)
+    assert_rule_states_match(got, want, cfg, context, compare)
     return seen
 
 
@@ -384,8 +363,6 @@ def test_targets_taking_several_losers_match_reference(backend, merge, dtype):
     would read it after the earlier ones, and with merge_keys search moved keys)."""
     if backend == "reference":
         pytest.skip("the reference is the oracle itself")
-    if not merges.rule(merge).kernels:
-        pytest.skip(f"{merge} runs on the reference only")
     cfg = CaMConfig(budget=16, n_sink=2, recent=3, merge=merge, window=3, prefill="chunk", gate=True, seed=5,
                     merge_keys=merges.rule(merge).keys_allowed)
     seen = check_simultaneous_merges(backends.resolve(backend).update, cfg, 12, 60, rows=3, k_dim=16, v_dim=12,
@@ -441,7 +418,7 @@ def test_simultaneous_merges_fuzz_match_reference(backend):
 
 
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
-@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST, kernels=True))
+@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST))
 def test_a_loser_with_a_poisoned_key_merges_nowhere(backend, merge, prefill):
     """A token whose key is NaN gets no mass, so it is evicted first, and it has no finite
     cosine to any survivor: it merges nowhere (no merge counted, no row changed), in exact

@@ -38,7 +38,7 @@ def _call(state, new_keys, new_values, cfg=_CFG, offset=None, scale=0.25, params
         params = ext.call_params(state, new_keys, new_values, offset, cfg, None, scale, chunk_mass is not None)
     rows = state.keys.shape[0]
     return ext._ext.update(state.keys, state.values, state.scores, state.positions, new_keys, new_values,
-                           mx.arange(rows).astype(mx.uint32), params=params, chunk_mass=chunk_mass)
+                           mx.arange(rows).astype(mx.uint32), params=params, chunk_mass=chunk_mass)[:5]
 
 
 def test_extension_runs_on_mx_arrays_and_matches_reference():
@@ -283,7 +283,7 @@ def test_the_kernels_shares_are_the_registrys_bit_for_bit():
             for n_t in norms]
     columns = [mx.array(np.array(column, np.float32)) for column in zip(*grid)]
     for rule in merges.RULES:
-        if not (rule.kernels and rule.blends):
+        if not rule.blends:
             continue
         want_target = np.broadcast_to(np.array(rule.target_share(columns[2]), np.float32), (len(grid),))
         want_loser = np.broadcast_to(np.array(rule.loser_share(*columns), np.float32), (len(grid),))

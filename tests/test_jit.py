@@ -27,16 +27,18 @@ _SIGNATURES = {
         "template <typename T>\n__global__ void camkv_update(\n"
         "  const T* in_keys, const T* in_values, const float* in_scores, const int32_t* in_positions,\n"
         "  const T* new_keys, const T* new_values, const float* queries, const float* chunk_mass,\n"
-        "  const uint32_t* row_ids,\n"
+        "  const uint32_t* row_ids, const float* in_votes, const float* in_threshold,\n"
         "  const int32_t* params, T* out_keys, T* out_values, float* out_scores, int32_t* out_positions,\n"
-        "  int32_t* merges, float* scratch_f32, int32_t* scratch_i32, T* scratch_store) {{\n{body}\n}}\n"
+        "  int32_t* merges, float* scratch_f32, int32_t* scratch_i32, T* scratch_store, float* out_votes,\n"
+        "  float* out_threshold) {{\n{body}\n}}\n"
         "template void camkv_update<float>(CUDA_ARGS(float));\n"
     ),
 }
 _ARGS = {
     "cuda": "#define CUDA_ARGS(T) const T*, const T*, const float*, const int32_t*, const T*, const T*, const float*, "
             "const float*, "
-            "const uint32_t*, const int32_t*, T*, T*, float*, int32_t*, int32_t*, float*, int32_t*, T*\n",
+            "const uint32_t*, const float*, const float*, const int32_t*, T*, T*, float*, int32_t*, int32_t*, float*, "
+            "int32_t*, T*, float*, float*\n",
 }
 _STUB = {"cuda": '#include "cuda_stub.h"\n'}
 

@@ -237,7 +237,10 @@ def test_the_widened_tolerance_still_catches_a_defect(merge, dtype, defect, monk
         check_engine(cfg, 30, 60, **case)
 
 
-@pytest.mark.parametrize("merge", merges.names(kernels=False))
+STATEFUL = tuple(r.name for r in merges.RULES if r.keeps_votes or r.moving_threshold)
+
+
+@pytest.mark.parametrize("merge", STATEFUL)
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
 def test_the_engine_carries_votes_and_thresholds_over_many_calls(merge, prefill):
     """The stateful rules over a prompt and decode steps, the engine's state fed back to
@@ -320,27 +323,28 @@ class _GPUStandIn:
 
 
 @pytest.mark.parametrize("merge", merges.names())
-def test_compressions_go_to_the_engine_on_a_gpu_and_for_rules_the_core_lacks(merge):
+def test_compressions_go_to_the_engine_on_a_gpu_and_to_the_kernel_core_elsewhere(merge):
+    """Every rule, its state carried or not, is routed alike."""
     chunk, exact = CaMConfig(merge=merge, budget=16), CaMConfig(merge=merge, budget=16, prefill="exact")
-    stateful = not merges.rule(merge).kernels
     assert compress.by_operations(_GPUStandIn(), chunk, 40, 16)  # a chunk on a GPU: MLX operations
-    assert compress.by_operations(_GPUStandIn(), chunk, 17, 16) == stateful  # a decode step: the kernel
-    assert compress.by_operations(ext, chunk, 40, 16) == stateful  # the CPU: the extension's one pass a row
-    assert compress.by_operations(jit.metal, chunk, 17, 16) == stateful
+    assert not compress.by_operations(_GPUStandIn(), chunk, 17, 16)  # a decode step: the kernel
+    assert not compress.by_operations(ext, chunk, 40, 16)  # the CPU: the extension's one pass a row
+    assert not compress.by_operations(jit.metal, chunk, 17, 16)
     assert not compress.by_operations(reference, chunk, 40, 16)  # the reference is the reference
     assert not compress.by_operations(_GPUStandIn(), exact, 40, 16)  # exact mode: the backend's own update
 
 
 @pytest.mark.skipif(ext.unavailable_reason() is not None, reason="needs the extension")
 @pytest.mark.parametrize("backend", ["auto", "ext"])
-@pytest.mark.parametrize("merge", merges.names(kernels=False))
-def test_a_cache_on_the_ext_backend_runs_a_rule_the_core_lacks_by_the_engine(merge, backend, monkeypatch):
-    """backend="ext" (or "auto", which picks it on the CPU for every rule) with keepkv or
-    d2o is accepted, and its compressions run the engine: a prompt and decode steps
-    through the cache give the reference backend's rows."""
+@pytest.mark.parametrize("merge", STATEFUL)
+def test_a_cache_on_the_ext_backend_runs_a_rule_with_state_by_the_kernel_core(merge, backend, monkeypatch):
+    """backend="ext" (or "auto", which picks it on the CPU) with keepkv or d2o runs its
+    compressions by the kernel core, not the engine, its votes or threshold carried
+    through the cache's rows: a prompt and decode steps give the reference backend's rows."""
     calls = []
-    real = merge_ops.compress
-    monkeypatch.setattr(merge_ops, "compress", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ext._ext.update
+    monkeypatch.setattr(merge_ops, "compress", lambda *a, **k: pytest.fail("the engine ran"))
+    monkeypatch.setattr(ext._ext, "update", lambda *a, **k: calls.append(1) or real(*a, **k))
     rng = np.random.default_rng(9)
     blocks = [(_random(rng, (1, 2, s, 8)), _random(rng, (1, 2, s, 6))) for s in (30, 1, 1, 1, 1, 1, 1)]
     caches = {}
@@ -350,8 +354,10 @@ def test_a_cache_on_the_ext_backend_runs_a_rule_the_core_lacks_by_the_engine(mer
         for keys, values in blocks:
             cache.update_and_fetch(keys, values)
         caches[name] = cache.stored()
+        caches[name] += tuple(a for a in cache._rule_state() if a is not None)
         if name == backend:
-            assert calls, f"backend {backend!r}'s compressions did not run the engine"
+            assert calls, f"backend {backend!r}'s compressions did not run the kernel core"
+    assert len(caches[backend]) == len(caches["reference"]) == 5  # the rows, and the rule's state
     for got, want in zip(caches[backend], caches["reference"]):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
 
@@ -370,12 +376,20 @@ def test_a_loser_between_two_equally_near_survivors_merges_into_the_older(update
     assert out.values[0, 1:3].tolist() == [[3, 2], [0, 2]]
 
 
+def _kernel_core_update(*args):
+    if ext.unavailable_reason() is not None:
+        pytest.skip(ext.unavailable_reason())
+    return ext.update(*args)
+
+
+@pytest.mark.parametrize("update", [merge_ops.update, _kernel_core_update], ids=["engine", "kernel-core"])
 @pytest.mark.parametrize("merge", MERGING)
-def test_a_poisoned_key_or_query_spreads_no_nan_and_both_agree(merge):
+def test_a_poisoned_key_or_query_spreads_no_nan_and_both_agree(merge, update):
     """Section 2's poisoned inputs in a compression: a NaN key (no mass, evicted, no finite
     cosine, so no nearest survivor: it merges nowhere) and a query with an infinite
     feature (its logits not finite: keepkv's shares fall back to the votes and its keys
-    to K'). The engine and the reference keep the same rows, and no NaN reaches them."""
+    to K'). The engine (and the kernel core) and the reference keep the same rows, and
+    no NaN reaches them."""
     rng = np.random.default_rng(1)
     rows = 2
     keys = rng.standard_normal((rows, 20, 4)).astype(np.float32)
@@ -387,10 +401,14 @@ def test_a_poisoned_key_or_query_spreads_no_nan_and_both_agree(merge):
     args = (RowState.empty(rows, 4, 3, mx.float32), mx.array(keys), mx.array(values), 0, cfg,
             mx.arange(rows).astype(mx.uint32), mx.array(queries), 0.5)
     want, want_merged = reference.update(*args)
-    got, got_merged = merge_ops.update(*args)
+    got, got_merged = update(*args)
     assert 5 not in np.array(want.positions[0]).tolist()
     assert got_merged.tolist() == want_merged.tolist()
     np.testing.assert_array_equal(np.array(got.positions), np.array(want.positions))
     for a, b in ((got.values, want.values), (got.keys, want.keys)):
         assert np.isfinite(np.array(a)).all() and np.isfinite(np.array(b)).all()
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+    for a, b in ((got.votes, want.votes), (got.threshold, want.threshold)):  # the rule's state, where it keeps one
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, equal_nan=True)

@@ -24,19 +24,20 @@ def test_every_rule_is_one_the_kernel_can_run(rule):
 
 
 @pytest.mark.parametrize("rule", merges.RULES, ids=lambda r: r.name)
-def test_only_a_rule_with_state_the_core_lacks_skips_the_kernel_core(rule):
-    """A rule without a row in the kernel core's table runs on the MLX merge engine, which
-    exists for the per-row state the core has no place for (a threshold, votes)."""
-    if not rule.kernels:
-        assert rule.moving_threshold or rule.keeps_votes
+def test_a_rule_with_state_is_a_nearest_merge(rule):
+    """The per-row state (votes, a threshold) belongs to nearest-survivor merges: the
+    kernel core keeps it for those only."""
+    if rule.moving_threshold or rule.keeps_votes:
         assert rule.kind == merges.NEAREST, "the stateful merges are nearest-survivor merges"
-        assert "reference backend only" not in rule.help
+        assert not (rule.moving_threshold and rule.keeps_votes), "a rule keeps one kind of state"
 
 
 def test_the_kernels_table_is_the_registrys():
+    """Every rule has its row in the kernel core's table, its state columns included."""
     ext = pytest.importorskip("camkv._ext")
     kernel = [tuple(r) for r in ext.merge_rules()]
-    assert kernel == [(r.name, r.code, r.kind, r.blends, r.keys_allowed) for r in merges.RULES if r.kernels]
+    assert kernel == [(r.name, r.code, r.kind, r.blends, r.keys_allowed, r.keeps_votes, r.moving_threshold)
+                      for r in merges.RULES]
 
 
 def test_retired_rules_say_why_and_stay_experiments_the_lists_leave_out():
@@ -64,8 +65,8 @@ def test_the_config_accepts_exactly_the_registrys_rules():
                 CaMConfig(merge=rule.name, merge_keys=True)
 
 
-@pytest.mark.parametrize("merge", merges.names(kernels=False))
-def test_a_rule_the_core_lacks_is_accepted_by_every_backend(merge):
+@pytest.mark.parametrize("merge", [r.name for r in merges.RULES if r.keeps_votes or r.moving_threshold])
+def test_a_rule_with_state_is_accepted_by_every_backend(merge):
     for backend in ("auto", "reference", "ext", "metal", "cuda"):
         assert CaMConfig(merge=merge, backend=backend).backend == backend
     assert backends.resolve("reference") is reference

@@ -43,7 +43,7 @@ CONFIGS = {
     # A merge rule's chunks run as MLX operations on a GPU (backends.merge_ops); its
     # one-token compressions (slack 0) launch the kernel.
     **{f"merge {rule}": dict(budget=16, n_sink=1, recent=4, merge=rule, slack=0)
-       for rule in merges.names(kernels=True) if rule != "drop"},
+       for rule in merges.names() if rule != "drop"},
 }
 
 
@@ -161,7 +161,7 @@ def test_every_launch_class_compiles_with_mlxs_address_spaces(captured, tmp_path
             assert (dtype, few, True, True, False, False) in seen  # a one-token compression, keys
             assert (dtype, few, False, False, True, True) in seen  # a first, prescored chunk
             assert (dtype, few, False, False, True, False) in seen  # a first chunk, exact mode
-    assert {l["merge"] for l in launches.launches} == set(merges.names(kernels=True))
+    assert {l["merge"] for l in launches.launches} == set(merges.names())
     failures = []
     for i, (name, source) in enumerate(sorted(launches.sources.items())):
         result = _compile(source, tmp_path, f"k{i}")

@@ -162,10 +162,6 @@ def test_the_callers_errors_are_raised_not_fallen_back_from(metal_here):
     state, keys, values, offset, cfg, rows, queries, scale = selfcheck.probe_problem(launch)
     with pytest.raises(ValueError, match="new_keys must be float16, bfloat16 or float32"):
         jit.metal.update(state, keys.astype(mx.int32), values, offset, cfg, rows, queries, scale)
-    # A rule the kernel core lacks is no error: the MLX merge engine runs it, past the guard.
-    merged, _ = jit.metal.update(state, keys, values, offset, CaMConfig(budget=16, merge="keepkv"), rows, queries,
-                                 scale)
-    assert merged.votes is not None
     assert metal_here.failure is None
 
 
@@ -186,7 +182,7 @@ def _kernel_backends():
     return found
 
 
-@pytest.mark.parametrize("merge", merges.names(kernels=True))
+@pytest.mark.parametrize("merge", merges.names())
 @pytest.mark.parametrize("name", ["ext", "metal", "cuda"])
 def test_the_kernel_core_passes_the_check_in_every_class(merge, name):
     kernel = _kernel_backends().get(name)

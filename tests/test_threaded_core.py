@@ -29,7 +29,7 @@ from test_equivalence import KERNEL_BLENDS, assert_states_match, check_simultane
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 THREADS = 32  # one SIMD group: the smallest GPU work group the host allows
-KERNEL_MERGES = merges.names(kernels=True)  # the rules the kernel core runs
+KERNEL_MERGES = merges.names()  # the kernel core runs every rule
 
 
 # The GPU preludes' loads (CUDA's 16-byte words, Metal's elements) and their teams of
@@ -73,7 +73,7 @@ def _launcher(library):
         outputs = [np.full(shape, np.nan, np.float32) if dtype == mx.float32 else np.full(shape, -7, np.int32)
                    for shape, dtype in zip(output_shapes, output_dtypes)]
         block, buffers = given_arrays[-1], given_arrays[:-1]
-        assert len(buffers) == 9 and len(outputs) == 8
+        assert len(buffers) == 11 and len(outputs) == 10
         library.camkv_threaded_run(ctypes.c_int(threads), _pointer(block), *map(_pointer, buffers),
                                    *map(_pointer, outputs))
         return [mx.array(o) for o in outputs]
@@ -121,7 +121,7 @@ def test_query_blocks_and_wide_dots_match_the_reference(threaded_update, groups,
            queries_per_kv=groups)
 
 
-@pytest.mark.parametrize("merge", merges.names(blends=True, kernels=True))
+@pytest.mark.parametrize("merge", merges.names(blends=True))
 def test_merge_keys_and_the_gate_match_the_reference(threaded_update, merge):
     cfg = CaMConfig(budget=10, n_sink=1, recent=2, merge=merge, merge_keys=merges.rule(merge).keys_allowed,
                     prefill="chunk", gate=True, seed=11)
@@ -166,7 +166,7 @@ def _tied_keys(rows: int, k_dim: int, seed: int):
     return keys_at
 
 
-@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST, kernels=True))
+@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST))
 def test_nearest_survivor_ties_go_to_the_smaller_column_as_the_cpu_kernel(threaded_update, merge):
     """Section 4.1's tie rule under teams: where a loser's best cosines tie exactly across
     the columns of several lanes, the team keeps the smallest column, as the CPU kernel's
@@ -197,7 +197,7 @@ def test_targets_taking_several_losers_match_the_reference(threaded_update, merg
 
 
 @pytest.mark.parametrize("prefill", ["exact", "chunk"])
-@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST, kernels=True))
+@pytest.mark.parametrize("merge", merges.names(kind=merges.NEAREST))
 def test_a_loser_with_a_poisoned_key_merges_nowhere(threaded_update, merge, prefill):
     """A loser whose key is NaN has no finite cosine: it merges nowhere, in a group of threads too."""
     def keys_at(tokens):

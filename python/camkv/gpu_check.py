@@ -21,7 +21,7 @@ def _report_classes():
 
     for dtype, one_token, key_scoring, first, few_rows, merge in product(
             (mx.float16, mx.bfloat16, mx.float32), (True, False), (True, False), (True, False), (True, False),
-            merges.names(kernels=True)):
+            merges.names()):
         yield dtype, one_token, key_scoring, first, few_rows, merge
 
 

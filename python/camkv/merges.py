@@ -19,10 +19,10 @@ its `target_share` and `loser_share` give; a window rule that does not blend add
 sum_e V_e / |W(e)| instead. Every merging rule adds the merged mass to the targets'
 scores. Adding a rule: CONTRIBUTING.md.
 
-Every rule runs on every backend. A rule with kernels=False has no row in the kernel
-core's table: it carries per-row state the core does not have (a moving similarity
-threshold, or each row's votes), and the kernel backends (ext, metal, cuda) run its
-compressions by the MLX merge engine (camkv.backends.merge_ops) instead of the core.
+Every rule runs on every backend, and every rule has its row in the kernel core's table:
+the core carries the per-row state of the rules that keep one (keeps_votes: keepkv's
+votes; moving_threshold: d2o's threshold) in and out of each call, as the reference and
+the MLX merge engine (camkv.backends.merge_ops) do.
 """
 
 from __future__ import annotations
@@ -102,7 +102,6 @@ class MergeRule:
     help: str
     target_share: Share | None = None  # A_t of a blending rule
     loser_share: Share | None = None  # a_e of a blending rule
-    kernels: bool = True  # the kernel core runs it (a row in csrc/camkv_merges.h); False: the MLX merge engine
     moving_threshold: bool = False  # merges only above its row's moving similarity threshold (RowState.threshold)
     keeps_votes: bool = False  # each row stands for RowState.votes tokens, which weigh its attention
     # Why the rule is retired (empty: offered): a rule that lost to dropping in every
@@ -140,13 +139,13 @@ RULES: tuple[MergeRule, ...] = (
               "blends the tokens it takes into a survivor as (V_t + sum c V_e) / (1 + sum c), c = clamp(cos, 0, 1), "
               "each only when c reaches the row's threshold, a moving average of recent compressions' mean "
               "nearest cosine (D2O; with --kv-merge-keys as D2O blends keys too)",
-              _unit, _clamped_cosine, kernels=False, moving_threshold=True),
+              _unit, _clamped_cosine, moving_threshold=True),
     MergeRule("keepkv", 8, NEAREST, True, False, True,
               "merges it into its most similar survivor so that the attention output of the current query is "
               "unchanged (KeepKV): each row keeps votes, the tokens it stands for, which weigh its attention; "
               "the merged value is the current query's attention-weighted mean and the key is set to match "
               "(merge_keys does not apply)",
-              own_mass, _loser_mass, kernels=False, keeps_votes=True),
+              own_mass, _loser_mass, keeps_votes=True),
 )
 
 _BY_NAME = {r.name: r for r in RULES}

@@ -23,6 +23,7 @@ float __shfl_xor_sync(unsigned mask, float value, int lane_mask);
 int __shfl_xor_sync(unsigned mask, int value, int lane_mask);
 float __int_as_float(int bits);
 float expf(float);
+float logf(float);
 float __fmul_rn(float, float);
 float __fadd_rn(float, float);
 float sqrtf(float);

@@ -53,6 +53,7 @@ inline int camkv_gsize(CamGroup g) { return (int)g.size; }
 inline void camkv_barrier(CamGroup g) { g.sync->arrive_and_wait(); }
 inline float camkv_exp(float x) { return std::exp(x); }
 inline float camkv_sqrt(float x) { return std::sqrt(x); }
+inline float camkv_log(float x) { return std::log(x); }
 inline float camkv_mul(float a, float b) { return a * b; }
 inline float camkv_madd(float acc, float a, float b) { return acc + a * b; }
 

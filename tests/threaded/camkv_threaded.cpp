@@ -12,8 +12,10 @@
 extern "C" int camkv_threaded_run(int threads, const CamParams* p, const float* in_keys, const float* in_values,
                                   const float* in_scores, const int* in_positions, const float* new_keys,
                                   const float* new_values, const float* queries, const float* chunk_mass,
-                                  const camkv_u32* row_ids, float* out_keys, float* out_values, float* out_scores,
-                                  int* out_positions, int* merges, float* f32, int* i32, float* store) {
+                                  const camkv_u32* row_ids, const float* in_votes, const float* in_threshold,
+                                  float* out_keys, float* out_values, float* out_scores, int* out_positions,
+                                  int* merges, float* f32, int* i32, float* store, float* out_votes,
+                                  float* out_threshold) {
   for (int row = 0; row < p->rows; ++row) {
     std::barrier<> sync(threads);
     std::vector<float> red_f(threads);
@@ -24,7 +26,8 @@ extern "C" int camkv_threaded_run(int threads, const CamParams* p, const float* 
         CamGroup g{(unsigned)t, (unsigned)threads, &sync, red_f.data(), red_i.data()};
         CamRowBuffers<float> b = camkv_row_buffers<float>(
             row, p, in_keys, in_values, in_scores, in_positions, new_keys, new_values, queries, chunk_mass,
-            out_keys, out_values, out_scores, out_positions, f32, i32, store);
+            out_keys, out_values, out_scores, out_positions, f32, i32, store, in_votes, in_threshold, out_votes,
+            out_threshold);
         int merged = camkv_update_row<float>(b, p, row_ids[row], g);
         if (t == 0) merges[row] = merged;
       });

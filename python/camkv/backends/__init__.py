@@ -4,8 +4,7 @@
 GPUs when built with Metal), "metal" and "cuda" (the same kernel core compiled at
 run time by mx.fast). "auto" picks metal on an Apple GPU, cuda on an NVIDIA GPU,
 ext on the CPU, and the reference (with one warning naming what is missing) otherwise.
-Every backend runs every merge rule: the kernel backends run a rule the kernel core has
-no row for (camkv.merges, kernels=False) by the MLX merge engine (backends.merge_ops).
+Every backend runs every merge rule (the kernel core has a row for each, csrc/camkv_merges.h).
 """
 
 from __future__ import annotations

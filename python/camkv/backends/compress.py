@@ -14,12 +14,11 @@ backend it has. The engines:
   and its merges as one product of losers by survivors and segment sums
   (camkv.backends.merge_ops.compress); on the CPU the extension's one pass per row is
   faster;
-- a rule the kernel core has no row for (camkv.merges, kernels=False: keepkv, d2o) on
-  a kernel backend, on any device: the merge engine's MLX operations, the rule's votes
-  and threshold read from the rows and written back with them;
 - otherwise the backend's update (the kernel core, or the reference): the settled rows
-  and the pending ones handed over as a RowState and new blocks (a kernel backend
-  hands an exact-mode call of a kernels=False rule to the merge engine itself).
+  and the pending ones handed over as a RowState and new blocks.
+
+Either way a rule's state (keepkv's votes, d2o's threshold) is read from the rows and
+written back with them.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from .. import merges
 from ..buffers import RowBuffers
 from ..pending import every_query
 from . import drop, merge_ops
-from .oracle import MODULE as REFERENCE_MODULE
 
 
 class Chunk(NamedTuple):
@@ -76,14 +74,9 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
 
 def by_operations(backend, cfg, end: int, settled: int) -> bool:
     """Whether a compression of rows [settled, end) runs as batched MLX operations: a
-    chunk of several tokens on a GPU, or a chunk with a rule the kernel core lacks on a
-    kernel backend. Exact prefill scores token by token (docs/algorithm.md section 2):
-    the backend's update."""
-    if cfg.prefill != "chunk":
-        return False
-    if getattr(backend, "target", None) and end - settled > 1:
-        return True
-    return not merges.rule(cfg.merge).kernels and getattr(backend, "__name__", None) != REFERENCE_MODULE
+    chunk of several tokens on a GPU. Exact prefill scores token by token
+    (docs/algorithm.md section 2): the backend's update."""
+    return cfg.prefill == "chunk" and bool(getattr(backend, "target", None)) and end - settled > 1
 
 
 def _by_operations(backend, rows: RowBuffers, chunk: Chunk):

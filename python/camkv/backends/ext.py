@@ -15,10 +15,8 @@ import mlx.core as mx
 
 from .. import mass
 from ..config import CaMConfig
-from ..merges import rule as merge_rule
 from ..rows import RowState
-from . import merge_ops
-from ._common import adopt_dtype, check_kernel_inputs, chunk_mass
+from ._common import adopt_dtype, check_kernel_inputs, chunk_mass, chunk_votes, rule_state
 from .params import decode_words, pack_words, scratch_strides
 
 try:  # the package works without the extension (reference backend)
@@ -44,18 +42,22 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _block_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, width: int) -> mx.array:
+def _block_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, width: int,
+                bias: mx.array | None = None) -> mx.array:
     """A block of chunk queries [R, G, t, Dk] over keys [R, visible, Dk] (float32): the
     logits by one matrix product (BLAS), their softmax rows summed down the columns by the
-    extension in one pass."""
+    extension in one pass. bias [R, visible] (log votes) joins each logit after its scale,
+    as in the reference's arithmetic (the extension then scales by 1, exactly)."""
     logits = mass.grouped_logits(queries, keys, mx.float32)
+    if bias is not None:
+        logits, scale = scale * logits + bias[:, None, :], 1.0
     return _ext.column_mass(logits, scale=scale, n_before=n_before, s_len=queries.shape[2], width=keys.shape[1],
                             weight=1.0 / queries.shape[1])
 
 
 # camkv.mass's reduction of a block by the extension (logits and temporaries as the
 # reference's arithmetic holds them).
-REDUCER = mass.EXACT._replace(name="ext-columns", block=_block_mass, takes_bias=False)
+REDUCER = mass.EXACT._replace(name="ext-columns", block=_block_mass, takes_bias=True)
 
 
 def _on_cpu(stream) -> bool:
@@ -98,13 +100,12 @@ def update(
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"backend 'ext' is not usable here: {reason}")
-    if not merge_rule(cfg.merge).kernels:  # a rule with state the core lacks: the MLX merge engine
-        return merge_ops.update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale, REDUCER)
     check_kernel_inputs(state, new_keys, queries, scale, _ext.MAX_HEAD_DIM, "the ext backend")
     if queries is None:
         scale = 1.0 / math.sqrt(new_keys.shape[-1])
     else:
         queries = queries.astype(mx.float32)
+    votes, threshold = rule_state(state, cfg)
     state = adopt_dtype(state, new_keys)
     # A CPU chunk call is scored by a matrix product and one pass of column sums: the
     # kernel's own scoring dots each query with each row in feature order, one row at a
@@ -112,8 +113,9 @@ def update(
     prescored = None
     if cfg.prefill == "chunk" and new_keys.shape[1] > 1 and _on_cpu(stream):
         with mx.stream(mx.cpu):
-            prescored = chunk_mass(state, new_keys, queries, scale, cfg=cfg, reducer=REDUCER)
-    keys, values, scores, positions, merges = _ext.update(
+            prescored = chunk_mass(state, new_keys, queries, scale, cfg=cfg, reducer=REDUCER,
+                                   votes=chunk_votes(votes, new_keys.shape[1]))
+    keys, values, scores, positions, merges, votes, threshold = _ext.update(
         state.keys,
         state.values,
         state.scores,
@@ -124,6 +126,8 @@ def update(
         queries,
         params=call_params(state, new_keys, new_values, offset, cfg, queries, scale, prescored is not None),
         chunk_mass=prescored,
+        votes=votes,
+        threshold=threshold,
         stream=stream,
     )
-    return RowState(keys, values, scores, positions), merges
+    return RowState(keys, values, scores, positions, votes, threshold), merges

@@ -15,10 +15,9 @@ import os
 import mlx.core as mx
 
 from ..config import CaMConfig
-from ..merges import rule as merge_rule
 from ..rows import RowState
-from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk
-from . import merge_ops, selfcheck
+from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk, chunk_votes, rule_state
+from . import selfcheck
 from .params import MAX_GROUP, pack_params, params_for, scratch_strides
 from .sources import inlined_source
 
@@ -38,16 +37,17 @@ def threads_per_row() -> int:
 
 MAX_HEAD_DIM = 256  # CAMKV_MAX_HEAD_DIM of the core
 _INPUTS = ["in_keys", "in_values", "in_scores", "in_positions", "new_keys", "new_values",
-           "queries", "chunk_mass", "row_ids", "params"]
+           "queries", "chunk_mass", "row_ids", "in_votes", "in_threshold", "params"]
 _OUTPUTS = ["out_keys", "out_values", "out_scores", "out_positions", "merges",
-            "scratch_f32", "scratch_i32", "scratch_store"]
+            "scratch_f32", "scratch_i32", "scratch_store", "out_votes", "out_threshold"]
 
 # The shared body: row buffers, the core's entry, the merge count. Each target
 # supplies its group (thread index, size, shared reduction slots) before it.
 _BODY = """
   CamRowBuffers<T> b = camkv_row_buffers<T>(
       row, p, in_keys, in_values, in_scores, in_positions, new_keys, new_values, queries, chunk_mass,
-      out_keys, out_values, out_scores, out_positions, scratch_f32, scratch_i32, scratch_store);
+      out_keys, out_values, out_scores, out_positions, scratch_f32, scratch_i32, scratch_store, in_votes,
+      in_threshold, out_votes, out_threshold);
   int merged = camkv_update_row<T>(b, p, row_ids[row], g);
   if (g.tid == 0) {
     merges[row] = merged;
@@ -168,6 +168,7 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     Inputs checked by check_update."""
     rows, s_len, k_dim = new_keys.shape
     v_dim, n = new_values.shape[-1], state.length
+    votes, threshold = rule_state(state, cfg)
     state = adopt_dtype(state, new_keys)
     n_out = min(n + s_len, cfg.budget)
     key_scoring = queries is None
@@ -183,7 +184,7 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     chunk_mass = None
     if cfg.prefill == "chunk" and s_len > 1:
         chunk_mass = prescore_chunk(state, new_keys, None if key_scoring else queries, scale,
-                                    split=target == "cuda", cfg=cfg)
+                                    split=target == "cuda", cfg=cfg, votes=chunk_votes(votes, s_len))
     prescored = chunk_mass is not None
     if not prescored:
         chunk_mass = _placeholder()  # unused by the core
@@ -192,12 +193,15 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg: CaMConfig, r
     pack = params_for if s_len == 1 and n == n_out else pack_params
     params = pack(cfg, rows, n, s_len, k_dim, v_dim, groups, n_out, int(offset), float(scale),
                   key_scoring, strides, prescored)
-    # A zero-length stored state still needs a buffer to point at.
-    stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state.arrays()]
-    outputs = launch(target, [*stored, new_keys, new_values, queries, chunk_mass, _as_uint32(row_ids), params],
-                     n_out, v_dim, strides)
+    # A zero-length stored state still needs a buffer to point at; a rule's state it keeps
+    # none of, a placeholder.
+    stored = [a if n else mx.zeros((rows, 1) + a.shape[2:], a.dtype) for a in state.arrays()[:4]]
+    carried = [_placeholder() if a is None else (a if a.size else _placeholder()) for a in (votes, threshold)]
+    outputs = launch(target, [*stored, new_keys, new_values, queries, chunk_mass, _as_uint32(row_ids), *carried,
+                              params], n_out, v_dim, strides, votes is not None, threshold is not None)
     keys, values, scores, positions, merges = outputs[:5]
-    return RowState(keys, values, scores, positions), merges
+    return RowState(keys, values, scores, positions, outputs[8] if votes is not None else None,
+                    outputs[9] if threshold is not None else None), merges
 
 
 # MLX declares a Metal kernel's input of fewer elements than this in the constant
@@ -212,9 +216,11 @@ def _device_sized(a: mx.array) -> mx.array:
     return mx.concatenate([a.reshape(-1), mx.zeros((METAL_DEVICE_MIN - a.size,), a.dtype)])
 
 
-def launch(target: str, inputs: list, n_out: int, v_dim: int, strides) -> list[mx.array]:
+def launch(target: str, inputs: list, n_out: int, v_dim: int, strides, votes: bool = False,
+           threshold: bool = False) -> list[mx.array]:
     """The kernel over _INPUTS (rows and storage dtype from new_keys): _OUTPUTS, one
-    work group per row."""
+    work group per row; votes, threshold: whether the rule keeps them (their outputs are
+    one float otherwise, which the core never writes)."""
     new_keys = inputs[_INPUTS.index("new_keys")]
     rows, _, k_dim = new_keys.shape
     dtype = new_keys.dtype
@@ -227,8 +233,10 @@ def launch(target: str, inputs: list, n_out: int, v_dim: int, strides) -> list[m
         grid=(rows * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(rows, n_out, k_dim), (rows, n_out, v_dim), (rows, n_out), (rows, n_out), (rows,),
-                       (rows, strides[0]), (rows, strides[1]), (rows, strides[2])],
-        output_dtypes=[dtype, dtype, mx.float32, mx.int32, mx.int32, mx.float32, mx.int32, dtype],
+                       (rows, strides[0]), (rows, strides[1]), (rows, strides[2]),
+                       (rows, n_out) if votes else (1,), (rows,) if threshold else (1,)],
+        output_dtypes=[dtype, dtype, mx.float32, mx.int32, mx.int32, mx.float32, mx.int32, dtype,
+                       mx.float32, mx.float32],
     )
 
 
@@ -259,8 +267,6 @@ class _Target:
         self.target = target
 
     def update(self, state, new_keys, new_values, offset, cfg, row_ids, queries=None, scale=None):
-        if not merge_rule(cfg.merge).kernels:  # a rule with state the core lacks: the MLX merge engine
-            return merge_ops.update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale)
         return _guards[self.target].update(state, new_keys, new_values, offset, cfg, row_ids, queries, scale)
 
     def unavailable_reason(self):

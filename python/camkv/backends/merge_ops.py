@@ -1,6 +1,5 @@
 """The merge engine: a compression with a merge rule in MLX operations over the whole
-device (camkv.backends.compress picks it for a chunk on a GPU, and for the rules the
-kernel core does not run, keepkv and d2o, on every kernel backend).
+device (camkv.backends.compress picks it for a chunk of several tokens on a GPU).
 
 A compression (docs/algorithm.md sections 4 and 7) scores its chunk, evicts down to the
 budget and merges every loser at once. Here each step is a batched operation over all

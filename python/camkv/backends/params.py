@@ -45,11 +45,13 @@ def scratch_strides(chunk: bool, n: int, s_len: int, n_out: int, k_dim: int, v_d
     shadow = k_dim * shadow_columns if s_len > 1 else 0
     store = (n + s_len) * (k_dim + v_dim) if runs_chunk else k_dim + v_dim
     f32_parts = QUERY_BLOCK + 2  # logits of a query block, mass, scores (CAMKV_F32_SHADOW)
-    f32_merge = capacity if runs_chunk else 0  # survivors' squared norms (camkv_merge_scratch)
+    # Survivors' squared norms and work votes (camkv_merge_scratch), and keepkv's query.
+    f32_merge = 2 * capacity if runs_chunk else 0
+    query = k_dim
     # Targets, counts, losers by target and starts (one more) of camkv_merge_scratch, and
     # one count per thread (camkv_list_rows, camkv_exclusive_scan).
     i32_merge = 4 * capacity + 1 + MAX_GROUP if runs_chunk else 0
-    return f32_parts * capacity + shadow + f32_merge, 4 * capacity + i32_merge, store
+    return f32_parts * capacity + shadow + f32_merge + query, 4 * capacity + i32_merge, store
 
 
 def pack_words(cfg: CaMConfig, rows, n, s_len, k_dim, v_dim, groups, n_out, offset, scale,
