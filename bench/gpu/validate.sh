@@ -2,6 +2,10 @@
 # within one device call (at most 10 minutes):
 #   bash bench/gpu/validate.sh kernels the kernels against the reference: equivalence,
 #                                      the merge engine, merge rules, the JIT backends
+#                                      (more than one call: its three parts, one a call:)
+#   bash bench/gpu/validate.sh equivalence   tests/test_equivalence.py
+#   bash bench/gpu/validate.sh engine        tests/test_merge_ops.py (about 5 minutes)
+#   bash bench/gpu/validate.sh rules         tests/test_rules.py and tests/test_jit.py
 #   bash bench/gpu/validate.sh cache   the amortized-eviction, window-scoring and
 #                                      whole-device compression tests, the cache, mlx-lm
 #                                      and batch tests, and the peak memory of a 1k and a
@@ -23,13 +27,24 @@ cuda_tests() {  # NAME FILES...: one part of the CUDA suite, within one device c
   timeout ${PYTEST_S:-540} python3 -m pytest -q -p no:cacheprovider --tb=short "$@" \
     > $OUT/pytest-cuda-h200-$name.txt 2>&1; tail -3 $OUT/pytest-cuda-h200-$name.txt
 }
-kernel_tests() { cuda_tests kernels tests/test_equivalence.py tests/test_merge_ops.py tests/test_rules.py tests/test_jit.py; }
+# The kernels part's files, by named part (NAME:FILE,FILE ...).
+kernel_parts="equivalence:tests/test_equivalence.py engine:tests/test_merge_ops.py rules:tests/test_rules.py,tests/test_jit.py"
+# shellcheck disable=SC2046  # every part's files, split on spaces
+kernel_tests() { cuda_tests kernels $(for entry in $kernel_parts; do echo "${entry#*:}" | tr , ' '; done); }
 cache_tests() {
   cuda_tests cache tests/test_amortized.py tests/test_policy.py tests/test_cache.py tests/test_mlx_lm.py \
     tests/test_query_scoring.py tests/test_batch.py
   timeout 90 python3 bench/peak_memory.py --model random-1b --prompt-lengths 1024 32768 --out $OUT 2>&1 | tail -4
 }
-if [ "$part" = kernels ]; then
+kernel_part() {  # NAME: the files of one named part of kernel_tests
+  for entry in $kernel_parts; do
+    if [ "${entry%%:*}" = "$1" ]; then echo "${entry#*:}" | tr , ' '; fi
+  done
+}
+if [ -n "$(kernel_part "$part")" ]; then
+  # shellcheck disable=SC2046  # the part's files, split on spaces
+  cuda_tests "$part" $(kernel_part "$part")
+elif [ "$part" = kernels ]; then
   kernel_tests
 elif [ "$part" = cache ]; then
   cache_tests
@@ -47,5 +62,5 @@ elif [ "$part" = decode ]; then
   timeout 330 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 256 \
     --trials 7 --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
 else
-  echo "usage: bash bench/gpu/validate.sh kernels|cache|tests|bench|decode" >&2; exit 2
+  echo "usage: bash bench/gpu/validate.sh kernels|equivalence|engine|rules|cache|tests|bench|decode" >&2; exit 2
 fi
