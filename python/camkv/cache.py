@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, quantized, tier
+from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, policy, quantized, tier
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
@@ -305,7 +305,8 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
     def stored(self):
         """(keys [B,H,n,Dk], values [B,H,n,Dv], scores [B,H,n] f32, positions [B,H,n] i32)
         of every row held; a pending row's score includes its chunk's mass so far (what
-        the next compression will add), without changing the cache."""
+        the next compression will add, to the settled rows' scores as it decays them:
+        CaMConfig.score_decay), without changing the cache."""
         self.flush_pending()
         if self._rows.keys is None:
             raise ValueError("the cache is empty: nothing stored yet")
@@ -313,7 +314,7 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
         rows = self._rows.rows()
         if self._pending.kind is not None:
             mass = self._pending.mass(rows, self._rows.settled, self._layout[1], self._config)
-            rows = rows._replace(scores=rows.scores + mass)
+            rows = rows._replace(scores=policy.decayed(rows.scores, self._config) + mass)
         return tuple(a.reshape(B, H, self._rows.held, *a.shape[2:]) for a in rows[:4])
 
     def tier_rows(self):

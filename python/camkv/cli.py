@@ -43,8 +43,8 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
         if isinstance(field.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            is_int = field.type.startswith("int")
-            kwargs.update(type=int if is_int else str, metavar="N" if is_int else "NAME")
+            kind = next((t for t in (int, float) if field.type.startswith(t.__name__)), str)
+            kwargs.update(type=kind, metavar={int: "N", float: "X", str: "NAME"}[kind])
         group.add_argument("--kv-" + meta["flag"], **kwargs)
     group.add_argument("--kv-bytes", metavar="BYTES",
                        help="most bytes one layer's cache may hold (all its KV heads; a count or "

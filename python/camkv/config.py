@@ -137,6 +137,12 @@ class CaMConfig:
       dropped from there, lowest score first; attention reads both (docs/algorithm.md
       section 13). merge="drop" only.
     - tier_bits [2]: bits of the tier's rows: 2, 3 or 4.
+    - score_decay [1.0]: what the held rows' scores are multiplied by before each
+      compression adds its mass (docs/algorithm.md section 7), in [0, 1]. 1 accumulates
+      every compression's mass (H2O); 0 ranks by the latest compression's queries alone
+      (SnapKV, per chunk); between, older mass fades geometrically per compression, so a
+      prompt's last chunk (where the question is) weighs more against the earlier ones.
+      prefill="chunk" only (exact prefill compresses token by token inside one call).
 
     Requires n_sink + recent < budget. Invalid values raise ValueError naming the
     field, the bad value and what is allowed.
@@ -181,6 +187,9 @@ class CaMConfig:
     tier_budget: int = _field(0, "tier-budget", "evicted rows a head keeps at --kv-tier-bits before they are "
                               "dropped, lowest score first (0: none; --kv-merge drop only)")
     tier_bits: int = _field(2, "tier-bits", "bits of the evicted rows --kv-tier-budget keeps: 2, 3 or 4")
+    score_decay: float = _field(1.0, "score-decay", "factor in [0, 1] the held rows' scores are multiplied by "
+                                "before each compression adds its mass (1: accumulated, H2O; 0: the latest "
+                                "compression's queries alone, SnapKV's per chunk); --kv-prefill chunk only")
 
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
@@ -202,6 +211,7 @@ class CaMConfig:
         _check_bool("merge_keys", self.merge_keys)
         _check_bool("gate", self.gate)
         self._check_scoring_policy()
+        self._check_score_decay()
         self._check_quantization()
         if self.slack and self.prefill != "chunk":
             raise ValueError(
@@ -235,6 +245,17 @@ class CaMConfig:
         if self.prefill_scoring == "window" and self.prefill != "chunk":
             raise ValueError(f"CaMConfig.prefill_scoring='window' needs prefill='chunk' (it scores a "
                              f"chunk by its last queries), got prefill={self.prefill!r}")
+
+    def _check_score_decay(self) -> None:
+        """score_decay: a number in [0, 1] (NaN is neither), other than 1 only with chunk prefill."""
+        decay = self.score_decay
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+            raise ValueError(f"CaMConfig.score_decay must be a number in [0, 1], got {decay!r}")
+        object.__setattr__(self, "score_decay", float(decay))  # an int from JSON (0, 1) as the float it means
+        if self.score_decay != 1.0 and self.prefill != "chunk":
+            raise ValueError(f"CaMConfig.score_decay={self.score_decay} needs prefill='chunk' (exact prefill "
+                             f"compresses token by token within one call), got prefill={self.prefill!r}; "
+                             f"use score_decay=1.0")
 
     def _check_quantization(self) -> None:
         """bits and group_size (MLX's affine quantization offers these)."""

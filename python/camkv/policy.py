@@ -1,5 +1,6 @@
-"""What eviction ranks by (CaMConfig.eviction) and which queries of a chunk score it
-(CaMConfig.prefill_scoring, observation_window, pool): docs/algorithm.md sections 3 and 7.
+"""What eviction ranks by (CaMConfig.eviction), which queries of a chunk score it
+(CaMConfig.prefill_scoring, observation_window, pool) and how much of the held rows' mass
+a compression starts from (CaMConfig.score_decay): docs/algorithm.md sections 3 and 7.
 
 One definition for the reference, camkv.backends.drop and the kernels' host code; the kernel
 core computes the same in C++ (camkv_rank_row, camkv_score_chunk). Which rows are
@@ -21,6 +22,15 @@ def eviction_ranks(scores: mx.array, cfg) -> mx.array:
     if cfg.eviction == "recency":
         return mx.broadcast_to(mx.arange(scores.shape[1], dtype=mx.float32), scores.shape)
     return mx.where(mx.isnan(scores), -float("inf"), scores)
+
+
+def decayed(scores: mx.array, cfg) -> mx.array:
+    """The held rows' scores [R, n] as a compression starts from them (section 7):
+    multiplied by cfg.score_decay before its mass is added, so older compressions'
+    mass fades. At the default 1.0 the very array (bit-identical: no operation)."""
+    if cfg.score_decay == 1.0:
+        return scores
+    return scores * cfg.score_decay
 
 
 def protected(positions: mx.array, p_last, n_sink: int, recent: int) -> mx.array:

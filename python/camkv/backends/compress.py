@@ -3,7 +3,8 @@
 
 The cache hands over its rows (camkv.buffers.RowBuffers, rows [0, end) taking part) and
 the chunk's queries [R, G, T, Dk] (one layout: the model's), and never asks which
-backend it has. The engines:
+backend it has. The settled rows' scores are decayed here (CaMConfig.score_decay,
+camkv.policy.decayed), before any engine reads them. The engines:
 
 - on an NVIDIA GPU, merge="drop" with score eviction: one launch chooses, compacts and
   copies the survivors (camkv.backends.drop.compress_drop_buffers over backends.compact_cuda);
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .. import merges
+from .. import merges, policy
 from ..buffers import RowBuffers
 from ..pending import every_query
 from . import drop, merge_ops
@@ -59,6 +60,8 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
     a drop.DropLaunch not run yet when may_defer and the engine is one launch (the
     caller runs it, maybe with others alike, and hands the outputs to rows.adopt)."""
     next_position = rows.pending_start + chunk.end - rows.settled
+    # Here, before the engines part ways, so every engine starts from the same decayed scores.
+    rows.scores = policy.decayed(rows.scores, chunk.cfg)
     if one_launch(backend, chunk.cfg, chunk.end):
         launch = drop.DropLaunch(rows.keys, rows.values, chunk.end, rows.scores, rows.positions, chunk.queries,
                                  rows.pending_start, chunk.scale, chunk.cfg, rows.capacity)
