@@ -217,6 +217,23 @@ def test_the_comparison_sees_each_kind_of_difference():
     assert "merge counts" in selfcheck.compare((state, count + 1), (state, count), mx.float16)
 
 
+@pytest.mark.parametrize("merge, field", [("keepkv", "votes"), ("d2o", "threshold")])
+def test_a_later_probe_of_a_stateful_rule_carries_its_state_and_the_comparison_sees_it(merge, field):
+    """keepkv's votes and d2o's threshold go into a later compression's probe (rows standing
+    for several tokens, a threshold already set) and come out compared: a kernel that loses
+    or miscounts them fails the probe."""
+    launch = selfcheck.LaunchClass("cpu", mx.float32, True, False, False, False, "chunk", merge,
+                                   "score", "window", (16, 16), 2)
+    problem = selfcheck.probe_problem(launch)
+    given = getattr(problem[0], field)
+    assert given is not None and (field == "threshold" or float(mx.max(given)) > 1)
+    state, count = reference.update(*problem)
+    assert selfcheck.compare((state, count), (state, count), mx.float32) is None
+    kept = getattr(state, field)
+    for wrong in (None, kept + 1):
+        assert field in selfcheck.compare((state._replace(**{field: wrong}), count), (state, count), mx.float32)
+
+
 def test_camkv_generate_with_a_failing_metal_kernel_finishes_with_one_warning(tiny_model_dir):
     """The command as a user runs it, backend "metal" made usable on a machine whose Metal
     kernel cannot launch: the answer comes, one warning says why, no traceback."""

@@ -6,7 +6,8 @@ computes wrong values. The first launch of each launch class (backend, storage d
 one-token or chunk call, key or query scoring, first or later compression, few or
 many rows, merge rule) in a process first runs a tiny random problem of that class
 through the kernel and through the reference and compares them (docs/algorithm.md
-section 8). A compile error, a launch error or a mismatch makes camkv warn once (the
+section 8; a later compression of keepkv or d2o carries their votes and threshold in
+and compares them too). A compile error, a launch error or a mismatch makes camkv warn once (the
 error, the backend, what it falls back to, how to report it) and compute that call and
 every later one of the backend on the reference backend: the results a user gets with
 backend="reference". An error raised by a later launch is caught the same way.
@@ -28,6 +29,7 @@ from typing import Callable, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from .. import merges
 from ..config import CaMConfig
 from ..rows import RowState
 from .oracle import reference  # the oracle, loaded by a probe or a fallback only
@@ -179,11 +181,35 @@ def probe_problem(launch: LaunchClass) -> tuple:
 
     state = RowState(normal(rows, n, k_dim), normal(rows, n, v_dim),
                      mx.array(rng.uniform(0.0, 2.0, (rows, n)).astype(np.float32)),
-                     mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n)))
+                     mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n)), *rule_state(cfg, rows, n, rng))
     queries = None if launch.key_scoring else normal(rows, s_len, launch.groups, k_dim, dtype=mx.float32)
     scale = None if launch.key_scoring else float(k_dim) ** -0.5
     row_ids = mx.arange(rows, dtype=mx.uint32)
     return state, normal(rows, s_len, k_dim), normal(rows, s_len, v_dim), n, cfg, row_ids, queries, scale
+
+
+def rule_state(cfg: CaMConfig, rows: int, n: int, rng) -> tuple:
+    """(votes, threshold) of a later compression for the rules that carry them (camkv.merges:
+    keeps_votes, moving_threshold), None for the others and the first: rows that already
+    stand for 1-4 tokens and a threshold set by an earlier compression, so the probe reads
+    and writes both as a user's later calls do."""
+    rule = merges.rule(cfg.merge)
+    later = n > 0
+    votes = mx.array(rng.integers(1, 5, (rows, n)).astype(np.float32)) if rule.keeps_votes and later else None
+    threshold = (mx.array(rng.uniform(-0.5, 0.5, rows).astype(np.float32))
+                 if rule.moving_threshold and later else None)
+    return votes, threshold
+
+
+def _rule_state_differs(got: RowState, want: RowState) -> str | None:
+    """What differs in the merge rule's own state (votes exactly, threshold within float32
+    rounding, NaN where the reference has NaN), else None."""
+    for name, a, b, rtol in (("votes", got.votes, want.votes, 0.0), ("threshold", got.threshold, want.threshold, 1e-5)):
+        if (a is None) != (b is None):
+            return f"the {name} are {'missing' if a is None else 'unexpected'}"
+        if a is not None and not np.allclose(np.array(a), np.array(b), rtol=rtol, atol=rtol, equal_nan=True):
+            return f"the {name} differ"
+    return None
 
 
 def compare(kernel_result, reference_result, dtype) -> str | None:
@@ -198,6 +224,8 @@ def compare(kernel_result, reference_result, dtype) -> str | None:
         return "the merge counts differ"
     if not np.allclose(np.array(got.scores), np.array(want.scores), rtol=1e-3, atol=1e-5):
         return "the scores differ"
+    if (rule_mismatch := _rule_state_differs(got, want)) is not None:
+        return rule_mismatch
     rtol = _VALUE_RTOL[dtype]
     for name, a, b in (("keys", got.keys, want.keys), ("values", got.values, want.values)):
         a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
