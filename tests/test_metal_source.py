@@ -149,6 +149,9 @@ def _compile(source: str, tmp_path: Path, name: str) -> subprocess.CompletedProc
     return subprocess.run(command, capture_output=True, text=True)
 
 
+# The drive feeds one layer's cache without a model's attention, so keepkv's votes are
+# never read; the warning that says so is expected here.
+@pytest.mark.filterwarnings("ignore::camkv.cache_input.VotesWarning")
 def test_every_launch_class_compiles_with_mlxs_address_spaces(captured, tmp_path):
     launches = _collect(captured)
     seen = {(l["dtype"], l["rows"] < 8, l["one_token"], l["key_scoring"], l["first"], l["prescored"])
