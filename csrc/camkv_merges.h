@@ -160,18 +160,18 @@ CAMKV_INLINE float camkv_merge_weight(int merge, float cosine, float s_in, float
 // |V_e| and |V_t| for these only (two dot products a merging token), and passes 0 otherwise.
 #define CAMKV_VALUE_NORM_RULES(X) X(value_norm, 6)
 
-#define CAMKV_NORM_CASE(name, code) \
-  case code:                        \
+// One case of a rule list's membership switch (the three lists' tests below).
+#define CAMKV_LISTED_CASE(name, code) \
+  case code:                          \
     return 1;
 
 // 1 if rule `merge`'s loser share reads the value norms.
 CAMKV_INLINE int camkv_reads_value_norms(int merge) {
   switch (merge) {
-    CAMKV_VALUE_NORM_RULES(CAMKV_NORM_CASE)
+    CAMKV_VALUE_NORM_RULES(CAMKV_LISTED_CASE)
   }
   return 0;
 }
-#undef CAMKV_NORM_CASE
 
 // The rules that carry per-row state between calls (docs/algorithm.md sections 1, 4.5
 // and 4.6), X(name, code): each stored row's votes (they weigh its attention, and keepkv
@@ -180,14 +180,10 @@ CAMKV_INLINE int camkv_reads_value_norms(int merge) {
 #define CAMKV_VOTE_RULES(X) X(keepkv, 8)
 #define CAMKV_THRESHOLD_RULES(X) X(d2o, 7)
 
-#define CAMKV_STATE_CASE(name, code) \
-  case code:                         \
-    return 1;
-
 // 1 if rule `merge` keeps votes per stored row.
 CAMKV_INLINE int camkv_keeps_votes(int merge) {
   switch (merge) {
-    CAMKV_VOTE_RULES(CAMKV_STATE_CASE)
+    CAMKV_VOTE_RULES(CAMKV_LISTED_CASE)
   }
   return 0;
 }
@@ -195,11 +191,11 @@ CAMKV_INLINE int camkv_keeps_votes(int merge) {
 // 1 if rule `merge` merges only above its row's moving threshold.
 CAMKV_INLINE int camkv_moves_threshold(int merge) {
   switch (merge) {
-    CAMKV_THRESHOLD_RULES(CAMKV_STATE_CASE)
+    CAMKV_THRESHOLD_RULES(CAMKV_LISTED_CASE)
   }
   return 0;
 }
-#undef CAMKV_STATE_CASE
+#undef CAMKV_LISTED_CASE
 
 // D2O's threshold after a compression whose losers' nearest cosines have the finite sum
 // `sum` over `count` of them (section 4.5): their mean at a row's first compression (tau
