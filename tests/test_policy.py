@@ -18,6 +18,7 @@ from camkv.eval.arms import CacheSettings, make_cache, parse_methods
 from camkv.rows import RowState
 from conftest import random_block, run_calls
 from test_equivalence import check_backend
+from tiny_models import feed_with_queries
 
 ROWS, K_DIM, V_DIM = 3, 8, 6
 
@@ -290,20 +291,8 @@ def test_the_cache_scores_prompt_blocks_by_the_window_and_decode_steps_by_every_
 
 
 def _feed_with_queries(cache, sizes, seed=3, heads=2, groups=2):
-    """Feed one random prompt [1, heads, sum(sizes), D] in blocks of the given sizes,
-    each with its queries (query scoring, as camkv's attention hook hands them over)."""
-    rng = np.random.default_rng(seed)
-    total = sum(sizes)
-    keys = mx.array(rng.standard_normal((1, heads, total, K_DIM)).astype(np.float32))
-    values = mx.array(rng.standard_normal((1, heads, total, V_DIM)).astype(np.float32))
-    queries = mx.array(rng.standard_normal((1, heads * groups, total, K_DIM)).astype(np.float32))
-    first = 0
-    for size in sizes:
-        block = slice(first, first + size)
-        cache.update_and_fetch(keys[:, :, block], values[:, :, block])
-        cache.observe_queries(queries[:, :, block], 0.5)
-        first += size
-    return cache
+    """One random prompt fed in blocks with its queries (tiny_models.feed_with_queries)."""
+    return feed_with_queries(cache, sizes, seed=seed, heads=heads, groups=groups, k_dim=K_DIM, v_dim=V_DIM)
 
 
 @pytest.mark.parametrize("observation_window", [4, 9, 40])

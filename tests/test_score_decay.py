@@ -14,6 +14,7 @@ import pytest
 from camkv import CaMConfig, CaMKVCache
 from camkv.cli import build_parser, kv_fields
 from conftest import assert_config_refused
+from tiny_models import feed_with_queries
 
 # One row (B = H = 1), keys of two features. A and B form the first block, C, D and E the
 # second; every key is 0 but C's and E's, so every logit of E's query is 0 but C's and E's own.
@@ -75,18 +76,8 @@ def test_stored_shows_the_settled_scores_as_the_next_compression_will_decay_them
 
 def _feed(cache: CaMKVCache, sizes, seed: int = 5, heads: int = 2, groups: int = 2, dim: int = 8) -> CaMKVCache:
     """A random prompt fed in blocks of the given sizes with their queries, as camkv's
-    attention hook hands them over."""
-    rng = np.random.default_rng(seed)
-    total = sum(sizes)
-    keys, values, queries = (mx.array(rng.standard_normal((1, h, total, dim)).astype(np.float32))
-                             for h in (heads, heads, heads * groups))
-    first = 0
-    for size in sizes:
-        block = slice(first, first + size)
-        cache.update_and_fetch(keys[:, :, block], values[:, :, block])
-        cache.observe_queries(queries[:, :, block], 0.4)
-        first += size
-    return cache
+    attention hook hands them over (tiny_models.feed_with_queries)."""
+    return feed_with_queries(cache, sizes, seed=seed, heads=heads, groups=groups, k_dim=dim, v_dim=dim, scale=0.4)
 
 
 SIZES = [9, 10, 7] + [1] * 9  # three prompt blocks (two compressions), then decode steps under slack

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import llama
 
 
@@ -211,3 +212,21 @@ def batch_of_lone_caches(model, prompts: list[list[int]], **fields):
         model(mx.array(prompt)[None], cache=cache)
         alone.append(cache)
     return alone, [BatchCaMKVCache.merge([c[i] for c in alone]) for i in range(len(alone[0]))]
+
+
+def feed_with_queries(cache, sizes, *, seed: int, heads: int = 2, groups: int = 2, k_dim: int = 8,
+                      v_dim: int = 8, scale: float = 0.5):
+    """Feed one random prompt [1, heads, sum(sizes), D] to a cache in blocks of the given
+    sizes, each with its queries (query scoring, as camkv's attention hook hands them
+    over); keys, values and queries are drawn in that order from one seeded generator."""
+    rng = np.random.default_rng(seed)
+    total = sum(sizes)
+    keys, values, queries = (mx.array(rng.standard_normal((1, h, total, d)).astype(np.float32))
+                             for h, d in ((heads, k_dim), (heads, v_dim), (heads * groups, k_dim)))
+    first = 0
+    for size in sizes:
+        block = slice(first, first + size)
+        cache.update_and_fetch(keys[:, :, block], values[:, :, block])
+        cache.observe_queries(queries[:, :, block], scale)
+        first += size
+    return cache
