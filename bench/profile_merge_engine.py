@@ -5,19 +5,47 @@ merge rule. The engines take turns call by call, --repeats calls each after a wa
 medians, and each rule's median ratio to the drop engine's call of the same turn.
 
     python bench/profile_merge_engine.py --rows 3 --head-dim 64 --budget 512 --chunk 2048
+
+With --stages, each call's parts are timed too (mass, ranks, partition, gathers, targets,
+gate, blends, sums; each part's inputs evaluated before it starts and its outputs after,
+so a part's time is its own device work plus one synchronisation; the merges run
+uncompiled there, as parts of a compiled call cannot be evaluated alone): where a rule's
+extra time over dropping goes. llama-3-8B's shape on a GPU:
+
+    python bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 --chunk 2048 --stages
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from camkv import CaMConfig, merges
+from mlx.utils import tree_flatten
+
+from camkv import CaMConfig, mass, merges, policy
 from camkv.backends import drop, ext, merge_ops
+
+# The parts of a compression --stages times: (owner, attribute, label). Parts nest (the
+# targets hold the nearest search; a blend holds its sums): each is timed inclusive.
+STAGES = (
+    (mass, "chunk_mass", "mass"),
+    (policy, "eviction_ranks", "ranks"),
+    (drop, "losers_and_survivors", "partition"),
+    (merge_ops.Rows, "of", "gather"),
+    (merge_ops, "_targets", "targets"),
+    (merge_ops, "_nearest", "nearest"),
+    (merge_ops, "_merging", "gate"),
+    (merge_ops, "_keep_output", "keepkv blend"),
+    (merge_ops._Edges, "weighted_mean", "blend"),
+    (merge_ops._Edges, "sum", "sums"),
+)
 
 
 def parse_args(argv=None):
@@ -28,6 +56,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=int, default=512, help="rows kept (default 512)")
     parser.add_argument("--chunk", type=int, default=2048, help="tokens compressed at once (default 2048)")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per engine (default 7)")
+    parser.add_argument("--stages", action="store_true", help="time each part of a call too (default off)")
+    parser.add_argument("--out", type=Path, default=None, help="write the medians as JSON here (default: none)")
     return parser.parse_args(argv)
 
 
@@ -35,6 +65,66 @@ def _timed(fn) -> float:
     tick = time.perf_counter()
     mx.eval(fn())
     return time.perf_counter() - tick
+
+
+def _arrays(tree) -> list:
+    """Every mx.array in tree (tuples, lists, dicts, objects' attributes)."""
+    if isinstance(tree, mx.array):
+        return [tree]
+    if hasattr(tree, "__dict__") and not isinstance(tree, type):
+        tree = vars(tree)
+    if isinstance(tree, (list, tuple, dict)):
+        return [a for _, a in tree_flatten(tree) if isinstance(a, mx.array)]
+    return []
+
+
+@contextmanager
+def stage_timer(spent: dict[str, float]):
+    """Within it, every STAGES part adds its seconds to spent[label]: its inputs evaluated
+    first, the clock stopped once its outputs are."""
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in STAGES]
+
+    def timed(fn, label, bound):
+        def wrapper(*args, **kwargs):
+            mx.eval(_arrays(list(args)) + _arrays(kwargs))
+            tick = time.perf_counter()
+            out = fn(*args, **kwargs)
+            mx.eval(_arrays(out))
+            spent[label] = spent.get(label, 0.0) + time.perf_counter() - tick
+            return out
+        return classmethod(lambda cls, *a, **k: wrapper(cls, *a, **k)) if bound else wrapper
+
+    compiled = merge_ops._compiled_merge
+    # Parts cannot be evaluated inside a compiled trace: the merges run uncompiled here.
+    merge_ops._compiled_merge = lambda cfg, scale, split: (
+        lambda losers, loser_idx, kept, kept_idx, threshold, query, row_ids: merge_ops.merge(
+            losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split))
+    saved.append((merge_ops, "_compiled_merge", compiled))
+    for (owner, name, original), (_, _, label) in zip(saved, STAGES):
+        is_classmethod = isinstance(original, classmethod)
+        fn = original.__func__ if is_classmethod else original
+        setattr(owner, name, timed(fn, label, is_classmethod))
+    try:
+        yield spent
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _stages(engines: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """Median ms of each part of each engine's call, over repeats calls after a warm one."""
+    out = {}
+    for name, fn in engines.items():
+        _timed(fn)
+        runs = []
+        for _ in range(repeats):
+            spent: dict[str, float] = {}
+            with stage_timer(spent):
+                spent["whole"] = _timed(fn)
+            runs.append(spent)
+        labels = sorted({label for run in runs for label in run})
+        out[name] = {label: 1e3 * statistics.median(run.get(label, 0.0) for run in runs) for label in labels}
+    return out
 
 
 def _in_turn(engines: dict, repeats: int) -> dict[str, list[float]]:
@@ -81,7 +171,18 @@ def main(argv=None) -> dict:
         ratio = statistics.median(a / b for a, b in zip(own, seconds["drop"]))  # paired call by call
         times[rule] = {"median_ms": 1e3 * statistics.median(own), "vs_drop": ratio}
         print(f"{rule:14s} {times[rule]['median_ms']:8.1f} ms  {ratio:5.2f}x drop's (paired)")
-    return {"setup": vars(opts), "device": str(mx.default_device()), "ms": times}
+    result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "device": str(mx.default_device()), "ms": times}
+    if opts.stages:
+        result["stages_ms"] = _stages(engines, opts.repeats)
+        labels = ["whole"] + [label for _, _, label in STAGES]
+        print("stages, ms (inclusive; each part synchronised):")
+        print(f"{'rule':14s} " + " ".join(f"{label[:9]:>9s}" for label in labels))
+        for rule, parts in result["stages_ms"].items():
+            print(f"{rule:14s} " + " ".join(f"{parts.get(label, 0.0):9.2f}" for label in labels))
+    if opts.out is not None:
+        opts.out.parent.mkdir(parents=True, exist_ok=True)
+        opts.out.write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ tie-aware tolerances, not bit for bit.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -98,10 +99,22 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     losers = Rows.of(keys, values, scores, positions, votes, loser_idx)
     kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
-    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids)
+    # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
+    split = drop.on_cuda() and keys.dtype == mx.float32
+    merged = _compiled_merge(cfg, scale, split)(losers, loser_idx, kept, kept_idx, threshold, query, row_ids)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     return RowState(merged.keys.astype(keys.dtype), merged.values.astype(values.dtype), merged.scores,
                     kept.positions, merged.votes, merged.threshold), merged.count
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_merge(cfg, scale: float, split: bool):
+    """merge for one config, scale and split, compiled (mx.compile): its elementwise steps
+    over [R, k] and [R, k, D] fuse into a few kernels, where a GPU would otherwise launch
+    each (most of a merge's time after the nearest search)."""
+    def run(losers, loser_idx, kept, kept_idx, threshold, query, row_ids):
+        return merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split)
+    return mx.compile(run)
 
 
 class Merged(NamedTuple):
@@ -131,14 +144,14 @@ class _Targets(NamedTuple):
     width: mx.array | None = None
 
 
-def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg) -> _Targets:
+def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg, split: bool) -> _Targets:
     if merges.rule(cfg.merge).kind == merges.WINDOW:
         index, width = _window_targets(loser_idx, kept_idx, cfg.window)
         valid = mx.arange(index.shape[2])[None, None, :] < width[:, :, None]
         shared = mx.maximum(width, 1)
         s_target = mx.where(valid, _at(kept.scores, index), 0.0).sum(axis=2) / shared  # the mean score of W(e)
         return _Targets(index, valid, s_target, losers.scores / shared, width=shared)
-    t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink)
+    t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink, split)
     return _Targets(t[:, :, None], found[:, :, None], _at(kept.scores, t), losers.scores, t, cosine)
 
 
@@ -154,11 +167,14 @@ def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
     return do, threshold
 
 
-def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids) -> Merged:
+def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids,
+          split: bool) -> Merged:
     """Sections 4.1-4.6: every loser's targets among the survivors (as they stand before
-    any merge), the gate and d2o's threshold, then every target's merges at once."""
+    any merge), the gate and d2o's threshold, then every target's merges at once. split:
+    whether the nearest search's product needs float32_product's split (float32 keys on
+    an NVIDIA GPU)."""
     rule = merges.rule(cfg.merge)
-    targets = _targets(losers, loser_idx, kept, kept_idx, cfg)
+    targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
     do = do & targets.valid.any(axis=2)  # a loser with no target merges nowhere
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1])
@@ -186,18 +202,20 @@ def _at(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, flat, axis=1).reshape(idx.shape)
 
 
-def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int):
+def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool):
     """Section 4.1 for every loser at once: the non-sink survivor of largest cosine
     (ties to the smaller position: survivors are in position order, and the first
     maximum wins; a device whose argmax broke exact ties otherwise would stay within
-    section 8's near-tie of the cosines), among those with a finite cosine, as one product of losers [R, k, Dk] by the
-    survivors' unit keys [R, m, Dk]: for one loser a survivor's cosine is that product
-    over |K_e|, a positive constant, so the product ranks them as the cosines do (to
-    rounding: section 8's near-tie). Returns t [R, k] (indices into the survivors, 0 where
-    there is none), whether there is one [R, k] and cos_t [R, k] as section 4.1 computes it."""
+    section 8's near-tie of the cosines), among those with a finite cosine, as one product
+    of losers [R, k, Dk] by the survivors' keys [R, m, Dk], each column divided by its
+    survivor's norm: for one loser a survivor's cosine is that over |K_e|, a positive
+    constant, so it ranks them as the cosines do (to rounding: section 8's near-tie). The
+    product of the keys themselves, not of unit keys: keys stored in half precision are
+    exact inputs of a TF32 product, so it needs no split (split: float32 keys on an NVIDIA
+    GPU). Returns t [R, k] (indices into the survivors, 0 where there is none), whether
+    there is one [R, k] and cos_t [R, k] as section 4.1 computes it."""
     norm_l, norm_k = merges.feature_norm(loser_keys), merges.feature_norm(kept_keys)
-    unit = kept_keys / mx.maximum(norm_k, 1e-12)[:, :, None]
-    ranked = mass.float32_product(loser_keys, unit.transpose(0, 2, 1), drop.on_cuda())
+    ranked = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split) / mx.maximum(norm_k, 1e-12)[:, None, :]
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none.
     candidate = (kept_positions >= n_sink) & mx.isfinite(norm_k)
