@@ -8,9 +8,8 @@ medians, and each rule's median ratio to the drop engine's call of the same turn
 
 With --stages, each call's parts are timed too (mass, ranks, partition, gathers, targets,
 gate, blends, sums; each part's inputs evaluated before it starts and its outputs after,
-so a part's time is its own device work plus one synchronisation; the merges run
-uncompiled there, as parts of a compiled call cannot be evaluated alone): where a rule's
-extra time over dropping goes. llama-3-8B's shape on a GPU:
+so a part's time is its own device work plus one synchronisation): where a rule's extra
+time over dropping goes. llama-3-8B's shape on a GPU:
 
     python bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 --chunk 2048 --stages
 """
@@ -94,12 +93,6 @@ def stage_timer(spent: dict[str, float]):
             return out
         return classmethod(lambda cls, *a, **k: wrapper(cls, *a, **k)) if bound else wrapper
 
-    compiled = merge_ops._compiled_merge
-    # Parts cannot be evaluated inside a compiled trace: the merges run uncompiled here.
-    merge_ops._compiled_merge = lambda cfg, scale, split: (
-        lambda losers, loser_idx, kept, kept_idx, threshold, query, row_ids: merge_ops.merge(
-            losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split))
-    saved.append((merge_ops, "_compiled_merge", compiled))
     for (owner, name, original), (_, _, label) in zip(saved, STAGES):
         is_classmethod = isinstance(original, classmethod)
         fn = original.__func__ if is_classmethod else original

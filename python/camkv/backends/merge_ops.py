@@ -17,7 +17,6 @@ tie-aware tolerances, not bit for bit.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -101,20 +100,10 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
-    merged = _compiled_merge(cfg, scale, split)(losers, loser_idx, kept, kept_idx, threshold, query, row_ids)
+    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     return RowState(merged.keys.astype(keys.dtype), merged.values.astype(values.dtype), merged.scores,
                     kept.positions, merged.votes, merged.threshold), merged.count
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled_merge(cfg, scale: float, split: bool):
-    """merge for one config, scale and split, compiled (mx.compile): its elementwise steps
-    over [R, k] and [R, k, D] fuse into a few kernels, where a GPU would otherwise launch
-    each (most of a merge's time after the nearest search)."""
-    def run(losers, loser_idx, kept, kept_idx, threshold, query, row_ids):
-        return merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split)
-    return mx.compile(run)
 
 
 class Merged(NamedTuple):
