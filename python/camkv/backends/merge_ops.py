@@ -204,7 +204,8 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool):
     GPU). Returns t [R, k] (indices into the survivors, 0 where there is none), whether
     there is one [R, k] and cos_t [R, k] as section 4.1 computes it."""
     norm_l, norm_k = merges.feature_norm(loser_keys), merges.feature_norm(kept_keys)
-    ranked = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split) / mx.maximum(norm_k, 1e-12)[:, None, :]
+    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
+    ranked = products / mx.maximum(norm_k, 1e-12)[:, None, :]
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none.
     candidate = (kept_positions >= n_sink) & mx.isfinite(norm_k)
