@@ -11,6 +11,8 @@ work to mlx-lm's plain caches.
   camkv-nocomp   CaMKVCache (queries, the hook) with a slack so large that no compression
                  falls in the timed steps
   camkv          CaMKVCache as configured by default
+  camkv-q8       the same with 8-bit rows (CaMConfig.bits=8, group 32)
+  camkv-q4       the same with 4-bit rows (CaMConfig.bits=4, group 32)
 
 Arms take turns trial by trial (or, with --interleave, step by step within a trial); each
 trial prefills the prompt, then times --steps steps: the whole step (built, evaluated,
@@ -48,7 +50,7 @@ except ImportError:
     from camkv.cache import _with_room  # noqa: E402
 from camkv.models import random_llama  # noqa: E402
 
-ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv")
+ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-q8", "camkv-q4")
 
 
 class BufferCache(_BaseCache):
@@ -93,7 +95,8 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
     parser.add_argument("--steps", type=int, default=130, help="timed decode steps per trial (default 130)")
     parser.add_argument("--trials", type=int, default=3, help="trials per arm (default 3)")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="arms (default all)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS[:6]), choices=ARMS,
+                        help="arms (default all but the quantized ones)")
     parser.add_argument("--interleave", action="store_true",
                         help="take the arms' steps in turn within each trial, step by step, instead "
                              "of one arm's trial after another, and report each arm's speed against "
@@ -157,6 +160,8 @@ def make_arm(model, arm: str, budget: int) -> list:
         return [BufferCache(budget, cfg.slack) for _ in range(layers)]
     if arm == "camkv-key":
         return make_prompt_cache(model, config=cfg.replace(scoring="key"))
+    if arm in ("camkv-q8", "camkv-q4"):
+        return make_prompt_cache(model, config=cfg.replace(bits=int(arm[-1]), group_size=32))
     if arm == "camkv-nocomp":
         return make_prompt_cache(model, config=cfg.replace(slack=1 << 16))
     return make_prompt_cache(model, config=cfg)

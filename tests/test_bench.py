@@ -156,3 +156,34 @@ def test_profile_merge_engine_pairs_every_rule_with_the_drop_engine(capsys):
     assert result["ms"]["drop"]["vs_drop"] == 1.0
     assert all(r["median_ms"] > 0 and r["vs_drop"] > 0 for r in result["ms"].values())
     assert "x drop's (paired)" in capsys.readouterr().out
+
+
+def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):
+    """decode_parts' camkv-q8 / camkv-q4 arms decode with 8- and 4-bit rows (group 32)."""
+    script = _load_bench_script("decode_parts")
+    result = script.main(["--model", "random-demo", "--prompt-length", "80", "--budget", "40", "--steps", "3",
+                          "--trials", "1", "--arms", "rotating", "camkv-q8", "camkv-q4", "--interleave",
+                          "--cache-host", "--out", str(tmp_path)])
+    arms = result["arms"]
+    assert set(arms) == {"rotating", "camkv-q8", "camkv-q4"}
+    assert all(r["cache_host_us_per_layer"] > 0 for r in arms.values())
+    import camkv
+
+    model = script.random_llama("random-demo")
+    quantized = script.make_arm(model, "camkv-q4", 40)
+    camkv.remove(model)  # the attention hook make_prompt_cache installed
+    assert {c.config.bits for c in quantized} == {4} and {c.config.group_size for c in quantized} == {32}
+
+
+def test_quantized_attention_probe_records_every_valid_shape(tmp_path, capsys):
+    """bench/quantized_attention.py: a record per shape whose group divides the head
+    dimension (group 128 at head dim 64 is skipped, as mx.quantize refuses it), each with
+    the three times, or the error MLX raised for quantized attention."""
+    script = _load_bench_script("quantized_attention")
+    out = tmp_path / "probe.json"
+    script.main(["--rows", "16", "--head-dim", "64", "--bits", "4", "--group-size", "32", "128", "--kv-heads", "2",
+                 "--repeats", "1", "--dtype", "float32", "--out", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["head_dim"], r["group_size"]) for r in records] == [(64, 32)]
+    assert records[0]["ok"] and all(records[0][k] > 0 for k in ("quantized_ms", "dequantized_ms", "unquantized_ms"))
+    assert "D=64 rows=16 bits=4 group=32" in capsys.readouterr().out

@@ -24,9 +24,11 @@ SCORE_AND_POSITION_BYTES = 8  # float32 score + int32 position per row, quantize
 
 
 def kernels_here() -> bool:
-    """Whether MLX has quantized attention kernels on the default device (CPU and Metal;
-    its CUDA build's quantized_matmul has no implementation for attention's shapes).
-    Elsewhere a quantized cache hands attention its rows dequantized."""
+    """Whether attention reads quantized rows as stored on the default device: on the
+    CPU and Metal, through MLX's quantized attention. MLX's CUDA build runs it for some
+    of a cache's shapes only (not group 64 at head dim 64) and slower than dequantizing
+    the bounded rows first (bench/quantized_attention.py), so there a quantized cache
+    hands attention its rows dequantized."""
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
 
