@@ -75,4 +75,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from camkv._blas import reexec_with_openblas
+
+    reexec_with_openblas()  # the CPU's float32 matrix products by the system's OpenBLAS, where one exists
     sys.exit(main())

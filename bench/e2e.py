@@ -3,4 +3,7 @@
 from camkv.eval.bench import main
 
 if __name__ == "__main__":
+    from camkv._blas import reexec_with_openblas
+
+    reexec_with_openblas()  # the CPU's float32 matrix products by the system's OpenBLAS, where one exists
     main()

@@ -90,4 +90,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from camkv._blas import reexec_with_openblas
+
+    reexec_with_openblas()  # the CPU's float32 matrix products by the system's OpenBLAS, where one exists
     main()
