@@ -305,6 +305,36 @@ def test_a_batch_refuses_rows_of_different_bits():
     assert len(batch) == 1
 
 
+@pytest.mark.parametrize("merge", ["drop", "keepkv"])
+def test_a_prompt_block_attends_quantized_rows_dequantized_once(model, monkeypatch, merge):
+    """A block of several queries attends quantized rows dequantized, through mlx-lm's
+    plain attention (MLX's quantized product has no BLAS on the CPU); a decode step
+    reads them as stored. Both attend the values the codes stand for: the logits match
+    those of a cache whose rows attention always gets dequantized (with keepkv's votes,
+    whose mask then is per query head)."""
+    from camkv import hook
+
+    seen = []
+    original = hook._ORIGINAL
+
+    def attention(queries, keys, values, cache, *rest, **kwargs):
+        seen.append((queries.shape[2], isinstance(keys, tuple), cache is None))
+        return original(queries, keys, values, cache, *rest, **kwargs)
+
+    prompt = _prompt(150)
+    cache = camkv.make_prompt_cache(model, budget=48, merge=merge, bits=8)  # installs the hook
+    with monkeypatch.context() as m:
+        m.setattr(hook, "_ORIGINAL", attention)
+        _, got = _logprobs(model, cache, prompt)
+    assert cache[0].stats["query_scored"] == cache[0].stats["tokens_seen"]
+    blocks, steps = [s for s in seen if s[0] > 1], [s for s in seen if s[0] == 1]
+    assert blocks and all(not quantized_keys and plain for _, quantized_keys, plain in blocks)
+    assert steps and all(quantized_keys == quantized.kernels_here() for _, quantized_keys, _ in steps)
+    monkeypatch.setattr(quantized, "kernels_here", lambda: False)
+    _, expected = _logprobs(model, camkv.make_prompt_cache(model, budget=48, merge=merge, bits=8), prompt)
+    np.testing.assert_allclose(got, expected, atol=1e-3)
+
+
 def test_votes_weigh_quantized_attention_per_kv_head(model):
     """A rule whose rows stand for several tokens (keepkv) has the hook add their log votes
     to the logits; mlx-lm's quantized attention reads that mask per KV head (GQA 4 on 2)."""

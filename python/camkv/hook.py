@@ -36,9 +36,21 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     if observe is not None:
         observe(queries, scale)
         bias = cache.attention_bias()
+        if isinstance(keys, tuple) and queries.shape[2] > 1:
+            keys, values = block_rows(keys, values, cache)
+            cache = None  # arrays: mlx-lm's plain attention
         if bias is not None:
             mask = weighed_by_votes(mask, bias, queries, keys)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
+
+
+def block_rows(keys: tuple, values: tuple, cache) -> tuple[mx.array, mx.array]:
+    """Quantized rows (codes, scales, biases) that a prompt block attends, dequantized
+    once (docs/algorithm.md section 12). MLX's quantized attention would multiply the
+    block's queries by the codes with its quantized matrix product, which on the CPU has
+    no BLAS behind it (a prompt's prefill took 3.3x the unquantized cache's,
+    bench/results/README.md); the rows are bounded, so their dequantized copy is small."""
+    return tuple(mx.dequantize(*q, group_size=cache.group_size, bits=cache.bits) for q in (keys, values))
 
 
 def weighed_by_votes(mask, bias, queries, keys):
