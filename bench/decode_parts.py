@@ -50,7 +50,8 @@ except ImportError:
     from camkv.cache import _with_room  # noqa: E402
 from camkv.models import random_llama  # noqa: E402
 
-ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-q8", "camkv-q4")
+QUANTIZED_ARMS = {"camkv-q8": 8, "camkv-q4": 4}  # arm -> CaMConfig.bits (group 32)
+ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", *QUANTIZED_ARMS)
 
 
 class BufferCache(_BaseCache):
@@ -95,7 +96,7 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
     parser.add_argument("--steps", type=int, default=130, help="timed decode steps per trial (default 130)")
     parser.add_argument("--trials", type=int, default=3, help="trials per arm (default 3)")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS[:6]), choices=ARMS,
+    parser.add_argument("--arms", nargs="+", default=[a for a in ARMS if a not in QUANTIZED_ARMS], choices=ARMS,
                         help="arms (default all but the quantized ones)")
     parser.add_argument("--interleave", action="store_true",
                         help="take the arms' steps in turn within each trial, step by step, instead "
@@ -160,8 +161,8 @@ def make_arm(model, arm: str, budget: int) -> list:
         return [BufferCache(budget, cfg.slack) for _ in range(layers)]
     if arm == "camkv-key":
         return make_prompt_cache(model, config=cfg.replace(scoring="key"))
-    if arm in ("camkv-q8", "camkv-q4"):
-        return make_prompt_cache(model, config=cfg.replace(bits=int(arm[-1]), group_size=32))
+    if arm in QUANTIZED_ARMS:
+        return make_prompt_cache(model, config=cfg.replace(bits=QUANTIZED_ARMS[arm], group_size=32))
     if arm == "camkv-nocomp":
         return make_prompt_cache(model, config=cfg.replace(slack=1 << 16))
     return make_prompt_cache(model, config=cfg)

@@ -17,6 +17,8 @@ import time
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+from camkv.config import GROUP_SIZES
+
 
 def _inputs(rows: int, dim: int, kv_heads: int, q_per_kv: int, queries: int, dtype):
     q = mx.random.normal((1, kv_heads * q_per_kv, queries, dim)).astype(dtype)
@@ -61,7 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 2048], help="rows attended")
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--bits", type=int, nargs="+", default=[4, 8], choices=[2, 3, 4, 5, 6, 8])
-    parser.add_argument("--group-size", type=int, nargs="+", default=[64], choices=[32, 64, 128])
+    parser.add_argument("--group-size", type=int, nargs="+", default=[64], choices=GROUP_SIZES)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--queries-per-kv", type=int, default=4)
     parser.add_argument("--queries", type=int, nargs="+", default=[1], help="query tokens a step")

@@ -21,6 +21,8 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
+from . import quantized
+
 _NAME = "scaled_dot_product_attention"
 _ORIGINAL = base.scaled_dot_product_attention
 _HOOKED = "_camkv_hooked_modules"
@@ -50,7 +52,7 @@ def block_rows(keys: tuple, values: tuple, cache) -> tuple[mx.array, mx.array]:
     block's queries by the codes with its quantized matrix product, which on the CPU has
     no BLAS behind it (a prompt's prefill took 3.3x the unquantized cache's,
     bench/results/README.md); the rows are bounded, so their dequantized copy is small."""
-    return tuple(mx.dequantize(*q, group_size=cache.group_size, bits=cache.bits) for q in (keys, values))
+    return tuple(quantized.dequantize(q, cache.bits, cache.group_size) for q in (keys, values))
 
 
 def weighed_by_votes(mask, bias, queries, keys):
