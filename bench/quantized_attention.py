@@ -1,6 +1,7 @@
 """Which quantized attention shapes MLX runs on this device, and what one decode step's
 attention costs over bounded rows: quantized (mlx-lm's quantized attention), dequantized
-first (camkv's path where MLX has no quantized attention), and unquantized.
+first (camkv's path where MLX has no quantized attention), unquantized, and on the CPU
+camkv's extension reading the rows as stored (camkv.quantized_attention).
 
     python bench/quantized_attention.py --rows 512 2048 --head-dim 64 128 --bits 4 8
 
@@ -17,6 +18,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+from camkv import quantized_attention
 from camkv.config import GROUP_SIZES
 
 
@@ -43,9 +45,9 @@ def probe(rows, dim, bits, group, kv_heads, q_per_kv, queries, dtype, repeats) -
     record = {"rows": rows, "head_dim": dim, "bits": bits, "group_size": group, "kv_heads": kv_heads,
               "queries_per_kv": q_per_kv, "queries": queries}
     mask = "causal" if queries > 1 else None
-    try:
+    try:  # mlx-lm's quantized attention scales the queries it is given in place: a copy each step
         record["quantized_ms"] = _timed(lambda: quantized_scaled_dot_product_attention(
-            q, qk, qv, scale=scale, mask=mask, group_size=group, bits=bits), repeats)
+            mx.array(q), qk, qv, scale=scale, mask=mask, group_size=group, bits=bits), repeats)
         record["ok"] = True
     except Exception as exc:  # MLX raises ValueError / RuntimeError naming the shape
         record["ok"], record["error"] = False, str(exc).splitlines()[0][:200]
@@ -54,6 +56,9 @@ def probe(rows, dim, bits, group, kv_heads, q_per_kv, queries, dtype, repeats) -
         scale=scale, mask=mask), repeats)
     record["unquantized_ms"] = _timed(lambda: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=scale, mask=mask), repeats)
+    if quantized_attention.runs_here(q) and bits in (4, 8):  # the extension: CPU, one query
+        record["extension_ms"] = _timed(lambda: quantized_attention.attend(q, qk, qv, scale, None, bits, group),
+                                        repeats)
     return record
 
 
@@ -84,8 +89,9 @@ def main(argv=None) -> None:
                         records.append(r)
                         head = f"D={dim} rows={rows} bits={bits} group={group} L={queries}"
                         tail = (f"quantized {r['quantized_ms']:.3f} ms" if r["ok"] else f"error: {r['error']}")
+                        extension = (f"; extension {r['extension_ms']:.3f} ms" if "extension_ms" in r else "")
                         print(f"{head}: {tail}; dequantized {r['dequantized_ms']:.3f} ms; "
-                              f"unquantized {r['unquantized_ms']:.3f} ms", flush=True)
+                              f"unquantized {r['unquantized_ms']:.3f} ms{extension}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": str(mx.default_device()), "dtype": args.dtype, "records": records}, f, indent=1)

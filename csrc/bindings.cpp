@@ -105,4 +105,14 @@ or size, or a field the arrays contradict.)");
 m mod s_len, which sees columns j <= n_before + m mod s_len), summed down each column and
 times weight: [R, width] float32, columns past N zero. A NaN or infinite logit counts as
 masked; a row with nothing visible adds nothing. CPU only.)");
+  m.def("quantized_attention", &camkv::quantized_attention, "queries"_a, "key_codes"_a, "key_scales"_a,
+        "key_biases"_a, "value_codes"_a, "value_scales"_a, "value_biases"_a, nb::kw_only(), "mask"_a = nb::none(),
+        "scale"_a, "bits"_a, "group_size"_a, "stream"_a = nb::none(),
+        R"(softmax(scale * queries @ keys^T + mask) @ values over rows stored as mx.quantize's triples,
+read as stored: queries [B, Hq, L, D] (float32, float16 or bfloat16); key and value codes
+uint32 [B, H, N, D * bits / 32], their scales and biases [B, H, N, D / group_size] in the
+queries' dtype; Hq a multiple of H (query head h * Hq / H + g reads KV head h); mask None
+or an additive float32 [B, 1 or H, L, N]. Sums in float32; returns [B, Hq, L, Dv] in the
+queries' dtype. bits 4 or 8, group_size 32, 64 or 128. CPU only. Raises ValueError naming
+any argument with a bad shape, dtype or value.)");
 }

@@ -73,4 +73,33 @@ std::vector<mx::array> update(
 mx::array column_mass(const mx::array& logits, float scale, int n_before, int s_len, int width, float weight,
                       mx::StreamOrDevice s = {});
 
+// Attention of queries over quantized rows read as stored (docs/algorithm.md section
+// 12): queries [B, Hq, L, D]; keys and values as mx.quantize's triples (codes uint32
+// [B, H, N, D * bits / 32], scales and biases [B, H, N, D / group_size] in the queries'
+// dtype), Hq a multiple of H (query head h * Hq / H + g reads KV head h); mask None or an
+// additive float32 [B, 1 or H, L, N]. softmax(scale q k^T + mask) v per query, in
+// float32, the output [B, Hq, L, Dv] in the queries' dtype. CPU only; bits 4 or 8.
+class CamQuantizedAttention : public mx::Primitive {
+ public:
+  CamQuantizedAttention(mx::Stream stream, float scale, int bits, int group_size)
+      : mx::Primitive(stream), scale_(scale), bits_(bits), group_size_(group_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+  const char* name() const override { return "CamQuantizedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+  int bits_;
+  int group_size_;
+};
+
+mx::array quantized_attention(const mx::array& queries, const mx::array& key_codes, const mx::array& key_scales,
+                              const mx::array& key_biases, const mx::array& value_codes,
+                              const mx::array& value_scales, const mx::array& value_biases,
+                              const std::optional<mx::array>& mask, float scale, int bits, int group_size,
+                              mx::StreamOrDevice s = {});
+
 }  // namespace camkv

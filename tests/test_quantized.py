@@ -309,22 +309,28 @@ def test_a_batch_refuses_rows_of_different_bits():
 def test_a_prompt_block_attends_quantized_rows_dequantized_once(model, monkeypatch, merge):
     """A block of several queries attends quantized rows dequantized, through mlx-lm's
     plain attention (MLX's quantized product has no BLAS on the CPU); a decode step
-    reads them as stored. Both attend the values the codes stand for: the logits match
-    those of a cache whose rows attention always gets dequantized (with keepkv's votes,
-    whose mask then is per query head)."""
+    reads them as stored (on the CPU through the extension's attention). Both attend the
+    values the codes stand for: the logits match those of a cache whose rows attention
+    always gets dequantized (with keepkv's votes, whose mask then is per query head)."""
     from camkv import hook
+    from camkv.backends import ext
 
     seen = []
-    original = hook._ORIGINAL
+    original, fused = hook._ORIGINAL, ext.quantized_attention
 
     def attention(queries, keys, values, cache, *rest, **kwargs):
         seen.append((queries.shape[2], isinstance(keys, tuple), cache is None))
         return original(queries, keys, values, cache, *rest, **kwargs)
 
+    def extension(queries, keys, values, **kwargs):
+        seen.append((queries.shape[2], isinstance(keys, tuple), False))
+        return fused(queries, keys, values, **kwargs)
+
     prompt = _prompt(150)
     cache = camkv.make_prompt_cache(model, budget=48, merge=merge, bits=8)  # installs the hook
     with monkeypatch.context() as m:
         m.setattr(hook, "_ORIGINAL", attention)
+        m.setattr(ext, "quantized_attention", extension)
         _, got = _logprobs(model, cache, prompt)
     assert cache[0].stats["query_scored"] == cache[0].stats["tokens_seen"]
     blocks, steps = [s for s in seen if s[0] > 1], [s for s in seen if s[0] == 1]

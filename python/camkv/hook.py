@@ -12,6 +12,10 @@ block with keys and warns once).
 A cache whose merge rule keeps votes (camkv.merges, keeps_votes) also has attention
 weigh each row by the tokens it stands for: the hook adds the log of each row's votes
 to its logits (docs/algorithm.md section 4.6), which only the hook can do.
+
+Quantized rows (CaMConfig.bits): a prompt block attends them dequantized once; a decode
+step on the CPU goes to the extension's attention over the rows as stored
+(camkv.quantized_attention), elsewhere to mlx-lm's quantized attention.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
-from . import quantized
+from . import quantized, quantized_attention
 
 _NAME = "scaled_dot_product_attention"
 _ORIGINAL = base.scaled_dot_product_attention
@@ -43,6 +47,10 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
             cache = None  # arrays: mlx-lm's plain attention
         if bias is not None:
             mask = weighed_by_votes(mask, bias, queries, keys)
+        if isinstance(keys, tuple) and not args and kwargs.get("sinks") is None:
+            out = quantized_attention.attend(queries, keys, values, scale, mask, cache.bits, cache.group_size)
+            if out is not None:  # a decode step the extension ran; else mlx-lm's attention
+                return out
     return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
 

@@ -131,3 +131,11 @@ def update(
         stream=stream,
     )
     return RowState(keys, values, scores, positions, votes, threshold), merges
+
+
+def quantized_attention(queries, keys: tuple, values: tuple, *, scale: float, mask, bits: int,
+                        group_size: int) -> mx.array:
+    """The extension's attention over quantized rows read as stored (_ext.quantized_attention):
+    keys and values as mx.quantize's triples, mask None or additive float32 [B, 1 or H, L, N]."""
+    return _ext.quantized_attention(queries, *keys, *values, mask=mask, scale=scale, bits=bits,
+                                    group_size=group_size)

@@ -1,0 +1,52 @@
+"""A decode step's attention over quantized rows, read as stored, on the CPU.
+
+mlx-lm reads a quantized cache's rows through `quantized_scaled_dot_product_attention`:
+two of MLX's quantized matrix products, which on the CPU are plain loops (at SmolLM2's
+shape, 512 rows, 8-bit, several times an unquantized attention). Where the extension is
+built and the CPU runs the step, camkv's hook hands a quantized decode step to the
+extension's one pass instead (docs/algorithm.md section 12): the same softmax over the
+same dequantized rows, summed in float32. Anything it does not take (a prompt block,
+attention sinks, a mask it cannot read per KV head, the GPU) stays mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .backends import ext
+
+
+def runs_here(queries: mx.array) -> bool:
+    """Whether the extension can run this step: built for the running mlx, the CPU the
+    default device, a single query position."""
+    return queries.shape[2] == 1 and ext.unavailable_reason() is None
+
+
+def additive_mask(mask, B: int, H: int, L: int, N: int):
+    """mlx-lm's mask as the extension reads it: None, or additive float32 [B, 1 or H, L, N]
+    (a boolean False becomes float32's lowest value, as mlx-lm's quantized attention puts
+    it in the logits); False where the mask has no such form (then mlx-lm attends)."""
+    if mask is None or isinstance(mask, str):  # "causal" over one query: every row visible
+        return None
+    if mask.ndim == 2:
+        mask = mask[None, None]
+    if mask.ndim != 4 or mask.shape[1] not in (1, H):
+        return False
+    if mask.dtype == mx.bool_:
+        mask = mx.where(mask, 0.0, mx.finfo(mx.float32).min)
+    return mx.broadcast_to(mask.astype(mx.float32), (B, mask.shape[1], L, N))
+
+
+def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bits: int, group_size: int):
+    """softmax(scale q k^T + mask) v over quantized rows by the extension, [B, Hq, L, Dv] in
+    the queries' dtype; None where it does not apply (the caller attends as mlx-lm does)."""
+    if not runs_here(queries):
+        return None
+    B, H, N = keys[0].shape[:3]
+    if N == 0:
+        return None
+    added = additive_mask(mask, B, H, queries.shape[2], N)
+    if added is False:
+        return None
+    return ext.quantized_attention(queries, keys, values, scale=scale, mask=added, bits=bits,
+                                   group_size=group_size)
