@@ -59,6 +59,16 @@ inline void check_dtype(const char* name, const mx::array& a, mx::Dtype expected
   }
 }
 
+// Storage and query arrays: one of MLX's floating dtypes.
+inline void check_float_dtype(const char* name, const mx::array& a) {
+  auto d = a.dtype();
+  if (d != mx::float16 && d != mx::bfloat16 && d != mx::float32) {
+    std::ostringstream out;
+    out << name << " must have dtype float16, bfloat16 or float32, got " << d;
+    bad(out.str());
+  }
+}
+
 // Row-major copy of any strided array, for the rare non-contiguous input.
 inline std::vector<char> contiguous_bytes(const mx::array& a) {
   size_t item = a.itemsize();

@@ -67,15 +67,6 @@ void check_head_dim(const char* name, int dim) {
   }
 }
 
-void check_storage_dtype(const mx::array& keys) {
-  auto d = keys.dtype();
-  if (d != mx::float16 && d != mx::bfloat16 && d != mx::float32) {
-    std::ostringstream out;
-    out << "keys must have dtype float16, bfloat16 or float32, got " << d;
-    bad(out.str());
-  }
-}
-
 // The parameter block from its bytes, refused unless it is a whole CamParams.
 CamParams read_params(const std::string& bytes) {
   if (bytes.size() != sizeof(CamParams)) {
@@ -141,7 +132,7 @@ std::vector<mx::array> update(
   check_ndim("row_ids", row_ids, 1, "[R]");
   int rows = keys.shape(0), n = keys.shape(1), k_dim = keys.shape(2), v_dim = values.shape(2);
   int s_len = new_keys.shape(1);
-  check_storage_dtype(keys);
+  check_float_dtype("keys", keys);
   check_head_dim("Dk", k_dim);
   check_head_dim("Dv", v_dim);
   for (const mx::array* a : {&values, &new_keys, &new_values}) {

@@ -91,19 +91,31 @@ struct Inputs {
   int64_t mask_stride[4];
 };
 
+// A worker thread's buffers, kept across units and steps: a decode step runs B * H
+// units, and allocating seven vectors for each cost more than small units compute.
+struct Scratch {
+  std::vector<float> q, q_sums, weights, row, acc, bias_acc, totals;
+
+  void fit(const Shape& s) {
+    int G = s.G();
+    q.resize((size_t)G * s.Dk);
+    q_sums.resize((size_t)G * (s.Dk / s.group_size));
+    weights.resize((size_t)G * s.N);
+    row.resize(std::max(s.Dk, s.Dv));
+    acc.resize((size_t)G * s.Dv);
+    bias_acc.resize((size_t)G * (s.Dv / s.group_size));
+    totals.resize(G);
+  }
+};
+
 // One work unit: query position l of batch b for the G query heads of KV head h.
 template <typename T, int BITS>
 class Unit {
  public:
-  Unit(const Inputs<T>& in, const Shape& s, float scale) : in_(in), s_(s), scale_(scale) {
-    int G = s.G();
-    q_.resize((size_t)G * s.Dk);
-    q_sums_.resize((size_t)G * (s.Dk / s.group_size));
-    weights_.resize((size_t)G * s.N);
-    row_.resize(std::max(s.Dk, s.Dv));
-    acc_.resize((size_t)G * s.Dv);
-    bias_acc_.resize((size_t)G * (s.Dv / s.group_size));
-    totals_.resize(G);
+  Unit(const Inputs<T>& in, const Shape& s, float scale, Scratch& scratch)
+      : in_(in), s_(s), scale_(scale), q_(scratch.q), q_sums_(scratch.q_sums), weights_(scratch.weights),
+        row_(scratch.row), acc_(scratch.acc), bias_acc_(scratch.bias_acc), totals_(scratch.totals) {
+    scratch.fit(s);
   }
 
   void run(int b, int h, int l, T* out) {
@@ -207,14 +219,15 @@ class Unit {
   const Inputs<T>& in_;
   const Shape& s_;
   float scale_;
-  std::vector<float> q_, q_sums_, weights_, row_, acc_, bias_acc_, totals_;
+  std::vector<float>&q_, &q_sums_, &weights_, &row_, &acc_, &bias_acc_, &totals_;
 };
 
 template <typename T, int BITS>
 void attend(const Inputs<T>& in, const Shape& s, float scale, T* out) {
   int units = s.B * s.H * s.L;
   std::function<void(int)> body = [&](int unit) {
-    Unit<T, BITS> work(in, s, scale);
+    thread_local Scratch scratch;
+    Unit<T, BITS> work(in, s, scale, scratch);
     int l = unit % s.L, h = (unit / s.L) % s.H, b = unit / (s.L * s.H);
     work.run(b, h, l, out);
   };
@@ -247,7 +260,6 @@ void run_typed(const std::vector<mx::array>& inputs, mx::array& out, const Shape
 void check_quantized(const char* name, const mx::array& codes, const mx::array& scales, const mx::array& biases,
                      const mx::array& queries, int B, int H, int N, int bits, int group_size, int* dim) {
   std::string base(name);
-  check_ndim((base + " codes").c_str(), codes, 4, "[B, H, N, D * bits / 32]");
   check_dtype((base + " codes").c_str(), codes, mx::uint32, "uint32 (mx.quantize's packed codes)");
   *dim = codes.shape(3) * 32 / bits;
   for (const mx::array* part : {&scales, &biases}) {
@@ -282,13 +294,11 @@ mx::array quantized_attention(const mx::array& queries, const mx::array& key_cod
     bad("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   }
   check_ndim("queries", queries, 4, "[B, Hq, L, D]");
+  check_float_dtype("queries", queries);
   auto dtype = queries.dtype();
-  if (dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) {
-    std::ostringstream out;
-    out << "queries must have dtype float32, float16 or bfloat16, got " << dtype;
-    bad(out.str());
-  }
-  check_ndim("key codes", key_codes, 4, "[B, H, N, D * bits / 32]");
+  // The codes' rank first: the keys' codes give the rows' shape every other check reads.
+  check_ndim("keys codes", key_codes, 4, "[B, H, N, D * bits / 32]");
+  check_ndim("values codes", value_codes, 4, "[B, H, N, D * bits / 32]");
   int B = queries.shape(0), Hq = queries.shape(1), L = queries.shape(2);
   int H = key_codes.shape(1), N = key_codes.shape(2);
   int Dk = 0, Dv = 0;

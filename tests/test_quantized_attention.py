@@ -143,12 +143,13 @@ def test_masks_it_cannot_read_per_kv_head_are_left_to_mlx_lm():
 @pytest.mark.parametrize("change, message", [
     (dict(bits=3), "bits must be 4 or 8, got 3"),
     (dict(group_size=16), "group_size must be 32, 64 or 128, got 16"),
-    (dict(queries=mx.zeros((1, 4, 1, 64), mx.int32)), "queries must have dtype float32, float16 or bfloat16"),
+    (dict(queries=mx.zeros((1, 4, 1, 64), mx.int32)), "queries must have dtype float16, bfloat16 or float32"),
     (dict(queries=mx.zeros((1, 3, 1, 64))), "queries' 3 heads must be a multiple of the keys' 2"),
     (dict(queries=mx.zeros((1, 4, 1, 32))), "keys' codes hold 64 channels at bits=8 but the queries have 32"),
     (dict(key_scales=mx.zeros((1, 2, 8, 2), mx.float16)), "keys scales must have the queries' dtype"),
     (dict(value_codes=mx.zeros((1, 2, 7, 16), mx.uint32)), "values.*7 rows"),
     (dict(key_codes=mx.zeros((1, 2, 8, 16), mx.int32)), "keys codes must have dtype uint32"),
+    (dict(value_codes=mx.zeros((2, 8, 16), mx.uint32)), r"values codes must be \[B, H, N, D \* bits / 32\]"),
     (dict(mask=mx.zeros((1, 3, 1, 8))), r"mask must be \[B, 1 or H, L, N\] = \[1, 1 or 2, 1, 8\]"),
     (dict(mask=mx.zeros((1, 2, 1, 8), mx.float16)), "mask must have dtype float32"),
 ])
