@@ -1,7 +1,8 @@
 """Which quantized attention shapes MLX runs on this device, and what one decode step's
 attention costs over bounded rows: quantized (mlx-lm's quantized attention), dequantized
-first (camkv's path where MLX has no quantized attention), unquantized, and on the CPU
-camkv's extension reading the rows as stored (camkv.quantized_attention).
+first (what camkv's hook falls back to where neither reads them as stored), unquantized,
+and camkv's own pass reading the rows as stored (camkv.quantized_attention: the extension
+on the CPU, two CUDA launches on an NVIDIA GPU).
 
     python bench/quantized_attention.py --rows 512 2048 --head-dim 64 128 --bits 4 8
 
@@ -56,8 +57,8 @@ def probe(rows, dim, bits, group, kv_heads, q_per_kv, queries, dtype, repeats) -
         scale=scale, mask=mask), repeats)
     record["unquantized_ms"] = _timed(lambda: mx.fast.scaled_dot_product_attention(
         q, k, v, scale=scale, mask=mask), repeats)
-    if quantized_attention.runs_here(q) and bits in (4, 8):  # the extension: CPU, one query
-        record["extension_ms"] = _timed(lambda: quantized_attention.attend(q, qk, qv, scale, None, bits, group),
+    if quantized_attention.runs_here(q) and bits in (4, 8):  # camkv's pass: CPU or CUDA, one query
+        record["camkv_ms"] = _timed(lambda: quantized_attention.attend(q, qk, qv, scale, None, bits, group),
                                         repeats)
     return record
 
@@ -89,7 +90,7 @@ def main(argv=None) -> None:
                         records.append(r)
                         head = f"D={dim} rows={rows} bits={bits} group={group} L={queries}"
                         tail = (f"quantized {r['quantized_ms']:.3f} ms" if r["ok"] else f"error: {r['error']}")
-                        extension = (f"; extension {r['extension_ms']:.3f} ms" if "extension_ms" in r else "")
+                        extension = (f"; camkv {r['camkv_ms']:.3f} ms" if "camkv_ms" in r else "")
                         print(f"{head}: {tail}; dequantized {r['dequantized_ms']:.3f} ms; "
                               f"unquantized {r['unquantized_ms']:.3f} ms{extension}", flush=True)
     if args.out:

@@ -208,12 +208,16 @@ def test_a_model_attends_quantized_rows_scored_by_its_own_queries(model, bits):
 
 
 def test_without_quantized_kernels_rows_are_dequantized_for_attention(model, monkeypatch):
-    """MLX's CUDA build has no quantized attention kernels: the cache hands attention its
-    rows dequantized (forced here on the CPU), which attends as the quantized kernels do."""
+    """Neither MLX's quantized attention nor camkv's pass over the rows as stored: the
+    cache hands attention its rows dequantized (forced here), which attends as the
+    quantized kernels do."""
+    from camkv.backends import quantized_cuda
+
     prompt = _prompt(150)
     cache = camkv.make_prompt_cache(model, budget=48, bits=8)
     _, expected = _logprobs(model, cache, prompt)
     monkeypatch.setattr(quantized, "kernels_here", lambda: False)
+    monkeypatch.setattr(quantized_cuda, "here", lambda: False)
     cache = camkv.make_prompt_cache(model, budget=48, bits=8)
     assert not hasattr(cache[0], "bits")
     _, got = _logprobs(model, cache, prompt)
@@ -313,31 +317,87 @@ def test_a_prompt_block_attends_quantized_rows_dequantized_once(model, monkeypat
     values the codes stand for: the logits match those of a cache whose rows attention
     always gets dequantized (with keepkv's votes, whose mask then is per query head)."""
     from camkv import hook
-    from camkv.backends import ext
+    from camkv.backends import ext, quantized_cuda
 
     seen = []
     original, fused = hook._ORIGINAL, ext.quantized_attention
 
-    def attention(queries, keys, values, cache, *rest, **kwargs):
-        seen.append((queries.shape[2], isinstance(keys, tuple), cache is None))
+    def attention(queries, keys, values, cache, *rest, **kwargs):  # plain: mlx-lm reads arrays
+        seen.append((queries.shape[2], isinstance(keys, tuple), not hasattr(cache, "bits")))
         return original(queries, keys, values, cache, *rest, **kwargs)
 
     def extension(queries, keys, values, **kwargs):
         seen.append((queries.shape[2], isinstance(keys, tuple), False))
         return fused(queries, keys, values, **kwargs)
 
+    def cuda_pass(queries, keys, *rest):
+        seen.append((queries.shape[2], isinstance(keys, tuple), False))
+        return cuda_fused(queries, keys, *rest)
+
     prompt = _prompt(150)
     cache = camkv.make_prompt_cache(model, budget=48, merge=merge, bits=8)  # installs the hook
+    cuda_fused = quantized_cuda.attend
     with monkeypatch.context() as m:
         m.setattr(hook, "_ORIGINAL", attention)
         m.setattr(ext, "quantized_attention", extension)
+        m.setattr(quantized_cuda, "attend", cuda_pass)
         _, got = _logprobs(model, cache, prompt)
     assert cache[0].stats["query_scored"] == cache[0].stats["tokens_seen"]
     blocks, steps = [s for s in seen if s[0] > 1], [s for s in seen if s[0] == 1]
     assert blocks and all(not quantized_keys and plain for _, quantized_keys, plain in blocks)
-    assert steps and all(quantized_keys == quantized.kernels_here() for _, quantized_keys, _ in steps)
+    as_stored = quantized.kernels_here() or quantized_cuda.here()
+    assert steps and all(quantized_keys == as_stored for _, quantized_keys, _ in steps)
     monkeypatch.setattr(quantized, "kernels_here", lambda: False)
     _, expected = _logprobs(model, camkv.make_prompt_cache(model, budget=48, merge=merge, bits=8), prompt)
+    np.testing.assert_allclose(got, expected, atol=1e-3)
+
+
+def _attend_dequantized(queries, keys, values, scale, mask, bits, group_size):
+    """What camkv's CUDA pass computes (tests/test_quantized_cuda.py holds it to this on a
+    GPU): softmax attention over the dequantized rows, mask additive per KV head."""
+    k, v = (quantized.dequantize(q, bits, group_size).astype(mx.float32) for q in (keys, values))
+    G = queries.shape[1] // k.shape[1]
+    logits = scale * queries.astype(mx.float32) @ mx.repeat(k, G, axis=1).swapaxes(2, 3)
+    if mask is not None:
+        logits = logits + mx.repeat(mask, queries.shape[1] // mask.shape[1], axis=1)
+    return (mx.softmax(logits, axis=-1) @ mx.repeat(v, G, axis=1)).astype(queries.dtype)
+
+
+@pytest.mark.parametrize("takes", [True, False])
+@pytest.mark.parametrize("merge", ["drop", "keepkv"])
+def test_on_cuda_the_hook_attends_decode_steps_over_the_rows_as_stored(model, monkeypatch, merge, takes):
+    """On MLX's CUDA build (no quantized attention for a cache's shapes) a cache the hook
+    has fed hands attention its rows as stored, without bits, and the hook runs each
+    decode step through camkv's CUDA pass (stood in for here by the computation it is
+    held to), or, where that pass does not take the step, attends the rows dequantized:
+    the logits of a cache that hands attention its rows dequantized either way."""
+    from camkv import hook
+    from camkv.backends import quantized_cuda
+
+    monkeypatch.setattr(quantized, "kernels_here", lambda: False)  # MLX's CUDA build
+    prompt = _prompt(150)
+    _, expected = _logprobs(model, camkv.make_prompt_cache(model, budget=48, merge=merge, bits=8), prompt)
+    seen, original = [], hook._ORIGINAL
+
+    def attention(queries, keys, values, cache, *rest, **kwargs):
+        seen.append(("mlx-lm", queries.shape[2], isinstance(keys, tuple), cache is None))
+        return original(queries, keys, values, cache, *rest, **kwargs)
+
+    def kernel(queries, keys, values, *rest):
+        seen.append(("camkv", queries.shape[2], isinstance(keys, tuple), True))
+        return _attend_dequantized(queries, keys, values, *rest)
+
+    cache = camkv.make_prompt_cache(model, budget=48, merge=merge, bits=8)
+    assert not hasattr(cache[0], "bits")
+    with monkeypatch.context() as m:
+        m.setattr(quantized_cuda, "here", lambda: True)
+        m.setattr(quantized_cuda, "takes", lambda *a: takes)
+        m.setattr(quantized_cuda, "attend", kernel)
+        m.setattr(hook, "_ORIGINAL", attention)
+        _, got = _logprobs(model, cache, prompt)
+    steps = [s for s in seen if s[1] == 1]
+    assert steps and all(s == (("camkv" if takes else "mlx-lm"), 1, takes, True) for s in steps), set(steps)
+    assert all(not quantized_rows for who, _, quantized_rows, _ in seen if who == "mlx-lm")  # arrays only
     np.testing.assert_allclose(got, expected, atol=1e-3)
 
 

@@ -7,6 +7,9 @@
 #                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
 #                                     4k-32k, random-8b 32k; about 5 minutes)
+#   bash bench/gpu/speed.sh qattn     one layer's decode attention over quantized rows: MLX's,
+#                                     dequantized first, unquantized and camkv's CUDA pass
+#                                     (512 and 2048 rows, head dim 64 and 128; about 1 minute)
 #   bash bench/gpu/speed.sh capacity  16k-token requests admitted into 2 GiB: BatchKVCache,
 #                                     camkv and camkv with 4-bit rows (about 100 of those
 #                                     fit, one admitted a second: up to 8 minutes)
@@ -34,9 +37,12 @@ for part in "$@"; do
         --equal-bytes --out "$OUT" --tag quant-h200-random-1b
       step 120 python3 bench/quant.py --model random-8b --prompt-lengths 32768 --budgets 2048 --out "$OUT" \
         --tag quant-h200-random-8b ;;
+    qattn)
+      step 150 python3 bench/quantized_attention.py --rows 512 2048 --head-dim 64 128 --bits 4 8 --group-size 32 64 \
+        --repeats 100 --out "$OUT/quantized-attention-h200.json" ;;
     capacity)
       step 480 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 \
         --out "$OUT/batch-h200-quant.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, capacity; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, qattn, capacity; got '$part'" >&2; exit 2 ;;
   esac
 done

@@ -11,6 +11,9 @@
 #                                      and batch tests, and the peak memory of a 1k and a
 #                                      32k prompt
 #   bash bench/gpu/validate.sh tests   both (more than one call's 10 minutes)
+#   bash bench/gpu/validate.sh quantized  quantized rows: camkv's CUDA attention over them
+#                                      against the reference, and the cache and hook
+#                                      tests of quantized rows on the GPU (about 2 minutes)
 #   bash bench/gpu/validate.sh bench   the end-to-end run (defaults), more prefill
 #                                      trials at 8k-32k, and the batch run
 #   bash bench/gpu/validate.sh decode  a decode step against RotatingKVCache's, paired
@@ -48,6 +51,8 @@ elif [ "$part" = kernels ]; then
   kernel_tests
 elif [ "$part" = cache ]; then
   cache_tests
+elif [ "$part" = quantized ]; then
+  cuda_tests quantized tests/test_quantized_cuda.py tests/test_quantized.py tests/test_tier.py tests/test_byte_budget.py
 elif [ "$part" = tests ]; then
   kernel_tests; cache_tests
 elif [ "$part" = bench ]; then
@@ -62,5 +67,5 @@ elif [ "$part" = decode ]; then
   timeout 330 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 256 \
     --trials 7 --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
 else
-  echo "usage: bash bench/gpu/validate.sh kernels|equivalence|engine|rules|cache|tests|bench|decode" >&2; exit 2
+  echo "usage: bash bench/gpu/validate.sh kernels|equivalence|engine|rules|cache|quantized|tests|bench|decode" >&2; exit 2
 fi

@@ -5,9 +5,12 @@ mlx-lm's attention takes a cache that has `bits` for a quantized one
 cache has them only where attention reads its rows quantized: rows stored quantized
 (CaMConfig.bits), no tier attended beside them, and MLX's quantized attention kernels
 on the device (camkv.quantized.kernels_here: the CPU and Metal, not its CUDA build).
-Everywhere else attention gets arrays in the model's dtype: quantized rows
-dequantized once a step (bounded rows), the tier's rows dequantized before the main
-ones, one attention over both pools (docs/algorithm.md sections 12 and 13).
+On MLX's CUDA build the rows go to attention as stored once camkv's attention hook has
+fed the cache (it sees every step, and attends them itself: camkv.quantized_attention),
+without bits, so that mlx-lm's attention never reads them. Everywhere else attention
+gets arrays in the model's dtype: quantized rows dequantized once a step (bounded rows),
+the tier's rows dequantized before the main ones, one attention over both pools
+(docs/algorithm.md sections 12 and 13).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import quantized
+from .backends import quantized_cuda
 
 # What mlx-lm's attention reads of a cache whose rows it reads quantized.
 QUANTIZED_FIELDS = ("bits", "group_size")
@@ -28,10 +32,16 @@ def quantized_fields(cfg) -> dict:
     return {"bits": cfg.bits, "group_size": cfg.group_size}
 
 
+def hook_reads_stored(cfg) -> bool:
+    """Whether camkv's hook attends a cache's rows as stored where mlx-lm could not (once
+    the hook is seen to feed the cache): rows quantized, no tier, MLX's CUDA build."""
+    return cfg.bits is not None and not cfg.tier_budget and quantized_cuda.here()
+
+
 def for_attention(fetched: tuple, rows, tier, layout: tuple, read_quantized: bool) -> tuple:
     """The held rows fetched (keys and values as stored: arrays, or the triples of
     quantized rows) as attention reads them: as stored where read_quantized (the cache
-    has quantized_fields), else as arrays, a tier's rows (camkv.tier.Tier, or None)
+    has quantized_fields, or hook_reads_stored), else as arrays, a tier's rows (camkv.tier.Tier, or None)
     first. rows: the cache's RowBuffers; layout: its (B, H, Dk, Dv, dtype)."""
     dequantize = isinstance(fetched[0], tuple) and not read_quantized
     main = tuple(rows.dequantize(q) for q in fetched) if dequantize else fetched

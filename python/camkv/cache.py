@@ -142,7 +142,9 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
 
     def _for_attention(self, fetched):
         """The rows held (fetched: as stored) as attention reads them (camkv.attention_rows)."""
-        return attention_rows.for_attention(fetched, self._rows, self._tier, self._layout, hasattr(self, "bits"))
+        as_stored = hasattr(self, "bits") or (  # or camkv's hook reads them (CUDA), having fed this cache
+            self._query_scored > 0 and attention_rows.hook_reads_stored(self._config) and self._queries_can_come())
+        return attention_rows.for_attention(fetched, self._rows, self._tier, self._layout, as_stored)
 
     def _took(self, S: int) -> None:
         """What follows the write of S new tokens after the held rows."""

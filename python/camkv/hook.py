@@ -14,8 +14,9 @@ weigh each row by the tokens it stands for: the hook adds the log of each row's 
 to its logits (docs/algorithm.md section 4.6), which only the hook can do.
 
 Quantized rows (CaMConfig.bits): a prompt block attends them dequantized once; a decode
-step on the CPU goes to the extension's attention over the rows as stored
-(camkv.quantized_attention), elsewhere to mlx-lm's quantized attention.
+step on the CPU or an NVIDIA GPU goes to camkv's attention over the rows as stored
+(camkv.quantized_attention), elsewhere to mlx-lm's quantized attention; rows that
+neither reads (MLX's CUDA build, a step camkv's pass does not take) dequantized once.
 """
 
 from __future__ import annotations
@@ -42,25 +43,34 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     if observe is not None:
         observe(queries, scale)
         bias = cache.attention_bias()
-        if isinstance(keys, tuple) and queries.shape[2] > 1:
-            keys, values = block_rows(keys, values, cache)
-            cache = None  # arrays: mlx-lm's plain attention
+        given_mask = mask
+        stored = isinstance(keys, tuple)  # quantized rows as stored (codes, scales, biases)
+        if stored and queries.shape[2] > 1:
+            keys, values = block_rows(keys, values, queries)
+            cache, stored = None, False  # arrays: mlx-lm's plain attention
         if bias is not None:
             mask = weighed_by_votes(mask, bias, queries, keys)
-        if isinstance(keys, tuple) and not args and kwargs.get("sinks") is None:
-            out = quantized_attention.attend(queries, keys, values, scale, mask, cache.bits, cache.group_size)
-            if out is not None:  # a decode step the extension ran; else mlx-lm's attention
+        if stored and not args and kwargs.get("sinks") is None:
+            bits, group_size = quantized.format_of(keys, queries.shape[3])
+            out = quantized_attention.attend(queries, keys, values, scale, mask, bits, group_size)
+            if out is not None:  # a decode step camkv ran; else mlx-lm's attention
                 return out
+        if stored and not hasattr(cache, "bits"):  # rows mlx-lm cannot read here (MLX's CUDA build)
+            keys, values = block_rows(keys, values, queries)
+            cache = None
+            mask = given_mask if bias is None else weighed_by_votes(given_mask, bias, queries, keys)
     return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
 
 
-def block_rows(keys: tuple, values: tuple, cache) -> tuple[mx.array, mx.array]:
+def block_rows(keys: tuple, values: tuple, queries) -> tuple[mx.array, mx.array]:
     """Quantized rows (codes, scales, biases) that a prompt block attends, dequantized
     once (docs/algorithm.md section 12). MLX's quantized attention would multiply the
     block's queries by the codes with its quantized matrix product, which on the CPU has
     no BLAS behind it (a prompt's prefill took 3.3x the unquantized cache's,
-    bench/results/README.md); the rows are bounded, so their dequantized copy is small."""
-    return tuple(quantized.dequantize(q, cache.bits, cache.group_size) for q in (keys, values))
+    bench/results/README.md); the rows are bounded, so their dequantized copy is small.
+    Also a decode step that neither camkv nor mlx-lm's attention reads as stored."""
+    bits, group_size = quantized.format_of(keys, queries.shape[3])
+    return tuple(quantized.dequantize(q, bits, group_size) for q in (keys, values))
 
 
 def weighed_by_votes(mask, bias, queries, keys):

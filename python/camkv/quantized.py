@@ -80,6 +80,12 @@ def quantize(x: mx.array, bits: int, group_size: int) -> tuple:
     return tuple(mx.quantize(x, group_size=group_size, bits=bits))
 
 
+def format_of(keys: tuple, key_dim: int) -> tuple[int, int]:
+    """(bits, group_size) of quantized keys (codes, scales, biases) of key_dim channels,
+    read from their shapes: codes hold key_dim * bits / 32 words, scales one a group."""
+    return keys[0].shape[-1] * 32 // key_dim, key_dim // keys[1].shape[-1]
+
+
 def dequantize(q: tuple, bits: int, group_size: int) -> mx.array:
     """The values a (codes, scales, biases) tuple of quantize stands for."""
     return mx.dequantize(*q, group_size=group_size, bits=bits)

@@ -1,25 +1,26 @@
-"""A decode step's attention over quantized rows, read as stored, on the CPU.
+"""A decode step's attention over quantized rows, read as stored: the CPU and CUDA.
 
 mlx-lm reads a quantized cache's rows through `quantized_scaled_dot_product_attention`:
 two of MLX's quantized matrix products, which on the CPU are plain loops (at SmolLM2's
-shape, 512 rows, 8-bit, several times an unquantized attention). Where the extension is
-built and the CPU runs the step, camkv's hook hands a quantized decode step to the
-extension's one pass instead (docs/algorithm.md section 12): the same softmax over the
-same dequantized rows, summed in float32. Anything it does not take (a prompt block,
-attention sinks, a mask it cannot read per KV head, the GPU) stays mlx-lm's.
+shape, 512 rows, 8-bit, several times an unquantized attention) and on MLX's CUDA build
+missing for most of a cache's shapes. camkv's hook hands a quantized decode step to its
+own pass instead (docs/algorithm.md section 12): on the CPU the extension's, on an
+NVIDIA GPU camkv.backends.quantized_cuda's two launches; the same softmax over the same
+dequantized rows, summed in float32. Anything neither takes (a prompt block, attention
+sinks, a mask it cannot read per KV head, Metal) is not taken here: None.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .backends import ext
+from .backends import ext, quantized_cuda
 
 
 def runs_here(queries: mx.array) -> bool:
-    """Whether the extension can run this step: built for the running mlx, the CPU the
-    default device, a single query position."""
-    return queries.shape[2] == 1 and ext.unavailable_reason() is None
+    """Whether camkv can run this step: a single query position, and the extension built
+    for the running mlx with the CPU the default device, or MLX's CUDA build."""
+    return queries.shape[2] == 1 and (quantized_cuda.here() or ext.unavailable_reason() is None)
 
 
 def additive_mask(mask, B: int, H: int, L: int, N: int):
@@ -48,5 +49,9 @@ def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bi
     added = additive_mask(mask, B, H, queries.shape[2], N)
     if added is False:
         return None
+    if quantized_cuda.here():
+        if not quantized_cuda.takes(queries, keys, values, bits, group_size):
+            return None
+        return quantized_cuda.attend(queries, keys, values, scale, added, bits, group_size)
     return ext.quantized_attention(queries, keys, values, scale=scale, mask=added, bits=bits,
                                    group_size=group_size)

@@ -1,0 +1,260 @@
+"""A decode step's attention over quantized rows on an NVIDIA GPU, read as stored.
+
+MLX's CUDA build has no quantized attention for most of a cache's shapes, and
+dequantizing the bounded rows before a bfloat16 attention costs ten or so small
+launches a layer and step (copies of the row views, two dequantizations, the attention).
+Here it is two launches that read the codes, scales and biases where the cache holds
+them (views into its buffers, read through their strides: nothing copied):
+
+1. Partials: a work group takes one KV head (b, h) and a stretch of ROWS rows; a row is
+   read by D / 8 lanes (eight channels each), so a warp reads 32 / (D / 8) rows at once.
+   Each lane dequantizes its channels (`scale * code + bias`, section 12 of
+   docs/algorithm.md), the row's logit for every query head of the group is summed
+   over the row's lanes, and each (lane, query head) keeps a running softmax: the
+   largest logit so far, the sum of exponentials under it and the weighted values.
+   The row slots of a warp, then the warps, are merged by their maxima; the group writes
+   its stretch's maximum, sum and unnormalized output for each query head.
+2. Combine: one thread an output channel merges the stretches of its (b, h, g) by their
+   maxima and divides by the sum, rounding once to the queries' dtype.
+
+Sums are float32; a row whose logit is -inf (masked) adds nothing, and a query head that
+sees no row gets zeros. The additive mask is read per KV head, [B, 1 or H, 1, N] (zero
+strides broadcast), as the CPU extension reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+
+WARPS = 4  # warps a work group
+STEPS = 4  # row slots each warp slot reads in a stretch
+HEAD_DIMS = (64, 128, 256)  # D / 8 lanes a row must divide a warp
+BITS = (4, 8)
+MAX_GROUP = 8  # query heads a KV head, held in registers
+
+_DEQUANTIZE = """
+  // Eight channels [c0, c0 + 8) of row j of a quantized block, as floats.
+  auto dequantize = [&](const uint32_t* codes, const Strides& cs, const T* scales, const Strides& ss,
+                        const T* biases, const Strides& bs, int j, float* out) {
+    const uint32_t* row = codes + b * cs[0] + h * cs[1] + j * cs[2];
+    const int group = c0 / GS;
+    const float s = static_cast<float>(scales[b * ss[0] + h * ss[1] + j * ss[2] + group * ss[3]]);
+    const float z = static_cast<float>(biases[b * bs[0] + h * bs[1] + j * bs[2] + group * bs[3]]);
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int c = c0 + i;
+      const uint32_t word = row[(c / PER_WORD) * cs[3]];
+      out[i] = s * static_cast<float>((word >> ((c % PER_WORD) * BITS)) & CODE_MASK) + z;
+    }
+  };
+"""
+
+_PARTIALS = """
+  constexpr int LPR = D / 8;          // lanes a row
+  constexpr int RPW = 32 / LPR;       // rows a warp reads at once
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr uint32_t CODE_MASK = (1u << BITS) - 1u;
+  const int H = kc_shape[1], N = kc_shape[2];
+  const int splits = gridDim.x / (kc_shape[0] * H);
+  const int bh = blockIdx.x / splits, stretch = blockIdx.x % splits;
+  const int b = bh / H, h = bh % H;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int slot = lane / LPR, c0 = (lane % LPR) * 8;
+  const float scale = params[0];
+""" + _DEQUANTIZE + """
+  float q[G][8], top[G], total[G], acc[G][8];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const T* qrow = queries + b * queries_strides[0] + (h * G + g) * queries_strides[1];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      q[g][i] = static_cast<float>(qrow[(c0 + i) * queries_strides[3]]) * scale;
+      acc[g][i] = 0.0f;
+    }
+    top[g] = -INFINITY;
+    total[g] = 0.0f;
+  }
+  const int n0 = stretch * ROWS, n1 = min(N, n0 + ROWS);
+  // The loop's bounds are the warp's, so every lane takes part in each shuffle.
+  for (int first = n0 + warp * RPW; first < n1; first += WARPS * RPW) {
+    const int j = first + slot;
+    const bool live = j < n1;
+    float k[8], v[8];
+    if (live) {
+      dequantize(kc, kc_strides, ks, ks_strides, kb, kb_strides, j, k);
+      dequantize(vc, vc_strides, vs, vs_strides, vb, vb_strides, j, v);
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float dot = 0.0f;
+      if (live) {
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) dot += q[g][i] * k[i];
+      }
+      #pragma unroll
+      for (int o = LPR / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffff, dot, o);
+      float x = live ? dot : -INFINITY;
+      if (HAS_MASK && live) {
+        const int mh = mask_shape[1] == 1 ? 0 : h;
+        x += mask[b * mask_strides[0] + mh * mask_strides[1] + j * mask_strides[3]];
+      }
+      if (x > -INFINITY) {
+        const float best = fmaxf(top[g], x);
+        const float kept = expf(top[g] - best), p = expf(x - best);
+        total[g] = total[g] * kept + p;
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * kept + p * v[i];
+        top[g] = best;
+      }
+    }
+  }
+  // Merge the warp's row slots (lanes LPR apart hold the same channels).
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    for (int o = LPR; o < 32; o *= 2) {
+      const float other_top = __shfl_xor_sync(0xffffffff, top[g], o);
+      const float other_total = __shfl_xor_sync(0xffffffff, total[g], o);
+      const float best = fmaxf(top[g], other_top);
+      const float mine = top[g] == -INFINITY ? 0.0f : expf(top[g] - best);
+      const float theirs = other_top == -INFINITY ? 0.0f : expf(other_top - best);
+      total[g] = total[g] * mine + other_total * theirs;
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float other = __shfl_xor_sync(0xffffffff, acc[g][i], o);
+        acc[g][i] = acc[g][i] * mine + other * theirs;
+      }
+      top[g] = best;
+    }
+  }
+  __shared__ float warp_top[WARPS][G], warp_total[WARPS][G], warp_acc[WARPS][G][D];
+  if (slot == 0) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (c0 == 0) { warp_top[warp][g] = top[g]; warp_total[warp][g] = total[g]; }
+      #pragma unroll
+      for (int i = 0; i < 8; ++i) warp_acc[warp][g][c0 + i] = acc[g][i];
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < G * D; e += blockDim.x) {
+    const int g = e / D, c = e % D;
+    float best = -INFINITY;
+    for (int w = 0; w < WARPS; ++w) best = fmaxf(best, warp_top[w][g]);
+    float sum = 0.0f, out = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (warp_top[w][g] == -INFINITY) continue;
+      const float weight = expf(warp_top[w][g] - best);
+      sum += warp_total[w][g] * weight;
+      out += warp_acc[w][g][c] * weight;
+    }
+    partial_out[(blockIdx.x * G + g) * D + c] = out;
+    if (c == 0) {
+      partial_top[blockIdx.x * G + g] = best;
+      partial_total[blockIdx.x * G + g] = sum;
+    }
+  }
+"""
+
+_COMBINE = """
+  // partial_top [B * H, splits, G]: its shape says how many stretches (no array to copy).
+  const long e = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long heads = partial_top_shape[0], splits = partial_top_shape[1];
+  if (e >= heads * G * D) return;
+  const long c = e % D, bhg = e / D, g = bhg % G, bh = bhg / G;
+  float best = -INFINITY;
+  for (long s = 0; s < splits; ++s) best = fmaxf(best, partial_top[(bh * splits + s) * G + g]);
+  float sum = 0.0f, out = 0.0f;
+  for (long s = 0; s < splits; ++s) {
+    const long at = (bh * splits + s) * G + g;
+    if (partial_top[at] == -INFINITY) continue;
+    const float weight = expf(partial_top[at] - best);
+    sum += partial_total[at] * weight;
+    out += partial_out[at * D + c] * weight;
+  }
+  output[e] = static_cast<T>(sum > 0.0f ? out / sum : 0.0f);
+"""
+
+_kernels: dict[str, object] = {}
+# Small inputs made once: an array made from Python is copied to the device each time it
+# is made, which at one step's scale costs more than the kernels.
+_constants: dict[object, mx.array] = {}
+
+
+def _constant(value: float | None) -> mx.array:
+    """The scale as a float32 [1] array, or (None) the placeholder of an absent mask."""
+    if value not in _constants:
+        _constants[value] = (mx.zeros((1, 1, 1, 1), mx.float32) if value is None
+                             else mx.array([value], mx.float32))
+    return _constants[value]
+
+
+@functools.cache
+def _cuda_build() -> bool:
+    return not mx.metal.is_available() and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def here() -> bool:
+    """Whether the default device is an NVIDIA GPU (MLX's CUDA build); asked every layer
+    and step, so what cannot change in a process is asked once."""
+    return mx.default_device() == mx.gpu and _cuda_build()
+
+
+def _kernel(name: str):
+    if name not in _kernels:
+        if name == "partials":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="camkv_quantized_attention_partials",
+                input_names=["queries", "kc", "ks", "kb", "vc", "vs", "vb", "mask", "params"],
+                output_names=["partial_top", "partial_total", "partial_out"],
+                source=_PARTIALS, ensure_row_contiguous=False)
+        else:
+            _kernels[name] = mx.fast.cuda_kernel(
+                name="camkv_quantized_attention_combine",
+                input_names=["partial_top", "partial_total", "partial_out"], output_names=["output"],
+                source=_COMBINE)
+    return _kernels[name]
+
+
+def takes(queries: mx.array, keys: tuple, values: tuple, bits: int, group_size: int) -> bool:
+    """Whether the kernels take this step: one query a head, keys and values of one head
+    dim in HEAD_DIMS, bits in BITS, at most MAX_GROUP query heads a KV head."""
+    B, Hq, L, D = queries.shape
+    H = keys[0].shape[1]
+    v_dim = values[1].shape[-1] * group_size
+    return (L == 1 and D in HEAD_DIMS and v_dim == D and bits in BITS and group_size <= D
+            and Hq % H == 0 and Hq // H <= MAX_GROUP and keys[1].dtype == values[1].dtype == queries.dtype)
+
+
+def rows_per_stretch(head_dim: int) -> int:
+    """Rows one work group reads: WARPS warps of 32 / (D / 8) row slots, STEPS times."""
+    return WARPS * (32 // (head_dim // 8)) * STEPS
+
+
+def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bits: int, group_size: int
+           ) -> mx.array:
+    """softmax(scale q k^T + mask) v over quantized rows, [B, Hq, 1, D] in the queries'
+    dtype. keys, values: (codes, scales, biases) [B, H, N, ...] as mx.quantize lays them
+    out (views are read through their strides); mask: None or additive float32
+    [B, 1 or H, 1, N]. The caller checks takes() first."""
+    B, Hq, _, D = queries.shape
+    H, N = keys[0].shape[1], keys[0].shape[2]
+    G = Hq // H
+    rows = rows_per_stretch(D)
+    splits = max(1, -(-N // rows))
+    has_mask = mask is not None
+    template = [("T", queries.dtype), ("D", D), ("G", G), ("BITS", bits), ("GS", group_size),
+                ("WARPS", WARPS), ("ROWS", rows), ("HAS_MASK", has_mask)]
+    heads = B * H
+    top, total, out = _kernel("partials")(
+        inputs=[queries, *keys, *values, mask if has_mask else _constant(None), _constant(float(scale))],
+        template=template, grid=(heads * splits * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[(heads, splits, G), (heads, splits, G), (heads, splits, G, D)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    threads = 128
+    count = heads * G * D
+    return _kernel("combine")(
+        inputs=[top, total, out], template=[("T", queries.dtype), ("D", D), ("G", G)],
+        grid=(-(-count // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]

@@ -1,0 +1,104 @@
+"""camkv's CUDA attention over quantized rows read as stored (camkv.backends.quantized_cuda,
+docs/algorithm.md section 12) against a float64 reference on random and adversarial
+inputs: views of a cache's buffers, masks, several stretches of rows, ties. Runs on an
+NVIDIA GPU only; its refusals are checked everywhere."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from camkv.backends import quantized_cuda
+from test_quantized_attention import DTYPES, EPS, _reference, _rows
+
+on_gpu = pytest.mark.skipif(not quantized_cuda.here(), reason="camkv's CUDA attention runs on an NVIDIA GPU only")
+
+
+@st.composite
+def cases(draw):
+    D = draw(st.sampled_from(quantized_cuda.HEAD_DIMS[:2]))
+    return dict(
+        B=draw(st.integers(1, 2)), H=draw(st.integers(1, 3)), G=draw(st.integers(1, quantized_cuda.MAX_GROUP)),
+        N=draw(st.one_of(st.integers(1, 70), st.integers(70, 700))), D=D,
+        bits=draw(st.sampled_from(quantized_cuda.BITS)), group_size=draw(st.sampled_from([32, 64, 128][:D // 64 + 1])),
+        dtype=draw(st.sampled_from(sorted(DTYPES))), mask=draw(st.sampled_from(["none", "shared", "per_head"])),
+        spare=draw(st.sampled_from([0, 5])), strided_queries=draw(st.booleans()),
+        scale=draw(st.sampled_from([0.125, 1.0, 40.0])), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _queries(rng, B, Hq, D, dtype, strided):
+    if strided:  # [B, 1, Hq, D] transposed, as a model's queries come
+        return mx.array(rng.standard_normal((B, 1, Hq, D)).astype(np.float32)).astype(dtype).transpose(0, 2, 1, 3)
+    return mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32)).astype(dtype)
+
+
+def _check(queries, keys, values, scale, mask, bits, group_size, dtype_name):
+    assert quantized_cuda.takes(queries, keys, values, bits, group_size)
+    got = quantized_cuda.attend(queries, keys, values, scale, mask, bits, group_size)
+    assert got.dtype == queries.dtype and got.shape == queries.shape
+    expected = _reference(queries, keys, values, scale, mask, bits, group_size)
+    got = np.array(got.astype(mx.float32), np.float64)
+    tolerance = 4 * EPS[dtype_name] * np.abs(expected).max() + 2e-4 * max(1.0, scale)
+    np.testing.assert_allclose(got, expected, atol=tolerance, rtol=0)
+
+
+@on_gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_matches_float64_attention_over_the_dequantized_rows(case):
+    """Random shapes, dtypes, masks (some logits -inf), strided views, up to eleven
+    stretches of rows, and scales up to logits in the hundreds."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    dtype = DTYPES[c["dtype"]]
+    queries = _queries(rng, c["B"], c["H"] * c["G"], c["D"], dtype, c["strided_queries"])
+    keys, values = (_rows(rng, c["B"], c["H"], c["N"], c["D"], dtype, c["bits"], c["group_size"], c["spare"])
+                    for _ in range(2))
+    mask = None
+    if c["mask"] != "none":
+        m = rng.standard_normal((c["B"], 1 if c["mask"] == "shared" else c["H"], 1, c["N"])).astype(np.float32)
+        m[..., 1:][rng.random(m[..., 1:].shape) < 0.3] = -np.inf  # row 0 stays visible
+        mask = mx.array(m)
+    _check(queries, keys, values, c["scale"], mask, c["bits"], c["group_size"], c["dtype"])
+
+
+@on_gpu
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 2048])
+def test_rows_alike_and_one_visible_row(n):
+    """Every row the same (every logit tied): the output is that row's value, whichever
+    stretch a row falls in; a mask hiding all rows but the last: that row's value."""
+    rng = np.random.default_rng(n)
+    row = mx.array(rng.standard_normal((1, 2, 1, 128)).astype(np.float32))
+    keys = tuple(mx.quantize(mx.broadcast_to(row, (1, 2, n, 128)), group_size=64, bits=8))
+    queries = _queries(rng, 1, 8, 128, mx.float32, False)
+    _check(queries, keys, keys, 0.1, None, 8, 64, "float32")
+    mask = np.full((1, 1, 1, n), -np.inf, np.float32)
+    mask[..., -1] = 0.0
+    values = _rows(rng, 1, 2, n, 128, mx.float32, 4, 32, 0)
+    _check(queries, _rows(rng, 1, 2, n, 128, mx.float32, 4, 32, 0), values, 1.0, mx.array(mask), 4, 32, "float32")
+
+
+def test_refuses_what_it_does_not_compute():
+    """A prompt block, head dims outside HEAD_DIMS or unequal, bits other than 4 and 8,
+    more than MAX_GROUP query heads a KV head, scales of another dtype: not taken (the
+    hook then attends the rows dequantized)."""
+    def q(shape, dtype=mx.float16):
+        return mx.zeros(shape, dtype)
+
+    def rows(n, dim, bits, group, dtype=mx.float16):
+        return tuple(mx.quantize(mx.zeros((1, 2, n, dim), dtype), group_size=group, bits=bits))
+
+    keys = rows(8, 64, 8, 32)
+    assert quantized_cuda.takes(q((1, 4, 1, 64)), keys, keys, 8, 32)
+    assert not quantized_cuda.takes(q((1, 4, 2, 64)), keys, keys, 8, 32)  # a block
+    assert not quantized_cuda.takes(q((1, 4, 1, 64)), keys, rows(8, 128, 8, 32), 8, 32)  # Dv != Dk
+    small = rows(8, 32, 8, 32)
+    assert not quantized_cuda.takes(q((1, 4, 1, 32)), small, small, 8, 32)
+    three = rows(8, 64, 3, 32)
+    assert not quantized_cuda.takes(q((1, 4, 1, 64)), three, three, 3, 32)
+    assert not quantized_cuda.takes(q((1, 2 * (quantized_cuda.MAX_GROUP + 1), 1, 64)), keys, keys, 8, 32)
+    assert not quantized_cuda.takes(q((1, 4, 1, 64), mx.bfloat16), keys, keys, 8, 32)
