@@ -15,6 +15,7 @@ tie-aware tolerances, not bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -50,10 +51,15 @@ def chunk_mass(queries: mx.array, keys: mx.array, scale: float, n_before: int, c
     return mass.chunk_mass(queries, keys, scale, n_before, cfg, s_len, reducer())
 
 
+@functools.cache
+def cuda_build() -> bool:
+    """Whether the running MLX is its CUDA build with a GPU (fixed for the process)."""
+    return not mx.metal.is_available() and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def on_cuda() -> bool:
     """Whether this computation runs on an NVIDIA GPU (MLX's CUDA backend)."""
-    return (mx.default_device() == mx.gpu and not mx.metal.is_available()
-            and hasattr(mx, "cuda") and mx.cuda.is_available())
+    return mx.default_device() == mx.gpu and cuda_build()
 
 
 def key_queries(keys: mx.array) -> tuple[mx.array, float]:

@@ -24,9 +24,9 @@ strides broadcast), as the CPU extension reads it.
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
+
+from . import drop
 
 WARPS = 4  # warps a work group
 STEPS = 4  # row slots each warp slot reads in a stretch
@@ -190,15 +190,11 @@ def _constant(value: float | None) -> mx.array:
     return _constants[value]
 
 
-@functools.cache
-def _cuda_build() -> bool:
-    return not mx.metal.is_available() and hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
 def here() -> bool:
-    """Whether the default device is an NVIDIA GPU (MLX's CUDA build); asked every layer
-    and step, so what cannot change in a process is asked once."""
-    return mx.default_device() == mx.gpu and _cuda_build()
+    """Whether the default device is an NVIDIA GPU (MLX's CUDA build), as drop.on_cuda;
+    a name of its own, so that tests which pretend drop's kernels run here do not route
+    quantized attention to these."""
+    return mx.default_device() == mx.gpu and drop.cuda_build()
 
 
 def _kernel(name: str):
@@ -220,7 +216,7 @@ def _kernel(name: str):
 def takes(queries: mx.array, keys: tuple, values: tuple, bits: int, group_size: int) -> bool:
     """Whether the kernels take this step: one query a head, keys and values of one head
     dim in HEAD_DIMS, bits in BITS, at most MAX_GROUP query heads a KV head."""
-    B, Hq, L, D = queries.shape
+    _, Hq, L, D = queries.shape
     H = keys[0].shape[1]
     v_dim = values[1].shape[-1] * group_size
     return (L == 1 and D in HEAD_DIMS and v_dim == D and bits in BITS and group_size <= D
