@@ -11,9 +11,8 @@
 #                                     dequantized first, unquantized and camkv's CUDA pass
 #                                     (512 and 2048 rows, head dim 64 and 128; about 1 minute)
 #   bash bench/gpu/speed.sh capacity  16k-token requests admitted into 2 GiB: BatchKVCache,
-#                                     camkv and camkv with 4-bit rows (about 100 of those
-#                                     would fit; admitting stops at 36, a lower bound: about
-#                                     6 minutes)
+#                                     camkv and camkv with 4-bit rows (admitting stops at
+#                                     36, so a count of 36 is a lower bound: about 6 minutes)
 # e.g. `bash bench/gpu/speed.sh merges decode8b` (about 7 minutes).
 . bench/gpu/env.sh
 mkdir -p "$OUT"
