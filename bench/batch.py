@@ -61,9 +61,12 @@ ARMS = ("batchkv", "camkv")
 
 
 def arms_of(settings: dict) -> tuple[str, ...]:
-    """The arms a run measures: ARMS, then camkv with quantized rows when --kv-bits is set."""
+    """The arms a run measures: ARMS, then camkv with quantized rows when --kv-bits is set,
+    less those --only-arms leaves out (records without it measured all)."""
     bits = settings.get("kv_bits")
-    return ARMS + ((f"camkv-{bits}bit",) if bits else ())
+    every = ARMS + ((f"camkv-{bits}bit",) if bits else ())
+    only = settings.get("only_arms")
+    return tuple(arm for arm in every if not only or arm in only)
 
 
 def parse_args(argv=None):
@@ -79,6 +82,9 @@ def parse_args(argv=None):
                    help="also an arm of camkv with its rows quantized to these bits (CaMConfig.bits)")
     p.add_argument("--kv-group-size", type=int, default=64, choices=(32, 64, 128),
                    help="quantization group of that arm (default 64)")
+    p.add_argument("--only-arms", nargs="+", default=None, metavar="ARM",
+                   help="measure only these of batchkv, camkv, camkv-4bit / camkv-8bit (default all; "
+                        "ratios between arms are reported where both ran)")
     p.add_argument("--prefill-step", type=int, default=2048, help="prefill chunk (default 2048)")
     p.add_argument("--trials", type=int, default=1, help="timed trials per arm (default 1)")
     p.add_argument("--no-warmup", action="store_true", help="skip the warm-up runs")
@@ -93,7 +99,13 @@ def parse_args(argv=None):
                    help="also time the batch caches' methods (host clock) per decode step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True, help="JSON file to write (PNG next to it)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    known = arms_of({"kv_bits": args.kv_bits})
+    unknown = [arm for arm in args.only_arms or () if arm not in known]
+    if unknown:
+        p.error(f"--only-arms: {', '.join(unknown)} not among this run's arms {', '.join(known)} "
+                "(a quantized arm needs --kv-bits)")
+    return args
 
 
 def load_model(name: str):
@@ -225,14 +237,17 @@ def throughput(model, args) -> dict:
                   + f", peak KV {result['peak_kv_bytes'] / 2**20:.1f} MiB", flush=True)
             trials[arm].append(result)
     best = {arm: max(trials[arm], key=lambda r: r["tokens_per_s"]) for arm in arms}
-    quantized = {f"{arm}_vs_camkv": {key: best[arm][key] / best["camkv"][key]
-                                     for key in ("tokens_per_s", "generation_tps", "peak_kv_bytes")}
-                 for arm in arms[len(ARMS):]}
-    return {**quantized,
+    quantized = {name: {key: best[arm][key] / best["camkv"][key]
+                        for key in ("tokens_per_s", "generation_tps", "peak_kv_bytes")}
+                 for name, arm in ((f"{arm}_vs_camkv", arm) for arm in best if arm not in ARMS)
+                 if "camkv" in best}
+    pair = {}
+    if {"camkv", "batchkv"} <= best.keys():
+        pair = {"speedup": best["camkv"]["tokens_per_s"] / best["batchkv"]["tokens_per_s"],
+                "generation_speedup": best["camkv"]["generation_tps"] / best["batchkv"]["generation_tps"],
+                "kv_ratio": best["camkv"]["peak_kv_bytes"] / best["batchkv"]["peak_kv_bytes"]}
+    return {**quantized, **pair,
         "trials": trials,
-        "speedup": best["camkv"]["tokens_per_s"] / best["batchkv"]["tokens_per_s"],
-        "generation_speedup": best["camkv"]["generation_tps"] / best["batchkv"]["generation_tps"],
-        "kv_ratio": best["camkv"]["peak_kv_bytes"] / best["batchkv"]["peak_kv_bytes"],
     }
 
 
@@ -275,8 +290,11 @@ def capacity(args) -> dict:
     log: list = []
     arms = arms_of(vars(args))
     result = {arm: admitted(model, arm, args, base, limit, log) for arm in arms}
-    quantized = {f"{arm}_vs_camkv": result[arm] / max(result["camkv"], 1) for arm in arms[len(ARMS):]}
-    return {"max_concurrent": result, "ratio": result["camkv"] / max(result["batchkv"], 1), **quantized, "runs": log,
+    ratios = {f"{arm}_vs_camkv": result[arm] / max(result["camkv"], 1)
+              for arm in arms if arm not in ARMS and "camkv" in result}
+    if {"camkv", "batchkv"} <= result.keys():
+        ratios["ratio"] = result["camkv"] / max(result["batchkv"], 1)
+    return {"max_concurrent": result, **ratios, "runs": log,
             "model": args.capacity_model or args.model, "context": args.capacity_context,
             "limit_gb": args.limit_gb, "capped": [arm for arm, n in result.items() if n == args.max_n]}
 
@@ -300,7 +318,8 @@ def _panels(record: dict) -> list[tuple[str, str, list[float]]]:
         title = f"{st['batch']} x {st['context']} + {st['gen']} tokens"
         panels.append((title, "tokens / s (prompt + generated)", [best[a]["tokens_per_s"] for a in arms_of(st)]))
         panels.append((title, "generated tokens / s", [best[a]["generation_tps"] for a in arms_of(st)]))
-        panels.append((f"KV ratio {record['throughput']['kv_ratio']:.3f}", "peak KV MiB (batch)",
+        kv_ratio = record["throughput"].get("kv_ratio")
+        panels.append(("peak KV" if kv_ratio is None else f"KV ratio {kv_ratio:.3f}", "peak KV MiB (batch)",
                        [best[a]["peak_kv_bytes"] / 2**20 for a in arms_of(st)]))
     if "capacity" in record:
         c = record["capacity"]
@@ -317,10 +336,12 @@ def plot(record: dict, path: Path) -> None:
 
     panels = _panels(record)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
-    labels = ["BatchKVCache", f"camkv {record['settings']['budget']}"]
-    labels += [f"camkv {record['settings']['budget']}, {a.split('-')[1]}" for a in arms_of(record["settings"])[2:]]
+    budget, arms = record["settings"]["budget"], arms_of(record["settings"])
+    names = {"batchkv": "BatchKVCache", "camkv": f"camkv {budget}"}
+    labels = [names.get(a, f"camkv {budget}, {a.split('-')[-1]}") for a in arms]
+    colors = [{"batchkv": "grey", "camkv": "tab:blue"}.get(a, "tab:green") for a in arms]
     for ax, (title, ylabel, values) in zip(axes[0], panels):
-        ax.bar(labels, values, color=["grey", "tab:blue", "tab:green"][: len(labels)])
+        ax.bar(labels, values, color=colors)
         ax.set_title(title, fontsize=9)
         ax.set_ylabel(ylabel)
     fig.suptitle(f"{record['settings']['model']} on {record['machine']['device']}", fontsize=9)
@@ -345,13 +366,14 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(record, indent=1))
     plot(record, args.out.with_suffix(".png"))
     tp = record.get("throughput")
-    if tp:
+    if tp and "speedup" in tp:
         print(f"throughput camkv / BatchKVCache: {tp['speedup']:.2f}x (generation {tp['generation_speedup']:.2f}x), "
               f"KV {tp['kv_ratio']:.3f} of BatchKVCache's")
     if args.capacity:
         c = record["capacity"]
         quantized = "".join(f", {k} {v:.2f}x" for k, v in c.items() if k.endswith("_vs_camkv"))
-        print(f"capacity: {c['max_concurrent']} ({c['ratio']:.1f}x{quantized})")
+        versus = f"camkv / BatchKVCache {c['ratio']:.1f}x" if "ratio" in c else "ratios"
+        print(f"capacity: {c['max_concurrent']} ({versus}{quantized})")
     return 0
 
 

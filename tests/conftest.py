@@ -49,6 +49,16 @@ def remove_hooks():
         camkv.remove(model)
 
 
+@pytest.fixture
+def on_the_cpu():
+    """The test runs on the CPU device even where a GPU is the default
+    (tiny_models.exactly_on_the_cpu says why)."""
+    from tiny_models import exactly_on_the_cpu
+
+    with exactly_on_the_cpu():
+        yield
+
+
 @pytest.fixture(params=_backend_params())
 def backend(request) -> str:
     """Each backend name usable here; the others are reported as skipped with the reason."""

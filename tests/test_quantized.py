@@ -258,18 +258,26 @@ def test_saved_quantized_cache_loads_the_same_codes_and_continues_identically(mo
 
 # ------------------------------------------------------------------ batches
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model, bits):
-    """Each row's whole state (codes, scores, positions, counters, the pending queries) is
-    the lone run's: the batch hands every row its own queries, which attention then reads."""
+def test_a_batch_of_quantized_rows_decodes_each_row_as_alone(model, bits, on_the_cpu):
+    """Each row's whole state (codes, scales and biases, scores, positions, counters, the
+    pending queries) is the lone run's: the batch writes every row's quantized key, value
+    and query into its shared rectangle (a row compressing takes its codes back), and
+    attention reads the rectangle as a lone row's attention reads its codes."""
     prompts = [_prompt(130, 1), _prompt(70, 2)]
     alone, batch = batch_of_lone_caches(model, prompts, budget=32, bits=bits)
     # Attention reads the rows quantized where MLX has its quantized kernels.
     assert all(_read_quantized(layer) == ((bits, 64) if quantized.kernels_here() else None) for layer in batch)
     token = mx.array([[5], [9]])
     steps = 42  # past budget + slack: each row compresses inside the batch, then keeps 2 steps' queries
+    shared = 0  # steps every row decoded in the batch's shared rectangle of codes
     for _ in range(steps):
         logits = model(token, cache=batch)
         token = mx.argmax(logits[:, -1:], axis=-1)
+        lent = batch[0]._lent
+        shared += bool(lent) and all(lent)
+        # A lent row holds no buffers of its own: one copy of its codes.
+        assert all(row._rows.keys is None for row, on in zip(batch[0]._rows, lent or []) if on)
+    assert shared > steps // 2  # the steps without a compression are the rectangle's
     for b, cache in enumerate(alone):
         row_token = mx.array([[5, 9][b]])[None]
         for _ in range(steps):
@@ -399,6 +407,37 @@ def test_on_cuda_the_hook_attends_decode_steps_over_the_rows_as_stored(model, mo
     assert steps and all(s == (("camkv" if takes else "mlx-lm"), 1, takes, True) for s in steps), set(steps)
     assert all(not quantized_rows for who, _, quantized_rows, _ in seen if who == "mlx-lm")  # arrays only
     np.testing.assert_allclose(got, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("where", ["here", "cuda"])
+def test_a_batch_attends_its_rectangle_of_codes_as_each_row_alone(model, monkeypatch, where):
+    """A batch of quantized rows decodes in one rectangle of codes: each step's attention
+    reads every row's codes at once (one call with B = 2: camkv's pass on the CPU, its CUDA
+    pass on MLX's CUDA build, stood in for on "cuda" by the computation it is held to), and
+    each row's logits are its lone run's (steps before any row compresses)."""
+    from camkv import quantized_attention
+    from camkv.backends import quantized_cuda
+
+    if where == "cuda":
+        monkeypatch.setattr(quantized, "kernels_here", lambda: False)
+        monkeypatch.setattr(quantized_cuda, "here", lambda: True)
+        monkeypatch.setattr(quantized_cuda, "takes", lambda *a: True)
+        monkeypatch.setattr(quantized_cuda, "attend", _attend_dequantized)
+    batches, original = [], quantized_attention.attend
+
+    def attend(queries, keys, *rest):
+        batches.append(keys[0].shape[0])
+        return original(queries, keys, *rest)
+
+    monkeypatch.setattr(quantized_attention, "attend", attend)
+    alone, batch = batch_of_lone_caches(model, [_prompt(130, 1), _prompt(70, 2)], budget=32, bits=8)
+    steps = [[5, 9], [17, 3], [40, 41]]  # fewer than the slack: no row compresses
+    got = [model(mx.array(tokens)[:, None], cache=batch)[:, -1] for tokens in steps]
+    assert batches.count(2) == len(steps) * len(batch)  # every layer, every step: one call for both rows
+    for b, cache in enumerate(alone):
+        for tokens, logits in zip(steps, got):
+            expected = model(mx.array([[tokens[b]]]), cache=cache)[0, -1]
+            np.testing.assert_allclose(np.array(logits[b]), np.array(expected), atol=1e-5)
 
 
 def test_votes_weigh_quantized_attention_per_kv_head(model):

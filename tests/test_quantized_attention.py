@@ -23,12 +23,13 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 EPS = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 
 
-def _rows(rng, B, H, N, D, dtype, bits, group_size, spare):
-    """Quantized rows [B, H, N, ...] as a cache holds them: views of the first N rows of
-    buffers with `spare` rows of room after them (not contiguous where spare > 0)."""
-    block = mx.array(rng.standard_normal((B, H, N + spare, D)).astype(np.float32)).astype(dtype)
+def _rows(rng, B, H, N, D, dtype, bits, group_size, spare, lead=0):
+    """Quantized rows [B, H, N, ...] as a cache holds them: views of N rows of buffers with
+    `spare` rows of room after them (not contiguous where spare > 0), starting `lead` rows
+    in (a batch's rectangle of rows ends at a column and starts where the widest row does)."""
+    block = mx.array(rng.standard_normal((B, H, lead + N + spare, D)).astype(np.float32)).astype(dtype)
     q = mx.quantize(block, group_size=group_size, bits=bits)
-    return tuple(a[:, :, :N] for a in q)
+    return tuple(a[:, :, lead : lead + N] for a in q)
 
 
 def _dequantized(q, bits, group_size):
@@ -64,15 +65,16 @@ def cases(draw):
         N=draw(st.integers(1, 70)), D=D, Dv=draw(st.sampled_from([d for d in (32, 64, 128) if d >= 32])),
         bits=draw(st.sampled_from([4, 8])), group_size=draw(st.sampled_from([g for g in (32, 64, 128) if g <= D])),
         dtype=draw(st.sampled_from(sorted(DTYPES))), mask=draw(st.sampled_from(["none", "shared", "per_head"])),
-        spare=draw(st.sampled_from([0, 5])), strided_queries=draw(st.booleans()),
+        spare=draw(st.sampled_from([0, 5])), lead=draw(st.sampled_from([0, 3])), strided_queries=draw(st.booleans()),
         scale=draw(st.sampled_from([0.125, 1.0, 40.0])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_matches_float64_attention_over_the_dequantized_rows(case):
-    """Random shapes, dtypes, masks (some logits -inf), strided views and scales up to
-    logits in the hundreds (the softmax must subtract its maximum)."""
+    """Random shapes, dtypes, masks (some logits -inf), strided views (some starting past
+    their buffer's first row) and scales up to logits in the hundreds (the softmax must
+    subtract its maximum)."""
     note(f"case={case}")
     c = case
     if c["Dv"] % c["group_size"]:
@@ -85,8 +87,8 @@ def test_matches_float64_attention_over_the_dequantized_rows(case):
         queries = queries.transpose(0, 2, 1, 3)
     else:
         queries = mx.array(rng.standard_normal((c["B"], Hq, c["L"], c["D"])).astype(np.float32)).astype(dtype)
-    keys = _rows(rng, c["B"], c["H"], c["N"], c["D"], dtype, c["bits"], c["group_size"], c["spare"])
-    values = _rows(rng, c["B"], c["H"], c["N"], c["Dv"], dtype, c["bits"], c["group_size"], c["spare"])
+    keys = _rows(rng, c["B"], c["H"], c["N"], c["D"], dtype, c["bits"], c["group_size"], c["spare"], c["lead"])
+    values = _rows(rng, c["B"], c["H"], c["N"], c["Dv"], dtype, c["bits"], c["group_size"], c["spare"], c["lead"])
     mask = None
     if c["mask"] != "none":
         heads = 1 if c["mask"] == "shared" else c["H"]

@@ -25,7 +25,7 @@ def cases(draw):
         N=draw(st.one_of(st.integers(1, 70), st.integers(70, 700))), D=D,
         bits=draw(st.sampled_from(quantized_cuda.BITS)), group_size=draw(st.sampled_from([32, 64, 128][:D // 64 + 1])),
         dtype=draw(st.sampled_from(sorted(DTYPES))), mask=draw(st.sampled_from(["none", "shared", "per_head"])),
-        spare=draw(st.sampled_from([0, 5])), strided_queries=draw(st.booleans()),
+        spare=draw(st.sampled_from([0, 5])), lead=draw(st.sampled_from([0, 3])), strided_queries=draw(st.booleans()),
         scale=draw(st.sampled_from([0.125, 1.0, 40.0])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -49,15 +49,16 @@ def _check(queries, keys, values, scale, mask, bits, group_size, dtype_name):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_matches_float64_attention_over_the_dequantized_rows(case):
-    """Random shapes, dtypes, masks (some logits -inf), strided views, up to eleven
-    stretches of rows, and scales up to logits in the hundreds."""
+    """Random shapes, dtypes, masks (some logits -inf), strided views (some starting past
+    their buffer's first row), up to eleven stretches of rows, and scales up to logits in
+    the hundreds."""
     note(f"case={case}")
     c = case
     rng = np.random.default_rng(c["seed"])
     dtype = DTYPES[c["dtype"]]
     queries = _queries(rng, c["B"], c["H"] * c["G"], c["D"], dtype, c["strided_queries"])
-    keys, values = (_rows(rng, c["B"], c["H"], c["N"], c["D"], dtype, c["bits"], c["group_size"], c["spare"])
-                    for _ in range(2))
+    keys, values = (_rows(rng, c["B"], c["H"], c["N"], c["D"], dtype, c["bits"], c["group_size"], c["spare"],
+                          c["lead"]) for _ in range(2))
     mask = None
     if c["mask"] != "none":
         m = rng.standard_normal((c["B"], 1 if c["mask"] == "shared" else c["H"], 1, c["N"])).astype(np.float32)

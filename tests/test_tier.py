@@ -129,7 +129,7 @@ def test_a_saved_tier_loads_as_it_was(model, tmp_path):
     np.testing.assert_allclose(_logprobs(model, loaded, prompt[-1:]), _logprobs(model, cache, prompt[-1:]), atol=1e-6)
 
 
-def test_a_batch_of_rows_with_tiers_decodes_each_row_as_alone(model):
+def test_a_batch_of_rows_with_tiers_decodes_each_row_as_alone(model, on_the_cpu):
     """Each row's whole state (main rows, their scores, the tier's rows, the pending
     queries) is the lone run's."""
     prompts = [np.random.default_rng(s).integers(0, 128, n).tolist() for s, n in ((2, 130), (3, 60))]

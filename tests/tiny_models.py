@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import llama
@@ -198,6 +200,23 @@ def assert_state_as_alone(got: tuple, alone: tuple, config) -> None:
             assert_scores_as_alone(a, c)
         else:
             assert_as_alone(a, c)
+
+
+@contextlib.contextmanager
+def exactly_on_the_cpu():
+    """Run the block on the CPU device, where a batch row and its lone run agree bit for
+    bit. Comparing quantized rows of a batch with their lone runs on a GPU compares
+    evictions, not the batch: the GPU's products for two rows differ from one row's in the
+    last bits, quantization turns some of those into a whole code step, and a step moves a
+    score by more than docs/algorithm.md section 8's tolerance, so near-tied rows may be
+    evicted otherwise (an H200: a scale 0.0245 off after 42 steps). camkv's CUDA attention
+    over a batch's codes is checked against float64 in tests/test_quantized_cuda.py."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(device)
 
 
 def batch_of_lone_caches(model, prompts: list[list[int]], **fields):

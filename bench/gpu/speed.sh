@@ -12,7 +12,7 @@
 #                                     (512 and 2048 rows, head dim 64 and 128; about 1 minute)
 #   bash bench/gpu/speed.sh capacity  16k-token requests admitted into 2 GiB: BatchKVCache,
 #                                     camkv and camkv with 4-bit rows (admitting stops at
-#                                     36, so a count of 36 is a lower bound: about 6 minutes)
+#                                     72, so a count of 72 is a lower bound: about 3 minutes)
 # e.g. `bash bench/gpu/speed.sh merges decode8b` (about 7 minutes).
 . bench/gpu/env.sh
 mkdir -p "$OUT"
@@ -41,7 +41,7 @@ for part in "$@"; do
       step 150 python3 bench/quantized_attention.py --rows 512 2048 --head-dim 64 128 --bits 4 8 --group-size 32 64 \
         --repeats 100 --out "$OUT/quantized-attention-h200.json" ;;
     capacity)
-      step 540 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 --max-n 36 \
+      step 540 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 --max-n 72 \
         --out "$OUT/batch-h200-quant.json" ;;
     *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, qattn, capacity; got '$part'" >&2; exit 2 ;;
   esac

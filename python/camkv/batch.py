@@ -41,7 +41,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from . import attention_rows, quantized
-from .backends import drop
+from .backends import drop, quantized_cuda
 from .cache import CaMKVCache
 
 _UNLIMITED = None  # a row's real-token count in the coming block: no right padding
@@ -304,9 +304,18 @@ class BatchCaMKVCache(_BaseCache):
             if self._rows and hasattr(self._rows[0], name):
                 setattr(self, name, getattr(self._rows[0], name))
 
-    def _quantized(self) -> bool:
-        """Rows quantized or with a tier, whose decode steps each row runs itself."""
-        return bool(self._rows) and (self._rows[0].config.bits is not None or self._rows[0].config.tier_budget > 0)
+    def _tiered(self) -> bool:
+        """Rows with a tier, whose decode steps each row runs itself (two pools to attend)."""
+        return bool(self._rows) and self._rows[0].config.tier_budget > 0
+
+    def _columns(self, keys, values) -> list[mx.array]:
+        """The step's keys and values [B, H, 1, D] as the rectangle stores them: the arrays,
+        or for quantized rows the codes, scales and biases of each, quantized for the whole
+        batch at once (mx.quantize groups channels only: each row's are what it would store)."""
+        cfg = self._rows[0].config
+        if cfg.bits is None:
+            return [keys, values]
+        return [*quantized.quantize(keys, cfg.bits, cfg.group_size), *quantized.quantize(values, cfg.bits, cfg.group_size)]
 
     def _check_index(self, i) -> None:
         if not isinstance(i, int) or not -len(self._rows) <= i < len(self._rows):
@@ -356,8 +365,8 @@ class BatchCaMKVCache(_BaseCache):
     # ------------------------------------------------------------------ decoding
     def _is_decode_step(self, S: int) -> bool:
         """Every row takes one real token (no padding to cut): the rectangle's work. Rows
-        of quantized rows (CaMConfig.bits) decode as prompt blocks do, each row on its own."""
-        return S == 1 and not self._in_padded_prompt() and not self._quantized() and all(
+        with a tier decode as prompt blocks do, each row on its own."""
+        return S == 1 and not self._in_padded_prompt() and not self._tiered() and all(
             self._left_pending(b) == 0 for b in range(len(self._rows)))
 
     def _decode_update(self, keys, values):
@@ -372,12 +381,13 @@ class BatchCaMKVCache(_BaseCache):
         if self._kv is None:
             B = len(rows)
             self._kv, self._queries, self._lent = _RightAligned(B), _RightAligned(B), [False] * B
+        columns = self._columns(keys, values)
         if self._plain_left <= 0 or not all(self._lent):
-            self._regroup(keys, values)
+            self._regroup(columns)
         owning = [b for b, lent in enumerate(self._lent) if not lent]
-        self._kv.fit([keys, values], keep=self._lent_held,
+        self._kv.fit(columns, keep=self._lent_held,
                      before=max([self._lent_held] + [rows[b].size() for b in owning]))
-        self._kv.write_column([keys, values])
+        self._kv.write_column(columns)
         self._in_step = True
         self._plain_left -= 1
         if len(owning) < len(rows):
@@ -385,7 +395,7 @@ class BatchCaMKVCache(_BaseCache):
         # An owning row returns at most held + 1 rows; they end at the rectangle's end too.
         fetched = [(True, self._lent_held)] * len(rows)
         for b in owning:
-            self._kv.write_row(b, rows[b].update_and_fetch(keys[b : b + 1], values[b : b + 1]))
+            self._kv.write_row(b, _flat(*rows[b].update_stored(keys[b : b + 1], values[b : b + 1])))
             fetched[b] = (True, self._kv.last_written)
         if owning:  # the lent rows were told this step (_regroup): their exact widths, for the bias
             fetched = [(True, row.size() + 1) if lent else f for row, lent, f in zip(rows, self._lent, fetched)]
@@ -394,7 +404,17 @@ class BatchCaMKVCache(_BaseCache):
             self._offsets = self._offsets + 1  # every row's next token is one further on
         self._block = [(0, 1)] * len(rows)
         self._fetched = fetched
-        return self._kv.view(max(n for _, n in fetched))
+        return self._as_attended(self._kv.view(max(n for _, n in fetched)))
+
+    def _as_attended(self, view: tuple):
+        """The rectangle's keys and values as attention reads them: as stored (quantized
+        triples where camkv's hook or mlx-lm's attention reads codes, as a lone row's
+        are), else dequantized once for the whole batch."""
+        keys, values = _as_pair(view)
+        if isinstance(keys, tuple) and not (hasattr(self, "bits") or quantized_cuda.here()):
+            cfg = self._rows[0].config
+            return quantized.dequantize(keys, cfg.bits, cfg.group_size), quantized.dequantize(values, cfg.bits, cfg.group_size)
+        return keys, values
 
     def _decode_observe(self, queries, scale: float) -> None:
         """The step's queries [B, Hq, 1, Dk]: lent rows keep theirs in the query rectangle
@@ -428,7 +448,7 @@ class BatchCaMKVCache(_BaseCache):
         return (queries.shape[3] == Dk and queries.shape[1] % H == 0
                 and (self._scale is None or self._scale == scale))
 
-    def _regroup(self, keys, values) -> None:
+    def _regroup(self, columns: list[mx.array]) -> None:
         """Between steps: tell the lent rows their steps; a lent row whose next step does more
         than append takes its buffers back, an owning row whose next step only appends lends
         them; count the steps every lent row can now take without a look at each."""
@@ -446,7 +466,7 @@ class BatchCaMKVCache(_BaseCache):
                 lending.append(b)
                 self._scale = scale if scale is not None else self._scale
         held = max((row.size() for row in lent), default=0)
-        self._kv.fit([keys, values], keep=held, before=max([held] + [rows[b].size() for b in lending]))
+        self._kv.fit(columns, keep=held, before=max([held] + [rows[b].size() for b in lending]))
         self._lend(lending)
         lent = [row for row, on in zip(rows, self._lent) if on]
         self._lent_held = max((row.size() for row in lent), default=0)
@@ -477,7 +497,7 @@ class BatchCaMKVCache(_BaseCache):
             kept = max((r.pending_queries() for r, on in zip(self._rows, self._lent) if on), default=0)
             self._queries.fit([queries[0]], keep=kept, before=max(kept, *(q.shape[2] for q in queries)))
         for b, keys, values, q in lent:
-            self._kv.write_row(b, (keys, values), end=self._kv.end)
+            self._kv.write_row(b, _flat(keys, values), end=self._kv.end)
             if q is not None:
                 self._queries.write_row(b, (q,), end=self._queries.end)
             self._lent[b] = True
@@ -486,7 +506,7 @@ class BatchCaMKVCache(_BaseCache):
         """Row b (told its steps) holds its own buffers again: its rows of the rectangles."""
         row = self._rows[b]
         p = row.pending_queries()
-        row.take_back_buffers(*self._kv.row(b, row.size()), self._queries.row(b, p)[0] if p else None)
+        row.take_back_buffers(*_as_pair(self._kv.row(b, row.size())), self._queries.row(b, p)[0] if p else None)
         self._lent[b] = False
 
     def _make_whole(self) -> None:
@@ -621,6 +641,19 @@ def _padding_list(values, B: int, name: str) -> list[int]:
     if len(values) != B or any(not isinstance(v, int) or v < 0 for v in values):
         raise ValueError(f"{name} must be {B} counts >= 0 (one per row), got {values}")
     return values
+
+
+def _flat(keys, values) -> list[mx.array]:
+    """A row's keys and values as the rectangle's buffers hold them: two arrays, or the
+    three of each quantized triple."""
+    return [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+
+
+def _as_pair(buffers) -> tuple:
+    """(keys, values) of the rectangle's buffers (_flat's inverse)."""
+    if len(buffers) == 2:
+        return buffers[0], buffers[1]
+    return tuple(buffers[:3]), tuple(buffers[3:])
 
 
 def _tokens(keys) -> int:

@@ -62,7 +62,8 @@ class BatchRow:
 
     def lend_buffers(self):
         """(held keys [B, H, held, Dk], values, the pending rows' queries [B, Hq, p, Dk] or
-        None); this cache holds no buffers until take_back_buffers."""
+        None), keys and values as stored (arrays, or quantized triples); this cache holds no buffers
+        until take_back_buffers."""
         p = self.pending_queries()
         queries = self._pending.kept()[:, :, :p] if p else None
         self._pending.release()

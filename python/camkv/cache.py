@@ -122,6 +122,13 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
     # ------------------------------------------------------------------ protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Hold S new tokens per row; return (held ++ new keys, held ++ new values) [B, H, n + S, D]."""
+        fetched = self.update_stored(keys, values)
+        # Plain rows (no quantization, no tier) go to attention as held.
+        return fetched if self._config.bits is None and self._tier is None else self._for_attention(fetched)
+
+    def update_stored(self, keys: mx.array, values: mx.array):
+        """update_and_fetch's work; returns the rows held before any compression it ran,
+        as stored (arrays, or quantized triples): what a batch's rectangle holds."""
         # A decode step repeats the last block's shapes: one comparison stands for the
         # checks (host time is most of a GPU decode step's cost).
         block = (keys.shape, values.shape, keys.dtype) if type(keys) is type(values) is mx.array else None
@@ -137,8 +144,7 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
             self._warn_if_votes_unread()
         fetched = self._rows.append(keys, values)
         self._took(block[0][2])
-        # Plain rows (no quantization, no tier) go to attention as held.
-        return fetched if self._config.bits is None and self._tier is None else self._for_attention(fetched)
+        return fetched
 
     def _for_attention(self, fetched):
         """The rows held (fetched: as stored) as attention reads them (camkv.attention_rows)."""

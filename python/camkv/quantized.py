@@ -144,6 +144,19 @@ class QuantizedRowBuffers(RowBuffers):
     def as_stored(self) -> tuple:
         return self.quantized_views()
 
+    def lend(self) -> tuple:
+        """The held rows' quantized keys and values (triples [B, H, held, w]); these
+        buffers hold nothing until take_back."""
+        lent = self.quantized_views()
+        self.keys = self.values = None
+        return lent
+
+    def take_back(self, keys: tuple, values: tuple) -> None:
+        """Hold again the triples lend handed over (maybe moved), with room to decode in place."""
+        spare = self.room_after(self.held)
+        self.keys = tuple(with_room([], a, spare) for a in keys)
+        self.values = tuple(with_room([], a, spare) for a in values)
+
     def after(self, end: int):
         """The held rows after row end, still quantized (reappend writes them back)."""
         return tuple(a[:, :, end : self.held] for a in self.keys), tuple(a[:, :, end : self.held] for a in self.values)
