@@ -2,7 +2,7 @@
 # Stages what the quality sweep needs on the H200 (no registry there): both packaged
 # models' GGUF files, the cached texts and llama.cpp's `gguf` package (Gemma 3's
 # K-quant tensors need it), as one tar split into git-ignored folders .gpu-stage/m1,
-# m2, ... of at most 50 MB each, so that each fits one device call beside the working
+# m2, ... of at most 38 MB each, so that each fits one device call beside the working
 # tree. Run on a machine that has fetched the models once (camkv.models.load).
 #
 # On the device, one call per folder, back to back (the machine forgets between cold calls):
@@ -13,10 +13,13 @@ root=$(git rev-parse --show-toplevel)
 cd "$root"
 grep -qx '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
 cache=${CAMKV_CACHE_DIR:-$HOME/.cache/camkv}
+# Parts of 38 MB: each call carries one beside the working tree (about 17 MB), within 64 MiB.
+size=38M
 case ${1:-all} in
-  all) models="downloads/SmolLM2-135M-Instruct.Q4_1.gguf downloads/gemma-3-270m-q4_k_m.gguf"; size=50M ;;
-  smollm2) models=downloads/SmolLM2-135M-Instruct.Q4_1.gguf; size=38M ;;
-  *) echo "bench/gpu/stage-models.sh: stage 'all' (the default) or 'smollm2', got '$1'" >&2; exit 2 ;;
+  all) models="downloads/SmolLM2-135M-Instruct.Q4_1.gguf downloads/gemma-3-270m-q4_k_m.gguf" ;;
+  smollm2) models=downloads/SmolLM2-135M-Instruct.Q4_1.gguf ;;
+  gemma) models=downloads/gemma-3-270m-q4_k_m.gguf ;;
+  *) echo "bench/gpu/stage-models.sh: stage 'all' (the default), 'smollm2' or 'gemma', got '$1'" >&2; exit 2 ;;
 esac
 gguf_parent=$(python3 -c 'import gguf, os; print(os.path.dirname(os.path.dirname(gguf.__file__)))')
 rm -rf .gpu-stage && mkdir -p .gpu-stage
