@@ -414,7 +414,10 @@ def test_a_batch_attends_its_rectangle_of_codes_as_each_row_alone(model, monkeyp
     """A batch of quantized rows decodes in one rectangle of codes: each step's attention
     reads every row's codes at once (one call with B = 2: camkv's pass on the CPU, its CUDA
     pass on MLX's CUDA build, stood in for on "cuda" by the computation it is held to), and
-    each row's logits are its lone run's (steps before any row compresses)."""
+    each row's logits are its lone run's (steps before any row compresses): equal to float32
+    rounding on the CPU; on a GPU within 0.05, the 8-bit rows' own reach (the GPU's products
+    for two rows differ from one row's in the last bits, which may round a value to the
+    next code; tiny_models.exactly_on_the_cpu)."""
     from camkv import quantized_attention
     from camkv.backends import quantized_cuda
 
@@ -437,7 +440,8 @@ def test_a_batch_attends_its_rectangle_of_codes_as_each_row_alone(model, monkeyp
     for b, cache in enumerate(alone):
         for tokens, logits in zip(steps, got):
             expected = model(mx.array([[tokens[b]]]), cache=cache)[0, -1]
-            np.testing.assert_allclose(np.array(logits[b]), np.array(expected), atol=1e-5)
+            np.testing.assert_allclose(np.array(logits[b]), np.array(expected),
+                                       atol=1e-5 if mx.default_device() == mx.cpu else 0.05)
 
 
 def test_votes_weigh_quantized_attention_per_kv_head(model):
