@@ -80,7 +80,9 @@ def test_caches_of_a_byte_budget_never_hold_more_than_it(model):
     target = 40_000
     cache = camkv.make_prompt_cache(model, kv_bytes=target)
     config = cache[0].config
-    assert config.bits == 4 and config.budget == byte_budget.choose(target, CaMConfig(bits=4), 2, 64, 64, 4).budget
+    # No bits given: 4-bit rows of group 32 (byte_budget.KV_BYTES_DEFAULTS).
+    assert (config.bits, config.group_size) == (4, 32)
+    assert config.budget == byte_budget.choose(target, CaMConfig(bits=4, group_size=32), 2, 64, 64, 4).budget
     prompt = np.random.default_rng(0).integers(0, 128, 300).tolist()
     model(mx.array(prompt)[None], cache=cache)
     held = []
@@ -92,6 +94,9 @@ def test_caches_of_a_byte_budget_never_hold_more_than_it(model):
 
 
 def test_bits_given_with_a_byte_budget_are_kept(model):
+    assert camkv.make_prompt_cache(model, kv_bytes="64KiB", bits=8)[0].config.group_size == 64  # the config's
+    assert camkv.make_prompt_cache(model, kv_bytes="64KiB", bits=4)[0].config.group_size == 64
+    assert camkv.make_prompt_cache(model, kv_bytes="64KiB", group_size=64)[0].config.bits == 4
     assert camkv.make_prompt_cache(model, kv_bytes="64KiB", bits=8)[0].config.bits == 8
     assert camkv.make_prompt_cache(model, kv_bytes="64KiB", bits=None)[0].config.bits is None
     assert camkv.make_prompt_cache(model, CaMConfig(), kv_bytes="64KiB")[0].config.bits is None
@@ -148,3 +153,18 @@ def test_a_tier_takes_its_bytes_out_of_the_byte_budget(model):
         model(mx.array([[token % 128]]), cache=cache)
         assert max(c.nbytes for c in cache) <= target
     assert cache[0].tier_rows()[3].shape[2] == 64
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], (4, 32)),  # KV_BYTES_DEFAULTS
+    (["--kv-group-size", "64"], (4, 64)),
+    (["--kv-bits", "8"], (8, 64)),  # bits given: the config's group
+])
+def test_the_command_line_chooses_what_make_prompt_cache_chooses(flags, expected):
+    from camkv import cli
+
+    words = ["generate", "--kv-bytes", "1MiB", *flags]
+    args = cli.build_parser().parse_args(words)
+    args.explicit_kv = cli.explicit_kv_flags(words)
+    fields = cli._kv_fields_to_run(args)
+    assert (fields["bits"], fields["group_size"]) == expected

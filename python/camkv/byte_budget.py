@@ -6,11 +6,14 @@ chooses the same budget): keys, values (their codes, scales and biases when quan
 scores and positions of budget + slack rows a head, the most a cache holds between
 compressions. Given the layer's head shape, it chooses:
 
-- bits: the config's; 4 when nothing says otherwise (make_prompt_cache(model,
-  kv_bytes=...) without bits; --kv-bytes without --kv-bits), the most rows per byte
-  MLX's quantization offers;
-- group_size: the config's when it divides both head dimensions, else the largest of
-  128, 64, 32 that does (bits None when none does: MLX cannot quantize such heads);
+- bits: the config's; when nothing says otherwise (make_prompt_cache(model,
+  kv_bytes=...) without bits; --kv-bytes without --kv-bits) 4 bits of group 32
+  (KV_BYTES_DEFAULTS): of the quantized rows measured in the default's bytes on two
+  models, the ones that beat the default on stream KL and passkeys at 10% and 20%
+  budgets (bench/results/README.md, "Quantized rows in the default cache's bytes");
+- group_size: the config's (or that default's) when it divides both head dimensions,
+  else the largest of 128, 64, 32 that does (bits None when none does: MLX cannot
+  quantize such heads);
 - budget: the largest whose budget + slack rows fit (slack, and the recent window, as
   their defaults make them for that budget unless the config sets them), in what a
   tier the config sets (tier_budget rows a head at tier_bits) leaves; kv_bytes chooses
@@ -29,7 +32,8 @@ import mlx.core as mx
 from .config import GROUP_SIZES, CaMConfig, default_slack
 from .quantized import row_bytes
 
-DEFAULT_BITS = 4
+# What kv_bytes chooses besides the budget when the caller gives no bits (module docstring).
+KV_BYTES_DEFAULTS = {"bits": 4, "group_size": 32}
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _FORM = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
@@ -52,19 +56,26 @@ def parse_bytes(value) -> int:
     return count
 
 
+def defaults_for(given) -> dict:
+    """The KV_BYTES_DEFAULTS fields kv_bytes sets, given the names of the fields the
+    caller set: none when it set bits (its rows, its choice), else bits and, unless it set
+    group_size, the group."""
+    if "bits" in given:
+        return {}
+    return {name: value for name, value in KV_BYTES_DEFAULTS.items() if name not in given}
+
+
 def fields_for(config: CaMConfig | None, fields: dict, kv_bytes) -> dict:
     """The CaMConfig fields a cache list gets with kv_bytes (fields as given without it):
-    kv_bytes checked, budget refused (kv_bytes chooses it), bits DEFAULT_BITS unless
-    fields or a config set them."""
+    kv_bytes checked, budget refused (kv_bytes chooses it), and defaults_for's unless a
+    config sets every field."""
     if kv_bytes is None:
         return fields
     parse_bytes(kv_bytes)
     if "budget" in fields:
         raise ValueError(f"kv_bytes={kv_bytes!r} chooses the budget; give kv_bytes or budget="
                          f"{fields['budget']!r}, not both")
-    if config is None and "bits" not in fields:
-        return {**fields, "bits": DEFAULT_BITS}
-    return fields
+    return fields if config is not None else {**fields, **defaults_for(fields)}
 
 
 def layer_shape(model, i: int, shards) -> tuple[int, int, int, int]:
@@ -143,18 +154,24 @@ def _largest_budget(base: CaMConfig, rows: int) -> int | None:
     return low
 
 
-def table(shapes: dict, targets: list[str], bits_options=(4, 8, None)) -> str:
+# The columns of table(): (heading, the fields given besides kv_bytes).
+TABLE_COLUMNS = (("budget, 4-bit group 32 (no bits given)", {}), ("budget, bits=4", {"bits": 4}),
+                 ("budget, bits=8", {"bits": 8}), ("budget, bits=None", {"bits": None}))
+
+
+def table(shapes: dict, targets: list[str], columns=TABLE_COLUMNS) -> str:
     """A markdown table of the budgets choose() gives each head shape (name -> (heads,
-    k_dim, v_dim, dtype_size)) at each target, for each bits, from the default config."""
-    header = "| model (KV heads x head dim) | kv_bytes | " + " | ".join(
-        "budget, " + ("unquantized" if b is None else f"{b}-bit") for b in bits_options) + " |"
-    lines = [header, "|" + " --- |" * (2 + len(bits_options))]
+    k_dim, v_dim, dtype_size)) at each target, for each column's fields (fields_for's
+    defaults applied, as make_prompt_cache applies them)."""
+    header = "| model (KV heads x head dim) | kv_bytes | " + " | ".join(title for title, _ in columns) + " |"
+    lines = [header, "|" + " --- |" * (2 + len(columns))]
     for name, (heads, k_dim, v_dim, size) in shapes.items():
         for target in targets:
             cells = []
-            for bits in bits_options:
+            for _, given in columns:
+                base = CaMConfig(**fields_for(None, given, target))
                 try:
-                    cells.append(str(choose(target, CaMConfig(bits=bits), heads, k_dim, v_dim, size).budget))
+                    cells.append(str(choose(target, base, heads, k_dim, v_dim, size).budget))
                 except ValueError:
                     cells.append("too small")
             lines.append(f"| {name} ({heads} x {k_dim}) | {target} | " + " | ".join(cells) + " |")

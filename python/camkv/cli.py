@@ -48,8 +48,9 @@ def _add_kv_flags(parser: argparse.ArgumentParser, budget: int = _DEFAULTS["budg
         group.add_argument("--kv-" + meta["flag"], **kwargs)
     group.add_argument("--kv-bytes", metavar="BYTES",
                        help="most bytes one layer's cache may hold (all its KV heads; a count or "
-                            "e.g. 64MiB): chooses each layer's budget for its head shape, 4-bit "
-                            "unless --kv-bits says otherwise (docs/kv-bytes.md); not with --kv-budget")
+                            "e.g. 64MiB): chooses each layer's budget for its head shape, rows at 4 "
+                            "bits in groups of 32 unless --kv-bits (--kv-group-size) says otherwise "
+                            "(docs/kv-bytes.md); not with --kv-budget")
     group.add_argument("--full-cache", action="store_true",
                        help="use mlx-lm's ordinary full KV cache instead of camkv, to compare; "
                             "refused together with --kv-* flags (default: camkv's cache)")
@@ -208,11 +209,10 @@ def _kv_fields_to_run(args: argparse.Namespace) -> dict:
     """kv_fields for the cache that runs, saying once on stderr when the merge rule is retired."""
     fields = kv_fields(args)
     if getattr(args, "kv_bytes", None) is not None:
-        from .byte_budget import DEFAULT_BITS
+        from .byte_budget import defaults_for
 
         del fields["budget"]  # --kv-bytes chooses it
-        if "kv_bits" not in args.explicit_kv:
-            fields["bits"] = DEFAULT_BITS
+        fields.update(defaults_for({_KV_FLAGS[dest] for dest in args.explicit_kv if dest in _KV_FLAGS}))
     retired = merges.rule(fields["merge"]).retired
     if retired:
         print(f"camkv: --kv-merge {fields['merge']!r} is retired ({retired}); running it as an experiment",

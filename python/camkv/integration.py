@@ -38,8 +38,8 @@ def make_prompt_cache(model, config: CaMConfig | None = None, *, kv_bytes: int |
 
     kv_bytes (an int, or a string like "64MiB"): the most one layer may hold, all its KV
     heads together; each layer's budget (and quantization group) is chosen for its head
-    shape, 4-bit unless bits= or config says otherwise (camkv.byte_budget,
-    docs/kv-bytes.md). budget= cannot be given with it.
+    shape, rows at 4 bits in groups of 32 unless bits= or config says otherwise
+    (camkv.byte_budget, docs/kv-bytes.md). budget= cannot be given with it.
     """
     check_model(model)
     base = usable_config(config, byte_budget.fields_for(config, fields, kv_bytes))
