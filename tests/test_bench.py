@@ -187,3 +187,16 @@ def test_quantized_attention_probe_records_every_valid_shape(tmp_path, capsys):
     assert [(r["head_dim"], r["group_size"]) for r in records] == [(64, 32)]
     assert records[0]["ok"] and all(records[0][k] > 0 for k in ("quantized_ms", "dequantized_ms", "unquantized_ms"))
     assert "D=64 rows=16 bits=4 group=32" in capsys.readouterr().out
+
+
+def test_batch_decode_step_times_each_arm_at_each_row_count(tmp_path, capsys):
+    """bench/batch_decode_step.py: one record per arm and row count, every request
+    admitted before the timed calls."""
+    script = _load_bench_script("batch_decode_step")
+    out = tmp_path / "steps.json"
+    script.main(["--model", "random-demo", "--context", "40", "--budget", "16", "--rows", "1", "2",
+                 "--group-size", "32", "--warm", "1", "--steps", "2", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [(r["arm"], r["rows"]) for r in results] == [("camkv", 1), ("camkv", 2), ("camkv-4bit", 1), ("camkv-4bit", 2)]
+    assert all(r["step_ms"] > 0 and r["admitting_s"] > 0 for r in results)
+    assert "camkv-4bit    2 rows: decode call" in capsys.readouterr().out
