@@ -13,6 +13,9 @@
 #   bash bench/gpu/speed.sh capacity  16k-token requests admitted into 2 GiB: BatchKVCache,
 #                                     camkv and camkv with 4-bit rows (admitting stops at
 #                                     72, so a count of 72 is a lower bound: about 3 minutes)
+#   bash bench/gpu/speed.sh batchstep a BatchGenerator's decode call with 4 and 16 requests of
+#                                     16k tokens decoding, bfloat16 and 4-bit rows (random-1b,
+#                                     budget 512; about 2 minutes)
 # e.g. `bash bench/gpu/speed.sh merges decode8b` (about 7 minutes).
 . bench/gpu/env.sh
 mkdir -p "$OUT"
@@ -43,6 +46,9 @@ for part in "$@"; do
     capacity)
       step 540 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 --max-n 72 \
         --out "$OUT/batch-h200-quant.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, qattn, capacity; got '$part'" >&2; exit 2 ;;
+    batchstep)
+      step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 \
+        --out "$OUT/batch-decode-step-h200.json" ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 done
