@@ -170,10 +170,12 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
     def observe_queries(self, queries: mx.array, scale: float, defer_launch: bool = False) -> None:
         """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring).
         defer_launch (camkv.batch): hold a one-launch compression due now (deferred_launch)."""
-        # A handle of its own: the caller's may change in place once attention reads it
-        # (mlx-lm's quantized attention runs `queries *= scale`), and kept queries
-        # scaled so would score the pending tokens at scale squared.
-        queries = mx.array(queries)
+        # A copy of its own where mlx-lm's quantized attention reads this cache (it has
+        # bits): that attention runs `queries *= scale` on the caller's array, and kept
+        # queries scaled so would score the pending tokens at scale squared. No other
+        # attention changes its queries, and the copy is a launch per layer and step.
+        if "bits" in self.__dict__:
+            queries = mx.array(queries)
         if self._continues_decoding(queries, scale):
             # What _queue does for such a step, without its checks (host time is most of
             # a GPU decode step's cost, and every layer pays this at every token).
