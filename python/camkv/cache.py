@@ -6,12 +6,13 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, policy, quantized, tier
+from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, quantized, tier
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
 from .buffers import capacity_for
 from .cache_input import QueryScoringWarning, VotesWarning
+from .cache_inspection import CacheInspection
 from .cache_state import CacheState
 from .config import CaMConfig, resolve_config
 from .pending import KEY_SCORED, PendingChunk
@@ -21,7 +22,7 @@ __all__ = ["CaMKVCache", "QueryScoringWarning", "VotesWarning"]
 _MERGE_BATCH = 64  # compressions whose merge counts are summed at once
 
 
-class CaMKVCache(BatchRow, CacheState, _BaseCache):
+class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     """A KV cache that holds at most `budget + slack` tokens per (batch, KV head) row.
 
     Amortized eviction (docs/algorithm.md section 7): a call writes its keys and values
@@ -53,7 +54,8 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
 
     What camkv.batch asks of a row (its rows lent to a shared rectangle while decoding,
     compressions of rows due together in one launch) is camkv.batch_row.BatchRow's; the
-    state mlx-lm saves and loads is camkv.cache_state.CacheState's; how the rows reach
+    state mlx-lm saves and loads is camkv.cache_state.CacheState's; what a caller reads of
+    the rows and counters (stored, tier_rows, stats) camkv.cache_inspection's; how the rows reach
     attention (quantized, dequantized, after a tier's) is camkv.attention_rows'.
     """
 
@@ -310,39 +312,6 @@ class CaMKVCache(BatchRow, CacheState, _BaseCache):
     def attended(self):
         """The held keys and values as attention reads them (what update_and_fetch returns)."""
         return self._for_attention(self._rows.as_stored())
-
-    # ------------------------------------------------------------------ inspection
-    def stored(self):
-        """(keys [B,H,n,Dk], values [B,H,n,Dv], scores [B,H,n] f32, positions [B,H,n] i32)
-        of every row held; a pending row's score includes its chunk's mass so far (what
-        the next compression will add, to the settled rows' scores as it decays them:
-        CaMConfig.score_decay), without changing the cache."""
-        self.flush_pending()
-        if self._rows.keys is None:
-            raise ValueError("the cache is empty: nothing stored yet")
-        B, H = self._layout[:2]
-        rows = self._rows.rows()
-        if self._pending.kind is not None:
-            mass = self._pending.mass(rows, self._rows.settled, self._layout[1], self._config)
-            rows = rows._replace(scores=policy.decayed(rows.scores, self._config) + mass)
-        return tuple(a.reshape(B, H, self._rows.held, *a.shape[2:]) for a in rows[:4])
-
-    def tier_rows(self):
-        """(keys, values [B, H, t, D] dequantized, scores, positions [B, H, t]) of the
-        low-precision tier's rows (tier_budget > 0), ascending by position."""
-        if self._tier is None or self._tier.scores is None:
-            raise ValueError("no tier rows: tier_budget is 0, or nothing was evicted yet")
-        return self._tier.rows(*self._layout[:2], self._layout[4])
-
-    @property
-    def stats(self) -> dict:
-        """Counters: tokens_seen, query_scored (tokens scored with the model's queries),
-        evictions and merges (summed over rows); plus rows, stored and budget."""
-        self.flush_pending()
-        rows = 0 if self._layout is None else self._layout[0] * self._layout[1]
-        return {"tokens_seen": self.offset, "query_scored": self._query_scored, "evictions": self._evictions,
-                "merges": int(self._total_merges().item()), "rows": rows, "stored": self.size(),
-                "budget": self._config.budget}
 
     # ------------------------------------------------------------------ state
     def compress_pending(self) -> None:
