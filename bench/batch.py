@@ -237,10 +237,9 @@ def throughput(model, args) -> dict:
                   + f", peak KV {result['peak_kv_bytes'] / 2**20:.1f} MiB", flush=True)
             trials[arm].append(result)
     best = {arm: max(trials[arm], key=lambda r: r["tokens_per_s"]) for arm in arms}
-    quantized = {name: {key: best[arm][key] / best["camkv"][key]
-                        for key in ("tokens_per_s", "generation_tps", "peak_kv_bytes")}
-                 for name, arm in ((f"{arm}_vs_camkv", arm) for arm in best if arm not in ARMS)
-                 if "camkv" in best}
+    quantized = {f"{arm}_vs_camkv": {key: best[arm][key] / best["camkv"][key]
+                                     for key in ("tokens_per_s", "generation_tps", "peak_kv_bytes")}
+                 for arm in best if arm not in ARMS and "camkv" in best}
     pair = {}
     if {"camkv", "batchkv"} <= best.keys():
         pair = {"speedup": best["camkv"]["tokens_per_s"] / best["batchkv"]["tokens_per_s"],

@@ -41,7 +41,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from . import attention_rows, quantized
-from .backends import drop, quantized_cuda
+from .backends import drop
 from .cache import CaMKVCache
 
 _UNLIMITED = None  # a row's real-token count in the coming block: no right padding
@@ -407,13 +407,13 @@ class BatchCaMKVCache(_BaseCache):
         return self._as_attended(self._kv.view(max(n for _, n in fetched)))
 
     def _as_attended(self, view: tuple):
-        """The rectangle's keys and values as attention reads them: as stored (quantized
-        triples where camkv's hook or mlx-lm's attention reads codes, as a lone row's
-        are), else dequantized once for the whole batch."""
+        """The rectangle's keys and values as attention reads them: as stored where mlx-lm's
+        attention (the batch has bits) or camkv's hook (attention_rows.hook_reads_stored)
+        reads codes, as for a lone row, else dequantized once for the whole batch."""
         keys, values = _as_pair(view)
-        if isinstance(keys, tuple) and not (hasattr(self, "bits") or quantized_cuda.here()):
-            cfg = self._rows[0].config
-            return quantized.dequantize(keys, cfg.bits, cfg.group_size), quantized.dequantize(values, cfg.bits, cfg.group_size)
+        cfg = self._rows[0].config
+        if isinstance(keys, tuple) and not (hasattr(self, "bits") or attention_rows.hook_reads_stored(cfg)):
+            return tuple(quantized.dequantize(q, cfg.bits, cfg.group_size) for q in (keys, values))
         return keys, values
 
     def _decode_observe(self, queries, scale: float) -> None:

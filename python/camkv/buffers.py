@@ -199,17 +199,23 @@ class RowBuffers:
         """
         mx.async_eval(*self.arrays())
 
-    def lend(self) -> tuple[mx.array, mx.array]:
-        """The held keys and values [B, H, held, D]; these buffers hold nothing until take_back."""
-        lent = (self.keys[:, :, : self.held], self.values[:, :, : self.held])
+    def lend(self) -> tuple:
+        """The held keys and values as stored (as_stored); these buffers hold nothing until
+        take_back."""
+        lent = self.as_stored()
         self.keys = self.values = None
         return lent
 
-    def take_back(self, keys: mx.array, values: mx.array) -> None:
+    def take_back(self, keys, values) -> None:
         """Hold again what lend handed over (the same rows, maybe moved), with room to
         decode in place."""
         spare = self.room_after(self.held)
-        self.keys, self.values = with_room([], keys, spare), with_room([], values, spare)
+        self.keys, self.values = self.held_with_room(keys, spare), self.held_with_room(values, spare)
+
+    @staticmethod
+    def held_with_room(stored: mx.array, spare: int) -> mx.array:
+        """A new buffer of stored keys or values [B, H, n, D] with spare empty rows after."""
+        return with_room([], stored, spare)
 
     def votes_bias(self, B: int, H: int) -> mx.array | None:
         """The log votes of the rows held [B, H, held] (0 for pending rows: one token each),

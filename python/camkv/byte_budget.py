@@ -67,8 +67,8 @@ def defaults_for(given) -> dict:
 
 def fields_for(config: CaMConfig | None, fields: dict, kv_bytes) -> dict:
     """The CaMConfig fields a cache list gets with kv_bytes (fields as given without it):
-    kv_bytes checked, budget refused (kv_bytes chooses it), and defaults_for's unless a
-    config sets every field."""
+    kv_bytes checked, budget refused (kv_bytes chooses it), and defaults_for's fields
+    unless a config is given (its fields are then the caller's choice)."""
     if kv_bytes is None:
         return fields
     parse_bytes(kv_bytes)

@@ -176,7 +176,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         # bits): that attention runs `queries *= scale` on the caller's array, and kept
         # queries scaled so would score the pending tokens at scale squared. No other
         # attention changes its queries, and the copy is a launch per layer and step.
-        if "bits" in self.__dict__:
+        if hasattr(self, "bits"):
             queries = mx.array(queries)
         if self._continues_decoding(queries, scale):
             # What _queue does for such a step, without its checks (host time is most of

@@ -144,18 +144,10 @@ class QuantizedRowBuffers(RowBuffers):
     def as_stored(self) -> tuple:
         return self.quantized_views()
 
-    def lend(self) -> tuple:
-        """The held rows' quantized keys and values (triples [B, H, held, w]); these
-        buffers hold nothing until take_back."""
-        lent = self.quantized_views()
-        self.keys = self.values = None
-        return lent
-
-    def take_back(self, keys: tuple, values: tuple) -> None:
-        """Hold again the triples lend handed over (maybe moved), with room to decode in place."""
-        spare = self.room_after(self.held)
-        self.keys = tuple(with_room([], a, spare) for a in keys)
-        self.values = tuple(with_room([], a, spare) for a in values)
+    @staticmethod
+    def held_with_room(stored: tuple, spare: int) -> tuple:
+        """New buffers of a quantized triple [B, H, n, w] with spare empty rows after each."""
+        return tuple(with_room([], a, spare) for a in stored)
 
     def after(self, end: int):
         """The held rows after row end, still quantized (reappend writes them back)."""
@@ -194,8 +186,7 @@ class QuantizedRowBuffers(RowBuffers):
             kept_keys = self._where_changed(out_keys, _rows_at(plain_keys, sources, B, H), kept_keys)
             kept_values = self._where_changed(out_values, _rows_at(plain_values, sources, B, H), kept_values)
         spare = self.room_after(n)
-        self.keys = tuple(with_room([], a, spare) for a in kept_keys)
-        self.values = tuple(with_room([], a, spare) for a in kept_values)
+        self.keys, self.values = self.held_with_room(kept_keys, spare), self.held_with_room(kept_values, spare)
         self.scores, self.positions, self.votes, self.threshold = work.scores, work.positions, work.votes, work.threshold
         self.held = self.settled = n
         self.pending_start = work.pending_start
@@ -209,8 +200,7 @@ class QuantizedRowBuffers(RowBuffers):
         """Make a plain RowState [B*H, n, ...] the held rows, quantized."""
         n = state.length
         spare = self.room_after(n)
-        self.keys, self.values = (tuple(with_room([], a, spare) for a in self.quantize(x.reshape(B, H, n, -1)))
-                                  for x in state[:2])
+        self.keys, self.values = (self.held_with_room(self.quantize(x.reshape(B, H, n, -1)), spare) for x in state[:2])
         self.scores, self.positions, self.votes, self.threshold = state[2:]
         self.held = self.settled = n
         self.pending_start = next_position
@@ -224,8 +214,7 @@ class QuantizedRowBuffers(RowBuffers):
         R = B * H
         settled = n if settled is None else settled
         spare = self.room_after(n)
-        self.keys = tuple(with_room([], a, spare) for a in keys)
-        self.values = tuple(with_room([], a, spare) for a in values)
+        self.keys, self.values = self.held_with_room(keys, spare), self.held_with_room(values, spare)
         self.scores = scores.reshape(R, n)[:, :settled].astype(mx.float32)
         self.positions = positions.reshape(R, n)[:, :settled].astype(mx.int32)
         self.votes = None if votes is None else votes.reshape(R, n)[:, :settled].astype(mx.float32)
