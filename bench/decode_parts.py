@@ -11,6 +11,8 @@ work to mlx-lm's plain caches.
   camkv-nocomp   CaMKVCache (queries, the hook) with a slack so large that no compression
                  falls in the timed steps
   camkv          CaMKVCache as configured by default
+  camkv-fullway  the same with update_and_fetch's short way for decode steps of plain rows
+                 turned off (every step through its checks): that way's gain, in one run
   camkv-q8       the same with 8-bit rows (CaMConfig.bits=8, group 32)
   camkv-q4       the same with 4-bit rows (CaMConfig.bits=4, group 32)
 
@@ -51,7 +53,7 @@ except ImportError:
 from camkv.models import random_llama  # noqa: E402
 
 QUANTIZED_ARMS = {"camkv-q8": 8, "camkv-q4": 4}  # arm -> CaMConfig.bits (group 32)
-ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", *QUANTIZED_ARMS)
+ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-fullway", *QUANTIZED_ARMS)
 
 
 class BufferCache(_BaseCache):
@@ -96,8 +98,9 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
     parser.add_argument("--steps", type=int, default=130, help="timed decode steps per trial (default 130)")
     parser.add_argument("--trials", type=int, default=3, help="trials per arm (default 3)")
-    parser.add_argument("--arms", nargs="+", default=[a for a in ARMS if a not in QUANTIZED_ARMS], choices=ARMS,
-                        help="arms (default all but the quantized ones)")
+    parser.add_argument("--arms", nargs="+", default=[a for a in ARMS if a not in (*QUANTIZED_ARMS, "camkv-fullway")],
+                        choices=ARMS,
+                        help="arms (default all but the quantized ones and camkv-fullway)")
     parser.add_argument("--interleave", action="store_true",
                         help="take the arms' steps in turn within each trial, step by step, instead "
                              "of one arm's trial after another, and report each arm's speed against "
@@ -163,6 +166,11 @@ def make_arm(model, arm: str, budget: int) -> list:
         return make_prompt_cache(model, config=cfg.replace(scoring="key"))
     if arm in QUANTIZED_ARMS:
         return make_prompt_cache(model, config=cfg.replace(bits=QUANTIZED_ARMS[arm], group_size=32))
+    if arm == "camkv-fullway":
+        caches = make_prompt_cache(model, config=cfg)
+        for cache in caches:
+            cache._plain_rows = lambda: False  # never a short way (an instance's own method)
+        return caches
     if arm == "camkv-nocomp":
         return make_prompt_cache(model, config=cfg.replace(slack=1 << 16))
     return make_prompt_cache(model, config=cfg)

@@ -456,3 +456,55 @@ def test_a_decode_step_that_only_joins_the_kept_queries_skips_the_checks_and_cha
     assert full.size() == short.size() and full.offset == short.offset
     for got, want in zip(short.stored(), full.stored()):
         assert mx.array_equal(got, want).item()
+
+
+@pytest.mark.parametrize("merge", ["drop", "mass_weighted", "keepkv"])
+def test_decode_steps_of_plain_rows_take_a_short_way_that_stores_and_returns_what_the_full_way_does(
+        monkeypatch, merge):
+    """update_and_fetch takes a short way for a decode step of plain rows after one scored
+    with its queries (no quantization, tier or votes): through a model and camkv's
+    attention hook, the logits of every step and the rows, scores and positions held
+    after a prompt, decode steps and their compressions are those of the full way, which
+    the short way skips for most steps (and never where a rule keeps votes)."""
+    from tiny_models import tiny_llama
+
+    from camkv import remove
+
+    model = tiny_llama(layers=2)
+    tokens = mx.array(np.random.default_rng(3).integers(0, 128, 90))
+    full_calls = []
+    full_way = CaMKVCache.update_stored
+
+    def counted(self, keys, values):
+        full_calls.append(keys.shape[2])
+        return full_way(self, keys, values)
+
+    monkeypatch.setattr(CaMKVCache, "update_stored", counted)
+
+    def run(plain_rows):
+        monkeypatch.setattr(CaMKVCache, "_plain_rows", plain_rows)
+        full_calls.clear()
+        cache = camkv_cache(model, merge)
+        logits = [model(tokens[None, :40], cache=cache)[:, -1]]
+        logits += [model(tokens[None, t : t + 1], cache=cache)[:, -1] for t in range(40, 90)]
+        remove(model)
+        return cache, mx.concatenate(logits), list(full_calls)
+
+    plain_rows = CaMKVCache._plain_rows
+    (full, full_logits, _), (short, short_logits, calls) = run(lambda self: False), run(plain_rows)
+    # Decode steps (of two layers) that took the full way: all 50 where the rule keeps
+    # votes, else each layer's first two (the second's queries are the first to continue).
+    full_steps = sum(1 for s in calls if s == 1)
+    assert full_steps == 2 * 50 if merge == "keepkv" else full_steps <= 2 * 2
+    assert mx.array_equal(full_logits, short_logits).item()
+    for got_layer, want_layer in zip(short, full):
+        assert got_layer.offset == want_layer.offset and got_layer.size() == want_layer.size()
+        for got, want in zip(got_layer.stored(), want_layer.stored()):
+            assert mx.array_equal(got, want).item()
+
+
+def camkv_cache(model, merge: str) -> list:
+    """make_prompt_cache with the attention hook, budget 24 and slack 4, on the reference."""
+    from camkv import make_prompt_cache
+
+    return make_prompt_cache(model, config=CaMConfig(budget=24, slack=4, merge=merge, backend="reference"))

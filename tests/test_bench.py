@@ -101,6 +101,25 @@ def test_decode_parts_interleaved_pairs_every_arm_with_rotating_steps(tmp_path, 
     assert not hook.installed_modules()
 
 
+def test_decode_parts_fullway_arm_decodes_every_step_through_the_checks(tmp_path, monkeypatch):
+    """decode_parts' camkv-fullway arm is camkv with update_and_fetch's short way off:
+    its decode steps all go through update_stored, the camkv arm's nearly none."""
+    from camkv import CaMKVCache
+
+    full_way, calls = CaMKVCache.update_stored, {}
+
+    def counted(self, keys, values):
+        calls[self._plain_rows()] = calls.get(self._plain_rows(), 0) + (keys.shape[2] == 1)
+        return full_way(self, keys, values)
+
+    monkeypatch.setattr(CaMKVCache, "update_stored", counted)
+    script = _load_bench_script("decode_parts")
+    script.main(["--model", "random-tiny", "--prompt-length", "80", "--budget", "40", "--steps", "12",
+                 "--trials", "1", "--arms", "camkv", "camkv-fullway", "--out", str(tmp_path)])
+    # Every run's 12 steps a layer the full way, against at most each layer's first two.
+    assert calls[False] >= 2 * 12 and calls[True] * 6 <= calls[False]
+
+
 def test_decode_parts_pipelined_times_blocks_of_generate_step_tokens(tmp_path, capsys):
     """decode_parts --pipelined N decodes through mlx-lm's generate_step, the arms taking
     turns N tokens at a time: one time a block per arm and round, paired with

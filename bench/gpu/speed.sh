@@ -4,7 +4,9 @@
 #   bash bench/gpu/speed.sh merges    every rule's prefill and decode step against drop's and
 #                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048)
 #   bash bench/gpu/speed.sh decode8b  camkv's decode step paired with RotatingKVCache's on
-#                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048
+#                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048,
+#                                     with and without its short way for decode steps (about
+#                                     7 minutes)
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
 #                                     4k-32k, random-8b 32k; about 5 minutes)
 #   bash bench/gpu/speed.sh qattn     one layer's decode attention over quantized rows: MLX's,
@@ -32,8 +34,8 @@ for part in "$@"; do
         --rounds 2 --out "$OUT/merge-speed-random-8b-16k.json" ;;
     decode8b)
       for length in 65536 131072; do
-        step 150 python3 bench/decode_parts.py --model random-8b --prompt-length $length --budget 2048 \
-          --arms rotating camkv --interleave --cache-host --trials 2 --steps 64 --out "$OUT/decode8b-$length"
+        step $((length / 1024 + 100)) python3 bench/decode_parts.py --model random-8b --prompt-length $length --budget 2048 \
+          --arms rotating camkv camkv-fullway --interleave --cache-host --trials 2 --steps 64 --out "$OUT/decode8b-$length"
       done ;;
     quant)
       step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \

@@ -79,6 +79,14 @@ class RowBuffers:
         self.held = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def append_step(self, keys: mx.array, values: mx.array):
+        """append for one token [B, H, 1, D] that fits in the buffers (held < their size)."""
+        held = self.held
+        self.held = end = held + 1
+        self.keys[:, :, held:end] = keys
+        self.values[:, :, held:end] = values
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
     def _joined(self, buffer, block, spare: int):
         """The held rows of buffer (if any), then block, then spare empty rows."""
         return with_room([] if buffer is None else [buffer[:, :, : self.held]], block, spare)

@@ -78,6 +78,9 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._pending = PendingChunk()
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._step_queries: tuple | None = None  # a decode step's queries' shape, once checked
+        # (keys shape, values shape, dtype) of a decode step of plain rows (no quantization,
+        # tier or votes) once one was scored with its queries: update_and_fetch's short way.
+        self._plain_step: tuple | None = None
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
         self._checked_block: tuple | None = None  # (keys shape, values shape, dtype) last checked
         # The log-votes of the rows the last call returned [B, H, n] (attention weighs each
@@ -107,6 +110,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     def config(self, value: CaMConfig) -> None:
         cache_input.check_new_config(value, self._config, self.empty())
         self._use_config(value)
+        self._plain_step = None
         self._rows = quantized.row_buffers(value) if self.empty() else self._rows
         self._tier = tier.of_config(value) if self.empty() else self._tier
         self._rows.capacity = capacity_for(value)
@@ -124,6 +128,16 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     # ------------------------------------------------------------------ protocol
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Hold S new tokens per row; return (held ++ new keys, held ++ new values) [B, H, n + S, D]."""
+        step, rows = self._plain_step, self._rows
+        if (step is not None and not self._waiting and type(keys) is type(values) is mx.array
+                and keys.shape == step[0] and values.shape == step[1] and keys.dtype == step[2]
+                and rows.keys is not None and rows.held < rows.keys.shape[2] and self._queries_can_come()):
+            # A decode step of plain rows after one scored with its queries: what
+            # update_stored and _took do for it, less their checks (host time is most of a
+            # GPU decode step's cost, and every layer pays this at every token).
+            self.offset += 1
+            self._waiting = 1
+            return rows.append_step(keys, values)
         fetched = self.update_stored(keys, values)
         # Plain rows (no quantization, no tier) go to attention as held.
         return fetched if self._config.bits is None and self._tier is None else self._for_attention(fetched)
@@ -176,11 +190,13 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         # bits): that attention runs `queries *= scale` on the caller's array, and kept
         # queries scaled so would score the pending tokens at scale squared. No other
         # attention changes its queries, and the copy is a launch per layer and step.
-        if hasattr(self, "bits"):
+        if "bits" in self.__dict__:  # hasattr(self, "bits"), without a failed lookup's cost
             queries = mx.array(queries)
         if self._continues_decoding(queries, scale):
             # What _queue does for such a step, without its checks (host time is most of
             # a GPU decode step's cost, and every layer pays this at every token).
+            if self._plain_step is None and self._plain_rows():
+                self._plain_step = self._checked_block
             self._waiting = 0
             self._query_scored += 1
             self._pending.add_step(queries)
@@ -208,6 +224,11 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         rows = self._rows
         return (self._waiting == 1 and queries.shape == self._step_queries
                 and self._pending.takes_step(scale, rows.held - rows.settled - 1))
+
+    def _plain_rows(self) -> bool:
+        """Whether the rows go to attention as held, each standing for one token: no
+        quantization, no tier, no votes (update_and_fetch's short way)."""
+        return self._config.bits is None and self._tier is None and self._rows.votes is None
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:
