@@ -49,7 +49,7 @@ for part in "$@"; do
       step 540 python3 bench/batch.py --model random-1b --capacity-only --capacity --kv-bits 4 --max-n 72 \
         --out "$OUT/batch-h200-quant.json" ;;
     batchstep)
-      step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 \
+      step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
     *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
