@@ -6,6 +6,9 @@
 # bench/results/quality-gpu) into $OUT to join its records here:
 #   tar xzf quality-gpu.tgz -C /tmp/q && cat /tmp/q/OUTFOLDER/records.jsonl >> OUTFOLDER/records.jsonl
 #   camkv eval ... --out OUTFOLDER --report-only
+# Calls back to back on a warm machine resume from the records the last one wrote (kept
+# under /root/kept, as the tree a call brings lacks them); a fresh machine resumes from
+# the tree's, so join the records here before a call that starts one.
 set -e
 . bench/gpu/env.sh
 if ls /root/parts/part_* >/dev/null 2>&1; then
@@ -23,5 +26,22 @@ for arg in "$@"; do
   prev=$arg
 done
 if [ -z "$out" ]; then out=bench/results/quality-gpu; set -- "$@" --out "$out"; fi
+# Each call brings the working tree again, without what the last call on this (still
+# warm) machine added: resume from that call's records where the tree's are their start.
+resume_from_kept() {  # OUTFOLDER KEPTFOLDER
+  local out=$1 kept=$2 have=0 more
+  [ -f "$kept/records.jsonl" ] || return 0
+  if [ -f "$out/records.jsonl" ]; then have=$(wc -l < "$out/records.jsonl"); fi
+  more=$(( $(wc -l < "$kept/records.jsonl") - have ))
+  [ "$more" -gt 0 ] || return 0
+  if [ "$have" -gt 0 ] && ! head -n "$have" "$kept/records.jsonl" | cmp -s - "$out/records.jsonl"; then
+    return 0
+  fi
+  mkdir -p "$out" && cp "$kept/records.jsonl" "$out/records.jsonl"
+  echo "quality.sh: resuming after the $more records a previous call on this machine added"
+}
+kept=/root/kept/$(basename "$out")
+resume_from_kept "$out" "$kept"
 timeout $(( seconds + 40 )) python3 -m camkv eval --offline "$@" --time-budget "$seconds" --no-progress 2>&1 | tail -3 || true
+mkdir -p "$kept" && cp -r "$out/." "$kept/"
 tar czf "$OUT/$(basename "$out").tgz" "$out"
