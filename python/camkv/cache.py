@@ -52,11 +52,9 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     votes, attention_bias() hands the hook each returned row's log votes, and a model
     that attends without asking for them is warned once (VotesWarning).
 
-    What camkv.batch asks of a row (its rows lent to a shared rectangle while decoding,
-    compressions of rows due together in one launch) is camkv.batch_row.BatchRow's; the
-    state mlx-lm saves and loads is camkv.cache_state.CacheState's; what a caller reads of
-    the rows and counters (stored, tier_rows, stats) camkv.cache_inspection's; how the rows reach
-    attention (quantized, dequantized, after a tier's) is camkv.attention_rows'.
+    Parts of its own: what camkv.batch asks of a row (camkv.batch_row), the state mlx-lm
+    saves and loads (camkv.cache_state), what a caller reads of the rows and counters
+    (camkv.cache_inspection); how rows reach attention is camkv.attention_rows'.
     """
 
     # camkv.batch.BatchCaMKVCache, set by that module (which imports this one; the
@@ -78,9 +76,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._pending = PendingChunk()
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._step_queries: tuple | None = None  # a decode step's queries' shape, once checked
-        # (keys shape, values shape, dtype) of a decode step of plain rows (no quantization,
-        # tier or votes) once one was scored with its queries: update_and_fetch's short way.
-        self._plain_step: tuple | None = None
+        self._plain_step: tuple | None = None  # (keys shape, values shape, dtype): the short way (_plain_rows)
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
         self._checked_block: tuple | None = None  # (keys shape, values shape, dtype) last checked
         # The log-votes of the rows the last call returned [B, H, n] (attention weighs each
@@ -132,9 +128,8 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         if (step is not None and not self._waiting and type(keys) is type(values) is mx.array
                 and keys.shape == step[0] and values.shape == step[1] and keys.dtype == step[2]
                 and rows.keys is not None and rows.held < rows.keys.shape[2] and self._queries_can_come()):
-            # A decode step of plain rows after one scored with its queries: what
-            # update_stored and _took do for it, less their checks (host time is most of a
-            # GPU decode step's cost, and every layer pays this at every token).
+            # A decode step of plain rows after one scored with its queries: update_stored's
+            # and _took's work for it, less their checks (host time, every layer and token).
             self.offset += 1
             self._waiting = 1
             return rows.append_step(keys, values)
