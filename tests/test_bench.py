@@ -219,3 +219,29 @@ def test_batch_decode_step_times_each_arm_at_each_row_count(tmp_path, capsys):
     assert [(r["arm"], r["rows"]) for r in results] == [("camkv", 1), ("camkv", 2), ("camkv-4bit", 1), ("camkv-4bit", 2)]
     assert all(r["step_ms"] > 0 and r["admitting_s"] > 0 for r in results)
     assert "camkv-4bit    2 rows: decode call" in capsys.readouterr().out
+
+
+def test_needle_rows_counts_the_needle_positions_each_head_holds():
+    """needle_rows: the share of a needle's (token, layer, head) rows held, and of (layer,
+    head) rows holding every token of it ([start, end) positions, end excluded)."""
+    script = _load_bench_script("needle_rows")
+
+    class Held:
+        def __init__(self, positions):
+            self.positions = mx.array([positions], mx.int32)  # [1, H, n]
+
+        def stored(self):
+            return None, None, None, self.positions
+
+    layers = [Held([[0, 5, 6, 7, 9], [5, 6, 10, 11, 12]]), Held([[5, 6, 7, 8, 20], [1, 2, 3, 4, 5]])]
+    (needle,) = script.needle_rows(layers, [(5, 8)])
+    assert needle == {"kept": 9 / 12, "whole": 2 / 4}
+
+
+@pytest.mark.parametrize("argv", [["--arm", "pool5"], ["--arm", "x=[1]"], ["--arm", "x={bad"], ["--tasks", "vt"],
+                                  ["--samples", "0"]])
+def test_needle_rows_refuses_bad_arguments_with_status_2(argv, capsys):
+    script = _load_bench_script("needle_rows")
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(argv)
+    assert exit_info.value.code == 2 and "error:" in capsys.readouterr().err
