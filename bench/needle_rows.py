@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
 from tqdm import tqdm
 
 from camkv import CaMConfig, make_prompt_cache, remove
@@ -96,24 +95,13 @@ def needle_rows(caches, spans) -> list[dict]:
     return counts
 
 
-def greedy(model, caches, logits, sample, tokenizer) -> str:
-    stops, out = ruler.stop_tokens(tokenizer), []
-    for _ in range(sample.answer_tokens):
-        token = int(mx.argmax(logits))
-        if token in stops:
-            break
-        out.append(token)
-        logits = model(mx.array([[token]]), cache=caches)[0, -1]
-    return tokenizer.decode(out)
-
-
 def run_arm(model, tokenizer, sample, fields: dict, args) -> dict:
     budget = budget_tokens(args.budget, len(sample.context))
     caches = make_prompt_cache(model, config=CaMConfig(budget=budget, **fields))
     try:
         logits = passkey.prefill_last_logits(model, caches, sample.tokens, args.chunk)
         needles = needle_rows(caches, sample.spans)
-        text = greedy(model, caches, logits, sample, tokenizer)
+        text = ruler.greedy_answer(model, caches, logits, sample, tokenizer)
     finally:
         remove(model)
     return {"budget": budget, "needles": needles, "answer": text,

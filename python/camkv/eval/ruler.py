@@ -618,6 +618,11 @@ def answer(model, caches, sample: RulerSample, chunk: int, tokenizer, question_b
             logits = model(mx.array([[token]]), cache=caches)[0, -1]
     else:
         logits = prefill_last_logits(model, caches, sample.tokens, chunk)
+    return greedy_answer(model, caches, logits, sample, tokenizer)
+
+
+def greedy_answer(model, caches, logits: mx.array, sample: RulerSample, tokenizer) -> str:
+    """Greedy tokens from the prompt's last logits [V], up to the task's count or an end token."""
     stops, out = stop_tokens(tokenizer), []
     for _ in range(sample.answer_tokens):
         token = int(mx.argmax(logits))
