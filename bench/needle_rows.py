@@ -24,11 +24,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from camkv import CaMConfig, make_prompt_cache, remove
-from camkv.eval import passkey, ruler, ruler_scoring, sweep
+from camkv import make_prompt_cache, remove
+from camkv.eval import arms, budgets, passkey, ruler, ruler_scoring, sweep
 from camkv.models import load
 
-DEFAULT_ARMS = {"default": {}, "pool5": {"pool": 5}, "pool7": {"pool": 7}}
+DEFAULT_ARMS = ('default={}', 'pool5={"pool": 5}', 'pool7={"pool": 7}')
 THIRDS = ("first", "middle", "last")
 
 
@@ -49,33 +49,22 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--out", type=Path, default=None, help="JSON file to write (default: none)")
     args = p.parse_args(argv)
-    try:
-        args.arms = dict(_arm(text) for text in args.arm) if args.arm else DEFAULT_ARMS
+    try:  # camkv eval's own readings of --arm and --budgets
+        args.arms = {arm.name: arm for arm in map(arms.parse_arm_spec, args.arm or DEFAULT_ARMS)}
+        shares = budgets.parse_budgets(args.budget)
     except ValueError as error:
         p.error(str(error))
+    if len(shares) != 1:
+        p.error(f"--budget takes one share or count, got {args.budget!r}")
+    args.budget_share = shares[0]
+    if any(arm.equal_bytes for arm in args.arms.values()):
+        p.error("--arm: equal_bytes is camkv eval's (it needs the default cache's bytes); give a budget share")
     args.task_list = [t for t in args.tasks.split(",") if t]
     unknown = [t for t in args.task_list if t not in ruler.NIAH]
     if unknown or args.samples < 1:
         p.error(f"--tasks takes needle tasks ({', '.join(ruler.NIAH)}), got {unknown}; --samples >= 1, "
                 f"got {args.samples}")
     return args
-
-
-def _arm(text: str) -> tuple[str, dict]:
-    name, sep, fields = text.partition("=")
-    if not sep or not name:
-        raise ValueError(f"--arm takes NAME=JSON, got {text!r}")
-    try:
-        parsed = json.loads(fields)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--arm {name}: {fields!r} is not JSON ({error})") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"--arm {name}: expected a JSON object of CaMConfig fields, got {fields!r}")
-    return name, parsed
-
-
-def budget_tokens(spec: str, context: int) -> int:
-    return round(float(spec[:-1]) / 100 * context) if spec.endswith("%") else int(spec)
 
 
 def needle_rows(caches, spans) -> list[dict]:
@@ -95,16 +84,17 @@ def needle_rows(caches, spans) -> list[dict]:
     return counts
 
 
-def run_arm(model, tokenizer, sample, fields: dict, args) -> dict:
-    budget = budget_tokens(args.budget, len(sample.context))
-    caches = make_prompt_cache(model, config=CaMConfig(budget=budget, **fields))
+def run_arm(model, tokenizer, sample, arm, args) -> dict:
+    budget = args.budget_share.resolve(len(sample.context))
+    config = arm.config.replace(budget=budget)
+    caches = make_prompt_cache(model, config=config)
     try:
         logits = passkey.prefill_last_logits(model, caches, sample.tokens, args.chunk)
         needles = needle_rows(caches, sample.spans)
         text = ruler.greedy_answer(model, caches, logits, sample, tokenizer)
     finally:
         remove(model)
-    return {"budget": budget, "needles": needles, "answer": text,
+    return {"budget": budget, "config": repr(config), "needles": needles, "answer": text,
             "score": ruler_scoring.ruler_score(text, sample.answers)}
 
 
@@ -150,9 +140,9 @@ def main(argv=None) -> int:
         source = sources[i % len(sources)]
         sample = ruler.build_sample(task, tokenizer, source, documents[source], ruler.vocabulary(documents[source]),
                                     args.length, i, args.seed, chat)
-        for arm, fields in args.arms.items():
-            r = run_arm(model, tokenizer, sample, fields, args)
-            records.append({"sample": sample.sample_id, "task": task, "arm": arm, "fields": fields,
+        for name, arm in args.arms.items():
+            r = run_arm(model, tokenizer, sample, arm, args)
+            records.append({"sample": sample.sample_id, "task": task, "arm": name,
                             "depths": list(sample.depths), "expected": list(sample.answers), **r})
     table = summary(records, args.arms)
     print_summary(table)

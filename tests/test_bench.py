@@ -239,7 +239,7 @@ def test_needle_rows_counts_the_needle_positions_each_head_holds():
 
 
 @pytest.mark.parametrize("argv", [["--arm", "pool5"], ["--arm", "x=[1]"], ["--arm", "x={bad"], ["--tasks", "vt"],
-                                  ["--samples", "0"]])
+                                  ["--samples", "0"], ["--budget", "150%"], ["--budget", "20%,50%"]])
 def test_needle_rows_refuses_bad_arguments_with_status_2(argv, capsys):
     script = _load_bench_script("needle_rows")
     with pytest.raises(SystemExit) as exit_info:

@@ -69,20 +69,19 @@ class RowBuffers:
             R = keys.shape[0] * keys.shape[1]
             self.scores, self.positions = mx.zeros((R, 0), mx.float32), mx.zeros((R, 0), mx.int32)
         if self.keys is not None and end <= self.keys.shape[2]:
-            self.keys[:, :, self.held : end] = keys
-            self.values[:, :, self.held : end] = values
-        else:
-            # A first call or a long block: one new buffer, with room for decoding after.
-            spare = self.room_after(end)
-            self.keys = self._joined(self.keys, keys, spare)
-            self.values = self._joined(self.values, values, spare)
+            return self.write_in_place(keys, values)
+        # A first call or a long block: one new buffer, with room for decoding after.
+        spare = self.room_after(end)
+        self.keys = self._joined(self.keys, keys, spare)
+        self.values = self._joined(self.values, values, spare)
         self.held = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def append_step(self, keys: mx.array, values: mx.array):
-        """append for one token [B, H, 1, D] that fits in the buffers (held < their size)."""
+    def write_in_place(self, keys: mx.array, values: mx.array):
+        """append's write of a block [B, H, S, D] that fits in the buffers after the held
+        rows (held + S <= their size); the views [B, H, held + S, D]."""
         held = self.held
-        self.held = end = held + 1
+        self.held = end = held + keys.shape[2]
         self.keys[:, :, held:end] = keys
         self.values[:, :, held:end] = values
         return self.keys[:, :, :end], self.values[:, :, :end]

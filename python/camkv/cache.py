@@ -132,7 +132,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             # and _took's work for it, less their checks (host time, every layer and token).
             self.offset += 1
             self._waiting = 1
-            return rows.append_step(keys, values)
+            return rows.write_in_place(keys, values)
         fetched = self.update_stored(keys, values)
         # Plain rows (no quantization, no tier) go to attention as held.
         return fetched if self._config.bits is None and self._tier is None else self._for_attention(fetched)
