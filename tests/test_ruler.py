@@ -252,6 +252,23 @@ def test_summary_averages_task_means_with_intervals_and_pairs_with_the_full_cach
     assert "| camkv | 0.0 [0.0, 0.0] | 54.2 [" in lines
 
 
+def test_the_default_is_paired_with_every_other_arm_on_the_prompts_both_ran():
+    records = []
+    for i in range(4):
+        records.append(_record("full", "niah_single_1", f"a{i}", 1.0))
+        records.append(_record("camkv", "niah_single_1", f"a{i}", [1.0, 1.0, 0.0, 1.0][i]))
+        records.append(_record("snapkv", "niah_single_1", f"a{i}", [0.0, 1.0, 0.0, 0.0][i]))
+    records.append(_record("snapkv", "niah_single_1", "a9", 1.0))  # a prompt camkv did not run
+    summary = ruler_report.summarize_ruler(records)
+    snap = summary["cells"]["snapkv|4096|20%"]["ruler"]
+    assert snap["default_minus"]["mean"] == pytest.approx((1 + 0 + 0 + 1) / 4)
+    assert snap["default_minus"]["lo"] <= 0.5 <= snap["default_minus"]["hi"]
+    assert "default_minus" not in summary["cells"]["camkv|4096|20%"]["ruler"]
+    assert summary["cells"]["full|4096|20%"]["ruler"]["default_minus"]["mean"] == pytest.approx(-0.25)
+    lines = "\n".join(ruler_report.ruler_tables(summary, ["full", "snapkv", "camkv"], ["20%"]))
+    assert "minus each arm" in lines and "| snapkv | 50.0 [" in lines.split("minus each arm")[1]
+
+
 def test_a_constant_score_has_a_zero_width_interval_and_one_prompt_none():
     stats = ruler_report._stratified({"t": np.ones(5)}, np.random.default_rng(0))
     assert stats == {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": 5, "tasks": 1}

@@ -11,7 +11,9 @@ intervals, by method, length and budget, from the records alone.
   has a single prompt. "vs full" is paired:
   each prompt's score minus the full cache's on the same prompt, bootstrapped the same way;
   the full cache of the arm's own engine: a record's full_method (kvpress-full for the
-  kvpress arms), "full" when it names none.
+  kvpress arms), "full" when it names none. "default minus" is paired the same way:
+  camkv's default ("camkv") minus the arm on the prompts both ran, at the same budget
+  label, so "is the default ahead of this arm" is read off one interval.
 - Depths: the niah score by where the needles sit in the haystack (first, middle, last
   third; a prompt with needles in several thirds counts in each).
 """
@@ -59,16 +61,27 @@ def _stratified(scores_by_task: dict[str, np.ndarray], rng) -> dict:
     return {"mean": mean, "lo": float(lo), "hi": float(hi), "n": n, "tasks": len(tasks)}
 
 
-def _group_stats(by_task: dict, full_by_task: dict | None, rng, keep) -> dict:
-    """The average of the tasks `keep` accepts, and (with the full cache's cell) the paired
-    difference from it."""
+DEFAULT_METHOD = "camkv"  # the arm of camkv's default CaMConfig (eval.arms.method_catalog)
+
+
+def _paired(minuend: dict, subtrahend: dict, rng, keep) -> dict:
+    """The average over tasks of minuend's score minus subtrahend's on the same prompts."""
+    diffs = {t: np.array([r["score"] - subtrahend[t][s]["score"] for s, r in recs.items()
+                          if s in subtrahend.get(t, {})])
+             for t, recs in minuend.items() if keep(t)}
+    return _stratified(diffs, rng)
+
+
+def _group_stats(by_task: dict, full_by_task: dict | None, default_by_task: dict | None, rng,
+                 keep) -> dict:
+    """The average of the tasks `keep` accepts and, given the full cache's cell or the
+    default's, the paired differences from them."""
     scores = {t: np.array([r["score"] for r in recs.values()]) for t, recs in by_task.items() if keep(t)}
     stats = {"average": _stratified(scores, rng)}
     if full_by_task is not None:
-        diffs = {t: np.array([r["score"] - full_by_task[t][s]["score"] for s, r in recs.items()
-                              if s in full_by_task.get(t, {})])
-                 for t, recs in by_task.items() if keep(t)}
-        stats["vs_full"] = _stratified(diffs, rng)
+        stats["vs_full"] = _paired(by_task, full_by_task, rng, keep)
+    if default_by_task is not None:  # draws of its own: the other intervals stay as they were
+        stats["default_minus"] = _paired(default_by_task, by_task, np.random.default_rng(1), keep)
     return stats
 
 
@@ -98,10 +111,11 @@ def summarize_ruler(records: list[dict]) -> dict:
         rng = np.random.default_rng(0)  # the same draws for every cell: paired across methods
         reference = _full_method(by_task)
         full = cells.get((reference, length, label)) if method != reference else None
+        default = cells.get((DEFAULT_METHOD, length, label)) if method != DEFAULT_METHOD else None
         out[f"{method}|{length}|{label}"] = {
             "method": method, "length": length, "label": label,
-            "ruler": _group_stats(by_task, full, rng, lambda t: True),
-            "niah": _group_stats(by_task, full, rng, lambda t: t in NIAH),
+            "ruler": _group_stats(by_task, full, default, rng, lambda t: True),
+            "niah": _group_stats(by_task, full, default, rng, lambda t: t in NIAH),
             "tasks": {t: {"mean": float(np.mean([r["score"] for r in recs.values()])), "n": len(recs)}
                       for t, recs in by_task.items()},
             "depths": _depth_scores(by_task),
@@ -160,6 +174,11 @@ def ruler_tables(summary: dict, methods: list[str], labels: list[str]) -> list[s
     lines += _grid("RULER average minus the full cache's on the same prompts (the arm's own "
                    "engine's: kvpress arms minus kvpress-full; paired, points [95% interval])",
                    summary, paired, columns, lambda c: _pct(c["ruler"].get("vs_full", {})))
+    rivals = [m for m in methods if any("default_minus" in c["ruler"] for c in summary["cells"].values()
+                                        if c["method"] == m)]
+    lines += _grid(f"RULER average: camkv's default ({DEFAULT_METHOD}) minus each arm on the same "
+                   "prompts (paired, points [95% interval]; above 0: the default is ahead)",
+                   summary, rivals, columns, lambda c: _pct(c["ruler"].get("default_minus", {})))
     for length, label in columns:
         tasks = summary["tasks"]
         lines += [f"**Per task at {length} tokens @ {label} (%; n prompts)**", "",
