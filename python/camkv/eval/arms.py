@@ -39,6 +39,7 @@ class Arm:
 
 MERGE_ARMS = merges.names(kind=merges.NEAREST) + merges.names(kind=merges.WINDOW)  # every rule but drop (h2o)
 KEY_MERGE_ARMS = merges.names(keys_allowed=True)  # the rules that can blend keys too
+DEFAULT_ARM = "camkv"  # the arm of camkv's default CaMConfig, which reports pair with the others
 
 
 def method_catalog() -> dict[str, Arm]:
@@ -67,7 +68,7 @@ def method_catalog() -> dict[str, Arm]:
     methods.append(Arm("streamingllm-sinks", "camkv", "drop", False, "key", eviction="recency",
                        prefill_scoring="causal"))
     methods.append(Arm("h2o-causal", "camkv", "drop", False, "query", prefill_scoring="causal"))
-    methods.append(Arm("camkv", "config", config=CaMConfig()))
+    methods.append(Arm(DEFAULT_ARM, "config", config=CaMConfig()))
     for merge in (m for m in merges.offered() if merges.rule(m).kind != merges.DROP):
         methods.append(Arm(f"camkv-{merge}", "config", config=CaMConfig(merge=merge)))
     return {m.name: m for m in methods}

@@ -24,6 +24,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from .arms import DEFAULT_ARM
 from .ruler import NIAH, TASK_NAMES
 
 DRAWS = 2000
@@ -59,9 +60,6 @@ def _stratified(scores_by_task: dict[str, np.ndarray], rng) -> dict:
     draws /= len(tasks)
     lo, hi = np.percentile(draws, [2.5, 97.5])
     return {"mean": mean, "lo": float(lo), "hi": float(hi), "n": n, "tasks": len(tasks)}
-
-
-DEFAULT_METHOD = "camkv"  # the arm of camkv's default CaMConfig (eval.arms.method_catalog)
 
 
 def _paired(minuend: dict, subtrahend: dict, rng, keep) -> dict:
@@ -111,7 +109,7 @@ def summarize_ruler(records: list[dict]) -> dict:
         rng = np.random.default_rng(0)  # the same draws for every cell: paired across methods
         reference = _full_method(by_task)
         full = cells.get((reference, length, label)) if method != reference else None
-        default = cells.get((DEFAULT_METHOD, length, label)) if method != DEFAULT_METHOD else None
+        default = cells.get((DEFAULT_ARM, length, label)) if method != DEFAULT_ARM else None
         out[f"{method}|{length}|{label}"] = {
             "method": method, "length": length, "label": label,
             "ruler": _group_stats(by_task, full, default, rng, lambda t: True),
@@ -156,9 +154,16 @@ def _grid(title: str, summary: dict, methods, columns, cell) -> list[str]:
     return rows + [""]
 
 
+def _methods_with(summary: dict, methods: list[str], key: str) -> list[str]:
+    """The methods some cell of which has this paired difference in its RULER average."""
+    return [m for m in methods if any(key in c["ruler"] for c in summary["cells"].values()
+                                      if c["method"] == m)]
+
+
 def ruler_tables(summary: dict, methods: list[str], labels: list[str]) -> list[str]:
-    """Markdown: the RULER and niah averages, their paired differences from the full cache,
-    each task's score, and niah by needle depth; columns are length @ budget."""
+    """Markdown: the RULER and niah averages, their paired differences from the full cache
+    and from camkv's default, each task's score, and niah by needle depth; columns are
+    length @ budget."""
     if not summary["cells"]:
         return []
     columns = _columns(summary, labels)
@@ -169,16 +174,14 @@ def ruler_tables(summary: dict, methods: list[str], labels: list[str]) -> list[s
     niah = sum(t in NIAH for t in summary["tasks"])
     lines += _grid(f"niah average ({niah} needle tasks)", summary, methods, columns,
                    lambda c: _pct(c["niah"]["average"]))
-    paired = [m for m in methods if any("vs_full" in c["ruler"] for c in summary["cells"].values()
-                                        if c["method"] == m)]
     lines += _grid("RULER average minus the full cache's on the same prompts (the arm's own "
                    "engine's: kvpress arms minus kvpress-full; paired, points [95% interval])",
-                   summary, paired, columns, lambda c: _pct(c["ruler"].get("vs_full", {})))
-    rivals = [m for m in methods if any("default_minus" in c["ruler"] for c in summary["cells"].values()
-                                        if c["method"] == m)]
-    lines += _grid(f"RULER average: camkv's default ({DEFAULT_METHOD}) minus each arm on the same "
+                   summary, _methods_with(summary, methods, "vs_full"), columns,
+                   lambda c: _pct(c["ruler"].get("vs_full", {})))
+    lines += _grid(f"RULER average: camkv's default ({DEFAULT_ARM}) minus each arm on the same "
                    "prompts (paired, points [95% interval]; above 0: the default is ahead)",
-                   summary, rivals, columns, lambda c: _pct(c["ruler"].get("default_minus", {})))
+                   summary, _methods_with(summary, methods, "default_minus"), columns,
+                   lambda c: _pct(c["ruler"].get("default_minus", {})))
     for length, label in columns:
         tasks = summary["tasks"]
         lines += [f"**Per task at {length} tokens @ {label} (%; n prompts)**", "",
