@@ -6,6 +6,11 @@ medians, and each rule's median ratio to the drop engine's call of the same turn
 
     python bench/profile_merge_engine.py --rows 3 --head-dim 64 --budget 512 --chunk 2048
 
+With --graph, each engine's call is counted instead of timed: the operations of its
+MLX graph (each a launch on a GPU, where a compression's time follows their number),
+and how many of them are views (reshapes, slices, broadcasts, which copy nothing). Run
+it against another checkout (PYTHONPATH=OTHER/python) for the counts before a change.
+
 With --stages, each call's parts are timed too (mass, ranks, partition, gathers, targets,
 gate, blends, sums; each part's inputs evaluated before it starts and its outputs after,
 so a part's time is its own device work plus one synchronisation): where a rule's extra
@@ -17,7 +22,9 @@ time over dropping goes. llama-3-8B's shape on a GPU:
 from __future__ import annotations
 
 import argparse
+import io
 import json
+import re
 import statistics
 import time
 from contextlib import contextmanager
@@ -42,8 +49,8 @@ STAGES = (
     (merge_ops, "_nearest", "nearest"),
     (merge_ops, "_merging", "gate"),
     (merge_ops, "_keep_output", "keepkv blend"),
-    (merge_ops._Edges, "weighted_mean", "blend"),
-    (merge_ops._Edges, "sum", "sums"),
+    (merge_ops._Edges, "blend", "blend"),
+    (merge_ops._Edges, "sums", "sums"),
 )
 
 
@@ -56,8 +63,36 @@ def parse_args(argv=None):
     parser.add_argument("--chunk", type=int, default=2048, help="tokens compressed at once (default 2048)")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per engine (default 7)")
     parser.add_argument("--stages", action="store_true", help="time each part of a call too (default off)")
+    parser.add_argument("--graph", action="store_true",
+                        help="count each call's graph operations instead of timing it (default off)")
     parser.add_argument("--out", type=Path, default=None, help="write the medians as JSON here (default: none)")
     return parser.parse_args(argv)
+
+
+# Operations that make a view of their input, copying nothing (no launch on a GPU).
+VIEWS = frozenset({"Broadcast", "ExpandDims", "Squeeze", "Reshape", "Slice", "Transpose", "AsStrided"})
+
+
+def graph_operations(outputs) -> dict[str, int]:
+    """The operations of the graph that computes outputs (not evaluated), by primitive
+    name: the nodes of MLX's own DOT export of it."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *_arrays(outputs))
+    counts: dict[str, int] = {}
+    for name in re.findall(r'\[label ="([^"]+)", shape=rectangle\]', dot.getvalue()):
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _graphs(engines: dict) -> dict[str, dict[str, int]]:
+    """Each engine's call counted: operations in all, and those that are views."""
+    out = {}
+    for name, fn in engines.items():
+        counts = graph_operations(fn())
+        out[name] = {"operations": sum(counts.values()),
+                     "views": sum(n for op, n in counts.items() if op in VIEWS), "by_primitive": counts}
+        print(f"{name:14s} {out[name]['operations']:4d} operations, {out[name]['views']:4d} of them views")
+    return out
 
 
 def _timed(fn) -> float:
@@ -158,6 +193,10 @@ def main(argv=None) -> dict:
         settled = merge_ops.Settled(scores, positions, votes, None)
         engines[rule] = (lambda c, st: lambda: merge_ops.compress(keys, values, st, queries, n, scale, c, row_ids,
                                                                   preferred))(cfg(rule), settled)
+    if opts.graph:
+        result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "graph": _graphs(engines)}
+        _write(opts.out, result)
+        return result
     seconds = _in_turn(engines, opts.repeats)
     times = {}
     for rule, own in seconds.items():
@@ -172,10 +211,14 @@ def main(argv=None) -> dict:
         print(f"{'rule':14s} " + " ".join(f"{label[:9]:>9s}" for label in labels))
         for rule, parts in result["stages_ms"].items():
             print(f"{rule:14s} " + " ".join(f"{parts.get(label, 0.0):9.2f}" for label in labels))
-    if opts.out is not None:
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(json.dumps(result, indent=1))
+    _write(opts.out, result)
     return result
+
+
+def _write(out: Path | None, result: dict) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

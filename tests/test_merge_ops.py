@@ -207,10 +207,10 @@ def test_the_engine_matches_the_reference_where_targets_take_several_losers(merg
 
 
 def _share_off_by_one_percent(monkeypatch):
-    real = merge_ops._Edges.weighted_mean
-    monkeypatch.setattr(merge_ops._Edges, "weighted_mean",
-                        lambda self, rows, sources, share_in, share_t: real(self, rows, sources, share_in * 1.01,
-                                                                            share_t))
+    real = merge_ops._Edges.blend
+    monkeypatch.setattr(merge_ops._Edges, "blend",
+                        lambda self, pairs, share_in, share_t, *extra: real(self, pairs, share_in * 1.01, share_t,
+                                                                             *extra))
 
 
 def _gate_keyed_by_the_next_row(monkeypatch):

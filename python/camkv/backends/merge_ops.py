@@ -145,14 +145,16 @@ def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg, split: bool) ->
 
 
 def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
-    """Section 4.3 and 4.5: which losers merge [R, k] bool, and d2o's moved threshold."""
-    do = mx.ones(targets.s_in.shape, mx.bool_)
+    """Section 4.3 and 4.5: which losers merge [R, k] bool (None: every loser that has a
+    target), and d2o's moved threshold."""
+    do = None
     if cfg.gate:
         draws = gate.uniform(cfg.seed, row_ids[:, None], losers.positions)
         do = draws < gate.probability(losers.scores, targets.s_target)
     if merges.rule(cfg.merge).moving_threshold:
         threshold = merges.moved_threshold(threshold, targets.cosine)
-        do = do & (targets.cosine >= threshold[:, None])
+        above = targets.cosine >= threshold[:, None]
+        do = above if do is None else do & above
     return do, threshold
 
 
@@ -165,24 +167,26 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     rule = merges.rule(cfg.merge)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
-    do = do & targets.valid.any(axis=2)  # a loser with no target merges nowhere
+    has_target = targets.valid.any(axis=2)  # a loser with no target merges nowhere
+    do = has_target if do is None else do & has_target
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1])
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.keeps_votes:
-        keys, values, votes = _keep_output(rule, losers, kept, targets.nearest, edges, query, scale)
+        keys, values, votes, s_in = _keep_output(rule, losers, kept, targets, edges, query, scale)
     elif rule.blends:
         norm_e = norm_t = None
         if rule.kind == merges.NEAREST:
             norm_e, norm_t = merges.feature_norm(losers.values), _at(merges.feature_norm(kept.values), targets.nearest)
         share_in = rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
-        share_t = rule.target_share(kept.scores)
-        values = edges.weighted_mean(kept.values, losers.values, share_in, share_t)
+        pairs = [(kept.values, losers.values)] + ([(kept.keys, losers.keys)] if cfg.merge_keys else [])
+        blend = edges.blend(pairs, share_in, rule.target_share(kept.scores), targets.s_in)
+        values, s_in = blend.rows[0], blend.extra[0]
         if cfg.merge_keys:
-            keys = edges.weighted_mean(kept.keys, losers.keys, share_in, share_t)
+            keys = blend.rows[1]
     else:  # additive: each target of W(e) gains V_e / |W(e)|
-        values = kept.values + edges.sum(losers.values / targets.width[:, :, None])
-    scores = kept.scores + edges.sum(targets.s_in)
-    return Merged(keys, values, scores, votes, threshold, do.sum(axis=1).astype(mx.int32))
+        added, s_in = edges.sums(losers.values / targets.width[:, :, None], targets.s_in)
+        values = kept.values + added
+    return Merged(keys, values, kept.scores + s_in, votes, threshold, do.sum(axis=1).astype(mx.int32))
 
 
 def _at(x: mx.array, idx: mx.array) -> mx.array:
@@ -207,14 +211,15 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool):
     products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
     ranked = products / mx.maximum(norm_k, 1e-12)[:, None, :]
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
-    # loser has none.
-    candidate = (kept_positions >= n_sink) & mx.isfinite(norm_k)
+    # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
+    candidate = (kept_positions >= n_sink) & (norm_k < _INF)
     ranked = mx.where(candidate[:, None, :], ranked, -_INF)
     t = mx.argmax(ranked, axis=2)  # MLX's argmax takes the first of equal maxima
-    found = (mx.take_along_axis(ranked, t[:, :, None], axis=2)[:, :, 0] > -_INF) & mx.isfinite(norm_l)
+    found = (mx.take_along_axis(ranked, t[:, :, None], axis=2)[:, :, 0] > -_INF) & (norm_l < _INF)
     t = mx.where(found, t, 0).astype(mx.int32)
     k_t = mx.take_along_axis(kept_keys, t[:, :, None], axis=1)
-    cos_t = (loser_keys * k_t).sum(axis=-1) / mx.maximum(norm_l * merges.feature_norm(k_t), 1e-12)
+    # The target's norm is its row's of norm_k (the same sum of the same row), read, not summed again.
+    cos_t = (loser_keys * k_t).sum(axis=-1) / mx.maximum(norm_l * _at(norm_k, t), 1e-12)
     return t, found, cos_t
 
 
@@ -228,53 +233,68 @@ def _window_targets(loser_idx, kept_idx, window: int):
     return targets, width
 
 
+class _Blend(NamedTuple):
+    """What _Edges.blend gives: the blended rows [R, m, D] (float32, one per pair), each
+    survivor's taken share sum_e a_e and whether a loser gives to it [R, m], and the
+    sums of the extra quantities [R, m]."""
+
+    rows: list
+    taken: mx.array
+    receiving: mx.array
+    extra: list
+
+
 class _Edges:
     """Which survivor each merging loser gives to: targets [R, k, w] (indices into m
     survivors) where live [R, k, w]; sums over a target's losers are scatter-adds into
-    the flattened [R * m] survivors."""
+    the flattened [R * m] survivors, as many quantities as one call is given in one
+    scatter (on a GPU each operation is a launch, and a compression's time is mostly
+    theirs: bench/profile_merge_engine.py --graph counts them)."""
 
     def __init__(self, targets, live, m: int):
         rows = targets.shape[0]
-        self.rows, self.m, self.width = rows, m, targets.shape[2]
+        self.rows, self.m = rows, m
         self.index = (targets + (mx.arange(rows) * m)[:, None, None]).reshape(-1)
         self.live = live
         self.targets = targets
-        self.receiving = self.sum(mx.ones(live.shape[:2], mx.float32)) > 0  # [R, m]: some loser gives to it
 
-    def _spread(self, x: mx.array) -> mx.array:
-        """x [R, k] (or a float for every loser) or [R, k, D] onto the edges [R * k * w, ...],
-        0 where not live."""
-        if not isinstance(x, mx.array) or x.ndim == 0:
-            x = mx.full(self.live.shape[:2], x, mx.float32)
-        if x.ndim == 2:
-            return mx.where(self.live, x[:, :, None], 0.0).reshape(-1)
-        live = self.live[:, :, :, None]
-        return mx.where(live, x[:, :, None, :], 0.0).reshape(-1, x.shape[-1])
+    def sums(self, *columns) -> list[mx.array]:
+        """Each survivor's sums over the losers that give to it, of each column: [R, k] (or
+        a float for every loser) gives [R, m], [R, k, D] gives [R, m, D]; one scatter-add
+        of the columns side by side."""
+        R, k, _ = self.live.shape
+        parts = [c.reshape(R, k, -1) if isinstance(c, mx.array) else mx.full((R, k, 1), c, mx.float32)
+                 for c in columns]
+        joined = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # [R, k, C]
+        spread = mx.where(self.live[:, :, :, None], joined[:, :, None, :], 0.0).reshape(-1, joined.shape[-1])
+        total = mx.zeros((R * self.m, spread.shape[1]), mx.float32).at[self.index].add(spread)
+        total = total.reshape(R, self.m, -1)
+        out, first = [], 0
+        for column, part in zip(columns, parts):
+            width = part.shape[-1]
+            per_row = not isinstance(column, mx.array) or column.ndim == 2
+            out.append(total[:, :, first] if per_row else total[:, :, first:first + width])
+            first += width
+        return out
 
-    def sum(self, x: mx.array) -> mx.array:
-        """Each survivor's sum of x over the losers that give to it: [R, m] or [R, m, D]."""
-        spread = self._spread(x)
-        out = mx.zeros((self.rows * self.m,) + spread.shape[1:], mx.float32).at[self.index].add(spread)
-        return out.reshape((self.rows, self.m) + spread.shape[1:])
-
-    def weighted_mean(self, rows, sources, share_in, share_t) -> mx.array:
-        """Section 4.4's blend, float32 [R, m, D]: each survivor with merging losers
-        becomes (1 - W) row + sum_e w_e source_e, D = A + sum a_e, w_e = a_e / D,
-        W = (sum a_e) / D; unchanged where D = 0 or nothing merges into it."""
-        if not isinstance(share_in, mx.array):
-            share_in = mx.full(self.live.shape[:2], share_in, mx.float32)
-        taken = self.sum(share_in)
+    def blend(self, pairs, share_in, share_t, *extra) -> _Blend:
+        """Section 4.4's blend for every target at once, float32: for each (rows [R, m, D],
+        sources [R, k, D]) of pairs, each survivor a loser gives to becomes
+        (A row + sum_e a_e source_e) / (A + sum_e a_e), A = share_t ([R, m] or a float),
+        a_e = share_in ([R, k] or a float); unchanged where that denominator is 0. The
+        extra quantities [R, k] are summed per survivor in the same scatter."""
+        a_e = share_in[:, :, None] if isinstance(share_in, mx.array) else share_in
+        summed = self.sums(*(a_e * sources for _, sources in pairs), share_in, 1.0, *extra)
+        incoming, (taken, count), extra_sums = summed[:len(pairs)], summed[len(pairs):len(pairs) + 2], \
+            summed[len(pairs) + 2:]
+        receiving = count > 0
         total = share_t + taken
-        positive = total > 0
-        safe = mx.where(positive, total, 1.0)
-        w = share_in[:, :, None] / _at(safe, self.targets)  # each edge's weight, its target's D
-        w = mx.where(_at(positive, self.targets), w, 0.0)
-        kept = 1.0 - mx.where(positive, taken / safe, 0.0)
-        spread = mx.where(self.live[:, :, :, None], w[:, :, :, None] * sources[:, :, None, :], 0.0)
-        incoming = mx.zeros((self.rows * self.m, sources.shape[-1]), mx.float32).at[self.index].add(
-            spread.reshape(-1, sources.shape[-1])).reshape(self.rows, self.m, -1)
-        blended = kept[:, :, None] * rows + incoming
-        return mx.where(self.receiving[:, :, None], blended, rows)
+        blending = receiving & (total > 0)
+        safe = mx.where(blending, total, 1.0)[:, :, None]
+        a_t = share_t[:, :, None] if isinstance(share_t, mx.array) else share_t
+        rows = [mx.where(blending[:, :, None], (a_t * own + into) / safe, own)
+                for (own, _), into in zip(pairs, incoming)]
+        return _Blend(rows, taken, receiving, extra_sums)
 
     def max(self, x: mx.array) -> mx.array:
         """Each survivor's largest x [R, k] over its merging losers, -inf where none: [R, m].
@@ -284,25 +304,29 @@ class _Edges:
         return mx.where(onehot, x[:, :, None, None], -_INF).max(axis=(1, 2))
 
 
-def _keep_output(rule, losers: Rows, kept: Rows, t, edges: _Edges, query, scale: float):
-    """Section 4.6 for every target at once: returns (keys float32, values float32, votes)."""
+def _keep_output(rule, losers: Rows, kept: Rows, targets: _Targets, edges: _Edges, query, scale: float):
+    """Section 4.6 for every target at once: returns (keys float32, values float32, votes,
+    the mass each survivor receives [R, m])."""
+    t = targets.nearest
     q = query[:, None, :]
     l_t = scale * (kept.keys * q).sum(axis=-1)  # [R, m]
     l_e = scale * (losers.keys * q).sum(axis=-1)  # [R, k]
-    poisoned_in = edges.sum(mx.where(mx.isfinite(l_e), 0.0, 1.0)) > 0
+    finite_e = mx.isfinite(l_e)
+    poisoned_in = edges.sums(mx.where(finite_e, 0.0, 1.0))[0] > 0
     finite = mx.isfinite(l_t) & ~poisoned_in
-    top = mx.where(finite, mx.maximum(l_t, edges.max(mx.where(mx.isfinite(l_e), l_e, -_INF))), 0.0)
+    top = mx.where(finite, mx.maximum(l_t, edges.max(mx.where(finite_e, l_e, -_INF))), 0.0)
     m_t = kept.votes * mx.where(finite, mx.exp(l_t - top), 1.0)
     m_e = losers.votes * mx.where(_at(finite, t), mx.exp(l_e - _at(top, t)), 1.0)
     share_in = rule.loser_share(None, m_e, _at(m_t, t), None, None)
     share_t = rule.target_share(m_t)
-    values = edges.weighted_mean(kept.values, losers.values, share_in, share_t)
-    mean_key = edges.weighted_mean(kept.keys, losers.keys, share_in, share_t)
-    receives = edges.receiving
-    total_votes = kept.votes + edges.sum(losers.votes)
-    keyed = merges.output_preserving_key(mean_key, q, scale, top, share_t + edges.sum(share_in), total_votes, finite)
+    blend = edges.blend([(kept.values, losers.values), (kept.keys, losers.keys)], share_in, share_t, losers.votes,
+                        targets.s_in)
+    (values, mean_key), (in_votes, s_in) = blend.rows, blend.extra
+    receives = blend.receiving
+    total_votes = kept.votes + in_votes
+    keyed = merges.output_preserving_key(mean_key, q, scale, top, share_t + blend.taken, total_votes, finite)
     keys = mx.where(receives[:, :, None], keyed, kept.keys)
-    return keys, values, mx.where(receives, total_votes, kept.votes)
+    return keys, values, mx.where(receives, total_votes, kept.votes), s_in
 
 
 def update(state: RowState, new_keys, new_values, offset: int, cfg, row_ids, queries=None, scale=None,
