@@ -78,15 +78,16 @@ def losers_and_kept(scores: mx.array, positions: mx.array, p_last, budget: int, 
     return losers_and_survivors(scores, positions, p_last, budget, n_sink, recent)[1]
 
 
-def losers_and_survivors(scores: mx.array, positions: mx.array, p_last, budget: int, n_sink: int, recent: int
-                         ) -> tuple[mx.array, mx.array]:
-    """losers_and_kept's partition, both sides in position order: the loser indices
-    [R, N - budget] and the kept ones [R, budget]."""
+def losers_and_survivors(scores: mx.array, positions: mx.array, p_last, budget: int, n_sink: int, recent: int,
+                         losers_sorted: bool = True) -> tuple[mx.array, mx.array]:
+    """losers_and_kept's partition: the loser indices [R, N - budget] (in position order
+    where losers_sorted, else in any) and the kept ones [R, budget] in position order."""
     total = scores.shape[1]
     protected = policy.protected(positions, p_last, n_sink, recent)
     ranked = mx.where(protected, _INF, mx.where(mx.isnan(scores), -_INF, scores))
     order = mx.argpartition(ranked, kth=total - budget, axis=1)
-    return mx.sort(order[:, :total - budget], axis=1), mx.sort(order[:, total - budget:], axis=1)
+    losers = order[:, :total - budget]
+    return mx.sort(losers, axis=1) if losers_sorted else losers, mx.sort(order[:, total - budget:], axis=1)
 
 
 def update_drop(state: RowState, new_keys, new_values, offset: int, cfg, row_ids,

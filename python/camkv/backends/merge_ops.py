@@ -39,22 +39,25 @@ def reducer(bias: bool, preferred: mass.Reducer | None = None) -> mass.Reducer:
 
 
 class Rows(NamedTuple):
-    """Some rows of every row r, gathered [R, m, ...] (float32 keys and values for the
-    arithmetic)."""
+    """Some rows of every row r, gathered [R, m, ...]: float32 keys and values for the
+    arithmetic, the keys as stored too (a survivor's key no merge changes goes back as
+    it was, without a cast back), positions where asked for."""
 
     keys: mx.array
     values: mx.array
     scores: mx.array
-    positions: mx.array
+    positions: mx.array | None
     votes: mx.array | None
+    stored_keys: mx.array
 
     @classmethod
     def of(cls, keys, values, scores, positions, votes, idx) -> "Rows":
         def take(a):
-            return mx.take_along_axis(a, idx[:, :, None] if a.ndim == 3 else idx, axis=1)
+            return None if a is None else mx.take_along_axis(a, idx[:, :, None] if a.ndim == 3 else idx, axis=1)
 
-        return cls(take(keys).astype(mx.float32), take(values).astype(mx.float32), take(scores), take(positions),
-                   None if votes is None else take(votes))
+        stored_keys = take(keys)
+        return cls(stored_keys.astype(mx.float32), take(values).astype(mx.float32), take(scores), take(positions),
+                   take(votes), stored_keys)
 
 
 class Settled(NamedTuple):
@@ -91,19 +94,23 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
     if n + s_len <= cfg.budget:
         return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
+    # Losers in any order: a compression's merges are simultaneous (section 4).
     loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
-                                                    first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent)
+                                                    first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
+                                                    losers_sorted=False)
     if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
         return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
-    losers = Rows.of(keys, values, scores, positions, votes, loser_idx)
+    # The losers' positions key the gate's draws; without a gate nothing reads them.
+    losers = Rows.of(keys, values, scores, positions if cfg.gate else None, votes, loser_idx)
     kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
     merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
-    return RowState(merged.keys.astype(keys.dtype), merged.values.astype(values.dtype), merged.scores,
-                    kept.positions, merged.votes, merged.threshold), merged.count
+    out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
+    return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
+                    merged.threshold), merged.count
 
 
 class Merged(NamedTuple):
@@ -120,12 +127,14 @@ class Merged(NamedTuple):
 
 class _Targets(NamedTuple):
     """Where each loser [R, k] goes (section 4.1 or 4.2): survivor indices [R, k, w] (w = 1
-    for a nearest rule, the window otherwise) where valid [R, k, w]; the gate's s_T and the
-    mass each target receives, s_in [R, k]; a nearest rule's target t and cosine [R, k], a
-    window rule's width |W(e)| [R, k] (None where the kind has none)."""
+    for a nearest rule, the window otherwise) where valid [R, k, w], and whether a loser
+    has any [R, k]; the gate's s_T and the mass each target receives, s_in [R, k]; a
+    nearest rule's target t and cosine [R, k], a window rule's width |W(e)| [R, k] (None
+    where the kind has none)."""
 
     index: mx.array
     valid: mx.array
+    any_valid: mx.array
     s_target: mx.array
     s_in: mx.array
     nearest: mx.array | None = None
@@ -139,9 +148,9 @@ def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg, split: bool) ->
         valid = mx.arange(index.shape[2])[None, None, :] < width[:, :, None]
         shared = mx.maximum(width, 1)
         s_target = mx.where(valid, _at(kept.scores, index), 0.0).sum(axis=2) / shared  # the mean score of W(e)
-        return _Targets(index, valid, s_target, losers.scores / shared, width=shared)
+        return _Targets(index, valid, width > 0, s_target, losers.scores / shared, width=shared)
     t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink, split)
-    return _Targets(t[:, :, None], found[:, :, None], _at(kept.scores, t), losers.scores, t, cosine)
+    return _Targets(t[:, :, None], found[:, :, None], found, _at(kept.scores, t), losers.scores, t, cosine)
 
 
 def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
@@ -167,8 +176,7 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     rule = merges.rule(cfg.merge)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
-    has_target = targets.valid.any(axis=2)  # a loser with no target merges nowhere
-    do = has_target if do is None else do & has_target
+    do = targets.any_valid if do is None else do & targets.any_valid  # a loser with no target merges nowhere
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1])
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.keeps_votes:
