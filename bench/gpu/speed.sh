@@ -3,6 +3,9 @@
 # parts to run (each within one 10-minute call unless noted):
 #   bash bench/gpu/speed.sh merges    every rule's prefill and decode step against drop's and
 #                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048)
+#   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
+#                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
+#                                     turn with drop's, then part by part (about 2 minutes)
 #   bash bench/gpu/speed.sh decode8b  camkv's decode step paired with RotatingKVCache's on
 #                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048,
 #                                     with and without its short way for decode steps (about
@@ -32,6 +35,9 @@ for part in "$@"; do
         --rounds 3 --out "$OUT/merge-speed-random-1b-8k.json"
       step 260 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 --budget 2048 --steps 64 \
         --rounds 2 --out "$OUT/merge-speed-random-8b-16k.json" ;;
+    engine)
+      step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
+        --chunk 2048 --repeats 5 --stages --out "$OUT/merge-engine-8b-shape.json" ;;
     decode8b)
       for length in 65536 131072; do
         step $((length / 1024 + 100)) python3 bench/decode_parts.py --model random-8b --prompt-length $length --budget 2048 \
@@ -51,6 +57,6 @@ for part in "$@"; do
     batchstep)
       step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, decode8b, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, engine, decode8b, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 done
