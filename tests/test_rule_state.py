@@ -169,6 +169,24 @@ def test_attention_gets_the_votes_of_the_rows_it_was_handed_before_they_compress
         hook.uninstall(model)
 
 
+def test_the_votes_bias_is_the_log_of_the_held_rows_votes_after_every_compression():
+    """The bias attention adds is log(votes) of exactly the rows held, pending rows 0,
+    through compressions that change the votes (the bias is made once per votes array
+    and read as a view between them: a stale one would weigh the rows by old votes)."""
+    cache, rng = CaMKVCache(budget=8, n_sink=1, recent=2, slack=2, scoring="key", merge="keepkv"), \
+        np.random.default_rng(11)
+    cache.update_and_fetch(*_block(rng, S=12))
+    seen = []
+    for _ in range(24):
+        cache.update_and_fetch(*_block(rng, S=1))
+        cache.attention_bias()
+        votes = np.array(cache.state[6])
+        np.testing.assert_allclose(np.array(cache.votes_bias()), np.log(votes), rtol=1e-6, atol=1e-7)
+        if not seen or seen[-1].shape != votes.shape or (seen[-1] != votes).any():
+            seen.append(votes)
+    assert len(seen) >= 4 and (seen[-1] > 1).any()  # several compressions, rows standing for several tokens
+
+
 def test_a_model_that_attends_without_the_votes_is_warned_once():
     cache, rng = CaMKVCache(budget=8, n_sink=1, recent=2, slack=0, scoring="key", merge="keepkv"), \
         np.random.default_rng(8)

@@ -226,11 +226,19 @@ class RowBuffers:
 
     def votes_bias(self, B: int, H: int) -> mx.array | None:
         """The log votes of the rows held [B, H, held] (0 for pending rows: one token each),
-        or None when the rule keeps no votes."""
+        or None when the rule keeps no votes. Votes change only when they are replaced (a
+        compression, a load), so the log votes of the settled rows, zeros after them, are
+        made once per votes array, and a decode step takes a view of them instead of three
+        operations (a launch each on a GPU) at every layer."""
         if self.votes is None:
             return None
-        pending = mx.zeros((B * H, self.pending), mx.float32)
-        return mx.concatenate([mx.log(self.votes), pending], axis=1).reshape(B, H, self.held)
+        made = self.__dict__.get("_votes_bias")  # (the votes it was made of, [B, H, length])
+        if made is None or made[0] is not self.votes or made[1].shape[2] < self.held:
+            length = max(self.capacity, self.held)
+            pending = mx.zeros((B * H, length - self.votes.shape[1]), mx.float32)
+            made = (self.votes, mx.concatenate([mx.log(self.votes), pending], axis=1).reshape(B, H, length))
+            self._votes_bias = made
+        return made[1][:, :, : self.held]
 
     def copy(self) -> "RowBuffers":
         """An independent copy: slice assignment rebinds an mx.array object in place, so
