@@ -72,4 +72,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    from camkv._blas import reexec_with_openblas
+
+    reexec_with_openblas()
     main()
