@@ -260,9 +260,8 @@ class _Edges:
     theirs: bench/profile_merge_engine.py --graph counts them)."""
 
     def __init__(self, targets, live, m: int):
-        rows = targets.shape[0]
-        self.rows, self.m = rows, m
-        self.index = (targets + (mx.arange(rows) * m)[:, None, None]).reshape(-1)
+        self.m = m
+        self.index = (targets + (mx.arange(targets.shape[0]) * m)[:, None, None]).reshape(-1)
         self.live = live
         self.targets = targets
 
@@ -292,9 +291,8 @@ class _Edges:
         a_e = share_in ([R, k] or a float); unchanged where that denominator is 0. The
         extra quantities [R, k] are summed per survivor in the same scatter."""
         a_e = share_in[:, :, None] if isinstance(share_in, mx.array) else share_in
-        summed = self.sums(*(a_e * sources for _, sources in pairs), share_in, 1.0, *extra)
-        incoming, (taken, count), extra_sums = summed[:len(pairs)], summed[len(pairs):len(pairs) + 2], \
-            summed[len(pairs) + 2:]
+        taken, count, *summed = self.sums(share_in, 1.0, *(a_e * sources for _, sources in pairs), *extra)
+        incoming, extra_sums = summed[:len(pairs)], summed[len(pairs):]
         receiving = count > 0
         total = share_t + taken
         blending = receiving & (total > 0)
