@@ -169,6 +169,33 @@ def test_attention_gets_the_votes_of_the_rows_it_was_handed_before_they_compress
         hook.uninstall(model)
 
 
+def test_decode_steps_through_the_hook_attend_with_the_votes_bias_and_plain_rows_without():
+    """The hook sends a decode step of plain rows straight to mlx-lm's attention
+    (observe_queries says so); a rule's rows that stand for several tokens never go that
+    way: every step's output is attention weighed by the votes of the rows handed over."""
+    rng = np.random.default_rng(12)
+    model = tiny_llama()
+    hook.install(model)
+    try:
+        for merge in ("drop", "keepkv"):
+            cache = CaMKVCache(budget=8, n_sink=1, recent=2, slack=2, merge=merge)
+            query = lambda s_len: mx.array(rng.standard_normal((1, 4, s_len, 8)).astype(np.float32))  # noqa: E731
+            keys, values = cache.update_and_fetch(*_block(rng, S=12))
+            hook.scaled_dot_product_attention(query(12), keys, values, cache, 0.35, "causal")
+            for _ in range(12):
+                keys, values = cache.update_and_fetch(*_block(rng, S=1))
+                bias = cache.votes_bias()
+                q = query(1)
+                got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.35, None)
+                want = mx.fast.scaled_dot_product_attention(
+                    q, keys, values, scale=0.35, mask=hook.weighed_by_votes(None, bias, q, keys))
+                np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
+            assert (bias is None) == (merge == "drop")
+            assert merge == "drop" or (np.array(bias) > 0).any()  # rows standing for several tokens
+    finally:
+        hook.uninstall(model)
+
+
 def test_the_votes_bias_is_the_log_of_the_held_rows_votes_after_every_compression():
     """The bias attention adds is log(votes) of exactly the rows held, pending rows 0,
     through compressions that change the votes (the bias is made once per votes array

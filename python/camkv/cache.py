@@ -178,9 +178,13 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
                 cache_input.warn_once(self._warned, "no_hook", cache_input.no_hook(self.model_type, self.hook_modules))
             self._queue(KEY_SCORED, S)
 
-    def observe_queries(self, queries: mx.array, scale: float, defer_launch: bool = False) -> None:
+    def observe_queries(self, queries: mx.array, scale: float, defer_launch: bool = False) -> bool:
         """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring).
-        defer_launch (camkv.batch): hold a one-launch compression due now (deferred_launch)."""
+        defer_launch (camkv.batch): hold a one-launch compression due now (deferred_launch).
+
+        Returns whether these were a decode step's of plain rows (_plain_rows): attention
+        may then read the rows update_and_fetch returned as they are, with no bias (the
+        hook's short way)."""
         # A copy of its own where mlx-lm's quantized attention reads this cache (it has
         # bits): that attention runs `queries *= scale` on the caller's array, and kept
         # queries scaled so would score the pending tokens at scale squared. No other
@@ -197,9 +201,9 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             self._pending.add_step(queries)
             if self._rows.held >= self._rows.capacity:  # steps_before_compression() < 0
                 self._compress(defer_launch=defer_launch)
-            return
+            return self._plain_step is not None
         if not self._waiting:
-            return  # nothing waits: a model without camkv scoring, or a repeated call
+            return False  # nothing waits: a model without camkv scoring, or a repeated call
         B, H, Dk = self._layout[:3]
         S = self._waiting
         cache_input.check_queries(queries.shape, B, H, S)
@@ -208,9 +212,10 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         if queries.shape[3] != Dk:
             cache_input.warn_once(self._warned, "width", cache_input.other_width(self.model_type, queries.shape[3], Dk))
             self._queue(KEY_SCORED, S)
-            return
+            return False
         self._query_scored += S
         self._queue(float(scale), S, queries, defer_launch)
+        return False
 
     def _continues_decoding(self, queries, scale) -> bool:
         """Whether these are one decode step's queries that only join those kept: one token

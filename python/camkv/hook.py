@@ -41,7 +41,10 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     """mlx-lm's attention, after handing the queries to a camkv cache that waits for them."""
     observe = getattr(cache, "observe_queries", None)  # a camkv cache
     if observe is not None:
-        observe(queries, scale)
+        if observe(queries, scale):
+            # A decode step of plain rows: no bias, arrays as held; straight to mlx-lm's
+            # attention, without the checks below (host time, every layer and token).
+            return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
         bias = cache.attention_bias()
         given_mask = mask
         stored = isinstance(keys, tuple)  # quantized rows as stored (codes, scales, biases)
