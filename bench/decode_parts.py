@@ -13,6 +13,8 @@ work to mlx-lm's plain caches.
   camkv          CaMKVCache as configured by default
   camkv-fullway  the same with update_and_fetch's short way for decode steps of plain rows
                  turned off (every step through its checks): that way's gain, in one run
+  camkv-fullhook the same with the attention hook's short way for such steps turned off
+                 (every step through the hook's bias and quantized-row checks)
   camkv-q8       the same with 8-bit rows (CaMConfig.bits=8, group 32)
   camkv-q4       the same with 4-bit rows (CaMConfig.bits=4, group 32)
 
@@ -53,7 +55,8 @@ except ImportError:
 from camkv.models import random_llama  # noqa: E402
 
 QUANTIZED_ARMS = {"camkv-q8": 8, "camkv-q4": 4}  # arm -> CaMConfig.bits (group 32)
-ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-fullway", *QUANTIZED_ARMS)
+ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-fullway", "camkv-fullhook",
+        *QUANTIZED_ARMS)
 
 
 class BufferCache(_BaseCache):
@@ -98,7 +101,7 @@ def parse_args(argv=None):
     parser.add_argument("--budget", type=int, default=512, help="rows kept per head (default 512)")
     parser.add_argument("--steps", type=int, default=130, help="timed decode steps per trial (default 130)")
     parser.add_argument("--trials", type=int, default=3, help="trials per arm (default 3)")
-    parser.add_argument("--arms", nargs="+", default=[a for a in ARMS if a not in (*QUANTIZED_ARMS, "camkv-fullway")],
+    parser.add_argument("--arms", nargs="+", default=[a for a in ARMS if a not in (*QUANTIZED_ARMS, "camkv-fullway", "camkv-fullhook")],
                         choices=ARMS,
                         help="arms (default all but the quantized ones and camkv-fullway)")
     parser.add_argument("--interleave", action="store_true",
@@ -170,6 +173,13 @@ def make_arm(model, arm: str, budget: int) -> list:
         caches = make_prompt_cache(model, config=cfg)
         for cache in caches:
             cache._plain_rows = lambda: False  # never a short way (an instance's own method)
+        return caches
+    if arm == "camkv-fullhook":
+        caches = make_prompt_cache(model, config=cfg)
+        for cache in caches:  # the hook never hears that a step may go straight to attention
+            observe = cache.observe_queries
+            cache.observe_queries = lambda queries, scale, defer_launch=False, observe=observe: (
+                observe(queries, scale, defer_launch) and False)
         return caches
     if arm == "camkv-nocomp":
         return make_prompt_cache(model, config=cfg.replace(slack=1 << 16))

@@ -2,14 +2,18 @@
 # quantized rows and the decode step, side by side in each run, JSON under $OUT. Name the
 # parts to run (each within one 10-minute call unless noted):
 #   bash bench/gpu/speed.sh merges    every rule's prefill and decode step against drop's and
-#                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048)
+#                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048;
+#                                     merges1b and merges8b run one of the two)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's, then part by part (about 2 minutes)
 #   bash bench/gpu/speed.sh decode8b  camkv's decode step paired with RotatingKVCache's on
 #                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048,
-#                                     with and without its short way for decode steps (about
-#                                     7 minutes)
+#                                     with and without the hook's short way for decode steps
+#                                     (no clocks around the caches' calls: a clock is a call
+#                                     more per layer for each of camkv's three; about 6 minutes)
+#   bash bench/gpu/speed.sh decodehost the caches' own host work per step and layer (clocked
+#                                     calls) at 64k, the same arms (about 3 minutes)
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
 #                                     4k-32k, random-8b 32k; about 5 minutes)
 #   bash bench/gpu/speed.sh qattn     one layer's decode attention over quantized rows: MLX's,
@@ -30,19 +34,22 @@ step() {  # SECONDS COMMAND...: one run, cut at SECONDS, its last lines printed
 }
 for part in "$@"; do
   case $part in
-    merges)
-      step 200 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 --steps 160 \
-        --rounds 3 --out "$OUT/merge-speed-random-1b-8k.json"
-      step 260 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 --budget 2048 --steps 64 \
-        --rounds 2 --out "$OUT/merge-speed-random-8b-16k.json" ;;
+    merges|merges1b|merges8b)
+      [ $part = merges8b ] || step 200 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
+        --budget 512 --steps 160 --rounds 3 --out "$OUT/merge-speed-random-1b-8k.json"
+      [ $part = merges1b ] || step 260 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
+        --budget 2048 --steps 64 --rounds 2 --out "$OUT/merge-speed-random-8b-16k.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
         --chunk 2048 --repeats 5 --stages --out "$OUT/merge-engine-8b-shape.json" ;;
     decode8b)
       for length in 65536 131072; do
         step $((length / 1024 + 100)) python3 bench/decode_parts.py --model random-8b --prompt-length $length --budget 2048 \
-          --arms rotating camkv camkv-fullway --interleave --cache-host --trials 2 --steps 64 --out "$OUT/decode8b-$length"
+          --arms rotating camkv camkv-fullhook --interleave --trials 2 --steps 64 --out "$OUT/decode8b-$length"
       done ;;
+    decodehost)
+      step 200 python3 bench/decode_parts.py --model random-8b --prompt-length 65536 --budget 2048 \
+        --arms rotating camkv camkv-fullhook --interleave --cache-host --trials 1 --steps 64 --out "$OUT/decodehost-65536" ;;
     quant)
       step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \
         --equal-bytes --out "$OUT" --tag quant-h200-random-1b
@@ -57,6 +64,6 @@ for part in "$@"; do
     batchstep)
       step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, engine, decode8b, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, engine, decode8b, decodehost, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 done
