@@ -128,8 +128,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         if (step is not None and not self._waiting and type(keys) is type(values) is mx.array
                 and keys.shape == step[0] and values.shape == step[1] and keys.dtype == step[2]
                 and rows.keys is not None and rows.held < rows.keys.shape[2] and self._queries_can_come()):
-            # A decode step of plain rows after one scored with its queries: update_stored's
-            # and _took's work for it, less their checks (host time, every layer and token).
+            # A plain decode step after one scored with its queries: update_stored's work, unchecked.
             self.offset += 1
             self._waiting = 1
             return rows.write_in_place(keys, values)
@@ -179,12 +178,10 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             self._queue(KEY_SCORED, S)
 
     def observe_queries(self, queries: mx.array, scale: float, defer_launch: bool = False) -> bool:
-        """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring).
-        defer_launch (camkv.batch): hold a one-launch compression due now (deferred_launch).
-
-        Returns whether these were a decode step's of plain rows (_plain_rows): attention
-        may then read the rows update_and_fetch returned as they are, with no bias (the
-        hook's short way)."""
+        """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring); whether
+        attention may read the rows just fetched as they are (a decode step of _plain_rows:
+        the hook's short way). defer_launch (camkv.batch): hold a one-launch compression due
+        now (deferred_launch)."""
         # A copy of its own where mlx-lm's quantized attention reads this cache (it has
         # bits): that attention runs `queries *= scale` on the caller's array, and kept
         # queries scaled so would score the pending tokens at scale squared. No other
@@ -192,8 +189,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         if "bits" in self.__dict__:  # hasattr(self, "bits"), without a failed lookup's cost
             queries = mx.array(queries)
         if self._continues_decoding(queries, scale):
-            # What _queue does for such a step, without its checks (host time is most of
-            # a GPU decode step's cost, and every layer pays this at every token).
+            # _queue's work for such a step without its checks (host time, every layer and token).
             if self._plain_step is None and self._plain_rows():
                 self._plain_step = self._checked_block
             self._waiting = 0
@@ -218,9 +214,8 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         return False
 
     def _continues_decoding(self, queries, scale) -> bool:
-        """Whether these are one decode step's queries that only join those kept: one token
-        waits, its queries have the shape the checks passed before, and the pending tokens
-        are decode steps queued under this scale that each kept its queries."""
+        """Whether one decode step's queries only join those kept: one token waits, queries of the
+        checked shape, and the pending tokens are decode steps of this scale that kept theirs."""
         rows = self._rows
         return (self._waiting == 1 and queries.shape == self._step_queries
                 and self._pending.takes_step(scale, rows.held - rows.settled - 1))
