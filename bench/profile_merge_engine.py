@@ -17,6 +17,10 @@ so a part's time is its own device work plus one synchronisation): where a rule'
 time over dropping goes. llama-3-8B's shape on a GPU:
 
     python bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 --chunk 2048 --stages
+
+On an NVIDIA GPU the arm drop/launch is what merge="drop" runs there (one launch,
+camkv.backends.compact_cuda), and --ops-arms RULE ... adds RULE/ops: the rule without the
+merge engine's kernels (camkv.backends.merge_cuda), before and after in one process.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ def parse_args(argv=None):
     parser.add_argument("--stages", action="store_true", help="time each part of a call too (default off)")
     parser.add_argument("--graph", action="store_true",
                         help="count each call's graph operations instead of timing it (default off)")
+    parser.add_argument("--ops-arms", nargs="*", default=[], metavar="RULE",
+                        help="on an NVIDIA GPU, also run these rules without camkv.backends.merge_cuda's kernels, "
+                             "as arms RULE/ops: before and after in one process (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="write the medians as JSON here (default: none)")
     return parser.parse_args(argv)
 
@@ -193,6 +200,13 @@ def main(argv=None) -> dict:
         settled = merge_ops.Settled(scores, positions, votes, None)
         engines[rule] = (lambda c, st: lambda: merge_ops.compress(keys, values, st, queries, n, scale, c, row_ids,
                                                                   preferred))(cfg(rule), settled)
+        if rule in opts.ops_arms and drop.on_cuda():
+            engines[f"{rule}/ops"] = (lambda c, st: lambda: merge_ops.compress(
+                keys, values, st, queries, n, scale, c, row_ids, preferred, kernels=False))(cfg(rule), settled)
+    if drop.on_cuda():  # what merge="drop" runs there: one launch (backends.compact_cuda)
+        buffers = keys[None], values[None]
+        engines["drop/launch"] = lambda: drop.compress_drop_buffers(*buffers, n + s_len, scores, positions, queries,
+                                                                    n, scale, cfg("drop"), n + 64)
     if opts.graph:
         result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "graph": _graphs(engines)}
         _write(opts.out, result)

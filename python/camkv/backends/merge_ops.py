@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .. import gate, mass, merges, policy
 from ..rows import RowState
-from . import drop
+from . import drop, merge_cuda
 
 _INF = float("inf")
 
@@ -72,11 +72,13 @@ class Settled(NamedTuple):
 
 
 def compress(keys, values, settled: Settled, queries, first_pending: int, scale: float, cfg, row_ids,
-             preferred: mass.Reducer | None = None) -> tuple[RowState, mx.array]:
+             preferred: mass.Reducer | None = None, kernels: bool | None = None) -> tuple[RowState, mx.array]:
     """Rows held [R, N, D] whose first n are scored (settled): score the rest, at
     positions first_pending.., as one chunk (queries [R, G, T, Dk], its last T), evict
     down to the budget and merge every loser (section 4). Returns the survivors and the
-    merges per row. preferred: the backend's reduction of a chunk's logits (see reducer)."""
+    merges per row. preferred: the backend's reduction of a chunk's logits (see reducer);
+    kernels: whether the nearest search and the sums run as camkv.backends.merge_cuda's
+    kernels (default: on an NVIDIA GPU)."""
     rule = merges.rule(cfg.merge)
     rows, n = settled.scores.shape
     s_len = keys.shape[1] - n
@@ -105,8 +107,11 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
-    split = drop.on_cuda() and keys.dtype == mx.float32
-    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split)
+    on_cuda = drop.on_cuda()
+    split = on_cuda and keys.dtype == mx.float32
+    if kernels is None:  # (cuda_build too: tests emulate on_cuda's arithmetic on the CPU, without kernels)
+        kernels = on_cuda and drop.cuda_build()
+    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
     return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
@@ -142,14 +147,14 @@ class _Targets(NamedTuple):
     width: mx.array | None = None
 
 
-def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg, split: bool) -> _Targets:
+def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg, split: bool, kernels: bool) -> _Targets:
     if merges.rule(cfg.merge).kind == merges.WINDOW:
         index, width = _window_targets(loser_idx, kept_idx, cfg.window)
         valid = mx.arange(index.shape[2])[None, None, :] < width[:, :, None]
         shared = mx.maximum(width, 1)
         s_target = mx.where(valid, _at(kept.scores, index), 0.0).sum(axis=2) / shared  # the mean score of W(e)
         return _Targets(index, valid, width > 0, s_target, losers.scores / shared, width=shared)
-    t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink, split)
+    t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink, split, kernels)
     return _Targets(t[:, :, None], found[:, :, None], found, _at(kept.scores, t), losers.scores, t, cosine)
 
 
@@ -168,16 +173,16 @@ def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
 
 
 def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids,
-          split: bool) -> Merged:
+          split: bool, kernels: bool = False) -> Merged:
     """Sections 4.1-4.6: every loser's targets among the survivors (as they stand before
     any merge), the gate and d2o's threshold, then every target's merges at once. split:
     whether the nearest search's product needs float32_product's split (float32 keys on
-    an NVIDIA GPU)."""
+    an NVIDIA GPU); kernels: the nearest search and the sums by camkv.backends.merge_cuda."""
     rule = merges.rule(cfg.merge)
-    targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split)
+    targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
     do = targets.any_valid if do is None else do & targets.any_valid  # a loser with no target merges nowhere
-    edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1])
+    edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.keeps_votes:
         keys, values, votes, s_in = _keep_output(rule, losers, kept, targets, edges, query, scale)
@@ -203,7 +208,7 @@ def _at(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, flat, axis=1).reshape(idx.shape)
 
 
-def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool):
+def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, kernels: bool = False):
     """Section 4.1 for every loser at once: the non-sink survivor of largest cosine
     (ties to the smaller position: survivors are in position order, and the first
     maximum wins; a device whose argmax broke exact ties otherwise would stay within
@@ -214,13 +219,19 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool):
     product of the keys themselves, not of unit keys: keys stored in half precision are
     exact inputs of a TF32 product, so it needs no split (split: float32 keys on an NVIDIA
     GPU). Returns t [R, k] (indices into the survivors, 0 where there is none), whether
-    there is one [R, k] and cos_t [R, k] as section 4.1 computes it."""
+    there is one [R, k] and cos_t [R, k] as section 4.1 computes it. kernels: the product,
+    its ranking and argmax in one kernel (merge_cuda.nearest), never written out."""
     norm_l, norm_k = merges.feature_norm(loser_keys), merges.feature_norm(kept_keys)
-    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
-    ranked = products / mx.maximum(norm_k, 1e-12)[:, None, :]
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
     candidate = (kept_positions >= n_sink) & (norm_k < _INF)
+    if kernels:
+        t, best, dot = merge_cuda.nearest(loser_keys, kept_keys, norm_k, candidate)
+        found = (best > -_INF) & (norm_l < _INF)
+        t = mx.where(found, t, 0)
+        return t, found, dot / mx.maximum(norm_l * _at(norm_k, t), 1e-12)
+    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
+    ranked = products / mx.maximum(norm_k, 1e-12)[:, None, :]
     ranked = mx.where(candidate[:, None, :], ranked, -_INF)
     t = mx.argmax(ranked, axis=2)  # MLX's argmax takes the first of equal maxima
     found = (mx.take_along_axis(ranked, t[:, :, None], axis=2)[:, :, 0] > -_INF) & (norm_l < _INF)
@@ -257,11 +268,13 @@ class _Edges:
     survivors) where live [R, k, w]; sums over a target's losers are scatter-adds into
     the flattened [R * m] survivors, as many quantities as one call is given in one
     scatter (on a GPU each operation is a launch, and a compression's time is mostly
-    theirs: bench/profile_merge_engine.py --graph counts them)."""
+    theirs: bench/profile_merge_engine.py --graph counts them); with kernels, one launch
+    of merge_cuda.scatter_rows."""
 
-    def __init__(self, targets, live, m: int):
-        self.m = m
-        self.index = (targets + (mx.arange(targets.shape[0]) * m)[:, None, None]).reshape(-1)
+    def __init__(self, targets, live, m: int, kernels: bool = False):
+        self.m, self.kernels = m, kernels
+        # The flat [R * m] index MLX's scatter-add takes (the kernel reads targets as they are).
+        self.index = None if kernels else (targets + (mx.arange(targets.shape[0]) * m)[:, None, None]).reshape(-1)
         self.live = live
         self.targets = targets
 
@@ -273,9 +286,12 @@ class _Edges:
         parts = [c.reshape(R, k, -1) if isinstance(c, mx.array) else mx.full((R, k, 1), c, mx.float32)
                  for c in columns]
         joined = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]  # [R, k, C]
-        spread = mx.where(self.live[:, :, :, None], joined[:, :, None, :], 0.0).reshape(-1, joined.shape[-1])
-        total = mx.zeros((R * self.m, spread.shape[1]), mx.float32).at[self.index].add(spread)
-        total = total.reshape(R, self.m, -1)
+        if self.kernels:
+            total = merge_cuda.scatter_rows(joined, self.targets, self.live, self.m)
+        else:
+            spread = mx.where(self.live[:, :, :, None], joined[:, :, None, :], 0.0).reshape(-1, joined.shape[-1])
+            total = mx.zeros((R * self.m, spread.shape[1]), mx.float32).at[self.index].add(spread)
+            total = total.reshape(R, self.m, -1)
         out, first = [], 0
         for column, part in zip(columns, parts):
             width = part.shape[-1]
@@ -305,7 +321,10 @@ class _Edges:
     def max(self, x: mx.array) -> mx.array:
         """Each survivor's largest x [R, k] over its merging losers, -inf where none: [R, m].
         A dense masked maximum over (loser, survivor) pairs, as large as the cosines'
-        product, where a scatter of maxima would need an atomic maximum of floats."""
+        product (MLX has no scatter of maxima); with kernels, atomic maxima
+        (merge_cuda.scatter_max)."""
+        if self.kernels:
+            return merge_cuda.scatter_max(x, self.targets, self.live, self.m)
         onehot = (self.targets[:, :, :, None] == mx.arange(self.m)) & self.live[:, :, :, None]  # [R, k, w, m]
         return mx.where(onehot, x[:, :, None, None], -_INF).max(axis=(1, 2))
 

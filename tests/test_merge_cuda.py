@@ -1,0 +1,135 @@
+"""The merge engine's CUDA kernels (camkv.backends.merge_cuda) against the MLX operations
+they stand for, on random and adversarial inputs: the nearest survivor of every loser
+(ties, sinks, NaN and infinite keys, rows with no candidate, sizes off the tiles) and the
+sums of the losers' rows into their targets (several slots a loser, dead slots, many
+losers on one target). Runs on an NVIDIA GPU only (tests/test_merge_ops.py holds the
+whole engine, kernels included there, to the reference)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from camkv import merges
+from camkv.backends import drop, merge_cuda, merge_ops
+
+on_gpu = pytest.mark.skipif(not drop.cuda_build(), reason="camkv's merge kernels run on an NVIDIA GPU only")
+
+
+@st.composite
+def nearest_cases(draw):
+    return dict(R=draw(st.integers(1, 3)), k=draw(st.one_of(st.integers(1, 70), st.integers(60, 300))),
+                m=draw(st.one_of(st.integers(1, 70), st.integers(60, 300))), D=draw(st.sampled_from([8, 33, 64, 128])),
+                n_sink=draw(st.sampled_from([0, 1, 4])), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
+                duplicates=draw(st.booleans()), poison=draw(st.sampled_from(["none", "nan", "inf"])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _keys(rng, shape, dtype, duplicates):
+    keys = rng.standard_normal(shape).astype(np.float32)
+    if duplicates:  # exact ties: survivors repeating one key, losers equal to a survivor
+        keys[..., 1::3, :] = keys[..., :1, :]
+    return mx.array(keys).astype(getattr(mx, dtype)).astype(mx.float32)
+
+
+@on_gpu
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nearest_cases())
+def test_nearest_survivor_kernel_matches_the_operations(case):
+    """t, found and the cosine as merge_ops._nearest's MLX operations give them: the same
+    target wherever the best cosine is not a near-tie (section 8), equal found, cosines
+    within float32 summation-order rounding."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    losers = _keys(rng, (c["R"], c["k"], c["D"]), c["dtype"], c["duplicates"])
+    kept = _keys(rng, (c["R"], c["m"], c["D"]), c["dtype"], c["duplicates"])
+    if c["duplicates"]:
+        losers = mx.concatenate([kept[:, :1], losers[:, 1:]], axis=1)
+    if c["poison"] != "none":
+        bad = mx.array(np.nan if c["poison"] == "nan" else np.inf, mx.float32)
+        losers = mx.concatenate([losers[:, :1] * bad, losers[:, 1:]], axis=1)
+        kept = mx.concatenate([kept[:, :-1], kept[:, -1:] * bad], axis=1)
+    positions = mx.broadcast_to(mx.arange(c["m"], dtype=mx.int32), (c["R"], c["m"]))
+    expected = merge_ops._nearest(losers, kept, positions, c["n_sink"], True, kernels=False)
+    got = merge_ops._nearest(losers, kept, positions, c["n_sink"], True, kernels=True)
+    t_e, found_e, cos_e = (np.array(a) for a in expected)
+    t_g, found_g, cos_g = (np.array(a) for a in got)
+    np.testing.assert_array_equal(found_g, found_e)
+    # A different target only where the two cosines it stands between are a near-tie.
+    norm_k = np.array(merges.feature_norm(kept))
+    products = np.einsum("rkd,rmd->rkm", np.array(losers, np.float64), np.array(kept, np.float64))
+    ranked = products / np.maximum(norm_k, 1e-12)[:, None, :]
+    rows, cols = np.nonzero(t_g != t_e)
+    for r, e in zip(rows, cols):
+        a, b = ranked[r, e, t_g[r, e]], ranked[r, e, t_e[r, e]]
+        assert found_e[r, e] and abs(a - b) <= 1e-5 * max(abs(a), abs(b), 1e-6), (r, e, a, b)
+    same = (t_g == t_e) & np.isfinite(cos_e)
+    np.testing.assert_allclose(cos_g[same], cos_e[same], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.isfinite(cos_g), np.isfinite(cos_e))
+
+
+@on_gpu
+def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals():
+    """Adversarial by construction: the best survivor is a sink (excluded), the next best
+    appears three times (the first wins), and a row whose every survivor is a sink has no
+    target."""
+    base = mx.array([[1.0, 0.0, 0.0, 0.0]])
+    kept = mx.stack([mx.concatenate([base, 0.5 * base + mx.array([[0, 1.0, 0, 0]]), mx.array([[0.0, 1, 0, 0]]),
+                                     0.5 * base + mx.array([[0, 1.0, 0, 0]]), 0.5 * base + mx.array([[0, 1.0, 0, 0]])])])
+    losers = base[None]
+    positions = mx.arange(5, dtype=mx.int32)[None]
+    t, found, _ = merge_ops._nearest(losers, kept, positions, 1, False, kernels=True)
+    assert found.item() and t.item() == 1
+    t, found, _ = merge_ops._nearest(losers, kept, positions, 5, False, kernels=True)
+    assert not found.item() and t.item() == 0
+
+
+@st.composite
+def scatter_cases(draw):
+    return dict(R=draw(st.integers(1, 3)), k=draw(st.integers(1, 200)), m=draw(st.integers(1, 40)),
+                w=draw(st.sampled_from([1, 3])), C=draw(st.sampled_from([1, 2, 33, 130])),
+                live=draw(st.floats(0.0, 1.0)), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@on_gpu
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scatter_cases())
+def test_scatter_kernel_sums_as_the_scatter_add(case):
+    """_Edges.sums with the kernel equals it without (MLX's scatter-add), to float32 rounding
+    of sums in another order; few survivors for many losers, so targets take many each."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    targets = mx.array(rng.integers(0, c["m"], (c["R"], c["k"], c["w"])).astype(np.int32))
+    live = mx.array(rng.random((c["R"], c["k"], c["w"])) < c["live"])
+    columns = [mx.array(rng.standard_normal((c["R"], c["k"], c["C"])).astype(np.float32)),
+               mx.array(rng.standard_normal((c["R"], c["k"])).astype(np.float32)), 1.0]
+    expected = merge_ops._Edges(targets, live, c["m"], kernels=False).sums(*columns)
+    got = merge_ops._Edges(targets, live, c["m"], kernels=True).sums(*columns)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape
+        np.testing.assert_allclose(np.array(g), np.array(e), rtol=1e-5, atol=1e-4)
+
+
+@on_gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scatter_cases())
+def test_scatter_max_kernel_is_the_dense_maximum(case):
+    """_Edges.max with the kernel equals the dense masked maximum exactly (a maximum does
+    not round), with -inf among the values and survivors that take nothing."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    targets = mx.array(rng.integers(0, c["m"], (c["R"], c["k"], c["w"])).astype(np.int32))
+    live = mx.array(rng.random((c["R"], c["k"], c["w"])) < c["live"])
+    x = rng.standard_normal((c["R"], c["k"])).astype(np.float32) * 50
+    x[rng.random(x.shape) < 0.2] = -np.inf
+    x[rng.random(x.shape) < 0.1] = -0.0
+    x = mx.array(x)
+    expected = merge_ops._Edges(targets, live, c["m"], kernels=False).max(x)
+    got = merge_ops._Edges(targets, live, c["m"], kernels=True).max(x)
+    np.testing.assert_array_equal(np.array(got), np.array(expected))
