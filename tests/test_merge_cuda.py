@@ -1,9 +1,10 @@
 """The merge engine's CUDA kernels (camkv.backends.merge_cuda) against the MLX operations
 they stand for, on random and adversarial inputs: the nearest survivor of every loser
-(ties, sinks, NaN and infinite keys, rows with no candidate, sizes off the tiles) and the
-sums of the losers' rows into their targets (several slots a loser, dead slots, many
-losers on one target). Runs on an NVIDIA GPU only (tests/test_merge_ops.py holds the
-whole engine, kernels included there, to the reference)."""
+(ties, sinks, NaN and infinite keys, rows with no candidate, sizes off the tiles), the
+sums of the losers' rows into their targets and keepkv's maxima (several slots a loser,
+dead slots, many losers on one target); then the whole engine with them against the
+reference, rule by rule. On an NVIDIA GPU the kernels run there; elsewhere their text
+runs on CPU threads (tests/cuda_emulation.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,24 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from camkv import merges
+from camkv import CaMConfig, merges
 from camkv.backends import drop, merge_cuda, merge_ops
+import cuda_emulation
+from test_merge_ops import DTYPES, MERGING, check_engine, engine_cases
 
-on_gpu = pytest.mark.skipif(not drop.cuda_build(), reason="camkv's merge kernels run on an NVIDIA GPU only")
+ON_GPU = drop.cuda_build()
+on_gpu = pytest.mark.skipif(not ON_GPU and cuda_emulation.COMPILER is None,
+                            reason="no NVIDIA GPU, and no C++ compiler to emulate one")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_here(monkeypatch):
+    """The merge engine with its kernels; without an NVIDIA GPU, their text on CPU threads
+    (compiled once per text)."""
+    monkeypatch.setattr(merge_cuda, "available", lambda: True)
+    if not ON_GPU:
+        monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulation.emulated_cuda_kernel, raising=False)
+        monkeypatch.setattr(merge_cuda, "_kernels", {})
 
 
 @st.composite
@@ -62,7 +77,8 @@ def test_nearest_survivor_kernel_matches_the_operations(case):
     # A different target only where the two cosines it stands between are a near-tie.
     norm_k = np.array(merges.feature_norm(kept))
     products = np.einsum("rkd,rmd->rkm", np.array(losers, np.float64), np.array(kept, np.float64))
-    ranked = products / np.maximum(norm_k, 1e-12)[:, None, :]
+    with np.errstate(invalid="ignore"):  # poisoned keys
+        ranked = products / np.maximum(norm_k, 1e-12)[:, None, :]
     rows, cols = np.nonzero(t_g != t_e)
     for r, e in zip(rows, cols):
         a, b = ranked[r, e, t_g[r, e]], ranked[r, e, t_e[r, e]]
@@ -74,17 +90,25 @@ def test_nearest_survivor_kernel_matches_the_operations(case):
 
 @on_gpu
 def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals():
-    """Adversarial by construction: the best survivor is a sink (excluded), the next best
-    appears three times (the first wins), and a row whose every survivor is a sink has no
-    target."""
-    base = mx.array([[1.0, 0.0, 0.0, 0.0]])
-    kept = mx.stack([mx.concatenate([base, 0.5 * base + mx.array([[0, 1.0, 0, 0]]), mx.array([[0.0, 1, 0, 0]]),
-                                     0.5 * base + mx.array([[0, 1.0, 0, 0]]), 0.5 * base + mx.array([[0, 1.0, 0, 0]])])])
-    losers = base[None]
-    positions = mx.arange(5, dtype=mx.int32)[None]
-    t, found, _ = merge_ops._nearest(losers, kept, positions, 1, False, kernels=True)
+    """Adversarial by construction: the best survivor is a sink (excluded); the next best
+    appears at 1, 17, 65 and 129 (one thread's survivors, in one tile and across tiles)
+    and at 2 (another thread's), which must give 1, the first; a row whose every survivor
+    is a sink has none."""
+    rng = np.random.default_rng(7)
+    kept = rng.standard_normal((140, 16)).astype(np.float32)
+    kept[:, 0] = -np.abs(kept[:, 0]) - 3.0  # every other survivor points away from the loser
+    loser = np.zeros(16, np.float32)
+    loser[0] = 1.0
+    kept[0] = loser  # the sink: cosine 1
+    for j in (1, 2, 17, 65, 129):
+        kept[j] = 0.0
+        kept[j, :2] = 0.5, 1.0  # cosine 0.447, the best after the sink
+    kept, losers = mx.array(kept)[None], mx.array(loser)[None, None]
+    positions = mx.arange(140, dtype=mx.int32)[None]
+    t, found, cosine = merge_ops._nearest(losers, kept, positions, 1, False, kernels=True)
     assert found.item() and t.item() == 1
-    t, found, _ = merge_ops._nearest(losers, kept, positions, 5, False, kernels=True)
+    assert abs(cosine.item() - 0.5 / np.sqrt(1.25)) < 1e-6
+    t, found, _ = merge_ops._nearest(losers, kept[:, :5], positions[:, :5], 5, False, kernels=True)
     assert not found.item() and t.item() == 0
 
 
@@ -133,3 +157,39 @@ def test_scatter_max_kernel_is_the_dense_maximum(case):
     expected = merge_ops._Edges(targets, live, c["m"], kernels=False).max(x)
     got = merge_ops._Edges(targets, live, c["m"], kernels=True).max(x)
     np.testing.assert_array_equal(np.array(got), np.array(expected))
+
+
+# ---------------------------------------------------------------- the engine with its kernels
+
+
+@on_gpu
+@pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("merge", MERGING)
+def test_the_engine_with_its_kernels_matches_the_reference(merge, dtype):
+    """tests/test_merge_ops.py's fixed case (about 56 losers for at most 13 non-sink
+    survivors, gate on, query scoring, merge_keys where allowed) by the engine with its
+    kernels, tie-aware against the reference."""
+    cfg = CaMConfig(budget=16, n_sink=2, recent=3, merge=merge, window=3, prefill="chunk", gate=True, seed=5,
+                    scoring="query", merge_keys=merges.rule(merge).keys_allowed)
+    seen = check_engine(cfg, 30, 60, rows=3, k_dim=16, v_dim=12, dtype=DTYPES[dtype], seed=3, queries_per_kv=3)
+    assert seen["flips"] or seen["most"] >= 3, seen
+
+
+@on_gpu
+@pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
+def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
+    """tests/test_merge_ops.py's fuzz cases (random rules, shapes, dtypes, chunkings; each
+    example notes its seed) by the engine with its kernels."""
+
+    @settings(max_examples=30, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+    @given(engine_cases())
+    def run(case):
+        cfg, first, s_len, shape = case
+        if shape["queries_per_kv"]:
+            cfg = cfg.replace(scoring="query")
+        note(f"seed={shape['seed']} cfg={cfg.to_json()} first={first} s_len={s_len} shape={shape}")
+        check_engine(cfg, first, s_len, **shape)
+
+    run()

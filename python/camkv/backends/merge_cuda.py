@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import drop
+
 TILE = 64  # losers, and survivors, per tile of the nearest search
 _DEPTH = 32  # features per shared-memory step
 _THREADS = 256  # 16 x 16 threads, each TILE / 16 = 4 losers by 4 survivors
@@ -108,10 +110,11 @@ _SCATTER = """
 """
 
 _MAX_HEADER = """
-// An atomic maximum of floats (no NaN among them): a non-negative float orders as its
-// int bits, a negative one reversed as its unsigned bits.
+// An atomic maximum of floats (no NaN among them): a float of sign bit 0 orders as its
+// int bits, one of sign bit 1 (-0.0 too, which >= 0 would let through) reversed as its
+// unsigned bits.
 __device__ inline void camkv_atomic_max(float* at, float value) {
-  if (value >= 0.0f) atomicMax(reinterpret_cast<int*>(at), __float_as_int(value));
+  if ((__float_as_uint(value) >> 31) == 0u) atomicMax(reinterpret_cast<int*>(at), __float_as_int(value));
   else atomicMin(reinterpret_cast<unsigned*>(at), __float_as_uint(value));
 }
 """
@@ -126,6 +129,12 @@ _SCATTER_MAX = """
 """
 
 _kernels: dict[str, object] = {}
+
+
+def available() -> bool:
+    """Whether the merge engine's compressions here run these kernels: on an NVIDIA GPU
+    (MLX's CUDA build; drop.on_cuda alone is what tests patch to emulate its arithmetic)."""
+    return drop.on_cuda() and drop.cuda_build()
 
 
 def _kernel(name: str):

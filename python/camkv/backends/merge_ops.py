@@ -107,10 +107,8 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
-    on_cuda = drop.on_cuda()
-    split = on_cuda and keys.dtype == mx.float32
-    if kernels is None:  # (cuda_build too: tests emulate on_cuda's arithmetic on the CPU, without kernels)
-        kernels = on_cuda and drop.cuda_build()
+    split = drop.on_cuda() and keys.dtype == mx.float32
+    kernels = merge_cuda.available() if kernels is None else kernels
     merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)

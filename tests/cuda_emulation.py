@@ -1,0 +1,89 @@
+"""mx.fast.cuda_kernel on the CPU, for tests on machines without an NVIDIA GPU.
+
+`emulated_cuda_kernel` has cuda_kernel's signature and returns a callable with its call's
+(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value): the body
+is wrapped as MLX wraps it (a function of the named inputs, then outputs, as typed
+pointers), compiled with the C++ compiler against tests/cuda_emulator/cuda_emulator.h
+and run there, each work group's threads as CPU threads (barriers, shared memory, warp
+shuffles and atomics as on the device). Outputs without init_value start as 0xFF bytes
+(NaN, -1), so an element a kernel forgets to write shows. The kernels' own Python
+(grids, parameter blocks, output shapes) runs unchanged: patch mx.fast.cuda_kernel in
+the module that calls it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HEADER = Path(__file__).resolve().parent / "cuda_emulator" / "cuda_emulator.h"
+COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+_BUILD = Path(tempfile.gettempdir()) / "camkv-cuda-emulation"
+_C_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}
+_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_}
+_libraries: dict[str, ctypes.CDLL] = {}
+
+
+def _c_type(dtype) -> str:
+    if dtype not in _C_TYPES:
+        raise TypeError(f"the CUDA emulation takes {sorted(map(str, _C_TYPES))}, not {dtype}")
+    return _C_TYPES[dtype]
+
+
+def _program(name, input_names, output_names, source, header, in_types, out_types, template) -> str:
+    aliases = "".join(f"using {alias} = {_c_type(dtype)};\n" for alias, dtype in template)
+    params = [f"const {t}* {n}" for n, t in zip(input_names, in_types)]
+    params += [f"{t}* {n}" for n, t in zip(output_names, out_types)]
+    casts = [f"(const {t}*)args[{i}]" for i, t in enumerate(in_types)]
+    casts += [f"({t}*)args[{len(in_types) + i}]" for i, t in enumerate(out_types)]
+    return (f'#include "{HEADER}"\n{aliases}{header}\n'
+            f"static void {name}({', '.join(params)}) {{\n{source}\n}}\n"
+            f'extern "C" void camkv_run(void** args, unsigned blocks, unsigned threads) {{\n'
+            f"  camkv_launch(blocks, threads, [&] {{ {name}({', '.join(casts)}); }});\n}}\n")
+
+
+def _library(program: str) -> ctypes.CDLL:
+    digest = hashlib.sha256((program + HEADER.read_text()).encode()).hexdigest()[:16]
+    if digest not in _libraries:
+        _BUILD.mkdir(parents=True, exist_ok=True)
+        source, library = _BUILD / f"{digest}.cpp", _BUILD / f"{digest}.so"
+        if not library.exists():
+            source.write_text(program)
+            built = subprocess.run([COMPILER, "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", "-w",
+                                    str(source), "-o", str(library)], capture_output=True, text=True)
+            if built.returncode != 0:
+                raise RuntimeError(f"the emulated kernel does not compile:\n{built.stderr[:4000]}")
+        _libraries[digest] = ctypes.CDLL(str(library))
+    return _libraries[digest]
+
+
+def emulated_cuda_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                         shared_memory=0):
+    if "_shape" in source or "_strides" in source:
+        raise NotImplementedError("the CUDA emulation passes no shapes or strides")
+
+    def call(*, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(), init_value=None,
+             verbose=False, stream=None):
+        arrays = [np.ascontiguousarray(np.array(a.astype(a.dtype))) for a in inputs]
+        in_types = [_c_type(a.dtype) for a in inputs]
+        out_types = [_c_type(d) for d in output_dtypes]
+        program = _program(name, input_names, output_names, source, header, in_types, out_types, template)
+        outputs = [np.full(shape, init_value, _NUMPY[d]) if init_value is not None
+                   else np.frombuffer(b"\xff" * (int(np.prod(shape)) * np.dtype(_NUMPY[d]).itemsize),
+                                      _NUMPY[d]).reshape(shape).copy()
+                   for shape, d in zip(output_shapes, output_dtypes)]
+        pointers = (ctypes.c_void_p * (len(arrays) + len(outputs)))(
+            *[a.ctypes.data_as(ctypes.c_void_p) for a in arrays + outputs])
+        threads = threadgroup[0]
+        assert grid[1] == grid[2] == threadgroup[1] == threadgroup[2] == 1 and grid[0] % threads == 0
+        _library(program).camkv_run(pointers, ctypes.c_uint(grid[0] // threads), ctypes.c_uint(threads))
+        return [mx.array(o) for o in outputs]
+
+    return call

@@ -1,0 +1,103 @@
+// Runs a CUDA kernel body on the CPU, for tests on machines without an NVIDIA GPU
+// (tests/cuda_emulation.py builds a body as MLX's cuda_kernel wraps it around this).
+//
+// Each work group's threads are CPU threads that run the body concurrently, so barriers
+// and shared memory behave as on the device: __syncthreads is a barrier of the group,
+// __shared__ arrays are static (one copy, shared by the group's threads; work groups run
+// one after another), warp shuffles go through a group-wide exchange (every thread of the
+// group must call them together, as the kernels here do), atomics are std::atomic_ref.
+// Not emulated: warp divergence, memory fences beyond the barrier's, timing.
+#pragma once
+
+#include <atomic>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __restrict__
+
+struct camkv_dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local camkv_dim3 threadIdx, blockIdx;
+inline camkv_dim3 blockDim, gridDim;
+inline std::barrier<>* camkv_group_barrier = nullptr;
+inline std::vector<uint64_t> camkv_exchange;
+
+inline void __syncthreads() { camkv_group_barrier->arrive_and_wait(); }
+
+template <typename T>
+inline T camkv_bit_cast_to(const void* from) {
+  T to;
+  std::memcpy(&to, from, sizeof(T));
+  return to;
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(T));
+  camkv_exchange[threadIdx.x] = bits;
+  __syncthreads();
+  uint64_t other = camkv_exchange[threadIdx.x ^ unsigned(lane_mask)];
+  __syncthreads();
+  return camkv_bit_cast_to<T>(&other);
+}
+
+inline int __float_as_int(float x) { return camkv_bit_cast_to<int>(&x); }
+inline unsigned __float_as_uint(float x) { return camkv_bit_cast_to<unsigned>(&x); }
+inline float __int_as_float(int x) { return camkv_bit_cast_to<float>(&x); }
+inline float __uint_as_float(unsigned x) { return camkv_bit_cast_to<float>(&x); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+using std::fmaf;
+using std::fmaxf;
+using std::fminf;
+using std::isfinite;
+using std::isnan;
+using std::min;
+using std::max;
+
+inline float atomicAdd(float* at, float value) { return std::atomic_ref<float>(*at).fetch_add(value); }
+inline int atomicAdd(int* at, int value) { return std::atomic_ref<int>(*at).fetch_add(value); }
+inline unsigned atomicAdd(unsigned* at, unsigned value) { return std::atomic_ref<unsigned>(*at).fetch_add(value); }
+
+template <typename T>
+inline T camkv_atomic_extreme(T* at, T value, bool larger) {
+  std::atomic_ref<T> ref(*at);
+  T seen = ref.load();
+  while ((larger ? value > seen : value < seen) && !ref.compare_exchange_weak(seen, value)) {
+  }
+  return seen;
+}
+inline int atomicMax(int* at, int value) { return camkv_atomic_extreme(at, value, true); }
+inline unsigned atomicMin(unsigned* at, unsigned value) { return camkv_atomic_extreme(at, value, false); }
+
+// Runs body() once per thread of `blocks` work groups of `threads` threads.
+template <typename Body>
+void camkv_launch(unsigned blocks, unsigned threads, Body body) {
+  blockDim = {threads, 1, 1};
+  gridDim = {blocks, 1, 1};
+  camkv_exchange.assign(threads, 0);
+  for (unsigned b = 0; b < blocks; ++b) {
+    std::barrier<> group(threads);
+    camkv_group_barrier = &group;
+    std::vector<std::thread> running;
+    running.reserve(threads);
+    for (unsigned t = 0; t < threads; ++t) {
+      running.emplace_back([=] {
+        threadIdx = {t, 0, 0};
+        blockIdx = {b, 0, 0};
+        body();
+        camkv_group_barrier->arrive_and_drop();  // a thread that has returned waits at no barrier
+      });
+    }
+    for (auto& thread : running) thread.join();
+  }
+}
