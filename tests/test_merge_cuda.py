@@ -29,6 +29,7 @@ def _kernels_here(monkeypatch):
     """The merge engine with its kernels; without an NVIDIA GPU, their text on CPU threads
     (compiled once per text)."""
     monkeypatch.setattr(merge_cuda, "available", lambda: True)
+    monkeypatch.setattr(merge_ops, "_probe", {"failure": None})  # the tests here check the kernels themselves
     if not ON_GPU:
         monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulation.emulated_cuda_kernel, raising=False)
         monkeypatch.setattr(merge_cuda, "_kernels", {})
@@ -193,3 +194,27 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
         check_engine(cfg, first, s_len, **shape)
 
     run()
+
+
+@on_gpu
+@pytest.mark.parametrize("defect", ["none", "wrong", "no compile"])
+def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
+    """The probe passes the kernels as they are; a kernel that computes a cosine 0.1% off,
+    or whose text does not compile, is switched off for the process with one warning,
+    and compressions then run the MLX operations (kernels=None asks the probe)."""
+    if defect == "wrong":
+        monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
+            "dot_best[i] = acc[i][c];", "dot_best[i] = acc[i][c] * 1.001f;"))
+    elif defect == "no compile":
+        monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
+    monkeypatch.setattr(merge_ops, "_probe", {})
+    if defect == "none":
+        assert merge_ops.kernels_pass_probe()
+        return
+    with pytest.warns(RuntimeWarning, match="kernels are switched off for this process because their first-use"):
+        assert not merge_ops.kernels_pass_probe()
+    called = []
+    monkeypatch.setattr(merge_cuda, "nearest", lambda *a: called.append(a))
+    cfg = CaMConfig(budget=16, n_sink=2, recent=3, merge="mean", prefill="chunk", scoring="query")
+    check_engine(cfg, 30, 60, rows=3, k_dim=16, v_dim=12, dtype=mx.float32, seed=3, queries_per_kv=3)
+    assert not called and not merge_ops.kernels_pass_probe()

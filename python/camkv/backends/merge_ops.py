@@ -17,13 +17,15 @@ tie-aware tolerances, not bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from .. import gate, mass, merges, policy
 from ..rows import RowState
-from . import drop, merge_cuda
+from . import drop, merge_cuda, selfcheck
 
 _INF = float("inf")
 
@@ -108,12 +110,52 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
-    kernels = merge_cuda.available() if kernels is None else kernels
+    kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
     merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
     return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
                     merged.threshold), merged.count
+
+
+_probe: dict[str, str | None] = {}  # "failure": None once the kernels passed, else why they did not
+
+
+def kernels_pass_probe() -> bool:
+    """The merge kernels' first use in a process, checked as camkv.backends.selfcheck
+    checks the run-time kernels: a small random problem (ties unlikely) through the
+    kernels and through the MLX operations. A compile or launch error or a mismatch
+    switches them off for the process with one warning; the MLX operations then run
+    every compression, as before the kernels. CAMKV_SELF_CHECK=0 skips the check."""
+    if "failure" not in _probe:
+        _probe["failure"] = _probe_failure() if selfcheck.enabled() else None
+        if _probe["failure"]:
+            warnings.warn(f"camkv: the merge engine's CUDA kernels are switched off for this process because "
+                          f"{_probe['failure']}; its MLX operations compute the same merges, slower. "
+                          f"{selfcheck.REPORT[0].upper()}{selfcheck.REPORT[1:]}. CAMKV_SELF_CHECK=0 skips the check.",
+                          RuntimeWarning, stacklevel=4)
+    return _probe["failure"] is None
+
+
+def _probe_failure() -> str | None:
+    rng = np.random.default_rng(selfcheck.PROBE_SEED)
+    losers, kept = (mx.array(rng.standard_normal((2, n, 64)).astype(np.float32)) for n in (70, 90))
+    positions = mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 90))
+    targets = mx.array(rng.integers(0, 90, (2, 70, 2)).astype(np.int32))
+    live = mx.array(rng.random((2, 70, 2)) < 0.8)
+    rows, x = mx.array(rng.standard_normal((2, 70, 33)).astype(np.float32)), losers[:, :, 0]
+    try:
+        got = (*_nearest(losers, kept, positions, 1, True, kernels=True),
+               *_Edges(targets, live, 90, kernels=True).sums(rows), _Edges(targets, live, 90, kernels=True).max(x))
+        mx.eval(got)
+    except Exception as error:  # a compile or launch error, whatever MLX raises it as
+        return f"their first-use check raised: {error}"
+    want = (*_nearest(losers, kept, positions, 1, True), *_Edges(targets, live, 90).sums(rows),
+            _Edges(targets, live, 90).max(x))
+    for name, g, w in zip(("targets", "found", "cosines", "sums", "maxima"), got, want):
+        if not np.allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-4):
+            return f"their first-use check's {name} differ from the MLX operations'"
+    return None
 
 
 class Merged(NamedTuple):
