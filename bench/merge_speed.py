@@ -10,6 +10,10 @@ round, discarded. Each arm's prefill and decode step are reported against droppi
 the same round (the median of the paired ratios), with the goals they are held to
 (prefill <= 1.25x dropping's, decode step <= 1.05x).
 
+On an NVIDIA GPU, --ops-arms RULE ... adds the arms RULE/ops: the rule with the merge
+engine's CUDA kernels (camkv.backends.merge_cuda) switched off, so its MLX operations
+run every compression, as before the kernels: before and after in one process.
+
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
     python bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 \\
@@ -33,11 +37,13 @@ from mlx_lm.models.cache import RotatingKVCache
 import camkv
 from camkv import CaMConfig, merges
 from camkv.eval import loading
+from camkv.backends import merge_cuda, merge_ops
 from camkv.eval.loading import cast_model
 from camkv.models import RANDOM_LLAMAS
 
 ROTATING = "rotating"
 DROP = "drop"
+OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -56,6 +62,9 @@ def parse_args(argv=None):
     parser.add_argument("--rules", nargs="+", default=list(merges.offered()), choices=merges.names(),
                         metavar="RULE", help="merge rules timed (default every rule the command line lists: "
                                              f"{', '.join(merges.offered())}); drop is always timed")
+    parser.add_argument("--ops-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="on an NVIDIA GPU, also time these rules without the merge engine's CUDA kernels, "
+                             "as arms RULE/ops (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results (default none)")
     opts = parser.parse_args(argv)
     try:
@@ -73,19 +82,26 @@ def _positive(text: str) -> int:
 
 
 def arms_of(opts) -> list[str]:
-    """RotatingKVCache, dropping, then the merge rules asked for, each once."""
-    return [ROTATING, DROP] + [rule for rule in dict.fromkeys(opts.rules) if rule != DROP]
+    """RotatingKVCache, dropping, the merge rules asked for, each once, then their arms
+    without kernels (where the kernels run)."""
+    rules = [rule for rule in dict.fromkeys(opts.rules) if rule != DROP]
+    without = [rule + OPS for rule in dict.fromkeys(opts.ops_arms) if rule != DROP] if merge_cuda.available() else []
+    return [ROTATING, DROP] + rules + without
 
 
 def make_cache(model, arm: str, budget: int) -> list:
     if arm == ROTATING:  # StreamingLLM as mlx-lm has it, with camkv's default sinks
         return [RotatingKVCache(max_size=budget, keep=CaMConfig(budget=budget).n_sink) for _ in model.layers]
-    return camkv.make_prompt_cache(model, budget=budget, merge=arm)
+    return camkv.make_prompt_cache(model, budget=budget, merge=arm.removesuffix(OPS))
 
 
 def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     """(seconds to the first token, mean seconds of each decode step after it)."""
     cache = make_cache(model, arm, opts.budget)
+    # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
+    verdict = merge_ops._probe.copy()
+    if arm.endswith(OPS):
+        merge_ops._probe["failure"] = "switched off for this arm"
     try:
         tick = time.perf_counter()
         tokens = generate_step(prompt, model, prompt_cache=cache, max_tokens=opts.steps + 1,
@@ -96,6 +112,8 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
             pass
         done = time.perf_counter()
     finally:
+        merge_ops._probe.clear()
+        merge_ops._probe.update(verdict)
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps

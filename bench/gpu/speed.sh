@@ -3,10 +3,13 @@
 # parts to run (each within one 10-minute call unless noted):
 #   bash bench/gpu/speed.sh merges    every rule's prefill and decode step against drop's and
 #                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048;
-#                                     merges1b and merges8b run one of the two)
+#                                     merges1b and merges8b run one of the two), mean and keepkv
+#                                     also without the merge engine's CUDA kernels (mean/ops)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
-#                                     turn with drop's, then part by part (about 2 minutes)
+#                                     turn with drop's and with the one-launch drop, mean, keepkv
+#                                     and d2o also without the kernels, then part by part (about
+#                                     2 minutes)
 #   bash bench/gpu/speed.sh decode8b  camkv's decode step paired with RotatingKVCache's on
 #                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048,
 #                                     with and without the hook's short way for decode steps
@@ -36,12 +39,12 @@ for part in "$@"; do
   case $part in
     merges|merges1b|merges8b)
       [ $part = merges8b ] || step 200 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
-        --budget 512 --steps 160 --rounds 3 --out "$OUT/merge-speed-random-1b-8k.json"
+        --budget 512 --steps 160 --rounds 3 --ops-arms mean keepkv --out "$OUT/merge-speed-random-1b-8k.json"
       [ $part = merges1b ] || step 260 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
-        --budget 2048 --steps 64 --rounds 2 --out "$OUT/merge-speed-random-8b-16k.json" ;;
+        --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --out "$OUT/merge-speed-random-8b-16k.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
-        --chunk 2048 --repeats 5 --stages --out "$OUT/merge-engine-8b-shape.json" ;;
+        --chunk 2048 --repeats 5 --stages --ops-arms mean keepkv d2o --out "$OUT/merge-engine-8b-shape.json" ;;
     decode8b)
       for length in 65536 131072; do
         step $((length / 1024 + 100)) python3 bench/decode_parts.py --model random-8b --prompt-length $length --budget 2048 \

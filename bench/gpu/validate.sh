@@ -4,7 +4,8 @@
 #                                      the merge engine, merge rules, the JIT backends
 #                                      (more than one call: its three parts, one a call:)
 #   bash bench/gpu/validate.sh equivalence   tests/test_equivalence.py
-#   bash bench/gpu/validate.sh engine        tests/test_merge_ops.py (about 5 minutes)
+#   bash bench/gpu/validate.sh engine        tests/test_merge_ops.py and tests/test_merge_cuda.py
+#                                            (about 6 minutes)
 #   bash bench/gpu/validate.sh rules         tests/test_rules.py and tests/test_jit.py
 #   bash bench/gpu/validate.sh cache   the amortized-eviction, window-scoring and
 #                                      whole-device compression tests, the cache, mlx-lm
@@ -31,7 +32,7 @@ cuda_tests() {  # NAME FILES...: one part of the CUDA suite, within one device c
     > $OUT/pytest-cuda-h200-$name.txt 2>&1; tail -3 $OUT/pytest-cuda-h200-$name.txt
 }
 # The kernels part's files, by named part (NAME:FILE,FILE ...).
-kernel_parts="equivalence:tests/test_equivalence.py engine:tests/test_merge_ops.py rules:tests/test_rules.py,tests/test_jit.py"
+kernel_parts="equivalence:tests/test_equivalence.py engine:tests/test_merge_ops.py,tests/test_merge_cuda.py rules:tests/test_rules.py,tests/test_jit.py"
 # shellcheck disable=SC2046  # every part's files, split on spaces
 kernel_tests() { cuda_tests kernels $(for entry in $kernel_parts; do echo "${entry#*:}" | tr , ' '; done); }
 cache_tests() {
