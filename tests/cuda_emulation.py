@@ -6,18 +6,21 @@ is wrapped as MLX wraps it (a function of the named inputs, then outputs, as typ
 pointers), compiled with the C++ compiler against tests/cuda_emulator/cuda_emulator.h
 and run there, each work group's threads as CPU threads (barriers, shared memory, warp
 shuffles and atomics as on the device). Outputs without init_value start as 0xFF bytes
-(NaN, -1), so an element a kernel forgets to write shows. The kernels' own Python
+(NaN, -1), so an element a kernel forgets to write shows. An input's shape, where the
+body reads `NAME_shape`, comes as an int64 array. The kernels' own Python
 (grids, parameter blocks, output shapes) runs unchanged: patch mx.fast.cuda_kernel in
 the module that calls it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,9 +29,12 @@ import numpy as np
 HEADER = Path(__file__).resolve().parent / "cuda_emulator" / "cuda_emulator.h"
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 _BUILD = Path(tempfile.gettempdir()) / "camkv-cuda-emulation"
-_C_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool"}
-_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_}
+_C_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool",
+            mx.bfloat16: "camkv_half_word", mx.float16: "camkv_half_word"}
+_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_,
+          mx.bfloat16: np.uint16, mx.float16: np.uint16}
 _libraries: dict[str, ctypes.CDLL] = {}
+TIMEOUT_S = 300
 
 
 def _c_type(dtype) -> str:
@@ -37,12 +43,14 @@ def _c_type(dtype) -> str:
     return _C_TYPES[dtype]
 
 
-def _program(name, input_names, output_names, source, header, in_types, out_types, template) -> str:
-    aliases = "".join(f"using {alias} = {_c_type(dtype)};\n" for alias, dtype in template)
+def _program(name, input_names, output_names, source, header, in_types, out_types, template, shaped) -> str:
+    aliases = "".join(f"using {alias} = {_c_type(value)};\n" if isinstance(value, mx.Dtype)
+                      else f"constexpr auto {alias} = {int(value)};\n" for alias, value in template)
     params = [f"const {t}* {n}" for n, t in zip(input_names, in_types)]
     params += [f"{t}* {n}" for n, t in zip(output_names, out_types)]
-    casts = [f"(const {t}*)args[{i}]" for i, t in enumerate(in_types)]
-    casts += [f"({t}*)args[{len(in_types) + i}]" for i, t in enumerate(out_types)]
+    params += [f"const int64_t* {n}_shape" for n in shaped]
+    types = [f"const {t}*" for t in in_types] + [f"{t}*" for t in out_types] + ["const int64_t*"] * len(shaped)
+    casts = [f"({t})args[{i}]" for i, t in enumerate(types)]
     return (f'#include "{HEADER}"\n{aliases}{header}\n'
             f"static void {name}({', '.join(params)}) {{\n{source}\n}}\n"
             f'extern "C" void camkv_run(void** args, unsigned blocks, unsigned threads) {{\n'
@@ -64,26 +72,77 @@ def _library(program: str) -> ctypes.CDLL:
     return _libraries[digest]
 
 
+def _as_numpy(a: mx.array) -> np.ndarray:
+    if a.dtype in (mx.bfloat16, mx.float16):
+        a = a.view(mx.uint16)  # bits the kernel only copies
+    return np.ascontiguousarray(np.array(a))
+
+
+def _as_mlx(a: np.ndarray, dtype) -> mx.array:
+    out = mx.array(a)
+    return out.view(dtype) if dtype in (mx.bfloat16, mx.float16) else out
+
+
 def emulated_cuda_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
                          shared_memory=0):
-    if "_shape" in source or "_strides" in source:
-        raise NotImplementedError("the CUDA emulation passes no shapes or strides")
+    if "_strides" in source:
+        raise NotImplementedError("the CUDA emulation passes no strides")
+    shaped = [n for n in input_names if f"{n}_shape" in source]
 
     def call(*, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(), init_value=None,
              verbose=False, stream=None):
-        arrays = [np.ascontiguousarray(np.array(a.astype(a.dtype))) for a in inputs]
+        arrays = [_as_numpy(a) for a in inputs]
+        shapes = [np.array(inputs[input_names.index(n)].shape, np.int64) for n in shaped]
         in_types = [_c_type(a.dtype) for a in inputs]
         out_types = [_c_type(d) for d in output_dtypes]
-        program = _program(name, input_names, output_names, source, header, in_types, out_types, template)
+        program = _program(name, input_names, output_names, source, header, in_types, out_types, template, shaped)
         outputs = [np.full(shape, init_value, _NUMPY[d]) if init_value is not None
                    else np.frombuffer(b"\xff" * (int(np.prod(shape)) * np.dtype(_NUMPY[d]).itemsize),
                                       _NUMPY[d]).reshape(shape).copy()
                    for shape, d in zip(output_shapes, output_dtypes)]
-        pointers = (ctypes.c_void_p * (len(arrays) + len(outputs)))(
-            *[a.ctypes.data_as(ctypes.c_void_p) for a in arrays + outputs])
+        pointers = (ctypes.c_void_p * (len(arrays) + len(outputs) + len(shapes)))(
+            *[a.ctypes.data_as(ctypes.c_void_p) for a in arrays + outputs + shapes])
         threads = threadgroup[0]
         assert grid[1] == grid[2] == threadgroup[1] == threadgroup[2] == 1 and grid[0] % threads == 0
-        _library(program).camkv_run(pointers, ctypes.c_uint(grid[0] // threads), ctypes.c_uint(threads))
-        return [mx.array(o) for o in outputs]
+        # In a thread of its own: a barrier some thread never reaches fails the test, not hangs it.
+        run = threading.Thread(target=_library(program).camkv_run, daemon=True,
+                               args=(pointers, ctypes.c_uint(grid[0] // threads), ctypes.c_uint(threads)))
+        run.start()
+        run.join(TIMEOUT_S)
+        if run.is_alive():
+            raise RuntimeError(f"the emulated kernel {name} did not finish in {TIMEOUT_S} s: a barrier or warp "
+                               "exchange that some of its threads never reach")
+        return [_as_mlx(o, d) for o, d in zip(outputs, output_dtypes)]
 
     return call
+
+
+def here() -> bool:
+    """Whether CUDA kernels run on this machine, on its GPU or emulated."""
+    from camkv.backends import drop
+
+    return drop.cuda_build() or COMPILER is not None
+
+
+@contextlib.contextmanager
+def kernels_here(*modules):
+    """Within the block, the CUDA kernels of camkv modules (each caching its kernels as
+    `_kernel` or `_kernels`) run here: on an NVIDIA GPU as they are, elsewhere through
+    emulated_cuda_kernel (their caches emptied on the way in and out)."""
+    from camkv.backends import drop
+
+    if drop.cuda_build():
+        yield
+        return
+    saved = [(m, name, getattr(m, name)) for m in modules for name in ("_kernel", "_kernels")
+             if isinstance(getattr(m, name, False), (dict, type(None)))]  # caches, not the functions filling them
+    real = mx.fast.cuda_kernel
+    try:
+        mx.fast.cuda_kernel = emulated_cuda_kernel
+        for module, name, value in saved:
+            setattr(module, name, {} if isinstance(value, dict) else None)
+        yield
+    finally:
+        mx.fast.cuda_kernel = real
+        for module, name, value in saved:
+            setattr(module, name, value)

@@ -22,6 +22,7 @@ from camkv import CaMConfig, CaMKVCache, hook, mass, reference
 from camkv.backends import drop
 from camkv.rows import RowState
 
+import cuda_emulation
 import dtype_logits
 
 RTOL, ATOL = 1e-3, 1e-5  # section 8's score and near-tie tolerances
@@ -258,9 +259,10 @@ def test_poisoned_token_is_evicted_first_and_leaves_other_rows_alone(poison, whe
         assert 10 not in np.array(got[3])[0, 1].tolist()  # no mass: evicted first
 
 
-@pytest.mark.skipif(not drop.on_cuda(), reason="the mass kernels run on an NVIDIA GPU only")
+@pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
 @pytest.mark.parametrize("n_before, s_len", [(0, 300), (512, 2048), (100, 7), (30, 1)])
 def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
+    """(Without an NVIDIA GPU, the kernel's text on CPU threads: tests/cuda_emulation.py.)"""
     from camkv.backends import mass_cuda
 
     rng = np.random.default_rng(s_len)
@@ -270,7 +272,8 @@ def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     logits = q @ k.transpose(0, 2, 1)
     logits[0, 5, 3] = float("nan")  # a poisoned logit counts as masked
     width = n_before + s_len + 5  # columns past the logits' come back as zeros
-    got = mass_cuda.column_mass(logits, 0.2, n_before, s_len, width, 0.5)
+    with cuda_emulation.kernels_here(mass_cuda):
+        got = mass_cuda.column_mass(logits, 0.2, n_before, s_len, width, 0.5)
     want = 0.5 * mass.column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)
     want = mx.pad(want, [(0, 0), (0, 5)])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
@@ -300,7 +303,7 @@ def _rank_keys(scores: np.ndarray, protected: np.ndarray) -> np.ndarray:
     return np.where(protected, np.inf, ranked)
 
 
-@pytest.mark.skipif(not drop.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
+@pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 @given(st.integers(1, 5), st.integers(0, 700), st.integers(1, 300), st.integers(8, 600),
        st.sampled_from([(128, 128), (12, 20), (64, 8)]), st.sampled_from(["random", "ties", "poisoned"]),
@@ -308,7 +311,8 @@ def _rank_keys(scores: np.ndarray, protected: np.ndarray) -> np.ndarray:
 def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, budget, dims, scores_kind, seed):
     # The one-launch eviction (backends.compact_cuda) against section 7's rule: the kept
     # rows are `budget` of the best ranked (any of a tie at the boundary), in row order,
-    # with their scores, positions, keys and values copied exactly.
+    # with their scores, positions, keys and values copied exactly. (Without an NVIDIA
+    # GPU, the kernel's text on CPU threads: tests/cuda_emulation.py.)
     from camkv.backends import compact_cuda
 
     note(f"seed={seed}")
@@ -331,8 +335,9 @@ def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, bu
     settled_positions = np.array([np.sort(rng.choice(10 * n + 1, size=n, replace=False)) for _ in range(rows)],
                                  np.int32).reshape(rows, n)
     pending_start = 10 * n + 5
-    out = compact_cuda.drop_compact(keys, values, mx.array(settled), mx.array(settled_positions), mx.array(mass),
-                                    mx.array([pending_start], mx.int32), cfg, capacity)
+    with cuda_emulation.kernels_here(compact_cuda):
+        out = compact_cuda.drop_compact(keys, values, mx.array(settled), mx.array(settled_positions),
+                                        mx.array(mass), mx.array([pending_start], mx.int32), cfg, capacity)
     got_keys, got_values, got_scores, got_positions = (np.array(a.astype(mx.float32)) for a in out)
     assert got_keys.shape == (1, rows, capacity, Dk) and got_scores.shape == (rows, budget)
     scores = np.concatenate([settled, np.zeros((rows, s_len), np.float32)], axis=1) + mass
@@ -351,7 +356,7 @@ def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, bu
         np.testing.assert_array_equal(got_values[0, r, :budget], all_values[r][kept])
 
 
-@pytest.mark.skipif(not drop.on_cuda(), reason="the compaction kernel runs on an NVIDIA GPU only")
+@pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
 def test_cuda_drop_compaction_of_sequences_at_different_positions_equals_each_alone():
     """A batch's rows compressed together stand at different positions: each sequence's
     survivors are those of the same call for it alone (its own sinks and recent window)."""
@@ -365,11 +370,14 @@ def test_cuda_drop_compaction_of_sequences_at_different_positions_equals_each_al
     positions = mx.array(np.stack([np.sort(rng.choice(100, n, replace=False)) for _ in range(B * H)]).astype(np.int32))
     mass = mx.array(rng.random((B * H, n + s_len)).astype(np.float32))
     starts = [100, 250, 400]
-    together = compact_cuda.drop_compact(keys, keys, settled, positions, mass, mx.array(starts, mx.int32), cfg, 20)
-    for b, start in enumerate(starts):
+    with cuda_emulation.kernels_here(compact_cuda):
+        together = compact_cuda.drop_compact(keys, keys, settled, positions, mass, mx.array(starts, mx.int32), cfg,
+                                             20)
+        alone = [compact_cuda.drop_compact(keys[b : b + 1], keys[b : b + 1], settled[b * H:(b + 1) * H],
+                                           positions[b * H:(b + 1) * H], mass[b * H:(b + 1) * H],
+                                           mx.array([start], mx.int32), cfg, 20) for b, start in enumerate(starts)]
+    for b, alone in enumerate(alone):
         rows = slice(b * H, (b + 1) * H)
-        alone = compact_cuda.drop_compact(keys[b : b + 1], keys[b : b + 1], settled[rows], positions[rows], mass[rows],
-                                          mx.array([start], mx.int32), cfg, 20)
         assert mx.array_equal(together[0][b : b + 1, :, : cfg.budget], alone[0][:, :, : cfg.budget]).item()
         for got, want in zip(together[2:], alone[2:]):
             assert mx.array_equal(got[rows], want).item()

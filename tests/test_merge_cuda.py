@@ -15,13 +15,11 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from camkv import CaMConfig, merges
-from camkv.backends import drop, merge_cuda, merge_ops
+from camkv.backends import merge_cuda, merge_ops
 import cuda_emulation
 from test_merge_ops import DTYPES, MERGING, check_engine, engine_cases
 
-ON_GPU = drop.cuda_build()
-on_gpu = pytest.mark.skipif(not ON_GPU and cuda_emulation.COMPILER is None,
-                            reason="no NVIDIA GPU, and no C++ compiler to emulate one")
+on_gpu = pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
 
 
 @pytest.fixture(autouse=True)
@@ -30,9 +28,8 @@ def _kernels_here(monkeypatch):
     (compiled once per text)."""
     monkeypatch.setattr(merge_cuda, "available", lambda: True)
     monkeypatch.setattr(merge_ops, "_probe", {"failure": None})  # the tests here check the kernels themselves
-    if not ON_GPU:
-        monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_emulation.emulated_cuda_kernel, raising=False)
-        monkeypatch.setattr(merge_cuda, "_kernels", {})
+    with cuda_emulation.kernels_here(merge_cuda):
+        yield
 
 
 @st.composite

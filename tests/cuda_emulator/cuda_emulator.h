@@ -1,12 +1,15 @@
 // Runs a CUDA kernel body on the CPU, for tests on machines without an NVIDIA GPU
 // (tests/cuda_emulation.py builds a body as MLX's cuda_kernel wraps it around this).
 //
-// Each work group's threads are CPU threads that run the body concurrently, so barriers
-// and shared memory behave as on the device: __syncthreads is a barrier of the group,
+// A work group's threads are CPU threads that run the body concurrently, so barriers and
+// shared memory behave as on the device: __syncthreads is a barrier of the group,
 // __shared__ arrays are static (one copy, shared by the group's threads; work groups run
-// one after another), warp shuffles go through a group-wide exchange (every thread of the
-// group must call them together, as the kernels here do), atomics are std::atomic_ref.
-// Not emulated: warp divergence, memory fences beyond the barrier's, timing.
+// one after another, on the same threads), warp shuffles and ballots go through an
+// exchange and a barrier of the warp (every lane of the warp must call them together,
+// as the kernels here do), atomics are std::atomic_ref. A thread that returns early must not be awaited
+// by a later __syncthreads of its group (undefined on the device too). Half-precision
+// elements are 16-bit words a kernel may copy but not compute with. Not emulated: warp
+// divergence, memory fences beyond the barrier's, timing.
 #pragma once
 
 #include <atomic>
@@ -14,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -30,8 +34,18 @@ inline thread_local camkv_dim3 threadIdx, blockIdx;
 inline camkv_dim3 blockDim, gridDim;
 inline std::barrier<>* camkv_group_barrier = nullptr;
 inline std::vector<uint64_t> camkv_exchange;
+inline std::vector<std::unique_ptr<std::barrier<>>> camkv_warp_barriers;
+
+inline void camkv_warp_sync() { camkv_warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
 inline void __syncthreads() { camkv_group_barrier->arrive_and_wait(); }
+
+struct uint4 {
+  unsigned x, y, z, w;
+};
+struct camkv_half_word {  // a float16 or bfloat16 element, copied as its bits
+  uint16_t bits;
+};
 
 template <typename T>
 inline T camkv_bit_cast_to(const void* from) {
@@ -45,10 +59,21 @@ inline T __shfl_xor_sync(unsigned, T value, int lane_mask) {
   uint64_t bits = 0;
   std::memcpy(&bits, &value, sizeof(T));
   camkv_exchange[threadIdx.x] = bits;
-  __syncthreads();
+  camkv_warp_sync();
   uint64_t other = camkv_exchange[threadIdx.x ^ unsigned(lane_mask)];
-  __syncthreads();
+  camkv_warp_sync();
   return camkv_bit_cast_to<T>(&other);
+}
+
+inline unsigned __ballot_sync(unsigned, bool flag) {
+  camkv_exchange[threadIdx.x] = flag ? 1 : 0;
+  camkv_warp_sync();
+  unsigned first = threadIdx.x / 32 * 32, ballot = 0;
+  for (unsigned lane = 0; lane < 32 && first + lane < blockDim.x; ++lane) {
+    if (camkv_exchange[first + lane]) ballot |= 1u << lane;
+  }
+  camkv_warp_sync();
+  return ballot;
 }
 
 inline int __float_as_int(float x) { return camkv_bit_cast_to<int>(&x); }
@@ -79,25 +104,30 @@ inline T camkv_atomic_extreme(T* at, T value, bool larger) {
 inline int atomicMax(int* at, int value) { return camkv_atomic_extreme(at, value, true); }
 inline unsigned atomicMin(unsigned* at, unsigned value) { return camkv_atomic_extreme(at, value, false); }
 
-// Runs body() once per thread of `blocks` work groups of `threads` threads.
+// Runs body() once per thread of `blocks` work groups of `threads` threads: the same
+// `threads` CPU threads take each work group in turn, a barrier between two groups.
 template <typename Body>
 void camkv_launch(unsigned blocks, unsigned threads, Body body) {
   blockDim = {threads, 1, 1};
   gridDim = {blocks, 1, 1};
   camkv_exchange.assign(threads, 0);
-  for (unsigned b = 0; b < blocks; ++b) {
-    std::barrier<> group(threads);
-    camkv_group_barrier = &group;
-    std::vector<std::thread> running;
-    running.reserve(threads);
-    for (unsigned t = 0; t < threads; ++t) {
-      running.emplace_back([=] {
-        threadIdx = {t, 0, 0};
+  camkv_warp_barriers.clear();
+  for (unsigned first = 0; first < threads; first += 32) {
+    camkv_warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - first)));
+  }
+  std::barrier<> group(threads);
+  camkv_group_barrier = &group;
+  std::vector<std::thread> running;
+  running.reserve(threads);
+  for (unsigned t = 0; t < threads; ++t) {
+    running.emplace_back([=, &group] {
+      threadIdx = {t, 0, 0};
+      for (unsigned b = 0; b < blocks; ++b) {
         blockIdx = {b, 0, 0};
         body();
-        camkv_group_barrier->arrive_and_drop();  // a thread that has returned waits at no barrier
-      });
-    }
-    for (auto& thread : running) thread.join();
+        group.arrive_and_wait();  // the group's shared memory is the next group's after this
+      }
+    });
   }
+  for (auto& thread : running) thread.join();
 }
