@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from camkv import CaMConfig, merges
 from camkv.backends import merge_cuda, merge_ops
 import cuda_emulation
-from test_merge_ops import DTYPES, MERGING, check_engine, engine_cases
+from test_merge_ops import DTYPES, MERGING, check_engine, check_engine_case, engine_cases
 
 on_gpu = pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
 
@@ -184,11 +184,7 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
     @given(engine_cases())
     def run(case):
-        cfg, first, s_len, shape = case
-        if shape["queries_per_kv"]:
-            cfg = cfg.replace(scoring="query")
-        note(f"seed={shape['seed']} cfg={cfg.to_json()} first={first} s_len={s_len} shape={shape}")
-        check_engine(cfg, first, s_len, **shape)
+        check_engine_case(case)
 
     run()
 

@@ -288,6 +288,16 @@ def engine_cases(draw):
     return cfg, first, s_len, shape
 
 
+def check_engine_case(case) -> dict:
+    """check_engine on one of engine_cases (query scoring where the case has queries), its
+    seed and settings noted."""
+    cfg, first, s_len, shape = case
+    if shape["queries_per_kv"]:
+        cfg = cfg.replace(scoring="query")
+    note(f"seed={shape['seed']} cfg={cfg.to_json()} first={first} s_len={s_len} shape={shape}")
+    return check_engine(cfg, first, s_len, **shape)
+
+
 ENGINE_EXAMPLES = int(os.environ.get("CAMKV_FUZZ_EXAMPLES", "300")) // 3
 
 
@@ -299,11 +309,7 @@ def test_the_engine_fuzz_matches_the_reference():
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
     @given(engine_cases())
     def run(case):
-        cfg, first, s_len, shape = case
-        if shape["queries_per_kv"]:
-            cfg = cfg.replace(scoring="query")
-        note(f"seed={shape['seed']} cfg={cfg.to_json()} first={first} s_len={s_len} shape={shape}")
-        seen = check_engine(cfg, first, s_len, **shape)
+        seen = check_engine_case(case)
         note(f"seen: {seen}")
         several.append(seen["most"] >= 2)
 
