@@ -17,6 +17,7 @@ work to mlx-lm's plain caches.
                  (every step through the hook's bias and quantized-row checks)
   camkv-q8       the same with 8-bit rows (CaMConfig.bits=8, group 32)
   camkv-q4       the same with 4-bit rows (CaMConfig.bits=4, group 32)
+  camkv-keepkv   the same with merge="keepkv" (votes: attention weighs each row by them)
 
 Arms take turns trial by trial (or, with --interleave, step by step within a trial); each
 trial prefills the prompt, then times --steps steps: the whole step (built, evaluated,
@@ -56,8 +57,8 @@ from camkv.models import random_llama  # noqa: E402
 
 QUANTIZED_ARMS = {"camkv-q8": 8, "camkv-q4": 4}  # arm -> CaMConfig.bits (group 32)
 ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-fullway", "camkv-fullhook",
-        *QUANTIZED_ARMS)
-ASKED_FOR_ONLY = (*QUANTIZED_ARMS, "camkv-fullway", "camkv-fullhook")  # arms that run only when named
+        *QUANTIZED_ARMS, "camkv-keepkv")
+ASKED_FOR_ONLY = (*QUANTIZED_ARMS, "camkv-fullway", "camkv-fullhook", "camkv-keepkv")  # arms that run only when named
 
 
 class BufferCache(_BaseCache):
@@ -184,6 +185,8 @@ def make_arm(model, arm: str, budget: int) -> list:
         return caches
     if arm == "camkv-nocomp":
         return make_prompt_cache(model, config=cfg.replace(slack=1 << 16))
+    if arm == "camkv-keepkv":
+        return make_prompt_cache(model, config=cfg.replace(merge="keepkv"))
     return make_prompt_cache(model, config=cfg)
 
 

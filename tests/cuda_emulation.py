@@ -6,8 +6,9 @@ is wrapped as MLX wraps it (a function of the named inputs, then outputs, as typ
 pointers), compiled with the C++ compiler against tests/cuda_emulator/cuda_emulator.h
 and run there, each work group's threads as CPU threads (barriers, shared memory, warp
 shuffles and atomics as on the device). Outputs without init_value start as 0xFF bytes
-(NaN, -1), so an element a kernel forgets to write shows. An input's shape, where the
-body reads `NAME_shape`, comes as an int64 array. The kernels' own Python
+(NaN, -1), so an element a kernel forgets to write shows. An input's shape and strides,
+where the body reads `NAME_shape` or `NAME_strides`, come as int64 arrays (a view is
+passed as a contiguous copy, with the copy's strides). The kernels' own Python
 (grids, parameter blocks, output shapes) runs unchanged: patch mx.fast.cuda_kernel in
 the module that calls it.
 """
@@ -30,7 +31,7 @@ HEADER = Path(__file__).resolve().parent / "cuda_emulator" / "cuda_emulator.h"
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 _BUILD = Path(tempfile.gettempdir()) / "camkv-cuda-emulation"
 _C_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool",
-            mx.bfloat16: "camkv_half_word", mx.float16: "camkv_half_word"}
+            mx.bfloat16: "camkv_bf16", mx.float16: "camkv_f16"}
 _NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_,
           mx.bfloat16: np.uint16, mx.float16: np.uint16}
 _libraries: dict[str, ctypes.CDLL] = {}
@@ -43,13 +44,15 @@ def _c_type(dtype) -> str:
     return _C_TYPES[dtype]
 
 
-def _program(name, input_names, output_names, source, header, in_types, out_types, template, shaped) -> str:
+def _program(name, input_names, output_names, source, header, in_types, out_types, template, shaped, strided
+             ) -> str:
     aliases = "".join(f"using {alias} = {_c_type(value)};\n" if isinstance(value, mx.Dtype)
                       else f"constexpr auto {alias} = {int(value)};\n" for alias, value in template)
     params = [f"const {t}* {n}" for n, t in zip(input_names, in_types)]
     params += [f"{t}* {n}" for n, t in zip(output_names, out_types)]
-    params += [f"const int64_t* {n}_shape" for n in shaped]
-    types = [f"const {t}*" for t in in_types] + [f"{t}*" for t in out_types] + ["const int64_t*"] * len(shaped)
+    params += [f"const int64_t* {n}_shape" for n in shaped] + [f"Strides {n}_strides" for n in strided]
+    types = ([f"const {t}*" for t in in_types] + [f"{t}*" for t in out_types]
+             + ["const int64_t*"] * (len(shaped) + len(strided)))
     casts = [f"({t})args[{i}]" for i, t in enumerate(types)]
     return (f'#include "{HEADER}"\n{aliases}{header}\n'
             f"static void {name}({', '.join(params)}) {{\n{source}\n}}\n"
@@ -74,7 +77,7 @@ def _library(program: str) -> ctypes.CDLL:
 
 def _as_numpy(a: mx.array) -> np.ndarray:
     if a.dtype in (mx.bfloat16, mx.float16):
-        a = a.view(mx.uint16)  # bits the kernel only copies
+        a = a.view(mx.uint16)  # their bits (numpy has no bfloat16)
     return np.ascontiguousarray(np.array(a))
 
 
@@ -85,17 +88,20 @@ def _as_mlx(a: np.ndarray, dtype) -> mx.array:
 
 def emulated_cuda_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
                          shared_memory=0):
-    if "_strides" in source:
-        raise NotImplementedError("the CUDA emulation passes no strides")
     shaped = [n for n in input_names if f"{n}_shape" in source]
+    strided = [n for n in input_names if f"{n}_strides" in source]
 
     def call(*, inputs, grid, threadgroup, output_shapes, output_dtypes, template=(), init_value=None,
              verbose=False, stream=None):
         arrays = [_as_numpy(a) for a in inputs]
+        # Inputs come as contiguous copies (views included), so their strides are the copies'.
         shapes = [np.array(inputs[input_names.index(n)].shape, np.int64) for n in shaped]
+        shapes += [np.array(arrays[input_names.index(n)].strides, np.int64) // arrays[input_names.index(n)].itemsize
+                   for n in strided]
         in_types = [_c_type(a.dtype) for a in inputs]
         out_types = [_c_type(d) for d in output_dtypes]
-        program = _program(name, input_names, output_names, source, header, in_types, out_types, template, shaped)
+        program = _program(name, input_names, output_names, source, header, in_types, out_types, template, shaped,
+                           strided)
         outputs = [np.full(shape, init_value, _NUMPY[d]) if init_value is not None
                    else np.frombuffer(b"\xff" * (int(np.prod(shape)) * np.dtype(_NUMPY[d]).itemsize),
                                       _NUMPY[d]).reshape(shape).copy()

@@ -1,7 +1,9 @@
 """camkv's CUDA attention over quantized rows read as stored (camkv.backends.quantized_cuda,
 docs/algorithm.md section 12) against a float64 reference on random and adversarial
-inputs: views of a cache's buffers, masks, several stretches of rows, ties. Runs on an
-NVIDIA GPU only; its refusals are checked everywhere."""
+inputs: views of a cache's buffers, masks, several stretches of rows, ties. On an NVIDIA
+GPU the kernels run there; elsewhere their text runs on CPU threads
+(tests/cuda_emulation.py, which hands views over as contiguous copies); the refusals are
+checked everywhere."""
 
 from __future__ import annotations
 
@@ -12,9 +14,16 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from camkv.backends import quantized_cuda
+import cuda_emulation
 from test_quantized_attention import DTYPES, EPS, _reference, _rows
 
-on_gpu = pytest.mark.skipif(not quantized_cuda.here(), reason="camkv's CUDA attention runs on an NVIDIA GPU only")
+on_gpu = pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_here():
+    with cuda_emulation.kernels_here(quantized_cuda):
+        yield
 
 
 @st.composite

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <barrier>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -43,9 +44,49 @@ inline void __syncthreads() { camkv_group_barrier->arrive_and_wait(); }
 struct uint4 {
   unsigned x, y, z, w;
 };
-struct camkv_half_word {  // a float16 or bfloat16 element, copied as its bits
+// Half-precision elements: their bits, converted to and from float as the device rounds
+// (to nearest, ties to even).
+struct camkv_bf16 {
   uint16_t bits;
+  camkv_bf16() = default;
+  camkv_bf16(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    bits = std::isnan(x) ? uint16_t(0x7FC0) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    return x;
+  }
 };
+struct camkv_f16 {
+  uint16_t bits;
+  camkv_f16() = default;
+  camkv_f16(float x) { bits = camkv_f16_bits(x); }
+  operator float() const {
+    uint32_t sign = uint32_t(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
+    float magnitude = exponent == 0 ? std::ldexp(float(mantissa), -24)
+                      : exponent == 31 ? (mantissa ? NAN : INFINITY)
+                                       : std::ldexp(float(mantissa | 0x400u), int(exponent) - 25);
+    return sign ? -magnitude : magnitude;
+  }
+  static uint16_t camkv_f16_bits(float x) {
+    uint16_t sign = std::signbit(x) ? 0x8000u : 0u;
+    float a = std::fabs(x);
+    if (std::isnan(x)) return 0x7E00u;
+    if (a >= 65520.0f) return sign | 0x7C00u;  // rounds to infinity
+    if (a < std::ldexp(1.0f, -14)) return sign | uint16_t(std::nearbyint(std::ldexp(a, 24)));  // subnormal
+    int exponent;
+    float fraction = std::frexp(a, &exponent);  // a = fraction * 2^exponent, fraction in [0.5, 1)
+    uint32_t mantissa = uint32_t(std::nearbyint(std::ldexp(fraction, 11)));  // 11 bits, ties to even
+    if (mantissa == 2048u) { mantissa = 1024u; ++exponent; }
+    return sign | uint16_t(((exponent + 14) << 10) | (mantissa & 0x3FFu));
+  }
+};
+// A view's strides, as MLX passes them (indexed like an array).
+using Strides = const int64_t*;
 
 template <typename T>
 inline T camkv_bit_cast_to(const void* from) {
