@@ -89,16 +89,15 @@ def test_nearest_survivor_kernel_matches_the_operations(case):
 @on_gpu
 def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals():
     """Adversarial by construction: the best survivor is a sink (excluded); the next best
-    appears at 1, 17, 65 and 129 (one thread's survivors, in one tile and across tiles)
-    and at 2 (another thread's), which must give 1, the first; a row whose every survivor
-    is a sink has none."""
+    appears at 1, 33, 65 and 129 (one lane's survivors in the kernel) and at 2 (another
+    lane's), which must give 1, the first; a row whose every survivor is a sink has none."""
     rng = np.random.default_rng(7)
     kept = rng.standard_normal((140, 16)).astype(np.float32)
     kept[:, 0] = -np.abs(kept[:, 0]) - 3.0  # every other survivor points away from the loser
     loser = np.zeros(16, np.float32)
     loser[0] = 1.0
     kept[0] = loser  # the sink: cosine 1
-    for j in (1, 2, 17, 65, 129):
+    for j in (1, 2, 33, 65, 129):
         kept[j] = 0.0
         kept[j, :2] = 0.5, 1.0  # cosine 0.447, the best after the sink
     kept, losers = mx.array(kept)[None], mx.array(loser)[None, None]
@@ -197,7 +196,7 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
     and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
-            "dot_best[i] = acc[i][c];", "dot_best[i] = acc[i][c] * 1.001f;"))
+            "dot[loser] = dots[t];", "dot[loser] = dots[t] * 1.001f;"))
     elif defect == "no compile":
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})

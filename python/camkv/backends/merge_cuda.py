@@ -1,25 +1,21 @@
-"""A compression's merges on an NVIDIA GPU, in two kernels where MLX operations take many
+"""A compression's merges on an NVIDIA GPU, in kernels where MLX operations take many
 launches and passes over large arrays (camkv.backends.merge_ops calls them there).
 
-- **The nearest survivor of every loser** (docs/algorithm.md section 4.1). As MLX
-  operations it is a product losers x survivors [R, k, m] in float32, then a division, a
-  mask and an argmax: four passes over an array of R x k x m floats (134 MB for eight
-  rows of 2048 losers and 2048 survivors). Here one tiled product keeps each dot product
-  in registers and ends in the argmax: a work group takes TILE losers of one row, walks
-  the survivors TILE at a time through shared memory, and keeps, per loser, the largest
-  dot / |K_t| over the candidates (ties to the smaller survivor index, as MLX's argmax)
-  and the dot product of that survivor, from which the cosine follows.
+- **The nearest survivor of every loser** (docs/algorithm.md section 4.1): MLX's matrix
+  product makes the dot products losers x survivors [R, k, m] (on the tensor cores), and
+  one kernel reads them once: a warp per loser ranks each candidate's dot / |K_t| and
+  keeps the largest (ties to the smaller survivor index, as MLX's argmax), with its dot
+  product, from which the cosine follows. As MLX operations the ranking is a division, a
+  mask and an argmax, three more passes over an array of R x k x m floats (134 MB for
+  eight rows of 2048 losers and 2048 survivors) and their launches.
 - **The losers' rows into their targets** (section 4.4's sums over a target's losers):
   a warp per (loser, target slot) adds the loser's row (its weighted value, key and
   scalars side by side) into the target's float32 sums with atomic additions, every
   loser at once, where MLX's scatter-add first spreads every row over the slots; and
   keepkv's largest logit a target takes in, with atomic maxima, where MLX operations
-  would mask a dense [R, k, m] array. The sums run in the device's order (section 8's
-  tolerances), as MLX's scatter-add's do.
+  would mask a dense [R, k, m] array.
 
-The products are float32 fused multiply-adds of the float32 keys (exact products of
-half-precision keys, as the MLX path's TF32 product is; float32 keys keep float32
-accuracy without its split).
+The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
 
 from __future__ import annotations
@@ -28,71 +24,39 @@ import mlx.core as mx
 
 from . import drop
 
-TILE = 64  # losers, and survivors, per tile of the nearest search
-_DEPTH = 32  # features per shared-memory step
-_THREADS = 256  # 16 x 16 threads, each TILE / 16 = 4 losers by 4 survivors
+_THREADS = 256
+_WARPS = _THREADS // 32
 
 _NEAREST = """
-  // dims: k losers, m survivors, D features, loser tiles per row.
-  const int k = dims[0], m = dims[1], D = dims[2], tiles = dims[3];
-  const int r = blockIdx.x / tiles, l0 = (blockIdx.x % tiles) * TILE;
-  const int tid = threadIdx.x, ty = tid / 16, tx = tid % 16;
-  __shared__ float lose[DEPTH][TILE + 1];
-  __shared__ float keep[DEPTH][TILE + 1];
-  const float* L = loser_keys + (long)r * k * D;
-  const float* K = kept_keys + (long)r * m * D;
-  // dot_first: with survivor 0, the target of a loser that has none (as MLX's path reads it).
-  float best[4], dot_best[4], dot_first[4];
-  int best_at[4];
-  for (int i = 0; i < 4; ++i) { best[i] = -INFINITY; dot_best[i] = dot_first[i] = 0.0f; best_at[i] = 0; }
-  for (int s0 = 0; s0 < m; s0 += TILE) {
-    float acc[4][4];
-    for (int i = 0; i < 4; ++i) for (int c = 0; c < 4; ++c) acc[i][c] = 0.0f;
-    for (int d0 = 0; d0 < D; d0 += DEPTH) {
-      // Each thread loads TILE * DEPTH / 256 elements of each tile, along the features (coalesced).
-      for (int e = tid; e < TILE * DEPTH; e += blockDim.x) {
-        int row = e / DEPTH, d = e % DEPTH;
-        int l = l0 + row, s = s0 + row;
-        lose[d][row] = (l < k && d0 + d < D) ? L[(long)l * D + d0 + d] : 0.0f;
-        keep[d][row] = (s < m && d0 + d < D) ? K[(long)s * D + d0 + d] : 0.0f;
-      }
-      __syncthreads();
-      for (int d = 0; d < DEPTH; ++d) {
-        float a[4], b[4];
-        for (int i = 0; i < 4; ++i) a[i] = lose[d][ty * 4 + i];
-        for (int c = 0; c < 4; ++c) b[c] = keep[d][tx + 16 * c];
-        for (int i = 0; i < 4; ++i) for (int c = 0; c < 4; ++c) acc[i][c] = fmaf(a[i], b[c], acc[i][c]);
-      }
-      __syncthreads();
-    }
-    // This thread's survivors rise with c, so a strict comparison keeps the first maximum.
-    for (int c = 0; c < 4; ++c) {
-      int s = s0 + tx + 16 * c;
-      if (s == 0) for (int i = 0; i < 4; ++i) dot_first[i] = acc[i][c];
-      if (s >= m || !candidate[(long)r * m + s]) continue;
-      float norm = fmaxf(norm_k[(long)r * m + s], 1e-12f);
-      for (int i = 0; i < 4; ++i) {
-        float ranked = acc[i][c] / norm;
-        if (ranked > best[i]) { best[i] = ranked; best_at[i] = s; dot_best[i] = acc[i][c]; }
-      }
+  // dims: k losers, m survivors. A warp per (row, loser), lanes over the survivors.
+  const long k = dims[0], m = dims[1], rows = dims[2];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;  // the whole warp: loser is the same for its lanes
+  const long r = loser / k;
+  const float* dots = products + loser * m;
+  float best = -INFINITY;
+  int best_at = 0;
+  // Each lane's survivors rise, so a strict comparison keeps the first of equals.
+  for (long s = lane; s < m; s += 32) {
+    if (!candidate[r * m + s]) continue;
+    float ranked = dots[s] / fmaxf(norm_k[r * m + s], 1e-12f);
+    if (ranked > best) { best = ranked; best_at = (int)s; }
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    float other = __shfl_xor_sync(0xffffffffu, best, o);
+    int other_at = __shfl_xor_sync(0xffffffffu, best_at, o);
+    if (other > best || (other == best && other != -INFINITY && other_at < best_at)) {
+      best = other;
+      best_at = other_at;
     }
   }
-  // The 16 threads of a loser row (one half warp) agree on its best: larger, else earlier.
-  for (int i = 0; i < 4; ++i) {
-    for (int o = 8; o > 0; o /= 2) {
-      float other = __shfl_xor_sync(0xffffffffu, best[i], o);
-      int other_at = __shfl_xor_sync(0xffffffffu, best_at[i], o);
-      float other_dot = __shfl_xor_sync(0xffffffffu, dot_best[i], o);
-      bool take = other > best[i] || (other == best[i] && other_at < best_at[i] && other != -INFINITY);
-      if (take) { best[i] = other; best_at[i] = other_at; dot_best[i] = other_dot; }
-    }
-    int l = l0 + ty * 4 + i;
-    if (tx == 0 && l < k) {
-      bool any = best[i] > -INFINITY;
-      target[(long)r * k + l] = any ? best_at[i] : 0;
-      score[(long)r * k + l] = best[i];
-      dot[(long)r * k + l] = any ? dot_best[i] : dot_first[i];  // thread tx 0 holds survivor 0
-    }
+  if (lane == 0) {
+    // A loser without a candidate reads survivor 0 (its cosine as MLX's path computes it).
+    int t = best > -INFINITY ? best_at : 0;
+    target[loser] = t;
+    score[loser] = best;
+    dot[loser] = dots[t];
   }
 """
 
@@ -140,11 +104,9 @@ def available() -> bool:
 def _kernel(name: str):
     if name not in _kernels:
         if name == "nearest":
-            source = _NEAREST.replace("DEPTH", str(_DEPTH)).replace("TILE", str(TILE))
             _kernels[name] = mx.fast.cuda_kernel(
-                name="camkv_nearest_survivor",
-                input_names=["loser_keys", "kept_keys", "norm_k", "candidate", "dims"],
-                output_names=["target", "score", "dot"], source=source)
+                name="camkv_nearest_survivor", input_names=["products", "norm_k", "candidate", "dims"],
+                output_names=["target", "score", "dot"], source=_NEAREST)
         elif name == "max":
             _kernels[name] = mx.fast.cuda_kernel(
                 name="camkv_scatter_max", input_names=["x", "targets", "live", "dims"], output_names=["maxima"],
@@ -156,20 +118,18 @@ def _kernel(name: str):
     return _kernels[name]
 
 
-def nearest(loser_keys: mx.array, kept_keys: mx.array, norm_k: mx.array, candidate: mx.array):
-    """For losers [R, k, D] and survivors [R, m, D] (float32 keys), norm_k [R, m] the
-    survivors' key norms and candidate [R, m] bool which of them a loser may choose:
-    each loser's survivor t [R, k] int32 of largest dot / max(|K_t|, 1e-12) among the
+def nearest(products: mx.array, norm_k: mx.array, candidate: mx.array):
+    """For the dot products of losers and survivors [R, k, m] (float32), norm_k [R, m] the
+    survivors' key norms and candidate [R, m] bool which of them a loser may choose: each
+    loser's survivor t [R, k] int32 of largest dot / max(|K_t|, 1e-12) among the
     candidates (the first of equal ones; 0 where none has a finite one), that largest
     value [R, k] (-inf where none) and the dot product with t [R, k] (with survivor 0
     where none)."""
-    rows, k, depth = loser_keys.shape
-    m = kept_keys.shape[1]
-    tiles = -(-k // TILE)
-    dims = mx.array([k, m, depth, tiles], mx.int32)
+    rows, k, m = products.shape
+    dims = mx.array([k, m, rows], mx.int32)
     target, score, dot = _kernel("nearest")(
-        inputs=[loser_keys, kept_keys, norm_k, candidate, dims],
-        grid=(rows * tiles * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        inputs=[products, norm_k, candidate, dims],
+        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.float32, mx.float32])
     return target, score, dot
 
@@ -180,12 +140,11 @@ def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -
     float32, targets [R, k, w] (indices into the m survivors), live [R, k, w] bool."""
     rows, k, columns = rows_in.shape
     w = targets.shape[2]
-    warps = _THREADS // 32
     edges = rows * k * w
     dims = mx.array([rows, k, w, m, columns], mx.int32)
     return _kernel("scatter")(
         inputs=[rows_in, targets.astype(mx.int32), live, dims],
-        grid=(-(-edges // warps) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        grid=(-(-edges // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, columns)], output_dtypes=[mx.float32], init_value=0.0)[0]
 
 

@@ -259,18 +259,18 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     product of the keys themselves, not of unit keys: keys stored in half precision are
     exact inputs of a TF32 product, so it needs no split (split: float32 keys on an NVIDIA
     GPU). Returns t [R, k] (indices into the survivors, 0 where there is none), whether
-    there is one [R, k] and cos_t [R, k] as section 4.1 computes it. kernels: the product,
-    its ranking and argmax in one kernel (merge_cuda.nearest), never written out."""
+    there is one [R, k] and cos_t [R, k] as section 4.1 computes it. kernels: the product's
+    ranking and argmax in one pass over it (merge_cuda.nearest)."""
     norm_l, norm_k = merges.feature_norm(loser_keys), merges.feature_norm(kept_keys)
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
     candidate = (kept_positions >= n_sink) & (norm_k < _INF)
+    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
     if kernels:
-        t, best, dot = merge_cuda.nearest(loser_keys, kept_keys, norm_k, candidate)
+        t, best, dot = merge_cuda.nearest(products, norm_k, candidate)
         found = (best > -_INF) & (norm_l < _INF)
         t = mx.where(found, t, 0)
         return t, found, dot / mx.maximum(norm_l * _at(norm_k, t), 1e-12)
-    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
     ranked = products / mx.maximum(norm_k, 1e-12)[:, None, :]
     ranked = mx.where(candidate[:, None, :], ranked, -_INF)
     t = mx.argmax(ranked, axis=2)  # MLX's argmax takes the first of equal maxima
