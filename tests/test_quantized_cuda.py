@@ -112,3 +112,98 @@ def test_refuses_what_it_does_not_compute():
     assert not quantized_cuda.takes(q((1, 4, 1, 64)), three, three, 3, 32)
     assert not quantized_cuda.takes(q((1, 2 * (quantized_cuda.MAX_GROUP + 1), 1, 64)), keys, keys, 8, 32)
     assert not quantized_cuda.takes(q((1, 4, 1, 64), mx.bfloat16), keys, keys, 8, 32)
+
+
+# ---------------------------------------------------------------- rows as the model's dtype
+
+
+def _plain_reference(queries, keys, values, scale, mask):
+    """softmax(scale q k^T + mask) v in float64, mask [B, 1 or H, 1, N] per KV head."""
+    q, k, v = (np.array(a.astype(mx.float32), np.float64) for a in (queries, keys, values))
+    B, Hq, _, D = q.shape
+    H = k.shape[1]
+    out = np.zeros((B, Hq, 1, D))
+    for b in range(B):
+        for hq in range(Hq):
+            h = hq // (Hq // H)
+            logits = scale * k[b, h] @ q[b, hq, 0]
+            if mask is not None:
+                logits = logits + np.array(mask, np.float64)[b, 0 if mask.shape[1] == 1 else h, 0]
+            if np.isfinite(logits).any():
+                weights = np.exp(logits - logits.max())
+                out[b, hq, 0] = weights @ v[b, h] / weights.sum()
+    return out
+
+
+@on_gpu
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_plain_rows_match_float64_attention(case):
+    """attend_rows over rows as the model's dtype (views with a spare row after them where
+    asked), masks per KV head or shared with -inf entries, several stretches of rows."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    dtype = DTYPES[c["dtype"]]
+    B, H, N, D = c["B"], c["H"], c["N"], c["D"]
+    queries = _queries(rng, B, H * c["G"], D, dtype, c["strided_queries"])
+    held = N + c["spare"]
+    keys, values = (mx.array(rng.standard_normal((B, H, held, D)).astype(np.float32)).astype(dtype)[:, :, :N]
+                    for _ in range(2))
+    mask = None
+    if c["mask"] != "none":
+        heads = 1 if c["mask"] == "shared" else H
+        bias = rng.standard_normal((B, heads, 1, N)).astype(np.float32)
+        bias[rng.random(bias.shape) < 0.2] = -np.inf
+        mask = mx.array(bias)
+    assert quantized_cuda.takes_rows(queries, keys, values)
+    got = np.array(quantized_cuda.attend_rows(queries, keys, values, c["scale"], mask).astype(mx.float32))
+    expected = _plain_reference(queries, keys, values, c["scale"], mask)
+    tolerance = 4 * EPS[c["dtype"]] * np.abs(expected).max() + 2e-4 * max(1.0, c["scale"])
+    np.testing.assert_allclose(got, expected, atol=tolerance, rtol=0)
+
+
+def test_plain_rows_refusals():
+    q = mx.zeros((1, 4, 1, 64))
+    rows = mx.zeros((1, 2, 10, 64))
+    assert quantized_cuda.takes_rows(q, rows, rows)
+    assert not quantized_cuda.takes_rows(mx.zeros((1, 4, 2, 64)), rows, rows)  # a prompt block
+    assert not quantized_cuda.takes_rows(mx.zeros((1, 4, 1, 32)), mx.zeros((1, 2, 10, 32)), mx.zeros((1, 2, 10, 32)))
+    assert not quantized_cuda.takes_rows(q.astype(mx.bfloat16), rows, rows)  # dtypes differ
+    assert not quantized_cuda.takes_rows(mx.zeros((1, 36, 1, 64)), rows, rows)  # 18 query heads a KV head
+
+
+@on_gpu
+def test_keepkv_decode_steps_through_the_hook_take_camkvs_pass_and_equal_mlx_lms_attention(monkeypatch):
+    """keepkv's rows stand for several tokens; on an NVIDIA GPU the hook hands a decode step
+    and the votes' log to camkv's pass (counted), whose output equals mlx-lm's attention
+    with weighed_by_votes' mask."""
+    from camkv import CaMKVCache, hook
+    from tiny_models import tiny_llama
+
+    monkeypatch.setattr(quantized_cuda, "here", lambda: True)
+    taken = []
+    real = quantized_cuda.attend_rows
+    monkeypatch.setattr(quantized_cuda, "attend_rows", lambda *a: taken.append(1) or real(*a))
+    rng = np.random.default_rng(3)
+    block = lambda s: mx.array(rng.standard_normal((1, 2, s, 64)).astype(np.float32))  # noqa: E731
+    query = lambda s: mx.array(rng.standard_normal((1, 4, s, 64)).astype(np.float32))  # noqa: E731
+    model = tiny_llama()
+    hook.install(model)  # a hooked model: the cache waits for the queries the hook hands it
+    try:
+        cache = CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, merge="keepkv")
+        keys, values = cache.update_and_fetch(block(40), block(40))
+        hook.scaled_dot_product_attention(query(40), keys, values, cache, 0.125, "causal")
+        votes_seen = False
+        for _ in range(10):
+            keys, values = cache.update_and_fetch(block(1), block(1))
+            bias = cache.votes_bias()
+            votes_seen = votes_seen or bool((np.array(bias) > 0).any())
+            q = query(1)
+            got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.125, None)
+            want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.125,
+                                                        mask=hook.weighed_by_votes(None, bias, q, keys))
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    finally:
+        hook.uninstall(model)
+    assert len(taken) == 10 and votes_seen

@@ -11,7 +11,9 @@ block with keys and warns once).
 
 A cache whose merge rule keeps votes (camkv.merges, keeps_votes) also has attention
 weigh each row by the tokens it stands for: the hook adds the log of each row's votes
-to its logits (docs/algorithm.md section 4.6), which only the hook can do.
+to its logits (docs/algorithm.md section 4.6), which only the hook can do; a decode step
+on an NVIDIA GPU goes to camkv's attention with the votes' log as its mask per KV head
+(camkv.quantized_attention.attend_weighed: MLX's CUDA attention takes no mask there).
 
 Quantized rows (CaMConfig.bits): a prompt block attends them dequantized once; a decode
 step on the CPU or an NVIDIA GPU goes to camkv's attention over the rows as stored
@@ -52,6 +54,10 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
             keys, values = block_rows(keys, values, queries)
             cache, stored = None, False  # arrays: mlx-lm's plain attention
         if bias is not None:
+            if not stored and not args and kwargs.get("sinks") is None:  # camkv's pass where it applies
+                out = quantized_attention.attend_weighed(queries, keys, values, scale, mask, bias)
+                if out is not None:
+                    return out
             mask = weighed_by_votes(mask, bias, queries, keys)
         if stored and not args and kwargs.get("sinks") is None:
             bits, group_size = quantized.format_of(keys, queries.shape[3])

@@ -8,6 +8,11 @@ own pass instead (docs/algorithm.md section 12): on the CPU the extension's, on 
 NVIDIA GPU camkv.backends.quantized_cuda's two launches; the same softmax over the same
 dequantized rows, summed in float32. Anything neither takes (a prompt block, attention
 sinks, a mask it cannot read per KV head, Metal) is not taken here: None.
+
+The same CUDA pass reads rows held as the model's dtype too (attend_weighed): a decode
+step whose rows a merge rule's votes weigh (docs/algorithm.md section 4.6) needs a mask,
+which MLX's CUDA attention does not take for one query (its fallback is a chain of
+launches a layer and step); camkv's pass reads the votes' log as a mask per KV head.
 """
 
 from __future__ import annotations
@@ -55,3 +60,14 @@ def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bi
         return quantized_cuda.attend(queries, keys, values, scale, added, bits, group_size)
     return ext.quantized_attention(queries, keys, values, scale=scale, mask=added, bits=bits,
                                    group_size=group_size)
+
+
+def attend_weighed(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask, bias: mx.array):
+    """softmax(scale q k^T + bias) v over rows held as the model's dtype, [B, Hq, 1, D], on an
+    NVIDIA GPU by camkv's pass; bias [B, H, N]: the log of each row's votes per KV head.
+    None where it does not apply (another mask, a prompt block, shapes the pass does not
+    take, another device): the caller attends as mlx-lm does."""
+    if not (quantized_cuda.here() and (mask is None or isinstance(mask, str)) and keys.shape[2] > 0
+            and quantized_cuda.takes_rows(queries, keys, values)):
+        return None
+    return quantized_cuda.attend_rows(queries, keys, values, scale, bias[:, :, None, :].astype(mx.float32))

@@ -1,4 +1,5 @@
-"""A decode step's attention over quantized rows on an NVIDIA GPU, read as stored.
+"""A decode step's attention over quantized rows on an NVIDIA GPU, read as stored (and
+over rows held as the model's dtype, with a mask per KV head: attend_rows).
 
 MLX's CUDA build has no quantized attention for most of a cache's shapes, and
 dequantizing the bounded rows before a bfloat16 attention costs ten or so small
@@ -34,8 +35,13 @@ HEAD_DIMS = (64, 128, 256)  # D / 8 lanes a row must divide a warp
 BITS = (4, 8)
 MAX_GROUP = 8  # query heads a KV head, held in registers
 
+# How a lane reads its eight channels [c0, c0 + 8) of row j as floats: quantized rows
+# (codes, scales, biases) or rows as the model's dtype. The partials' text reads the keys
+# and values through READ_KEYS(j, out) and READ_VALUES(j, out) (after b, h and c0), their
+# count from the shape of the first of them (@ROWS@: kc, or keys).
 _DEQUANTIZE = """
-  // Eight channels [c0, c0 + 8) of row j of a quantized block, as floats.
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr uint32_t CODE_MASK = (1u << BITS) - 1u;
   auto dequantize = [&](const uint32_t* codes, const Strides& cs, const T* scales, const Strides& ss,
                         const T* biases, const Strides& bs, int j, float* out) {
     const uint32_t* row = codes + b * cs[0] + h * cs[1] + j * cs[2];
@@ -49,21 +55,31 @@ _DEQUANTIZE = """
       out[i] = s * static_cast<float>((word >> ((c % PER_WORD) * BITS)) & CODE_MASK) + z;
     }
   };
+#define READ_KEYS(j, out) dequantize(kc, kc_strides, ks, ks_strides, kb, kb_strides, j, out)
+#define READ_VALUES(j, out) dequantize(vc, vc_strides, vs, vs_strides, vb, vb_strides, j, out)
+"""
+
+_READ = """
+  auto read = [&](const T* rows, const Strides& st, int j, float* out) {
+    const T* row = rows + b * st[0] + h * st[1] + j * st[2];
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(row[(c0 + i) * st[3]]);
+  };
+#define READ_KEYS(j, out) read(keys, keys_strides, j, out)
+#define READ_VALUES(j, out) read(values, values_strides, j, out)
 """
 
 _PARTIALS = """
   constexpr int LPR = D / 8;          // lanes a row
   constexpr int RPW = 32 / LPR;       // rows a warp reads at once
-  constexpr int PER_WORD = 32 / BITS;
-  constexpr uint32_t CODE_MASK = (1u << BITS) - 1u;
-  const int H = kc_shape[1], N = kc_shape[2];
-  const int splits = gridDim.x / (kc_shape[0] * H);
+  const int H = @ROWS@_shape[1], N = @ROWS@_shape[2];
+  const int splits = gridDim.x / (@ROWS@_shape[0] * H);
   const int bh = blockIdx.x / splits, stretch = blockIdx.x % splits;
   const int b = bh / H, h = bh % H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = lane / LPR, c0 = (lane % LPR) * 8;
   const float scale = params[0];
-""" + _DEQUANTIZE + """
+@READER@
   float q[G][8], top[G], total[G], acc[G][8];
   #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -83,8 +99,8 @@ _PARTIALS = """
     const bool live = j < n1;
     float k[8], v[8];
     if (live) {
-      dequantize(kc, kc_strides, ks, ks_strides, kb, kb_strides, j, k);
-      dequantize(vc, vc_strides, vs, vs_strides, vb, vb_strides, j, v);
+      READ_KEYS(j, k);
+      READ_VALUES(j, v);
     }
     #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -177,6 +193,7 @@ _COMBINE = """
 """
 
 _kernels: dict[str, object] = {}
+_ROW_INPUTS = {"quantized": ("kc", "ks", "kb", "vc", "vs", "vb"), "plain": ("keys", "values")}
 # Small inputs made once: an array made from Python is copied to the device each time it
 # is made, which at one step's scale costs more than the kernels.
 _constants: dict[object, mx.array] = {}
@@ -199,12 +216,14 @@ def here() -> bool:
 
 def _kernel(name: str):
     if name not in _kernels:
-        if name == "partials":
+        if name in _ROW_INPUTS:  # the partials over quantized rows, or over rows as the model's dtype
+            rows = _ROW_INPUTS[name]
             _kernels[name] = mx.fast.cuda_kernel(
-                name="camkv_quantized_attention_partials",
-                input_names=["queries", "kc", "ks", "kb", "vc", "vs", "vb", "mask", "params"],
+                name=f"camkv_{name}_attention_partials", input_names=["queries", *rows, "mask", "params"],
                 output_names=["partial_top", "partial_total", "partial_out"],
-                source=_PARTIALS, ensure_row_contiguous=False)
+                source=_PARTIALS.replace("@ROWS@", rows[0]).replace(
+                    "@READER@", _DEQUANTIZE if name == "quantized" else _READ),
+                ensure_row_contiguous=False)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
                 name="camkv_quantized_attention_combine",
@@ -228,23 +247,46 @@ def rows_per_stretch(head_dim: int) -> int:
     return WARPS * (32 // (head_dim // 8)) * STEPS
 
 
+def takes_rows(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether the kernels take this step over rows held as the model's dtype: one query a
+    head, keys and values of one head dim in HEAD_DIMS and of the queries' dtype, at most
+    MAX_GROUP query heads a KV head."""
+    _, Hq, L, D = queries.shape
+    H = keys.shape[1]
+    return (L == 1 and D in HEAD_DIMS and keys.shape[-1] == values.shape[-1] == D and Hq % H == 0
+            and Hq // H <= MAX_GROUP and keys.dtype == values.dtype == queries.dtype)
+
+
 def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bits: int, group_size: int
            ) -> mx.array:
     """softmax(scale q k^T + mask) v over quantized rows, [B, Hq, 1, D] in the queries'
     dtype. keys, values: (codes, scales, biases) [B, H, N, ...] as mx.quantize lays them
     out (views are read through their strides); mask: None or additive float32
     [B, 1 or H, 1, N]. The caller checks takes() first."""
+    return _attend("quantized", queries, (*keys, *values), keys[0].shape, scale, mask,
+                   [("BITS", bits), ("GS", group_size)])
+
+
+def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """attend over rows held as the model's dtype, keys and values [B, H, N, D] (views
+    read through their strides): a decode step that needs a mask per KV head, which MLX's
+    CUDA attention does not take (its fallback is a chain of launches). The caller checks
+    takes_rows() first."""
+    return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [])
+
+
+def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float, mask, extra) -> mx.array:
     B, Hq, _, D = queries.shape
-    H, N = keys[0].shape[1], keys[0].shape[2]
+    H, N = rows_shape[1], rows_shape[2]
     G = Hq // H
-    rows = rows_per_stretch(D)
-    splits = max(1, -(-N // rows))
+    per_stretch = rows_per_stretch(D)
+    splits = max(1, -(-N // per_stretch))
     has_mask = mask is not None
-    template = [("T", queries.dtype), ("D", D), ("G", G), ("BITS", bits), ("GS", group_size),
-                ("WARPS", WARPS), ("ROWS", rows), ("HAS_MASK", has_mask)]
+    template = [("T", queries.dtype), ("D", D), ("G", G), *extra, ("WARPS", WARPS), ("ROWS", per_stretch),
+                ("HAS_MASK", has_mask)]
     heads = B * H
-    top, total, out = _kernel("partials")(
-        inputs=[queries, *keys, *values, mask if has_mask else _constant(None), _constant(float(scale))],
+    top, total, out = _kernel(kind)(
+        inputs=[queries, *rows, mask if has_mask else _constant(None), _constant(float(scale))],
         template=template, grid=(heads * splits * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(heads, splits, G), (heads, splits, G), (heads, splits, G, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
