@@ -12,7 +12,9 @@ the same round (the median of the paired ratios), with the goals they are held t
 
 On an NVIDIA GPU, --ops-arms RULE ... adds the arms RULE/ops: the rule with the merge
 engine's CUDA kernels (camkv.backends.merge_cuda) switched off, so its MLX operations
-run every compression, as before the kernels: before and after in one process.
+run every compression, and keepkv's decode steps attending through mlx-lm's attention
+with a mask (not camkv's pass, camkv.quantized_attention.attend_weighed), as before
+those kernels: before and after in one process.
 
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
@@ -37,6 +39,7 @@ from mlx_lm.models.cache import RotatingKVCache
 import camkv
 from camkv import CaMConfig, merges
 from camkv.eval import loading
+from camkv import quantized_attention
 from camkv.backends import merge_cuda, merge_ops
 from camkv.eval.loading import cast_model
 from camkv.models import RANDOM_LLAMAS
@@ -99,9 +102,10 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     """(seconds to the first token, mean seconds of each decode step after it)."""
     cache = make_cache(model, arm, opts.budget)
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
-    verdict = merge_ops._probe.copy()
+    verdict, weighed = merge_ops._probe.copy(), quantized_attention.attend_weighed
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
+        quantized_attention.attend_weighed = lambda *args: None
     try:
         tick = time.perf_counter()
         tokens = generate_step(prompt, model, prompt_cache=cache, max_tokens=opts.steps + 1,
@@ -114,6 +118,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     finally:
         merge_ops._probe.clear()
         merge_ops._probe.update(verdict)
+        quantized_attention.attend_weighed = weighed
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps
