@@ -4,7 +4,7 @@
 #   bash bench/gpu/speed.sh merges    every rule's prefill and decode step against drop's and
 #                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048;
 #                                     merges1b and merges8b run one of the two), mean and keepkv
-#                                     also as before the merge kernels and keepkv.s CUDA decode
+#                                     also as before the merge kernels and keepkv's CUDA decode
 #                                     attention (mean/ops, keepkv/ops)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
