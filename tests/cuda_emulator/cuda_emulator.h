@@ -27,6 +27,7 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __restrict__
+#define __align__(n) alignas(n)
 
 struct camkv_dim3 {
   unsigned x = 0, y = 0, z = 0;
@@ -122,6 +123,9 @@ inline unsigned __float_as_uint(float x) { return camkv_bit_cast_to<unsigned>(&x
 inline float __int_as_float(int x) { return camkv_bit_cast_to<float>(&x); }
 inline float __uint_as_float(unsigned x) { return camkv_bit_cast_to<float>(&x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
+// Rounded as written (the build does not contract a * b + c: -ffp-contract=off).
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
 using std::fmaf;
 using std::fmaxf;
 using std::fminf;
