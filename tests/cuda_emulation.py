@@ -1,4 +1,5 @@
-"""mx.fast.cuda_kernel on the CPU, for tests on machines without an NVIDIA GPU.
+"""mx.fast.cuda_kernel (and mx.fast.metal_kernel) on the CPU, for tests on machines
+without the GPU.
 
 `emulated_cuda_kernel` has cuda_kernel's signature and returns a callable with its call's
 (inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value): the body
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import re
 import shutil
 import subprocess
 import tempfile
@@ -28,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 HEADER = Path(__file__).resolve().parent / "cuda_emulator" / "cuda_emulator.h"
+METAL_INCLUDE = HEADER.parent / "metal"  # its <metal_stdlib>
 COMPILER = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 _BUILD = Path(tempfile.gettempdir()) / "camkv-cuda-emulation"
 _C_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bool_: "bool",
@@ -61,13 +64,14 @@ def _program(name, input_names, output_names, source, header, in_types, out_type
 
 
 def _library(program: str) -> ctypes.CDLL:
-    digest = hashlib.sha256((program + HEADER.read_text()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((program + HEADER.read_text() + (METAL_INCLUDE / "metal_stdlib").read_text()).encode()
+                            ).hexdigest()[:16]
     if digest not in _libraries:
         _BUILD.mkdir(parents=True, exist_ok=True)
         source, library = _BUILD / f"{digest}.cpp", _BUILD / f"{digest}.so"
         if not library.exists():
             source.write_text(program)
-            built = subprocess.run([COMPILER, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", "-shared", "-fPIC", "-w",
+            built = subprocess.run([COMPILER, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{METAL_INCLUDE}", "-shared", "-fPIC", "-w",
                                     str(source), "-o", str(library)], capture_output=True, text=True)
             if built.returncode != 0:
                 raise RuntimeError(f"the emulated kernel does not compile:\n{built.stderr[:4000]}")
@@ -84,6 +88,14 @@ def _as_numpy(a: mx.array) -> np.ndarray:
 def _as_mlx(a: np.ndarray, dtype) -> mx.array:
     out = mx.array(a)
     return out.view(dtype) if dtype in (mx.bfloat16, mx.float16) else out
+
+
+def emulated_metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
+                          atomic_outputs=False):
+    """mx.fast.metal_kernel on the CPU: the body's `threadgroup` declarations become the work
+    group's static memory, the header's <metal_stdlib> is the emulation's."""
+    body = re.sub(r"^(\s*)threadgroup\s", r"\1static ", source, flags=re.M)
+    return emulated_cuda_kernel(name, input_names, output_names, body, header)
 
 
 def emulated_cuda_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
@@ -133,22 +145,29 @@ def here() -> bool:
 @contextlib.contextmanager
 def kernels_here(*modules):
     """Within the block, the CUDA kernels of camkv modules (each caching its kernels as
-    `_kernel` or `_kernels`) run here: on an NVIDIA GPU as they are, elsewhere through
-    emulated_cuda_kernel (their caches emptied on the way in and out)."""
+    `_kernel` or `_kernels`) run here: on an NVIDIA GPU as they are, elsewhere emulated."""
     from camkv.backends import drop
 
     if drop.cuda_build():
         yield
         return
+    with emulating(*modules):
+        yield
+
+
+@contextlib.contextmanager
+def emulating(*modules):
+    """Within the block, mx.fast.cuda_kernel and mx.fast.metal_kernel are emulated_cuda_kernel
+    and emulated_metal_kernel, the modules' kernel caches emptied on the way in and out."""
     saved = [(m, name, getattr(m, name)) for m in modules for name in ("_kernel", "_kernels")
              if isinstance(getattr(m, name, False), (dict, type(None)))]  # caches, not the functions filling them
-    real = mx.fast.cuda_kernel
+    real = mx.fast.cuda_kernel, mx.fast.metal_kernel
     try:
-        mx.fast.cuda_kernel = emulated_cuda_kernel
+        mx.fast.cuda_kernel, mx.fast.metal_kernel = emulated_cuda_kernel, emulated_metal_kernel
         for module, name, value in saved:
             setattr(module, name, {} if isinstance(value, dict) else None)
         yield
     finally:
-        mx.fast.cuda_kernel = real
+        mx.fast.cuda_kernel, mx.fast.metal_kernel = real
         for module, name, value in saved:
             setattr(module, name, value)
