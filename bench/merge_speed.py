@@ -14,7 +14,8 @@ On an NVIDIA GPU, --ops-arms RULE ... adds the arms RULE/ops: the rule with the 
 engine's CUDA kernels (camkv.backends.merge_cuda) switched off, so its MLX operations
 run every compression, and keepkv's decode steps attending through mlx-lm's attention
 with a mask (not camkv's pass, camkv.quantized_attention.attend_weighed), as before
-those kernels: before and after in one process.
+those kernels; and RULE/sdpa: only the attention as before. Before and after in one
+process.
 
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
@@ -46,7 +47,8 @@ from camkv.models import RANDOM_LLAMAS
 
 ROTATING = "rotating"
 DROP = "drop"
-OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels
+OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels, nor camkv's weighed attention
+SDPA = "/sdpa"  # an arm's suffix: the rule without camkv's weighed attention (mlx-lm's, with a mask)
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -66,8 +68,9 @@ def parse_args(argv=None):
                         metavar="RULE", help="merge rules timed (default every rule the command line lists: "
                                              f"{', '.join(merges.offered())}); drop is always timed")
     parser.add_argument("--ops-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
-                        help="on an NVIDIA GPU, also time these rules without the merge engine's CUDA kernels, "
-                             "as arms RULE/ops (default: none)")
+                        help="on an NVIDIA GPU, also time these rules as before the merge engine's CUDA kernels "
+                             "and camkv's weighed decode attention (arms RULE/ops) and as before the latter alone "
+                             "(RULE/sdpa) (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results (default none)")
     opts = parser.parse_args(argv)
     try:
@@ -88,14 +91,15 @@ def arms_of(opts) -> list[str]:
     """RotatingKVCache, dropping, the merge rules asked for, each once, then their arms
     without kernels (where the kernels run)."""
     rules = [rule for rule in dict.fromkeys(opts.rules) if rule != DROP]
-    without = [rule + OPS for rule in dict.fromkeys(opts.ops_arms) if rule != DROP] if merge_cuda.available() else []
+    rules_before = [rule for rule in dict.fromkeys(opts.ops_arms) if rule != DROP] if merge_cuda.available() else []
+    without = [rule + suffix for suffix in (OPS, SDPA) for rule in rules_before]
     return [ROTATING, DROP] + rules + without
 
 
 def make_cache(model, arm: str, budget: int) -> list:
     if arm == ROTATING:  # StreamingLLM as mlx-lm has it, with camkv's default sinks
         return [RotatingKVCache(max_size=budget, keep=CaMConfig(budget=budget).n_sink) for _ in model.layers]
-    return camkv.make_prompt_cache(model, budget=budget, merge=arm.removesuffix(OPS))
+    return camkv.make_prompt_cache(model, budget=budget, merge=arm.removesuffix(OPS).removesuffix(SDPA))
 
 
 def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
@@ -105,6 +109,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     verdict, weighed = merge_ops._probe.copy(), quantized_attention.attend_weighed
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
+    if arm.endswith((OPS, SDPA)):
         quantized_attention.attend_weighed = lambda *args: None
     try:
         tick = time.perf_counter()

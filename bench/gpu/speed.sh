@@ -5,7 +5,8 @@
 #                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048;
 #                                     merges1b and merges8b run one of the two), mean and keepkv
 #                                     also as before the merge kernels and keepkv's CUDA decode
-#                                     attention (mean/ops, keepkv/ops)
+#                                     attention (mean/ops, keepkv/ops), and keepkv/sdpa: its
+#                                     decode attention alone as before
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
