@@ -14,8 +14,8 @@ On an NVIDIA GPU, --ops-arms RULE ... adds the arms RULE/ops: the rule with the 
 engine's CUDA kernels (camkv.backends.merge_cuda) switched off, so its MLX operations
 run every compression, and keepkv's decode steps attending through mlx-lm's attention
 with a mask (not camkv's pass, camkv.quantized_attention.attend_weighed), as before
-those kernels; and RULE/sdpa: only the attention as before. Before and after in one
-process.
+those kernels; and for a rule with votes, RULE/sdpa: only the attention as before.
+Before and after in one process.
 
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
@@ -92,7 +92,8 @@ def arms_of(opts) -> list[str]:
     without kernels (where the kernels run)."""
     rules = [rule for rule in dict.fromkeys(opts.rules) if rule != DROP]
     rules_before = [rule for rule in dict.fromkeys(opts.ops_arms) if rule != DROP] if merge_cuda.available() else []
-    without = [rule + suffix for suffix in (OPS, SDPA) for rule in rules_before]
+    without = [rule + OPS for rule in rules_before]
+    without += [rule + SDPA for rule in rules_before if merges.rule(rule).keeps_votes]  # only votes weigh attention
     return [ROTATING, DROP] + rules + without
 
 

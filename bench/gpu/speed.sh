@@ -42,7 +42,7 @@ for part in "$@"; do
     merges|merges1b|merges8b)
       [ $part = merges8b ] || step 200 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
         --budget 512 --steps 160 --rounds 3 --ops-arms mean keepkv --out "$OUT/merge-speed-random-1b-8k.json"
-      [ $part = merges1b ] || step 260 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
+      [ $part = merges1b ] || step 330 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
         --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --out "$OUT/merge-speed-random-8b-16k.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
