@@ -71,7 +71,7 @@ def _library(program: str) -> ctypes.CDLL:
         source, library = _BUILD / f"{digest}.cpp", _BUILD / f"{digest}.so"
         if not library.exists():
             source.write_text(program)
-            built = subprocess.run([COMPILER, "-std=c++20", "-O1", "-ffp-contract=off", "-pthread", f"-I{METAL_INCLUDE}", "-shared", "-fPIC", "-w",
+            built = subprocess.run([COMPILER, "-std=c++17", "-O1", "-ffp-contract=off", "-pthread", f"-I{METAL_INCLUDE}", "-shared", "-fPIC", "-w",
                                     str(source), "-o", str(library)], capture_output=True, text=True)
             if built.returncode != 0:
                 raise RuntimeError(f"the emulated kernel does not compile:\n{built.stderr[:4000]}")

@@ -5,15 +5,16 @@
 // shared memory behave as on the device: __syncthreads is a barrier of the group,
 // __shared__ arrays are static (one copy, shared by the group's threads; work groups run
 // one after another, on the same threads), warp shuffles and ballots go through an
-// exchange and a barrier of the warp (every lane of the warp must call them together,
-// as the kernels here do), atomics are std::atomic_ref. A thread that returns early must not be awaited
-// by a later __syncthreads of its group (undefined on the device too). Half-precision
-// elements are 16-bit words a kernel may copy but not compute with. Not emulated: warp
-// divergence, memory fences beyond the barrier's, timing.
+// exchange and a barrier of the warp (every lane of the warp must call them together, as
+// the kernels here do), atomics are the compiler's __atomic builtins. C++17 and GCC or
+// Clang suffice (no <barrier> or std::atomic_ref, which older libc++ lack). A thread that
+// returns early must not be awaited by a later __syncthreads of its group (undefined on
+// the device too). Not emulated: warp divergence, memory fences beyond the barrier's,
+// fast-math intrinsics, timing.
 #pragma once
 
-#include <atomic>
-#include <barrier>
+#include <condition_variable>
+#include <mutex>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,9 +35,32 @@ struct camkv_dim3 {
 };
 inline thread_local camkv_dim3 threadIdx, blockIdx;
 inline camkv_dim3 blockDim, gridDim;
-inline std::barrier<>* camkv_group_barrier = nullptr;
+// A reusable barrier of `count` threads (one generation per crossing).
+class camkv_barrier {
+ public:
+  explicit camkv_barrier(unsigned count) : count_(count) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    unsigned generation = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      lock.unlock();
+      crossed_.notify_all();
+    } else {
+      crossed_.wait(lock, [&] { return generation != generation_; });
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable crossed_;
+  unsigned count_, arrived_ = 0, generation_ = 0;
+};
+
+inline camkv_barrier* camkv_group_barrier = nullptr;
 inline std::vector<uint64_t> camkv_exchange;
-inline std::vector<std::unique_ptr<std::barrier<>>> camkv_warp_barriers;
+inline std::vector<std::unique_ptr<camkv_barrier>> camkv_warp_barriers;
 
 inline void camkv_warp_sync() { camkv_warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
@@ -134,15 +158,22 @@ using std::isnan;
 using std::min;
 using std::max;
 
-inline float atomicAdd(float* at, float value) { return std::atomic_ref<float>(*at).fetch_add(value); }
-inline int atomicAdd(int* at, int value) { return std::atomic_ref<int>(*at).fetch_add(value); }
-inline unsigned atomicAdd(unsigned* at, unsigned value) { return std::atomic_ref<unsigned>(*at).fetch_add(value); }
+inline int atomicAdd(int* at, int value) { return __atomic_fetch_add(at, value, __ATOMIC_SEQ_CST); }
+inline unsigned atomicAdd(unsigned* at, unsigned value) { return __atomic_fetch_add(at, value, __ATOMIC_SEQ_CST); }
+inline float atomicAdd(float* at, float value) {  // a compare-and-swap loop on the float's bits
+  unsigned* bits = reinterpret_cast<unsigned*>(at);
+  unsigned seen = __atomic_load_n(bits, __ATOMIC_SEQ_CST), sum;
+  do {
+    sum = __float_as_uint(__uint_as_float(seen) + value);
+  } while (!__atomic_compare_exchange_n(bits, &seen, sum, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+  return __uint_as_float(seen);
+}
 
 template <typename T>
 inline T camkv_atomic_extreme(T* at, T value, bool larger) {
-  std::atomic_ref<T> ref(*at);
-  T seen = ref.load();
-  while ((larger ? value > seen : value < seen) && !ref.compare_exchange_weak(seen, value)) {
+  T seen = __atomic_load_n(at, __ATOMIC_SEQ_CST);
+  while ((larger ? value > seen : value < seen) &&
+         !__atomic_compare_exchange_n(at, &seen, value, true, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
   }
   return seen;
 }
@@ -158,9 +189,9 @@ void camkv_launch(unsigned blocks, unsigned threads, Body body) {
   camkv_exchange.assign(threads, 0);
   camkv_warp_barriers.clear();
   for (unsigned first = 0; first < threads; first += 32) {
-    camkv_warp_barriers.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - first)));
+    camkv_warp_barriers.push_back(std::make_unique<camkv_barrier>(std::min(32u, threads - first)));
   }
-  std::barrier<> group(threads);
+  camkv_barrier group(threads);
   camkv_group_barrier = &group;
   std::vector<std::thread> running;
   running.reserve(threads);
