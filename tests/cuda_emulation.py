@@ -38,6 +38,12 @@ _C_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.
 _NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_,
           mx.bfloat16: np.uint16, mx.float16: np.uint16}
 _libraries: dict[str, ctypes.CDLL] = {}
+# C++20 where the compiler takes it (std::barrier, whose waits are cheap), else C++17.
+_STANDARD = "c++17"
+if COMPILER is not None and subprocess.run([COMPILER, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
+                                           input="int main() { return 0; }", capture_output=True,
+                                           text=True).returncode == 0:
+    _STANDARD = "c++20"
 TIMEOUT_S = 300
 
 
@@ -71,7 +77,7 @@ def _library(program: str) -> ctypes.CDLL:
         source, library = _BUILD / f"{digest}.cpp", _BUILD / f"{digest}.so"
         if not library.exists():
             source.write_text(program)
-            built = subprocess.run([COMPILER, "-std=c++17", "-O1", "-ffp-contract=off", "-pthread", f"-I{METAL_INCLUDE}", "-shared", "-fPIC", "-w",
+            built = subprocess.run([COMPILER, f"-std={_STANDARD}", "-O1", "-ffp-contract=off", "-pthread", f"-I{METAL_INCLUDE}", "-shared", "-fPIC", "-w",
                                     str(source), "-o", str(library)], capture_output=True, text=True)
             if built.returncode != 0:
                 raise RuntimeError(f"the emulated kernel does not compile:\n{built.stderr[:4000]}")

@@ -7,14 +7,18 @@
 // one after another, on the same threads), warp shuffles and ballots go through an
 // exchange and a barrier of the warp (every lane of the warp must call them together, as
 // the kernels here do), atomics are the compiler's __atomic builtins. C++17 and GCC or
-// Clang suffice (no <barrier> or std::atomic_ref, which older libc++ lack). A thread that
-// returns early must not be awaited by a later __syncthreads of its group (undefined on
-// the device too). Not emulated: warp divergence, memory fences beyond the barrier's,
-// fast-math intrinsics, timing.
+// Clang suffice: std::barrier is used where the library has it, std::atomic_ref (which
+// older libc++ lacks) is not. A thread that returns early must not be awaited by a later
+// __syncthreads of its group (undefined on the device too). Not emulated: warp
+// divergence, memory fences beyond the barrier's, fast-math intrinsics, timing.
 #pragma once
 
 #include <condition_variable>
 #include <mutex>
+#include <version>
+#if __cplusplus >= 202002L && __has_include(<barrier>)
+#include <barrier>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,10 +39,14 @@ struct camkv_dim3 {
 };
 inline thread_local camkv_dim3 threadIdx, blockIdx;
 inline camkv_dim3 blockDim, gridDim;
-// A reusable barrier of `count` threads (one generation per crossing).
-class camkv_barrier {
+// A reusable barrier of `count` threads: the library's where it has one (its waits are
+// cheap), else one of a mutex and a condition variable (one generation per crossing).
+#if defined(__cpp_lib_barrier)
+using camkv_emulated_barrier = std::barrier<>;
+#else
+class camkv_emulated_barrier {
  public:
-  explicit camkv_barrier(unsigned count) : count_(count) {}
+  explicit camkv_emulated_barrier(unsigned count) : count_(count) {}
   void arrive_and_wait() {
     std::unique_lock<std::mutex> lock(mutex_);
     unsigned generation = generation_;
@@ -57,10 +65,11 @@ class camkv_barrier {
   std::condition_variable crossed_;
   unsigned count_, arrived_ = 0, generation_ = 0;
 };
+#endif
 
-inline camkv_barrier* camkv_group_barrier = nullptr;
+inline camkv_emulated_barrier* camkv_group_barrier = nullptr;
 inline std::vector<uint64_t> camkv_exchange;
-inline std::vector<std::unique_ptr<camkv_barrier>> camkv_warp_barriers;
+inline std::vector<std::unique_ptr<camkv_emulated_barrier>> camkv_warp_barriers;
 
 inline void camkv_warp_sync() { camkv_warp_barriers[threadIdx.x / 32]->arrive_and_wait(); }
 
@@ -189,9 +198,9 @@ void camkv_launch(unsigned blocks, unsigned threads, Body body) {
   camkv_exchange.assign(threads, 0);
   camkv_warp_barriers.clear();
   for (unsigned first = 0; first < threads; first += 32) {
-    camkv_warp_barriers.push_back(std::make_unique<camkv_barrier>(std::min(32u, threads - first)));
+    camkv_warp_barriers.push_back(std::make_unique<camkv_emulated_barrier>(std::min(32u, threads - first)));
   }
-  camkv_barrier group(threads);
+  camkv_emulated_barrier group(threads);
   camkv_group_barrier = &group;
   std::vector<std::thread> running;
   running.reserve(threads);
