@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import re
 import shutil
@@ -38,13 +39,19 @@ _C_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.
 _NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bool_: np.bool_,
           mx.bfloat16: np.uint16, mx.float16: np.uint16}
 _libraries: dict[str, ctypes.CDLL] = {}
-# C++20 where the compiler takes it (std::barrier, whose waits are cheap), else C++17.
-_STANDARD = "c++17"
-if COMPILER is not None and subprocess.run([COMPILER, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"],
-                                           input="int main() { return 0; }", capture_output=True,
-                                           text=True).returncode == 0:
-    _STANDARD = "c++20"
 TIMEOUT_S = 300
+
+
+@functools.cache
+def _compile_command() -> tuple[list[str], str]:
+    """The compiler's command and the text every program includes (for the cache's key),
+    found once: C++20 where the compiler takes it (std::barrier, whose waits are cheap),
+    else C++17."""
+    newer = subprocess.run([COMPILER, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], input="int main() {}",
+                           capture_output=True, text=True).returncode == 0
+    command = [COMPILER, "-std=c++20" if newer else "-std=c++17", "-O1", "-ffp-contract=off", "-pthread",
+               f"-I{METAL_INCLUDE}", "-shared", "-fPIC", "-w"]
+    return command, HEADER.read_text() + (METAL_INCLUDE / "metal_stdlib").read_text()
 
 
 def _c_type(dtype) -> str:
@@ -70,15 +77,14 @@ def _program(name, input_names, output_names, source, header, in_types, out_type
 
 
 def _library(program: str) -> ctypes.CDLL:
-    digest = hashlib.sha256((program + HEADER.read_text() + (METAL_INCLUDE / "metal_stdlib").read_text()).encode()
-                            ).hexdigest()[:16]
+    command, included = _compile_command()
+    digest = hashlib.sha256(" ".join([*command, program, included]).encode()).hexdigest()[:16]
     if digest not in _libraries:
         _BUILD.mkdir(parents=True, exist_ok=True)
         source, library = _BUILD / f"{digest}.cpp", _BUILD / f"{digest}.so"
         if not library.exists():
             source.write_text(program)
-            built = subprocess.run([COMPILER, f"-std={_STANDARD}", "-O1", "-ffp-contract=off", "-pthread", f"-I{METAL_INCLUDE}", "-shared", "-fPIC", "-w",
-                                    str(source), "-o", str(library)], capture_output=True, text=True)
+            built = subprocess.run([*command, str(source), "-o", str(library)], capture_output=True, text=True)
             if built.returncode != 0:
                 raise RuntimeError(f"the emulated kernel does not compile:\n{built.stderr[:4000]}")
         _libraries[digest] = ctypes.CDLL(str(library))

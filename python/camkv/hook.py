@@ -50,16 +50,17 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
         bias = cache.attention_bias()
         given_mask = mask
         stored = isinstance(keys, tuple)  # quantized rows as stored (codes, scales, biases)
+        camkvs_pass = not args and kwargs.get("sinks") is None  # a call camkv's own attention may take
         if stored and queries.shape[2] > 1:
             keys, values = block_rows(keys, values, queries)
             cache, stored = None, False  # arrays: mlx-lm's plain attention
         if bias is not None:
-            if not stored and not args and kwargs.get("sinks") is None:  # camkv's pass where it applies
+            if not stored and camkvs_pass:
                 out = quantized_attention.attend_weighed(queries, keys, values, scale, mask, bias)
                 if out is not None:
                     return out
             mask = weighed_by_votes(mask, bias, queries, keys)
-        if stored and not args and kwargs.get("sinks") is None:
+        if stored and camkvs_pass:
             bits, group_size = quantized.format_of(keys, queries.shape[3])
             out = quantized_attention.attend(queries, keys, values, scale, mask, bits, group_size)
             if out is not None:  # a decode step camkv ran; else mlx-lm's attention

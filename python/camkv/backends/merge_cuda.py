@@ -28,8 +28,8 @@ _THREADS = 256
 _WARPS = _THREADS // 32
 
 _NEAREST = """
-  // dims: k losers, m survivors. A warp per (row, loser), lanes over the survivors.
-  const long k = dims[0], m = dims[1], rows = dims[2];
+  // dims: R rows, k losers, m survivors. A warp per (row, loser), lanes over the survivors.
+  const long rows = dims[0], k = dims[1], m = dims[2];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (loser >= rows * k) return;  // the whole warp: loser is the same for its lanes
@@ -126,7 +126,7 @@ def nearest(products: mx.array, norm_k: mx.array, candidate: mx.array):
     value [R, k] (-inf where none) and the dot product with t [R, k] (with survivor 0
     where none)."""
     rows, k, m = products.shape
-    dims = mx.array([k, m, rows], mx.int32)
+    dims = mx.array([rows, k, m], mx.int32)
     target, score, dot = _kernel("nearest")(
         inputs=[products, norm_k, candidate, dims],
         grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),

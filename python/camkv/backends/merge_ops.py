@@ -145,13 +145,13 @@ def _probe_failure() -> str | None:
     live = mx.array(rng.random((2, 70, 2)) < 0.8)
     rows, x = mx.array(rng.standard_normal((2, 70, 33)).astype(np.float32)), losers[:, :, 0]
     try:
-        got = (*_nearest(losers, kept, positions, 1, True, kernels=True),
-               *_Edges(targets, live, 90, kernels=True).sums(rows), _Edges(targets, live, 90, kernels=True).max(x))
+        edges = _Edges(targets, live, 90, kernels=True)
+        got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x))
         mx.eval(got)
     except Exception as error:  # a compile or launch error, whatever MLX raises it as
         return f"their first-use check raised: {error}"
-    want = (*_nearest(losers, kept, positions, 1, True), *_Edges(targets, live, 90).sums(rows),
-            _Edges(targets, live, 90).max(x))
+    edges = _Edges(targets, live, 90)
+    want = (*_nearest(losers, kept, positions, 1, True), *edges.sums(rows), edges.max(x))
     for name, g, w in zip(("targets", "found", "cosines", "sums", "maxima"), got, want):
         if not np.allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-4):
             return f"their first-use check's {name} differ from the MLX operations'"

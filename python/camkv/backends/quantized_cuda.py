@@ -235,11 +235,18 @@ def _kernel(name: str):
 def takes(queries: mx.array, keys: tuple, values: tuple, bits: int, group_size: int) -> bool:
     """Whether the kernels take this step: one query a head, keys and values of one head
     dim in HEAD_DIMS, bits in BITS, at most MAX_GROUP query heads a KV head."""
+    D = queries.shape[3]
+    return (bits in BITS and group_size <= D
+            and _fits(queries, keys[0].shape[1], values[1].shape[-1] * group_size, keys[1].dtype, values[1].dtype))
+
+
+def _fits(queries: mx.array, H: int, v_dim: int, key_dtype, value_dtype) -> bool:
+    """What both kinds of rows need: one query a head, one head dim in HEAD_DIMS for the
+    queries and the values, at most MAX_GROUP query heads a KV head, and the rows' dtype
+    (quantized: their scales') the queries'."""
     _, Hq, L, D = queries.shape
-    H = keys[0].shape[1]
-    v_dim = values[1].shape[-1] * group_size
-    return (L == 1 and D in HEAD_DIMS and v_dim == D and bits in BITS and group_size <= D
-            and Hq % H == 0 and Hq // H <= MAX_GROUP and keys[1].dtype == values[1].dtype == queries.dtype)
+    return (L == 1 and D in HEAD_DIMS and v_dim == D and Hq % H == 0 and Hq // H <= MAX_GROUP
+            and key_dtype == value_dtype == queries.dtype)
 
 
 def rows_per_stretch(head_dim: int) -> int:
@@ -251,10 +258,8 @@ def takes_rows(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
     """Whether the kernels take this step over rows held as the model's dtype: one query a
     head, keys and values of one head dim in HEAD_DIMS and of the queries' dtype, at most
     MAX_GROUP query heads a KV head."""
-    _, Hq, L, D = queries.shape
-    H = keys.shape[1]
-    return (L == 1 and D in HEAD_DIMS and keys.shape[-1] == values.shape[-1] == D and Hq % H == 0
-            and Hq // H <= MAX_GROUP and keys.dtype == values.dtype == queries.dtype)
+    return (keys.shape[-1] == queries.shape[3]
+            and _fits(queries, keys.shape[1], values.shape[-1], keys.dtype, values.dtype))
 
 
 def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bits: int, group_size: int
