@@ -148,7 +148,7 @@ def emulated_cuda_kernel(name, input_names, output_names, source, header="", ens
 
 
 def here() -> bool:
-    """Whether CUDA kernels run on this machine, on its GPU or emulated."""
+    """Whether CUDA kernels run where the tests run: on an NVIDIA GPU, or emulated."""
     from camkv.backends import drop
 
     return drop.cuda_build() or COMPILER is not None
