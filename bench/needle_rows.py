@@ -89,7 +89,7 @@ def run_arm(model, tokenizer, sample, arm, args) -> dict:
     config = arm.config.replace(budget=budget)
     caches = make_prompt_cache(model, config=config)
     try:
-        logits = passkey.prefill_last_logits(model, caches, sample.tokens, args.chunk)
+        logits = passkey.prefill_last_logits(model, caches, sample.tokens, args.chunk, tokenizer)
         needles = needle_rows(caches, sample.spans)
         text = ruler.greedy_answer(model, caches, logits, sample, tokenizer)
     finally:

@@ -14,8 +14,9 @@ from camkv.eval.arms import CacheSettings, is_retired, make_cache, method_catalo
 from camkv.eval.budgets import budgets_for, parse_budgets
 from camkv.eval.cli import PRESETS, build_parser, main
 from camkv.eval.loading import tiny_random_model
-from camkv.eval.passkey import (PASSKEY_QUESTION, build_passkey, greedy_answer, is_correct, output_head,
-                                passkey_depths, prefill_last_logits, spread_order)
+from camkv.eval.passkey import (PASSKEY_QUESTION, build_passkey, greedy_answer, is_correct, passkey_depths,
+                                prefill_last_logits, spread_order)
+from camkv.prefill import output_head
 from camkv.eval.stream import feed
 from camkv.eval.records import RecordStore
 from camkv.eval.stream import full_reference, stream_arm, summarize_positions

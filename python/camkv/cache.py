@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, quantized, tier
+from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, policy, quantized, tier
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
@@ -96,6 +96,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._row_ids_for: tuple | None = None  # ((B, H), row ids) of _row_ids
         self._backend_for: tuple | None = None  # ((name, device), backend) of _backend
         self._deferred = None  # a one-launch compression held for the batch (deferred_launch)
+        self._holding = False  # prompt blocks stay pending past budget + slack (hold_prompt)
 
     # ------------------------------------------------------------------ config
     @property
@@ -330,14 +331,30 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         return self._for_attention(self._rows.as_stored())
 
     # ------------------------------------------------------------------ state
-    def compress_pending(self) -> None:
+    def compress_pending(self, mass: mx.array | None = None) -> None:
         """Score the tokens held since the last compression now, as one chunk (a block that
         waits for its queries is scored with its keys first, with its warning), evicting
         back to the budget when more are held: an early compression (docs/algorithm.md
         section 7). camkv.save_prompt_cache calls it, so a saved file holds at most budget
-        rows, all scored, and no queries."""
+        rows, all scored, and no queries.
+
+        mass [B, H, pending] float32: the pending rows' mass, handed in instead of their
+        queries' (camkv.reconstruct: the model's re-read of them); the settled rows get none.
+        """
         self.flush_pending()
-        self._compress()
+        given = None if mass is None else cache_input.given_mass(mass, self._layout, self._rows)
+        self._compress(mass=given)
+
+    def pending_rows(self) -> int:
+        """Rows held since the last compression (scored at the next one)."""
+        return self._rows.held - self._rows.settled
+
+    def hold_prompt(self, on: bool) -> None:
+        """While on, a prompt block (a call of several tokens) that takes the rows past
+        budget + slack stays pending, the rows growing past it, until compress_pending:
+        camkv.reconstruct scores such blocks by the model's re-read first. Decode steps
+        and blocks of another kind compress as always."""
+        self._holding = bool(on)
 
     # ------------------------------------------------------------------ rows
     def votes_bias(self) -> mx.array | None:
@@ -363,19 +380,20 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     def _queue(self, kind, block: int, queries=None, defer_launch: bool = False) -> None:
         """Keep what scoring the last `block` tokens held need (their queries under scale
         kind, or KEY_SCORED), then compress if the rows held passed budget + slack."""
-        windowed = self._config.prefill_scoring == "window" and block > 1
+        windowed = policy.windowed(self._config) and block > 1
         if self._pending.differs(kind, windowed):
             # Pending tokens scored another way are scored first.
             self._compress(self._rows.held - block)
         self._pending.start(kind, windowed)
         if queries is not None:
             self._pending.keep(queries, self._rows.pending - block, self._config.observation_window)
-        if self.steps_before_compression() < 0:
+        if self.steps_before_compression() < 0 and not (self._holding and block > 1):
             self._compress(defer_launch=defer_launch)
 
-    def _compress(self, end: int | None = None, defer_launch: bool = False) -> None:
+    def _compress(self, end: int | None = None, defer_launch: bool = False, mass: mx.array | None = None) -> None:
         """Score pending rows [settled, end) as one chunk and evict back to the budget
-        (docs/algorithm.md section 7). Rows after end (a block not queued yet) stay pending."""
+        (docs/algorithm.md section 7). Rows after end (a block not queued yet) stay pending.
+        mass [B*H, end]: the chunk's mass handed in (compress_pending)."""
         rows = self._rows
         end = rows.held if end is None else end
         chunk = end - rows.settled
@@ -389,7 +407,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._evictions += max(0, end - self._config.budget) * B * H
         rest = rows.after(end) if end < rows.held else None
         request = Chunk(end, queries, scale, self._pending.key_scored, self._pending.config(self._config),
-                        self._row_ids(B, H))
+                        self._row_ids(B, H), mass)
         merged = compress(self._backend(), work, request, may_defer=defer_launch and end == rows.held and work is rows)
         if isinstance(merged, DropLaunch):
             self._deferred = merged  # camkv.batch runs it with the other rows due at this step

@@ -157,3 +157,17 @@ def votes_unread(merge: str, model_type) -> str:
             "attended without asking for them (no camkv attention hook, or its attention bypasses mlx-lm's "
             "scaled_dot_product_attention); its merged rows counted as one token each. Build the caches with "
             "camkv.make_prompt_cache(model, ...) or call camkv.apply(model, ...).")
+
+
+def given_mass(mass, layout: tuple | None, rows) -> mx.array:
+    """The mass handed to compress_pending, as the compression reads it: [B*H, held]
+    float32, zeros for the settled rows. mass: [B, H, pending] (ValueError naming the
+    shapes otherwise; nothing changes)."""
+    pending = rows.held - rows.settled
+    if layout is None or not isinstance(mass, mx.array) or tuple(mass.shape) != (*layout[:2], pending):
+        expected = "nothing (the cache is empty)" if layout is None else f"[B, H, pending] = {[*layout[:2], pending]}"
+        got = tuple(mass.shape) if isinstance(mass, mx.array) else type(mass).__name__
+        raise ValueError(f"compress_pending: mass must be an mx.array of shape {expected}, got {got}")
+    R = layout[0] * layout[1]
+    return mx.concatenate([mx.zeros((R, rows.settled), mx.float32),
+                           mass.reshape(R, pending).astype(mx.float32)], axis=1)

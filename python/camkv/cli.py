@@ -415,6 +415,11 @@ def _check_kv_flags(parser, args) -> None:
         usable_config(config)
     except ValueError as err:
         parser.error(f"--kv-backend {args.kv_backend!r}: {err}")
+    if config.prefill_scoring == "reconstruct" and args.run in (cmd_serve, cmd_demo):
+        where = "camkv serve feeds prompts through mlx-lm's server" if args.run is cmd_serve else \
+            "camkv demo's random model has no tokenizer for the repeat instruction"
+        parser.error(f"--kv-prefill-scoring reconstruct is not offered here ({where}); it runs in camkv "
+                     f"generate and camkv eval; use --kv-prefill-scoring window")
 
 
 def _check_kv_bytes(parser, args) -> None:
@@ -599,6 +604,7 @@ def _remove_hook(model) -> None:
 
 # Prompts longer than this many tokens show their prefill progress on stderr.
 PROGRESS_MIN_TOKENS = 2048
+PREFILL_STEP = 2048  # tokens a prompt chunk holds (mlx-lm's prefill_step_size)
 
 
 class PrefillProgress:
@@ -658,6 +664,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampler = make_sampler(temp=args.temp, top_p=args.top_p)
     response = None
     try:
+        prompt, reread = prefill_reconstructed(model, tokenizer, prompt, prompt_cache, PrefillProgress(speaks))
         for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens,
                                          sampler=sampler, prompt_cache=prompt_cache,
                                          prompt_progress_callback=PrefillProgress(speaks)):
@@ -677,10 +684,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
         report_kv_bytes(prompt_cache, group)
     if response is None or not speaks:
         return 0
-    print(summary_line((response.prompt_tokens, response.prompt_tps),
+    prompt_tokens, prompt_seconds = reread[0] + response.prompt_tokens, reread[1] + (
+        response.prompt_tokens / response.prompt_tps if response.prompt_tps > 0 else 0.0)
+    print(summary_line((prompt_tokens, prompt_tokens / prompt_seconds if prompt_seconds > 0 else 0.0),
                        (response.generation_tokens, response.generation_tps),
                        response.peak_memory, kv_summary(prompt_cache)), file=sys.stderr)
     return 0
+
+
+def prefill_reconstructed(model, tokenizer, prompt, prompt_cache: list, progress) -> tuple:
+    """With prefill_scoring="reconstruct", all but the prompt's last token fed by camkv's
+    prefill (camkv.prefill.prefill, whose re-reads score it; mlx-lm's generate loop cannot
+    run them), in mlx-lm's chunks of 2048. Returns what mlx-lm then generates from (the
+    last token, or the prompt untouched without reconstruction) and (tokens, seconds)
+    of camkv's prefill."""
+    from .prefill import prefill
+    from .reconstruct import reconstructs
+
+    if not reconstructs(prompt_cache):
+        return prompt, (0, 0.0)
+    ids = list(prompt) if not isinstance(prompt, str) else tokenizer.encode(prompt)
+    start = time.perf_counter()
+    if len(ids) > 1:
+        prefill(model, prompt_cache, ids[:-1], PREFILL_STEP, tokenizer, progress)
+    return ids[-1:], (len(ids) - 1, time.perf_counter() - start)
 
 
 def _budget_words(args, prompt_cache: list) -> str:

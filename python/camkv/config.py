@@ -13,7 +13,7 @@ SCORING_MODES = ("key", "query")
 PREFILL_MODES = ("exact", "chunk")
 BACKENDS = ("auto", "reference", "ext", "metal", "cuda")
 EVICTION_MODES = ("score", "recency")
-PREFILL_SCORING_MODES = ("causal", "window")
+PREFILL_SCORING_MODES = ("causal", "window", "reconstruct")
 UINT32_MAX = 2**32 - 1
 QUANTIZED_BITS = (8, 4)  # what CaMConfig.bits may be besides None (MLX's affine mx.quantize)
 GROUP_SIZES = (32, 64, 128)  # what CaMConfig.group_size may be (mx.quantize's group sizes)
@@ -122,8 +122,11 @@ class CaMConfig:
     - prefill_scoring ["window" with prefill="chunk", else "causal"]: how a chunk of
       several tokens from prompt calls is scored. "causal": every chunk token's query
       over the rows up to itself; "window": only the chunk's last observation_window
-      queries (SnapKV's observation window), their mass then max-pooled over pool rows. Compressions of decode steps keep every
-      query either way (docs/algorithm.md section 7).
+      queries (SnapKV's observation window), their mass then max-pooled over pool rows;
+      "reconstruct": where camkv runs the prompt (camkv.reconstruct.prefill, which its
+      generate and eval use), by the weight each token gets while the model re-reads it
+      (KVzip's observation), window scoring wherever else a prompt arrives. Compressions
+      of decode steps keep every query either way (docs/algorithm.md section 7).
     - observation_window [32]: queries that score a chunk with prefill_scoring="window".
     - pool [1]: odd width of the max-pooling of a window-scored chunk's mass along the
       rows (1: none; SnapKV pools over 5 to 7); only with prefill_scoring="window".
@@ -174,8 +177,9 @@ class CaMConfig:
                            "attended (H2O), 'recency' the oldest (StreamingLLM)", choices=EVICTION_MODES)
     prefill_scoring: str | None = _field(None, "prefill-scoring", "'causal' scores a prompt chunk with every "
                                          "query; 'window' with its last --kv-observation-window queries "
-                                         "only (SnapKV) (default: window with --kv-prefill chunk, else "
-                                         "causal)", choices=PREFILL_SCORING_MODES)
+                                         "only (SnapKV); 'reconstruct' by the attention each token gets while "
+                                         "the model re-reads the prompt (KVzip; about twice the prefill's "
+                                         "work) (default: window with --kv-prefill chunk, else causal)", choices=PREFILL_SCORING_MODES)
     observation_window: int = _field(32, "observation-window", "queries that score a prompt chunk with "
                                      "--kv-prefill-scoring window")
     pool: int = _field(1, "pool", "odd width of the max-pooling of a window-scored chunk's attention "
@@ -242,9 +246,12 @@ class CaMConfig:
         if self.pool != 1 and self.prefill_scoring != "window":
             raise ValueError(f"CaMConfig.pool={self.pool} needs prefill_scoring='window', got "
                              f"prefill_scoring={self.prefill_scoring!r}; use pool=1")
-        if self.prefill_scoring == "window" and self.prefill != "chunk":
-            raise ValueError(f"CaMConfig.prefill_scoring='window' needs prefill='chunk' (it scores a "
-                             f"chunk by its last queries), got prefill={self.prefill!r}")
+        if self.prefill_scoring in ("window", "reconstruct") and self.prefill != "chunk":
+            raise ValueError(f"CaMConfig.prefill_scoring={self.prefill_scoring!r} needs prefill='chunk' (it "
+                             f"scores a prompt chunk as a whole), got prefill={self.prefill!r}")
+        if self.prefill_scoring == "reconstruct" and self.scoring != "query":
+            raise ValueError(f"CaMConfig.prefill_scoring='reconstruct' needs scoring='query' (a re-read's "
+                             f"queries come through the attention hook), got scoring={self.scoring!r}")
 
     def _check_score_decay(self) -> None:
         """score_decay: a number in [0, 1] (NaN is neither), other than 1 only with chunk prefill."""
@@ -272,6 +279,10 @@ class CaMConfig:
         if self.tier_budget and self.merge != "drop":
             raise ValueError(f"CaMConfig.tier_budget={self.tier_budget} keeps evicted rows, which a merge rule "
                              f"blends into the survivors instead: it needs merge='drop', got merge={self.merge!r}")
+        if self.tier_budget and self.prefill_scoring == "reconstruct":
+            raise ValueError(f"CaMConfig.tier_budget={self.tier_budget} is not offered with "
+                             f"prefill_scoring='reconstruct' (a re-read attends the main rows only); use "
+                             f"tier_budget=0 or prefill_scoring='window'")
 
     def replace(self, **changes) -> "CaMConfig":
         """A copy with some fields changed (validated like a new config)."""

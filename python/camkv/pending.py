@@ -6,7 +6,7 @@ import math
 
 import mlx.core as mx
 
-from . import mass
+from . import mass, policy
 from .backends import drop
 
 KEY_SCORED = "keys"  # the kind of pending tokens scored by their own keys
@@ -145,7 +145,7 @@ class PendingChunk:
     def config(self, cfg):
         """The config the pending tokens are compressed under: prefill_scoring="window"
         applies to prompt blocks only; decode steps are scored by every query."""
-        if cfg.prefill_scoring == "window" and not self.windowed:
+        if policy.windowed(cfg) and not self.windowed:
             # Made once per config: a decode compression would otherwise validate a new
             # CaMConfig per layer (host time, most of a GPU decode step's cost).
             if self._decode_config_for is None or self._decode_config_for[0] is not cfg:

@@ -41,11 +41,18 @@ def protected(positions: mx.array, p_last, n_sink: int, recent: int) -> mx.array
     return (positions < n_sink) | (positions > p_last - recent)
 
 
+def windowed(cfg) -> bool:
+    """Whether the cache scores prompt blocks by their last observation_window queries:
+    prefill_scoring "window", and "reconstruct" wherever no re-read's mass is handed in
+    (camkv.reconstruct; docs/algorithm.md section 7)."""
+    return cfg.prefill_scoring in ("window", "reconstruct")
+
+
 def observed(cfg, s_len: int) -> int:
     """How many of a chunk's last queries add mass: the observation window with
     prefill_scoring="window" (all of a chunk shorter than it), every query otherwise.
     A single token's call is never windowed."""
-    if cfg.prefill_scoring == "window" and s_len > 1:
+    if windowed(cfg) and s_len > 1:
         return min(s_len, cfg.observation_window)
     return s_len
 

@@ -37,7 +37,9 @@ from . import drop, merge_ops
 class Chunk(NamedTuple):
     """What one compression scores: rows [settled, end) of the buffers, by queries
     [R, G, T, Dk] under scale (key queries with key scoring, then key_scored), under cfg
-    (the pending tokens' config). row_ids [R] uint32: the rows' global indices."""
+    (the pending tokens' config). row_ids [R] uint32: the rows' global indices. mass
+    [R, end] float32 or None: the chunk's mass handed in (camkv.reconstruct's re-read),
+    which then scores it instead of the queries (they still give keepkv its query)."""
 
     end: int
     queries: mx.array
@@ -45,6 +47,7 @@ class Chunk(NamedTuple):
     key_scored: bool
     cfg: object
     row_ids: mx.array
+    mass: mx.array | None = None
 
 
 def one_launch(backend, cfg, end: int) -> bool:
@@ -62,7 +65,7 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
     next_position = rows.pending_start + chunk.end - rows.settled
     # Here, before the engines part ways, so every engine starts from the same decayed scores.
     rows.scores = policy.decayed(rows.scores, chunk.cfg)
-    if one_launch(backend, chunk.cfg, chunk.end):
+    if chunk.mass is None and one_launch(backend, chunk.cfg, chunk.end):
         launch = drop.DropLaunch(rows.keys, rows.values, chunk.end, rows.scores, rows.positions, chunk.queries,
                                  rows.pending_start, chunk.scale, chunk.cfg, rows.capacity)
         if may_defer:
@@ -83,20 +86,21 @@ def by_operations(backend, cfg, end: int, settled: int) -> bool:
 
 
 def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
-    """The compression as batched MLX operations where by_operations says so (None elsewhere)."""
+    """The compression as batched MLX operations where by_operations says so, and wherever
+    its mass is handed in (the kernel core scores a chunk itself); None elsewhere."""
     cfg, end = chunk.cfg, chunk.end
-    if not by_operations(backend, cfg, end, rows.settled):
+    if chunk.mass is None and not by_operations(backend, cfg, end, rows.settled):
         return None
     R = rows.scores.shape[0]
     keys, values = rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1)
     if merges.rule(cfg.merge).kind == merges.DROP:
         kept = drop.compress_drop(keys, values, rows.scores, rows.positions, chunk.queries, rows.pending_start,
-                                  chunk.scale, cfg)
+                                  chunk.scale, cfg, given=chunk.mass)
         return kept, mx.zeros((R,), mx.int32)
     settled = merge_ops.Settled(rows.scores, rows.positions, rows.votes, rows.threshold)
     # The backend's own reduction of a chunk's logits where it has one (the extension's column sums).
     return merge_ops.compress(keys, values, settled, chunk.queries, rows.pending_start, chunk.scale, cfg,
-                              chunk.row_ids, getattr(backend, "REDUCER", None))
+                              chunk.row_ids, getattr(backend, "REDUCER", None), given=chunk.mass)
 
 
 def _by_update(backend, rows: RowBuffers, chunk: Chunk):

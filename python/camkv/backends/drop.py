@@ -105,16 +105,17 @@ def update_drop(state: RowState, new_keys, new_values, offset: int, cfg, row_ids
 
 
 def compress_drop(keys, values, settled_scores, settled_positions, queries, first_pending: int, scale: float,
-                  cfg) -> RowState:
+                  cfg, given: mx.array | None = None) -> RowState:
     """Rows held [R, N, D] whose first n (= settled_scores' [R, n]) are scored: score the
     rest, at positions first_pending.., as one chunk (queries [R, G, T, Dk]: its last T,
     every one or at least those chunk_mass reads) and evict
-    down to the budget without merging."""
+    down to the budget without merging. given [R, N]: the chunk's mass handed in, used
+    instead of the queries'."""
     rows, n = settled_scores.shape
     s_len = keys.shape[1] - n
     positions = mx.concatenate(
         [settled_positions, mx.broadcast_to(first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
-    mass = chunk_mass(queries, keys, scale, n, cfg, s_len)
+    mass = chunk_mass(queries, keys, scale, n, cfg, s_len) if given is None else given
     scores = mx.concatenate([settled_scores + mass[:, :n], mass[:, n:]], axis=1)
     joined = RowState(keys, values, scores, positions)
     if n + s_len <= cfg.budget:

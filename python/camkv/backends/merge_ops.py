@@ -74,13 +74,15 @@ class Settled(NamedTuple):
 
 
 def compress(keys, values, settled: Settled, queries, first_pending: int, scale: float, cfg, row_ids,
-             preferred: mass.Reducer | None = None, kernels: bool | None = None) -> tuple[RowState, mx.array]:
+             preferred: mass.Reducer | None = None, kernels: bool | None = None,
+             given: mx.array | None = None) -> tuple[RowState, mx.array]:
     """Rows held [R, N, D] whose first n are scored (settled): score the rest, at
     positions first_pending.., as one chunk (queries [R, G, T, Dk], its last T), evict
     down to the budget and merge every loser (section 4). Returns the survivors and the
     merges per row. preferred: the backend's reduction of a chunk's logits (see reducer);
     kernels: whether the nearest search and the sums run as camkv.backends.merge_cuda's
-    kernels (default: on an NVIDIA GPU)."""
+    kernels (default: on an NVIDIA GPU); given [R, N]: the chunk's mass handed in, used
+    instead of the queries' (which still give keepkv its query)."""
     rule = merges.rule(cfg.merge)
     rows, n = settled.scores.shape
     s_len = keys.shape[1] - n
@@ -94,7 +96,8 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     if rule.moving_threshold and threshold is None:
         threshold = mx.full((rows,), float("nan"), mx.float32)
     bias = None if votes is None else mx.log(votes)
-    chunk = mass.chunk_mass(queries, keys, scale, n, cfg, s_len, reducer(bias is not None, preferred), bias=bias)
+    chunk = given if given is not None else mass.chunk_mass(queries, keys, scale, n, cfg, s_len,
+                                                            reducer(bias is not None, preferred), bias=bias)
     scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
     if n + s_len <= cfg.budget:
         return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import texts
-from .stream import feed
+from ..prefill import prefill
 
 
 PASSKEY_INTRO = (
@@ -94,44 +94,14 @@ def build_passkey(tokenizer, source: str, docs, length: int, depth: float, place
     return PasskeyPrompt(sample_id, length, split / filler_len, key, tokens)
 
 
-def output_head(model):
-    """The output head of an mlx-lm model whose call is head(model.model(inputs, cache)),
-    as mlx-lm's llama and gemma3_text models are; None for any other model."""
-    if type(model).__module__ not in _HEAD_AFTER_BACKBONE or not hasattr(model, "model"):
-        return None
-    if "lm_head" in model:
-        return model.lm_head
-    return model.model.embed_tokens.as_linear
-
-
-# mlx-lm model modules whose Model.__call__ is exactly its output head over self.model(...):
-# a passkey prefill needs the head at the last position only (it is most of a small
-# model's prefill: Gemma 3 270M's vocabulary of 262144 costs more than its 18 layers).
-_HEAD_AFTER_BACKBONE = ("mlx_lm.models.llama", "mlx_lm.models.gemma3_text")
-
-
-def prefill_last_logits(model, caches, prompt: list[int], chunk: int) -> mx.array:
-    """Feed the prompt in chunks of `chunk` tokens (as `feed` does) and return the logits
-    [V] of its last position. Where the model's head is known (output_head), only that
-    position goes through it; the caches see the same calls either way."""
-    head = output_head(model)
-    if head is None:
-        logits = None
-        for _, logits in feed(model, caches, prompt, len(prompt), chunk):
-            mx.eval(logits)
-        return logits[-1]
-    for position in range(0, len(prompt), chunk):
-        hidden = model.model(mx.array(prompt[position : position + chunk])[None], cache=caches)
-        if position + chunk < len(prompt):
-            mx.eval(hidden)
-    logits = head(hidden[:, -1:])[0, 0]
-    mx.eval(logits)
-    return logits
+def prefill_last_logits(model, caches, prompt: list[int], chunk: int, tokenizer=None) -> mx.array:
+    """camkv.prefill.prefill: the prompt in chunks, the logits [V] of its last position."""
+    return prefill(model, caches, prompt, chunk, tokenizer)
 
 
 def greedy_answer(model, caches, prompt: list[int], chunk: int, answer_tokens: int, tokenizer) -> str:
     """Prefill the prompt in chunks, then decode greedily through the same cache."""
-    logits = prefill_last_logits(model, caches, prompt, chunk)
+    logits = prefill_last_logits(model, caches, prompt, chunk, tokenizer)
     answer = []
     for _ in range(answer_tokens):
         token = mx.argmax(logits)

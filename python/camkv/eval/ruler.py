@@ -613,11 +613,11 @@ def answer(model, caches, sample: RulerSample, chunk: int, tokenizer, question_b
     question_by_steps: the context is prefilled alone and the question fed one token a
     step (the SnapKV arm: its cache compresses the context once, at its last chunk)."""
     if question_by_steps:
-        prefill_last_logits(model, caches, sample.context, chunk)
+        prefill_last_logits(model, caches, sample.context, chunk, tokenizer)
         for token in sample.question:
             logits = model(mx.array([[token]]), cache=caches)[0, -1]
     else:
-        logits = prefill_last_logits(model, caches, sample.tokens, chunk)
+        logits = prefill_last_logits(model, caches, sample.tokens, chunk, tokenizer)
     return greedy_answer(model, caches, logits, sample, tokenizer)
 
 

@@ -3,20 +3,33 @@ then one token a step, scored against the full cache's next-token distributions.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..prefill import reconstruction
 
-def feed(model, caches: list, tokens: list[int], prefill_len: int, chunk: int):
-    """Yield (first position, logits [n, V]) per model call: prefill chunks, then one token a step."""
+
+def feed(model, caches: list, tokens: list[int], prefill_len: int, chunk: int, tokenizer=None):
+    """Yield (first position, logits [n, V]) per model call: prefill chunks, then one token a
+    step. Caches that score by reconstruction get their re-reads after each prefill chunk
+    (camkv.prefill.reconstruction, which needs the tokenizer)."""
+    driver = reconstruction(model, caches, tokenizer, chunk)
     position = 0
     while position < prefill_len:
         n = min(chunk, prefill_len - position)
-        yield position, model(mx.array(tokens[position : position + n])[None], cache=caches)[0]
+        with driver.holding() if driver is not None else nullcontext():
+            logits = model(mx.array(tokens[position : position + n])[None], cache=caches)[0]
+        yield position, logits
+        if driver is not None:
+            mx.eval(logits)
+            driver.fed(tokens[position : position + n])
         position += n
+    if driver is not None:
+        driver.finish()
     for position in range(prefill_len, len(tokens)):
         yield position, model(mx.array(tokens[position : position + 1])[None], cache=caches)[0]
 
@@ -55,11 +68,11 @@ def full_reference(model, tokens: list[int], prefill_len: int, chunk: int, start
     return Reference(start, logprobs, argmax, np.array(nll))
 
 
-def stream_arm(model, caches, tokens, prefill_len, chunk, ref: Reference) -> dict:
+def stream_arm(model, caches, tokens, prefill_len, chunk, ref: Reference, tokenizer=None) -> dict:
     """Per-position (kl, nll, top-1 agreement) of one arm against the reference, positions ref.start.."""
     inputs, targets = tokens[:-1], mx.array(tokens[1:])
     rows = []
-    for first, logits in feed(model, caches, inputs, prefill_len, chunk):
+    for first, logits in feed(model, caches, inputs, prefill_len, chunk, tokenizer):
         keep = max(0, ref.start - first)
         if keep >= logits.shape[0]:
             mx.eval(logits)  # nothing to score yet; still bound the lazy graph

@@ -85,7 +85,7 @@ class Sweep:
         caches = make_cache(self.model, method, budget, self.settings)
         try:
             per_position = stream_arm(self.model, caches, window.tokens, self.opts.stream_prefill,
-                                      self.opts.chunk, ref)
+                                      self.opts.chunk, ref, self.tokenizer)
         finally:
             release_cache(self.model, method)
         return {
