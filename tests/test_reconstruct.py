@@ -374,3 +374,27 @@ def test_the_stream_task_rereads_its_prefill(monkeypatch):
     assert [first for first, _ in steps] == [0, 16, 32, 48, *range(60, 70)]
     assert runs and caches[0].pending_rows() <= caches[0].config.slack + 10
     camkv.remove(model)
+
+
+@pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
+@pytest.mark.parametrize("fields", [{"bits": 8, "group_size": 32}, {"merge": "keepkv"}, {"merge": "mass_weighted"}])
+def test_the_prefill_rereads_quantized_rows_and_rows_with_votes(fields, monkeypatch):
+    """A re-read attends quantized rows dequantized and weighs rows by their votes, as the
+    model's attention over them does: its logits equal a plain pass over the same rows."""
+    model = tiny_llama(hidden=128, heads=4, kv_heads=2)  # head dim 32: a quantization group
+    try:
+        caches = camkv.make_prompt_cache(model, budget=24, prefill_scoring="reconstruct", **fields)
+        prefill(model, caches, _prompt(90), 16, CharTokenizer())
+        assert all(c.size() <= 24 for c in caches)
+        views = [Reread(c, 0, c.size()) for c in caches]
+        reread = mx.array(_prompt(10, seed=3))[None]
+        got = model(reread, cache=views)
+        # The caches' own call over the same rows: it attends every row held and its tokens
+        # (what it evicts shows from the next call on); quantized caches also round the
+        # call's own tokens, which a re-read keeps as they are (a few thousandths here).
+        want = model(reread, cache=[copy.deepcopy(c) for c in caches])
+        tolerance = 2e-2 if "bits" in fields else 2e-4
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=tolerance, atol=tolerance)
+        assert all(v.mass.shape[2] == c.size() for v, c in zip(views, caches))
+    finally:
+        camkv.remove(model)
