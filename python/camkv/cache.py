@@ -26,31 +26,24 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     """A KV cache that holds at most `budget + slack` tokens per (batch, KV head) row.
 
     Amortized eviction (docs/algorithm.md section 7): a call writes its keys and values
-    into a preallocated buffer in place and returns views of every row held (what the
-    model's mask was built for), keeping what scoring the new tokens needs (their
-    queries, or nothing with key scoring). Once the rows would pass budget + slack, the
-    tokens since the last compression are scored as one chunk and evicted (and merged)
-    back to budget, in the same call. With slack=0 that happens at every call over the
-    budget: the exact per-token rule. The rows live in a camkv.buffers.RowBuffers, what
-    scores the pending ones in a camkv.pending.PendingChunk, and a compression is
-    camkv.backends.compress.compress, whatever the backend.
+    in place and returns views of every row held, keeping what scoring them needs. Once
+    the rows would pass budget + slack, the tokens since the last compression are scored
+    as one chunk and evicted (and merged) back to budget in the same call (slack=0: the
+    exact per-token rule). Rows: camkv.buffers.RowBuffers; what scores the pending ones:
+    camkv.pending.PendingChunk; a compression: camkv.backends.compress.compress.
 
     head_offset and n_heads_global place this cache's heads among the model's heads
     when they are sharded over processes, so the gate draws what an unsharded run
     draws (docs/algorithm.md section 1).
 
     With scoring="query" a block waits for the model's queries, which camkv's attention
-    hook hands over right after update_and_fetch (observe_queries). When no hook can
-    feed the cache (it was built directly and no hook is installed, its model's
-    attention does not call mlx-lm's scaled_dot_product_attention, or the hook was
-    removed) the block is scored with its keys, with one QueryScoringWarning per cache.
-    A model that bypasses an installed hook is caught at the next call: the waiting
-    block is scored with keys, and it warns once.
+    hook hands over right after update_and_fetch (observe_queries). With no hook to feed
+    it (none installed, or a model whose attention bypasses mlx-lm's function) a block is
+    scored with its keys, with one QueryScoringWarning per cache.
 
-    A merge rule that carries state (camkv.merges: keepkv's votes, d2o's threshold)
-    keeps it beside the rows, through compressions, copies and the saved state; with
-    votes, attention_bias() hands the hook each returned row's log votes, and a model
-    that attends without asking for them is warned once (VotesWarning).
+    A merge rule's state (camkv.merges: keepkv's votes, d2o's threshold) follows the rows
+    through compressions, copies and the saved state; attention_bias() hands the hook the
+    rows' log votes, and attention that never asks is warned once (VotesWarning).
 
     Parts of its own: what camkv.batch asks of a row (camkv.batch_row), the state mlx-lm
     saves and loads (camkv.cache_state), what a caller reads of the rows and counters
@@ -336,24 +329,15 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         waits for its queries is scored with its keys first, with its warning), evicting
         back to the budget when more are held: an early compression (docs/algorithm.md
         section 7). camkv.save_prompt_cache calls it, so a saved file holds at most budget
-        rows, all scored, and no queries.
-
-        mass [B, H, pending] float32: the pending rows' mass, handed in instead of their
-        queries' (camkv.reconstruct: the model's re-read of them); the settled rows get none.
-        """
+        rows, all scored, and no queries. mass [B, H, pending]: the pending rows' mass,
+        handed in instead of their queries' (camkv.reconstruct's re-read)."""
         self.flush_pending()
-        given = None if mass is None else cache_input.given_mass(mass, self._layout, self._rows)
-        self._compress(mass=given)
-
-    def pending_rows(self) -> int:
-        """Rows held since the last compression (scored at the next one)."""
-        return self._rows.held - self._rows.settled
+        self._compress(mass=None if mass is None else cache_input.given_mass(mass, self._layout, self._rows))
 
     def hold_prompt(self, on: bool) -> None:
-        """While on, a prompt block (a call of several tokens) that takes the rows past
-        budget + slack stays pending, the rows growing past it, until compress_pending:
-        camkv.reconstruct scores such blocks by the model's re-read first. Decode steps
-        and blocks of another kind compress as always."""
+        """While on, a prompt block that takes the rows past budget + slack stays pending
+        until compress_pending (camkv.reconstruct re-reads it first); decode steps and
+        blocks of another kind compress as always."""
         self._holding = bool(on)
 
     # ------------------------------------------------------------------ rows

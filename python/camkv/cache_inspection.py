@@ -30,6 +30,10 @@ class CacheInspection:
             rows = rows._replace(scores=policy.decayed(rows.scores, self._config) + mass)
         return tuple(a.reshape(B, H, self._rows.held, *a.shape[2:]) for a in rows[:4])
 
+    def pending_rows(self) -> int:
+        """Rows held since the last compression (scored at the next one)."""
+        return self._rows.held - self._rows.settled
+
     def tier_rows(self):
         """(keys, values [B, H, t, D] dequantized, scores, positions [B, H, t]) of the
         low-precision tier's rows (tier_budget > 0), ascending by position."""
