@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from camkv import CaMConfig, CaMKVCache, gate, merges, reference
-from camkv.backends import compress, ext, jit, merge_ops
+from camkv.backends import compress, drop, ext, jit, merge_ops
 from camkv.rows import RowState
 from test_amortized import RTOL, near_tie_flips
 
@@ -183,6 +183,10 @@ def _assert_close(got: RowState, want: RowState, compare, cfg, terms: int, conte
             continue
         scale = np.maximum(np.abs(g).max(axis=-1, keepdims=True), np.abs(w).max(axis=-1, keepdims=True))
         limit = _ulp(scale, want.keys.dtype) + terms * _ulp(scale, mx.float32)
+        if rule.blends and drop.on_cuda():
+            # Cosine shares from MLX's CUDA products, float32 as three TF32 products (about
+            # 2^-21 relative each, camkv.mass.float32_product): a weighted mean moves by twice that.
+            limit = limit + 2 * 2.0**-20 * scale
         if rule.weight_uses_mass:
             limit = limit + (1e-5 + 2 * widen) * scale
         bad = np.argwhere((np.abs(g - w) > limit) & compare[:, :, None])

@@ -20,6 +20,8 @@ The sums run in the device's order (section 8's tolerances), as MLX's scatter-ad
 
 from __future__ import annotations
 
+import zlib
+
 import mlx.core as mx
 
 from . import drop
@@ -101,19 +103,25 @@ def available() -> bool:
     return drop.on_cuda() and drop.cuda_build()
 
 
+def _named(name: str, source: str) -> str:
+    """A kernel's name with its text's checksum: MLX keeps compiled kernels by name, so a
+    changed text (another version, a test's defect) never reuses another text's build."""
+    return f"{name}_{zlib.crc32(source.encode()):08x}"
+
+
 def _kernel(name: str):
     if name not in _kernels:
         if name == "nearest":
             _kernels[name] = mx.fast.cuda_kernel(
-                name="camkv_nearest_survivor", input_names=["products", "norm_k", "candidate", "dims"],
+                name=_named("camkv_nearest_survivor", _NEAREST), input_names=["products", "norm_k", "candidate", "dims"],
                 output_names=["target", "score", "dot"], source=_NEAREST)
         elif name == "max":
             _kernels[name] = mx.fast.cuda_kernel(
-                name="camkv_scatter_max", input_names=["x", "targets", "live", "dims"], output_names=["maxima"],
-                source=_SCATTER_MAX, header=_MAX_HEADER)
+                name=_named("camkv_scatter_max", _MAX_HEADER + _SCATTER_MAX), input_names=["x", "targets", "live", "dims"],
+                output_names=["maxima"], source=_SCATTER_MAX, header=_MAX_HEADER)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
-                name="camkv_scatter_rows", input_names=["rows_in", "targets", "live", "dims"],
+                name=_named("camkv_scatter_rows", _SCATTER), input_names=["rows_in", "targets", "live", "dims"],
                 output_names=["sums"], source=_SCATTER)
     return _kernels[name]
 
