@@ -25,8 +25,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from camkv import make_prompt_cache, remove
-from camkv.eval import arms, budgets, passkey, ruler, ruler_scoring, sweep
+from camkv.eval import arms, budgets, ruler, ruler_scoring, sweep
 from camkv.models import load
+from camkv.prefill import prefill
 
 DEFAULT_ARMS = ('default={}', 'pool5={"pool": 5}', 'pool7={"pool": 7}')
 THIRDS = ("first", "middle", "last")
@@ -89,7 +90,7 @@ def run_arm(model, tokenizer, sample, arm, args) -> dict:
     config = arm.config.replace(budget=budget)
     caches = make_prompt_cache(model, config=config)
     try:
-        logits = passkey.prefill_last_logits(model, caches, sample.tokens, args.chunk, tokenizer)
+        logits = prefill(model, caches, sample.tokens, args.chunk, tokenizer)
         needles = needle_rows(caches, sample.spans)
         text = ruler.greedy_answer(model, caches, logits, sample, tokenizer)
     finally:

@@ -15,8 +15,8 @@ from camkv.eval.budgets import budgets_for, parse_budgets
 from camkv.eval.cli import PRESETS, build_parser, main
 from camkv.eval.loading import tiny_random_model
 from camkv.eval.passkey import (PASSKEY_QUESTION, build_passkey, greedy_answer, is_correct, passkey_depths,
-                                prefill_last_logits, spread_order)
-from camkv.prefill import output_head
+                                spread_order)
+from camkv.prefill import output_head, prefill
 from camkv.eval.stream import feed
 from camkv.eval.records import RecordStore
 from camkv.eval.stream import full_reference, stream_arm, summarize_positions
@@ -126,7 +126,7 @@ def test_a_passkey_prefill_gives_the_last_logits_and_answer_of_a_whole_model_cal
         caches = make_cache(model, method, 48, SETTINGS)
         try:
             if runner is model:
-                last = prefill_last_logits(model, caches, prompt, 64)
+                last = prefill(model, caches, prompt, 64)
             else:
                 for _, logits in feed(runner, caches, prompt, len(prompt), 64):
                     pass

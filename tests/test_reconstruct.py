@@ -262,6 +262,22 @@ def test_the_prefill_rereads_every_compressed_token_and_stays_bounded(make, monk
     camkv.remove(model)
 
 
+def test_a_prompt_that_ends_between_budget_and_budget_plus_slack_is_reread_at_its_end(monkeypatch):
+    """34 tokens in chunks of 16 under budget 24 + slack 3: the last chunk leaves 26 rows,
+    no compression due; the prefill's end re-reads its 2 pending tokens and compresses."""
+    model = tiny_llama()
+    caches = camkv.make_prompt_cache(model, budget=24, prefill_scoring="reconstruct")
+    handed = []
+    real = CaMKVCache.compress_pending
+    monkeypatch.setattr(CaMKVCache, "compress_pending",
+                        lambda self, mass=None: handed.append(None if mass is None else mass.shape[2])
+                        or real(self, mass))
+    prefill(model, caches, _prompt(34), 16, CharTokenizer())
+    assert handed[-len(caches):] == [2] * len(caches)
+    assert all(c.size() == 24 and c.pending_rows() == 0 for c in caches)
+    camkv.remove(model)
+
+
 def test_the_prefill_holds_at_most_budget_slack_and_a_chunk(monkeypatch):
     """The prompt's calls (re-reads go to views) never see more rows than budget + slack
     and one chunk; with a chunk past budget + slack they see more than budget + slack."""

@@ -163,7 +163,7 @@ def given_mass(mass, layout: tuple | None, rows) -> mx.array:
     """The mass handed to compress_pending, as the compression reads it: [B*H, held]
     float32, zeros for the settled rows. mass: [B, H, pending] (ValueError naming the
     shapes otherwise; nothing changes)."""
-    pending = rows.held - rows.settled
+    pending = rows.pending
     if layout is None or not isinstance(mass, mx.array) or tuple(mass.shape) != (*layout[:2], pending):
         expected = "nothing (the cache is empty)" if layout is None else f"[B, H, pending] = {[*layout[:2], pending]}"
         got = tuple(mass.shape) if isinstance(mass, mx.array) else type(mass).__name__

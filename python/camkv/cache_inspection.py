@@ -32,7 +32,7 @@ class CacheInspection:
 
     def pending_rows(self) -> int:
         """Rows held since the last compression (scored at the next one)."""
-        return self._rows.held - self._rows.settled
+        return self._rows.pending
 
     def tier_rows(self):
         """(keys, values [B, H, t, D] dequantized, scores, positions [B, H, t]) of the

@@ -6,7 +6,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from . import merges
+from . import merges, policy
 
 MERGE_MODES = merges.names()  # the rules of camkv.merges, in kernel-code order
 SCORING_MODES = ("key", "query")
@@ -246,7 +246,7 @@ class CaMConfig:
         if self.pool != 1 and self.prefill_scoring != "window":
             raise ValueError(f"CaMConfig.pool={self.pool} needs prefill_scoring='window', got "
                              f"prefill_scoring={self.prefill_scoring!r}; use pool=1")
-        if self.prefill_scoring in ("window", "reconstruct") and self.prefill != "chunk":
+        if policy.windowed(self) and self.prefill != "chunk":
             raise ValueError(f"CaMConfig.prefill_scoring={self.prefill_scoring!r} needs prefill='chunk' (it "
                              f"scores a prompt chunk as a whole), got prefill={self.prefill!r}")
         if self.prefill_scoring == "reconstruct" and self.scoring != "query":

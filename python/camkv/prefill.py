@@ -26,10 +26,10 @@ def output_head(model):
     return model.model.embed_tokens.as_linear
 
 
-def layers_forward(model):
+def layers_forward(model, head=None):
     """forward(ids [1, L], caches): the model's layers over ids, without the output head
-    where it is known (output_head), else the whole model."""
-    head = output_head(model)
+    where it is known (head, else output_head's), else the whole model."""
+    head = output_head(model) if head is None else head
 
     def forward(ids, caches):
         return model.model(ids, cache=caches) if head is not None else model(ids, cache=caches)
@@ -43,6 +43,26 @@ def reconstruction(model, caches: list, tokenizer, chunk: int) -> Reconstruction
     return Reconstruction(model, caches, tokenizer, chunk, layers_forward(model)) if reconstructs(caches) else None
 
 
+def fed_in_chunks(forward, caches: list, tokens: list[int], chunk: int, driver: Reconstruction | None,
+                  progress=None):
+    """Yield (first position, forward's output) for each chunk of `chunk` tokens fed through
+    forward(ids [1, n], caches). Under a re-reads' driver each chunk is fed with the caches
+    holding, then evaluated and handed to it, and the driver finishes after the last one;
+    progress(done, total) follows each chunk."""
+    for position in range(0, len(tokens), chunk):
+        block = tokens[position : position + chunk]
+        with driver.holding() if driver is not None else nullcontext():
+            out = forward(mx.array(block)[None], caches)
+        yield position, out
+        if driver is not None:
+            mx.eval(out)
+            driver.fed(block)
+        if progress is not None:
+            progress(min(position + chunk, len(tokens)), len(tokens))
+    if driver is not None:
+        driver.finish()
+
+
 def prefill(model, caches: list, prompt: list[int], chunk: int = 2048, tokenizer=None, progress=None) -> mx.array:
     """Feed the prompt's ids in chunks of `chunk` tokens through the model and its caches
     and return the logits [V] of its last position. Where the model's head is known
@@ -51,21 +71,11 @@ def prefill(model, caches: list, prompt: list[int], chunk: int = 2048, tokenizer
     then) are scored by the model's re-read of the prompt, which needs its tokenizer.
     progress(done, total): called after each chunk (mlx-lm's prompt_progress_callback)."""
     head = output_head(model)
-    forward = layers_forward(model)
-    driver = reconstruction(model, caches, tokenizer, chunk)
     out = None
-    for position in range(0, len(prompt), chunk):
-        block = prompt[position : position + chunk]
-        with driver.holding() if driver is not None else nullcontext():
-            out = forward(mx.array(block)[None], caches)
-        if position + chunk < len(prompt) or driver is not None:
+    for position, out in fed_in_chunks(layers_forward(model, head), caches, prompt, chunk,
+                                       reconstruction(model, caches, tokenizer, chunk), progress):
+        if position + chunk < len(prompt):
             mx.eval(out)
-        if driver is not None:
-            driver.fed(block)
-        if progress is not None:
-            progress(min(position + chunk, len(prompt)), len(prompt))
     logits = (head(out[:, -1:]) if head is not None else out[:, -1:])[0, 0]
     mx.eval(logits)
-    if driver is not None:
-        driver.finish()
     return logits

@@ -83,6 +83,7 @@ class Reread:
         self.offset = cache.offset
         self.mass: mx.array | None = None
         self._keys: mx.array | None = None
+        self._bias: mx.array | None = None  # the votes' log over held rows and the pass's tokens
         self._held = cache.size()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
@@ -90,6 +91,9 @@ class Reread:
         if isinstance(held_keys, tuple):  # quantized rows as stored
             held_keys, held_values = hook.block_rows(held_keys, held_values, keys)
         self._keys = mx.concatenate([held_keys, keys], axis=2)
+        bias = self.cache.votes_bias()  # the held rows' log votes; the pass's tokens stand for one each
+        self._bias = None if bias is None else mx.concatenate(
+            [bias, mx.zeros((*bias.shape[:2], keys.shape[2]), bias.dtype)], axis=2)
         self.offset += keys.shape[2]
         return self._keys, mx.concatenate([held_values, values], axis=2)
 
@@ -99,14 +103,10 @@ class Reread:
         return create_causal_mask(N, self._held) if return_array else "causal"
 
     def attention_bias(self) -> mx.array | None:
-        bias = self.cache.votes_bias()
-        if bias is None:
-            return None
-        new = self._keys.shape[2] - self._held
-        return mx.concatenate([bias, mx.zeros((*bias.shape[:2], new), bias.dtype)], axis=2)
+        return self._bias
 
     def observe_queries(self, queries: mx.array, scale: float) -> bool:
-        self.mass = span_mass(queries, self._keys, scale, self._held, self.start, self.end, self.attention_bias())
+        self.mass = span_mass(queries, self._keys, scale, self._held, self.start, self.end, self._bias)
         return False  # attention runs as mlx-lm's, over what update_and_fetch returned
 
 

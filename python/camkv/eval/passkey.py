@@ -94,14 +94,9 @@ def build_passkey(tokenizer, source: str, docs, length: int, depth: float, place
     return PasskeyPrompt(sample_id, length, split / filler_len, key, tokens)
 
 
-def prefill_last_logits(model, caches, prompt: list[int], chunk: int, tokenizer=None) -> mx.array:
-    """camkv.prefill.prefill: the prompt in chunks, the logits [V] of its last position."""
-    return prefill(model, caches, prompt, chunk, tokenizer)
-
-
 def greedy_answer(model, caches, prompt: list[int], chunk: int, answer_tokens: int, tokenizer) -> str:
     """Prefill the prompt in chunks, then decode greedily through the same cache."""
-    logits = prefill_last_logits(model, caches, prompt, chunk, tokenizer)
+    logits = prefill(model, caches, prompt, chunk, tokenizer)
     answer = []
     for _ in range(answer_tokens):
         token = mx.argmax(logits)

@@ -43,10 +43,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..prefill import prefill
 from . import texts
 from .arms import cache_stats, expand_names, make_cache, parse_arm_spec, parse_methods, release_cache
 from .budgets import budgets_for
-from .passkey import _sentence_end_at_or_after, prefill_last_logits
+from .passkey import _sentence_end_at_or_after
 from .ruler_scoring import clean_answer, ruler_score  # noqa: F401 (the suite's scorer, re-exported)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -613,11 +614,11 @@ def answer(model, caches, sample: RulerSample, chunk: int, tokenizer, question_b
     question_by_steps: the context is prefilled alone and the question fed one token a
     step (the SnapKV arm: its cache compresses the context once, at its last chunk)."""
     if question_by_steps:
-        prefill_last_logits(model, caches, sample.context, chunk, tokenizer)
+        prefill(model, caches, sample.context, chunk, tokenizer)
         for token in sample.question:
             logits = model(mx.array([[token]]), cache=caches)[0, -1]
     else:
-        logits = prefill_last_logits(model, caches, sample.tokens, chunk, tokenizer)
+        logits = prefill(model, caches, sample.tokens, chunk, tokenizer)
     return greedy_answer(model, caches, logits, sample, tokenizer)
 
 

@@ -3,33 +3,21 @@ then one token a step, scored against the full cache's next-token distributions.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..prefill import reconstruction
+from ..prefill import fed_in_chunks, reconstruction
 
 
 def feed(model, caches: list, tokens: list[int], prefill_len: int, chunk: int, tokenizer=None):
     """Yield (first position, logits [n, V]) per model call: prefill chunks, then one token a
     step. Caches that score by reconstruction get their re-reads after each prefill chunk
-    (camkv.prefill.reconstruction, which needs the tokenizer)."""
-    driver = reconstruction(model, caches, tokenizer, chunk)
-    position = 0
-    while position < prefill_len:
-        n = min(chunk, prefill_len - position)
-        with driver.holding() if driver is not None else nullcontext():
-            logits = model(mx.array(tokens[position : position + n])[None], cache=caches)[0]
-        yield position, logits
-        if driver is not None:
-            mx.eval(logits)
-            driver.fed(tokens[position : position + n])
-        position += n
-    if driver is not None:
-        driver.finish()
+    (camkv.prefill.fed_in_chunks, whose driver needs the tokenizer)."""
+    yield from fed_in_chunks(lambda ids, c: model(ids, cache=c)[0], caches, tokens[:prefill_len], chunk,
+                             reconstruction(model, caches, tokenizer, chunk))
     for position in range(prefill_len, len(tokens)):
         yield position, model(mx.array(tokens[position : position + 1])[None], cache=caches)[0]
 
