@@ -269,6 +269,31 @@ def test_the_default_is_paired_with_every_other_arm_on_the_prompts_both_ran():
     assert "minus each arm" in lines and "| snapkv | 50.0 [" in lines.split("minus each arm")[1]
 
 
+def test_versus_pairs_another_arm_with_every_other_and_names_it():
+    records = []
+    for i in range(4):
+        records.append(_record("full", "niah_single_1", f"a{i}", 1.0))
+        records.append(_record("camkv", "niah_single_1", f"a{i}", [1.0, 0.0, 0.0, 1.0][i]))
+        records.append(_record("recon", "niah_single_1", f"a{i}", [1.0, 1.0, 0.0, 1.0][i]))
+    summary = ruler_report.summarize_ruler(records, versus="recon")
+    assert summary["versus"] == "recon"
+    assert summary["cells"]["camkv|4096|20%"]["ruler"]["default_minus"]["mean"] == pytest.approx(0.25)
+    assert "default_minus" not in summary["cells"]["recon|4096|20%"]["ruler"]
+    lines = "\n".join(ruler_report.ruler_tables(summary, ["full", "camkv", "recon"], ["20%"]))
+    assert "RULER average: recon minus each arm" in lines and "recon is ahead" in lines
+    assert "| camkv | 25.0 [" in lines.split("minus each arm")[1]
+    with pytest.raises(ValueError, match="'nope'.*camkv, full, recon"):
+        ruler_report.summarize_ruler(records, versus="nope")
+
+
+def test_versus_naming_no_arm_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "ruler"
+    args = ["--preset", "smoke", "--tasks", "ruler", "--out", str(out), "--no-progress", "--plan"]
+    assert main(args + ["--versus", "nope"]) == 2
+    assert "--versus must name an arm" in capsys.readouterr().err and not out.exists()
+    assert main(args + ["--versus", "streamingllm"]) == 0
+
+
 def test_a_constant_score_has_a_zero_width_interval_and_one_prompt_none():
     stats = ruler_report._stratified({"t": np.ones(5)}, np.random.default_rng(0))
     assert stats == {"mean": 1.0, "lo": 1.0, "hi": 1.0, "n": 5, "tasks": 1}

@@ -42,7 +42,7 @@ from pathlib import Path
 from .. import merges
 from ..config import PREFILL_SCORING_MODES, CaMConfig
 from ..models import DEFAULT_MODEL, PACKAGED_NAMES
-from .arms import offered_methods
+from .arms import DEFAULT_ARM, offered_methods
 from .budgets import _share_or_count
 from . import ruler
 from .loading import TINY_MODEL
@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--plan", action="store_true", help="print how many runs the options ask for, then exit")
     a("--report-only", action="store_true", help="only rewrite summary, table and plots from "
       "the records in --out")
+    a("--versus", default=DEFAULT_ARM, metavar="ARM",
+      help="the arm RULER's paired table subtracts every other arm from (default %(default)s: "
+      "camkv's default), e.g. an --arm's name")
     a("--no-progress", action="store_true", help="no progress bars")
     ruler.add_flags(p)
     return p

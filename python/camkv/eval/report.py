@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .. import merges
-from .arms import method_catalog
+from .arms import DEFAULT_ARM, method_catalog
 from .budgets import parse_budgets
 from .records import RecordStore
 from .ruler_report import plot_ruler, ruler_tables, summarize_ruler
@@ -96,7 +96,7 @@ def _plain(tree):
     return {k: _plain(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
-def summarize(records: list[dict], config: dict) -> dict:
+def summarize(records: list[dict], config: dict, versus: str = DEFAULT_ARM) -> dict:
     return {
         "config": config,
         "budget_labels": _label_order(config, records),
@@ -104,7 +104,7 @@ def summarize(records: list[dict], config: dict) -> dict:
         "passkey_lengths": sorted({r["length"] for r in records if r["task"] == "passkey"}),
         "stream": {subset: summarize_stream(records, subset) for subset in SUBSETS},
         "passkey": summarize_passkey(records),
-        "ruler": summarize_ruler(records),
+        "ruler": summarize_ruler(records, versus),
         "records": len(records),
     }
 
@@ -312,15 +312,16 @@ def plot_passkey_bars(summary: dict, path: Path) -> bool:
 # ---------------------------------------------------------------------------- all of it
 
 
-def write_report(out_dir: Path, complete: bool | None = None, notes=()) -> dict:
-    """summary.json, table.md and the plots from OUT/records.jsonl and OUT/run.json."""
+def write_report(out_dir: Path, complete: bool | None = None, notes=(), versus: str = DEFAULT_ARM) -> dict:
+    """summary.json, table.md and the plots from OUT/records.jsonl and OUT/run.json; versus:
+    the arm RULER's paired "minus each arm" grid subtracts from (camkv's default)."""
     out_dir = Path(out_dir)
     config_path = out_dir / "run.json"
     if not config_path.exists():
         raise ValueError(f"{out_dir} holds no run.json: nothing to report")
     config = json.loads(config_path.read_text())
     records = RecordStore.read_records(out_dir)
-    summary = summarize(records, config)
+    summary = summarize(records, config, versus)
     previous = out_dir / "summary.json"
     if complete is None and previous.exists():  # --report-only keeps what the run said
         old = json.loads(previous.read_text())

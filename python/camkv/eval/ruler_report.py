@@ -12,8 +12,9 @@ intervals, by method, length and budget, from the records alone.
   each prompt's score minus the full cache's on the same prompt, bootstrapped the same way;
   the full cache of the arm's own engine: a record's full_method (kvpress-full for the
   kvpress arms), "full" when it names none. "default minus" is paired the same way:
-  camkv's default ("camkv") minus the arm on the prompts both ran, at the same budget
-  label, so "is the default ahead of this arm" is read off one interval.
+  camkv's default ("camkv"), or the arm `camkv eval --versus` names, minus the arm on the
+  prompts both ran, at the same budget label, so "is it ahead of this arm" is read off
+  one interval.
 - Depths: the niah score by where the needles sit in the haystack (first, middle, last
   third; a prompt with needles in several thirds counts in each).
 """
@@ -101,15 +102,20 @@ def _full_method(by_task: dict) -> str:
     return first.get("full_method", "full")
 
 
-def summarize_ruler(records: list[dict]) -> dict:
-    """{"cells": "method|length|label" -> {ruler, niah, tasks, depths}, "tasks": [...]}."""
+def summarize_ruler(records: list[dict], versus: str = DEFAULT_ARM) -> dict:
+    """{"cells": "method|length|label" -> {ruler, niah, tasks, depths}, "tasks": [...],
+    "versus": the arm each cell's "default_minus" is paired with (camkv's default)}."""
     cells = _cells(records)
+    if records and versus != DEFAULT_ARM and not any(method == versus for method, _, _ in cells):
+        ran = sorted({method for method, _, _ in cells})
+        raise ValueError(f"--versus names an arm with no RULER records here: {versus!r}; the arms are "
+                         f"{', '.join(ran) or 'none'}")
     out = {}
     for (method, length, label), by_task in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         rng = np.random.default_rng(0)  # the same draws for every cell: paired across methods
         reference = _full_method(by_task)
         full = cells.get((reference, length, label)) if method != reference else None
-        default = cells.get((DEFAULT_ARM, length, label)) if method != DEFAULT_ARM else None
+        default = cells.get((versus, length, label)) if method != versus else None
         out[f"{method}|{length}|{label}"] = {
             "method": method, "length": length, "label": label,
             "ruler": _group_stats(by_task, full, default, rng, lambda t: True),
@@ -119,7 +125,7 @@ def summarize_ruler(records: list[dict]) -> dict:
             "depths": _depth_scores(by_task),
         }
     tasks = [t for t in TASK_NAMES if any(t in c["tasks"] for c in out.values())]
-    return {"cells": out, "tasks": tasks}
+    return {"cells": out, "tasks": tasks, "versus": versus}
 
 
 # ---------------------------------------------------------------------------- tables
@@ -178,8 +184,10 @@ def ruler_tables(summary: dict, methods: list[str], labels: list[str]) -> list[s
                    "engine's: kvpress arms minus kvpress-full; paired, points [95% interval])",
                    summary, _methods_with(summary, methods, "vs_full"), columns,
                    lambda c: _pct(c["ruler"].get("vs_full", {})))
-    lines += _grid(f"RULER average: camkv's default ({DEFAULT_ARM}) minus each arm on the same "
-                   "prompts (paired, points [95% interval]; above 0: the default is ahead)",
+    versus = summary.get("versus", DEFAULT_ARM)
+    who, it = (f"camkv's default ({DEFAULT_ARM})", "the default") if versus == DEFAULT_ARM else (versus, versus)
+    lines += _grid(f"RULER average: {who} minus each arm on the same "
+                   f"prompts (paired, points [95% interval]; above 0: {it} is ahead)",
                    summary, _methods_with(summary, methods, "default_minus"), columns,
                    lambda c: _pct(c["ruler"].get("default_minus", {})))
     for length, label in columns:

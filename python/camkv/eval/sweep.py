@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 from . import report, ruler, ruler_export, texts
-from .arms import Arm, CacheSettings, cache_stats, make_cache, parse_arm_spec, parse_methods, release_cache
+from .arms import DEFAULT_ARM, Arm, CacheSettings, cache_stats, make_cache, parse_arm_spec, parse_methods, release_cache
 from .budgets import Budget, budgets_for, parse_budgets
 from .loading import cast_model, load_model
 from .passkey import PasskeyPrompt, build_passkey, greedy_answer, is_correct, passkey_depths, spread_order
@@ -205,12 +206,13 @@ def count_units(rounds, methods, budgets, settings) -> int:
 def run(opts) -> dict:
     """Run (or resume) the sweep the options describe; returns the summary."""
     if opts.report_only:
-        return report.write_report(opts.out)
+        return report.write_report(opts.out, versus=opts.versus)
     methods = parse_methods(opts.methods) + [parse_arm_spec(spec) for spec in opts.arms]
     budgets = parse_budgets(opts.budgets)
     settings = CacheSettings(opts.n_sink, opts.recent, opts.window, opts.seed, opts.backend,
                              prefill_scoring=opts.prefill_scoring,
                              observation_window=opts.observation_window, pool=opts.pool)
+    _check_versus(opts.versus, methods, opts.out)
     if opts.plan:
         print(describe_plan(opts, methods, budgets, settings))
         return {}
@@ -223,6 +225,19 @@ def run(opts) -> dict:
         return _export_prompts(opts, documents)
     with folder_lock(opts.out):
         return _sweep(opts, documents, methods, budgets, settings)
+
+
+def _check_versus(versus: str, methods, out) -> None:
+    """--versus names an arm of this run or of the records already in OUT (checked before
+    any arm runs)."""
+    known = {m.name for m in methods}
+    if versus in known or versus == DEFAULT_ARM:
+        return
+    if out is not None and Path(out, "records.jsonl").exists():
+        known |= {r.get("method") for r in RecordStore.read_records(Path(out))}
+    if versus not in known:
+        raise ValueError(f"--versus must name an arm of the run or of its records, got {versus!r}; "
+                         f"the arms are {', '.join(sorted(k for k in known if k))}")
 
 
 def _export_prompts(opts, documents) -> dict:
@@ -263,7 +278,7 @@ def _sweep(opts, documents, methods, budgets, settings) -> dict:
         progress.close()
     for note in sorted(sweep.notes):
         print(f"camkv eval: {note}", file=sys.stderr)
-    return report.write_report(opts.out, complete=complete, notes=sorted(sweep.notes))
+    return report.write_report(opts.out, complete=complete, notes=sorted(sweep.notes), versus=opts.versus)
 
 
 class _NoProgress:
