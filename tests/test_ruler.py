@@ -252,12 +252,15 @@ def test_summary_averages_task_means_with_intervals_and_pairs_with_the_full_cach
     assert "| camkv | 0.0 [0.0, 0.0] | 54.2 [" in lines
 
 
+def _four_prompts(**scores) -> list[dict]:
+    """niah_single_1 records of four prompts: the full cache's score 1, and each named
+    arm's scores of the four."""
+    return [_record(method, "niah_single_1", f"a{i}", score)
+            for method, arm_scores in {"full": [1.0] * 4, **scores}.items() for i, score in enumerate(arm_scores)]
+
+
 def test_the_default_is_paired_with_every_other_arm_on_the_prompts_both_ran():
-    records = []
-    for i in range(4):
-        records.append(_record("full", "niah_single_1", f"a{i}", 1.0))
-        records.append(_record("camkv", "niah_single_1", f"a{i}", [1.0, 1.0, 0.0, 1.0][i]))
-        records.append(_record("snapkv", "niah_single_1", f"a{i}", [0.0, 1.0, 0.0, 0.0][i]))
+    records = _four_prompts(camkv=[1.0, 1.0, 0.0, 1.0], snapkv=[0.0, 1.0, 0.0, 0.0])
     records.append(_record("snapkv", "niah_single_1", "a9", 1.0))  # a prompt camkv did not run
     summary = ruler_report.summarize_ruler(records)
     snap = summary["cells"]["snapkv|4096|20%"]["ruler"]
@@ -270,11 +273,7 @@ def test_the_default_is_paired_with_every_other_arm_on_the_prompts_both_ran():
 
 
 def test_versus_pairs_another_arm_with_every_other_and_names_it():
-    records = []
-    for i in range(4):
-        records.append(_record("full", "niah_single_1", f"a{i}", 1.0))
-        records.append(_record("camkv", "niah_single_1", f"a{i}", [1.0, 0.0, 0.0, 1.0][i]))
-        records.append(_record("recon", "niah_single_1", f"a{i}", [1.0, 1.0, 0.0, 1.0][i]))
+    records = _four_prompts(camkv=[1.0, 0.0, 0.0, 1.0], recon=[1.0, 1.0, 0.0, 1.0])
     summary = ruler_report.summarize_ruler(records, versus="recon")
     assert summary["versus"] == "recon"
     assert summary["cells"]["camkv|4096|20%"]["ruler"]["default_minus"]["mean"] == pytest.approx(0.25)
