@@ -245,3 +245,47 @@ def test_needle_rows_refuses_bad_arguments_with_status_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.parse_args(argv)
     assert exit_info.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+class _CharTokenizer:
+    """One id per character (mod 128), no chat template, no end token."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 128 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_reread_mass_reports_each_needle_token_in_the_compression_that_scored_it():
+    """reread_mass: a needle's tokens are found where the prompt writes " VALUE", and each
+    camkv layer and KV head reports them once, in the compression whose pending rows held
+    them (positions first_position.. of the prompt), with their mass and percentile there."""
+    import numpy as np
+    from tiny_models import tiny_llama
+
+    script = _load_bench_script("reread_mass")
+    tokenizer = _CharTokenizer()
+    ids = [int(t) for t in np.random.default_rng(0).integers(97, 123, 100)]  # lower-case letters
+    needle = tokenizer.encode(" Q7")
+    ids[60:63] = needle
+    assert script.needle_positions(ids, ["Q7", "Z9"], tokenizer) == {"Q7": [60, 61, 62]}
+    prompt = {"sample": "s", "expected": ["Q7"], "max_new_tokens": 2, "context_ids": ids[:90],
+              "question_ids": ids[90:]}
+    got = script.probe(tiny_llama(), tokenizer, prompt, budget=24, chunk=16)
+    rows = got["needles"]
+    assert sorted((r["layer"], r["head"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in rows:
+        assert r["first_position"] <= 60 and 62 < r["first_position"] + r["rows_scored"]
+        assert len(r["mass"]) == 3 and all(0 <= m <= 1 for m in r["mass"])
+        assert all(0 <= q <= 1 for q in r["percentile"])
+    assert len(got["answer"]) == 2
+
+
+def test_reread_mass_refuses_a_budget_below_two(capsys):
+    script = _load_bench_script("reread_mass")
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(["--prompts", "p.jsonl", "--budget", "1"])
+    assert exit_info.value.code == 2 and "--budget must be >= 2" in capsys.readouterr().err
