@@ -103,4 +103,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from camkv._blas import reexec_with_openblas
+
+    reexec_with_openblas()
     sys.exit(main())
