@@ -285,6 +285,12 @@ def test_versus_pairs_another_arm_with_every_other_and_names_it():
         ruler_report.summarize_ruler(records, versus="nope")
 
 
+def test_versus_of_an_arm_without_ruler_records_pairs_nothing_and_refuses_nothing():
+    records = [{"task": "stream", "method": "recon", "sample": "w0"}]
+    summary = ruler_report.summarize_ruler(records, versus="recon")
+    assert summary["cells"] == {} and summary["versus"] == "recon"
+
+
 def test_versus_naming_no_arm_is_refused_before_anything_runs(tmp_path, capsys):
     out = tmp_path / "ruler"
     args = ["--preset", "smoke", "--tasks", "ruler", "--out", str(out), "--no-progress", "--plan"]

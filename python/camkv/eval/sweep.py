@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import report, ruler, ruler_export, texts
 from .arms import DEFAULT_ARM, Arm, CacheSettings, cache_stats, make_cache, parse_arm_spec, parse_methods, release_cache
