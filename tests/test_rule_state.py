@@ -284,11 +284,11 @@ def test_a_compiled_compression_merge_is_the_plain_merge_bit_for_bit(merge, gate
 
 def test_compiled_merges_are_kept_for_the_most_recent_configurations_only():
     """One compiled step per (config, scale), reused while it is among the last
-    _COMPILED_MERGES_KEPT used: a sweep over many configurations keeps a bounded number."""
+    `kept` used (camkv.compiled.CompiledSteps): a sweep over many configurations keeps a bounded number."""
     first = CaMConfig(budget=16, recent=4, merge="mean")
     step = reference._compiled_merge(first, 0.3)
     assert reference._compiled_merge(first, 0.3) is step
-    for budget in range(17, 17 + reference._COMPILED_MERGES_KEPT + 5):
+    for budget in range(17, 17 + reference._COMPILED_MERGES.kept + 5):
         reference._compiled_merge(CaMConfig(budget=budget, recent=4, merge="mean"), 0.3)
-    assert len(reference._COMPILED_MERGES) == reference._COMPILED_MERGES_KEPT
+    assert len(reference._COMPILED_MERGES) == reference._COMPILED_MERGES.kept
     assert (first, 0.3) not in reference._COMPILED_MERGES

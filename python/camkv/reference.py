@@ -11,12 +11,12 @@ to the storage dtype once per compression.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import NamedTuple
 
 import mlx.core as mx
 
 from . import mass as _mass, merges, policy
+from .compiled import CompiledSteps
 from .config import CaMConfig
 # The mass arithmetic the kernels' prescoring shares lives in camkv.mass; the oracle
 # reads it from there (tests read these names here too).
@@ -205,11 +205,8 @@ def _loser_shares(rule: merges.MergeRule, cos_t, s_in, s_target, norm_in, norm_t
     return rule.loser_share(cos_t, s_in, s_target, norm_in, norm_target)
 
 
-# (config, scale) -> its compiled compression merge, the most recently used last.
-# Bounded: a process that tries many configurations (a sweep, the tests) would otherwise
-# keep every compiled graph; a model's layers share one entry.
-_COMPILED_MERGES: OrderedDict = OrderedDict()
-_COMPILED_MERGES_KEPT = 32
+# (config, scale) -> its compiled compression merge; a model's layers share one entry.
+_COMPILED_MERGES = CompiledSteps()
 
 
 def _compiled_merge(cfg: CaMConfig, scale: float):
@@ -218,19 +215,15 @@ def _compiled_merge(cfg: CaMConfig, scale: float):
     order, float32 throughout; exact mode and chunks take the same compiled step (on a GPU,
     fused kernels round otherwise than separate ones, and a one-token chunk must equal
     exact mode, section 7)."""
-    key = (cfg, scale)
-    if key not in _COMPILED_MERGES:
+    def build():
         def step(keys, values, scores, positions, survivor, loser_idx, row_ids, carried, fixed):
             extra = _RuleState(carried.get("votes"), carried.get("threshold"), fixed.get("query"), scale)
             keys, values, scores, did, votes, threshold = _merge_all(keys, values, scores, positions, survivor,
                                                                      loser_idx, row_ids, cfg, extra)
             return keys, values, scores, did, _carried(votes, threshold)
+        return step
 
-        _COMPILED_MERGES[key] = mx.compile(step)
-        if len(_COMPILED_MERGES) > _COMPILED_MERGES_KEPT:
-            _COMPILED_MERGES.popitem(last=False)
-    _COMPILED_MERGES.move_to_end(key)
-    return _COMPILED_MERGES[key]
+    return _COMPILED_MERGES.get((cfg, scale), build)
 
 
 def _carried(votes, threshold) -> dict:

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import gate, mass, merges, policy
+from ..compiled import CompiledSteps
 from ..rows import RowState
 from . import drop, merge_cuda, selfcheck
 
@@ -107,18 +108,51 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
                                                     losers_sorted=False)
     if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
         return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
-    # The losers' positions key the gate's draws; without a gate nothing reads them.
-    losers = Rows.of(keys, values, scores, positions if cfg.gate else None, votes, loser_idx)
-    kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
     kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
-    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
-    # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
-    out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
-    return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
-                    merged.threshold), merged.count
+    optional = {name: a for name, a in (("votes", votes), ("threshold", threshold), ("query", query)) if a is not None}
+    step = _merge_step(cfg, scale, split, kernels) if COMPILED else _merge_survivors(cfg, scale, split, kernels)
+    out_keys, out_values, out_scores, out_positions, count, state = step(keys, values, scores, positions, loser_idx,
+                                                                         kept_idx, row_ids, optional)
+    return RowState(out_keys, out_values, out_scores, out_positions, state.get("votes"),
+                    state.get("threshold")), count
+
+
+# Whether a compression's gathers and merges run as one compiled graph (mx.compile): on a
+# GPU each MLX operation of the eager graph is a launch and some microseconds of the
+# host's, and a merge adds 30-130 of them to dropping's 41 (bench/profile_merge_engine.py
+# --graph); compiled, the elementwise ones fuse and the graph is built once a shape.
+# The benchmarks switch it off to time the eager graph beside it.
+COMPILED = True
+_STEPS = CompiledSteps()
+
+
+def _merge_step(cfg, scale: float, split: bool, kernels: bool):
+    """_merge_survivors for one configuration, scale and way under mx.compile."""
+    return _STEPS.get((cfg, scale, split, kernels), lambda: _merge_survivors(cfg, scale, split, kernels))
+
+
+def _merge_survivors(cfg, scale: float, split: bool, kernels: bool):
+    """The step after the partition: gather losers and survivors, merge (merge), cast the
+    survivors back to the storage dtype. Takes (keys, values, scores, positions [R, N],
+    loser_idx, kept_idx, row_ids, optional: a dict of what the rule reads, of votes [R,
+    N], threshold [R], query [R, Dk]); returns (keys, values, scores, positions, merges
+    [R] int32, a dict of the votes and threshold after)."""
+    def step(keys, values, scores, positions, loser_idx, kept_idx, row_ids, optional):
+        votes = optional.get("votes")
+        # The losers' positions key the gate's draws; without a gate nothing reads them.
+        losers = Rows.of(keys, values, scores, positions if cfg.gate else None, votes, loser_idx)
+        kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
+        merged = merge(losers, loser_idx, kept, kept_idx, optional.get("threshold"), optional.get("query"), scale,
+                       cfg, row_ids, split, kernels)
+        # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
+        out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
+        state = {name: a for name, a in (("votes", merged.votes), ("threshold", merged.threshold)) if a is not None}
+        return out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.count, state
+
+    return step
 
 
 _probe: dict[str, str | None] = {}  # "failure": None once the kernels passed, else why they did not
