@@ -102,11 +102,9 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
     if n + s_len <= cfg.budget:
         return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
-    # Losers in any order: a compression's merges are simultaneous (section 4).
-    loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
-                                                    first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
-                                                    losers_sorted=False)
+    p_last = first_pending + s_len - 1
     if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
+        kept_idx = _partition(scores, positions, p_last, cfg)[1]
         return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
@@ -114,8 +112,9 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
     optional = {name: a for name, a in (("votes", votes), ("threshold", threshold), ("query", query)) if a is not None}
     step = _merge_step(cfg, scale, split, kernels) if COMPILED else _merge_survivors(cfg, scale, split, kernels)
-    out_keys, out_values, out_scores, out_positions, count, state = step(keys, values, scores, positions, loser_idx,
-                                                                         kept_idx, row_ids, optional)
+    # The compression's last position as an array: a number would be traced into the compiled graph.
+    out_keys, out_values, out_scores, out_positions, count, state = step(
+        keys, values, scores, positions, mx.array(p_last, mx.int32), row_ids, optional)
     return RowState(out_keys, out_values, out_scores, out_positions, state.get("votes"),
                     state.get("threshold")), count
 
@@ -134,13 +133,22 @@ def _merge_step(cfg, scale: float, split: bool, kernels: bool):
     return _STEPS.get((cfg, scale, split, kernels), lambda: _merge_survivors(cfg, scale, split, kernels))
 
 
+def _partition(scores, positions, p_last, cfg) -> tuple[mx.array, mx.array]:
+    """Losers (in any order: a compression's merges are simultaneous, section 4) and
+    survivors (in position order) of a compression whose last position is p_last."""
+    return drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions, p_last, cfg.budget, cfg.n_sink,
+                                     cfg.recent, losers_sorted=False)
+
+
 def _merge_survivors(cfg, scale: float, split: bool, kernels: bool):
-    """The step after the partition: gather losers and survivors, merge (merge), cast the
-    survivors back to the storage dtype. Takes (keys, values, scores, positions [R, N],
-    loser_idx, kept_idx, row_ids, optional: a dict of what the rule reads, of votes [R,
-    N], threshold [R], query [R, Dk]); returns (keys, values, scores, positions, merges
-    [R] int32, a dict of the votes and threshold after)."""
-    def step(keys, values, scores, positions, loser_idx, kept_idx, row_ids, optional):
+    """A scored compression from its partition on: losers and survivors chosen and
+    gathered, merged (merge), the survivors cast back to the storage dtype. Takes (keys,
+    values, scores, positions [R, N], p_last (the compression's last position, a scalar
+    array), row_ids, optional: a dict of what the rule reads, of votes [R, N], threshold
+    [R], query [R, Dk]); returns (keys, values, scores, positions, merges [R] int32, a
+    dict of the votes and threshold after)."""
+    def step(keys, values, scores, positions, p_last, row_ids, optional):
+        loser_idx, kept_idx = _partition(scores, positions, p_last, cfg)
         votes = optional.get("votes")
         # The losers' positions key the gate's draws; without a gate nothing reads them.
         losers = Rows.of(keys, values, scores, positions if cfg.gate else None, votes, loser_idx)
