@@ -15,12 +15,7 @@ engine's CUDA kernels (camkv.backends.merge_cuda) switched off, so its MLX opera
 run every compression, and keepkv's decode steps attending through mlx-lm's attention
 with a mask (not camkv's pass, camkv.quantized_attention.attend_weighed), as before
 those kernels; and for a rule with votes, RULE/sdpa: only the attention as before.
---eager-arms RULE ... adds RULE/eager: the rule with the merge engine's gathers and
-merges built operation by operation each compression (camkv.backends.merge_ops.COMPILED
-off), as before they ran compiled; the engine runs where compressions are batched MLX
-operations (a GPU), so elsewhere such an arm times what its rule's arm does. Before and
-after in one process. The warm round's prefill (a compiled graph's first trace and, on a
-GPU, its kernels' first build) is reported too.
+Before and after in one process.
 
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
@@ -54,7 +49,6 @@ ROTATING = "rotating"
 DROP = "drop"
 OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels, nor camkv's weighed attention
 SDPA = "/sdpa"  # an arm's suffix: the rule without camkv's weighed attention (mlx-lm's, with a mask)
-EAGER = "/eager"  # an arm's suffix: the rule with the merge engine's graph built op by op (not compiled)
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -77,9 +71,6 @@ def parse_args(argv=None):
                         help="on an NVIDIA GPU, also time these rules as before the merge engine's CUDA kernels "
                              "and camkv's weighed decode attention (arms RULE/ops) and as before the latter alone "
                              "(RULE/sdpa) (default: none)")
-    parser.add_argument("--eager-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
-                        help="also time these rules with the merge engine's graph not compiled (arms RULE/eager) "
-                             "(default: none)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results (default none)")
     opts = parser.parse_args(argv)
     try:
@@ -103,31 +94,25 @@ def arms_of(opts) -> list[str]:
     rules_before = [rule for rule in dict.fromkeys(opts.ops_arms) if rule != DROP] if merge_cuda.available() else []
     without = [rule + OPS for rule in rules_before]
     without += [rule + SDPA for rule in rules_before if merges.rule(rule).keeps_votes]  # only votes weigh attention
-    without += [rule + EAGER for rule in dict.fromkeys(opts.eager_arms) if rule != DROP]
     return [ROTATING, DROP] + rules + without
 
 
 def make_cache(model, arm: str, budget: int) -> list:
     if arm == ROTATING:  # StreamingLLM as mlx-lm has it, with camkv's default sinks
         return [RotatingKVCache(max_size=budget, keep=CaMConfig(budget=budget).n_sink) for _ in model.layers]
-    return camkv.make_prompt_cache(model, budget=budget, merge=_rule_of(arm))
-
-
-def _rule_of(arm: str) -> str:
-    return arm.split("/")[0]
+    return camkv.make_prompt_cache(model, budget=budget, merge=arm.removesuffix(OPS).removesuffix(SDPA))
 
 
 def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     """(seconds to the first token, mean seconds of each decode step after it)."""
+    cache = make_cache(model, arm, opts.budget)
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
-    verdict, weighed, compiled = merge_ops._probe.copy(), quantized_attention.attend_weighed, merge_ops.COMPILED
-    merge_ops.COMPILED = not arm.endswith(EAGER)
+    verdict, weighed = merge_ops._probe.copy(), quantized_attention.attend_weighed
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
     if arm.endswith((OPS, SDPA)):
         quantized_attention.attend_weighed = lambda *args: None
     try:
-        cache = make_cache(model, arm, opts.budget)
         tick = time.perf_counter()
         tokens = generate_step(prompt, model, prompt_cache=cache, max_tokens=opts.steps + 1,
                                sampler=lambda logprobs: mx.argmax(logprobs, axis=-1), prefill_step_size=opts.chunk)
@@ -140,7 +125,6 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
         merge_ops._probe.clear()
         merge_ops._probe.update(verdict)
         quantized_attention.attend_weighed = weighed
-        merge_ops.COMPILED = compiled
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps
@@ -154,7 +138,7 @@ def in_turn(arms: list[str], round_index: int) -> list[str]:
 def measure(model, prompt: mx.array, opts) -> dict[str, dict[str, list[float]]]:
     """arm -> {"prefill_s": [...], "decode_step_s": [...]}, one entry a timed round."""
     arms = arms_of(opts)
-    times = {arm: {"prefill_s": [], "decode_step_s": [], "warm_prefill_s": None} for arm in arms}
+    times = {arm: {"prefill_s": [], "decode_step_s": []} for arm in arms}
     for round_index in range(opts.rounds + 1):
         for arm in in_turn(arms, round_index):
             prefill, step = run_arm(model, arm, prompt, opts)
@@ -163,8 +147,6 @@ def measure(model, prompt: mx.array, opts) -> dict[str, dict[str, list[float]]]:
             if round_index:
                 times[arm]["prefill_s"].append(prefill)
                 times[arm]["decode_step_s"].append(step)
-            else:
-                times[arm]["warm_prefill_s"] = prefill
     return times
 
 
@@ -178,21 +160,20 @@ def summarize(times: dict) -> dict:
         out[arm] = {"prefill_ms": 1e3 * statistics.median(t["prefill_s"]),
                     "decode_step_ms": 1e3 * statistics.median(t["decode_step_s"]),
                     "prefill_vs_drop": prefill, "decode_vs_drop": decode,
-                    "warm_prefill_ms": 1e3 * t["warm_prefill_s"],
                     "prefill_goal_met": prefill <= PREFILL_GOAL, "decode_goal_met": decode <= DECODE_GOAL,
                     "rounds": t}
     return out
 
 
 def table(summary: dict) -> str:
-    lines = [f"{'arm':14s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s} {'warm prefill':>13s}",
-             "-" * 67]
+    lines = [f"{'arm':14s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s}",
+             "-" * 53]
     for arm, r in summary.items():
         marks = ("" if arm in (ROTATING, DROP) else
                  f"  prefill {'ok' if r['prefill_goal_met'] else 'over'}, decode "
                  f"{'ok' if r['decode_goal_met'] else 'over'}")
         lines.append(f"{arm:14s} {r['prefill_ms']:11.1f} {r['prefill_vs_drop']:7.2f} {r['decode_step_ms']:10.2f} "
-                     f"{r['decode_vs_drop']:7.3f} {r['warm_prefill_ms']:10.1f} ms{marks}")
+                     f"{r['decode_vs_drop']:7.3f}{marks}")
     lines.append(f"goals against drop: prefill <= {PREFILL_GOAL}x, decode step <= {DECODE_GOAL}x")
     return "\n".join(lines)
 

@@ -21,10 +21,6 @@ time over dropping goes. llama-3-8B's shape on a GPU:
 On an NVIDIA GPU the arm drop/launch is what merge="drop" runs there (one launch,
 camkv.backends.compact_cuda), and --ops-arms RULE ... adds RULE/ops: the rule without the
 merge engine's kernels (camkv.backends.merge_cuda), before and after in one process.
---eager-arms RULE ... adds RULE/eager: the rule with its gathers and merges built
-operation by operation (camkv.backends.merge_ops.COMPILED off) instead of one compiled
-graph. --stages times every engine that way (a compiled graph has no parts to time), and
---graph counts a compiled graph's fused kernels as one operation each.
 """
 
 from __future__ import annotations
@@ -76,29 +72,8 @@ def parse_args(argv=None):
     parser.add_argument("--ops-arms", nargs="*", default=[], metavar="RULE",
                         help="on an NVIDIA GPU, also run these rules without camkv.backends.merge_cuda's kernels, "
                              "as arms RULE/ops: before and after in one process (default: none)")
-    parser.add_argument("--eager-arms", nargs="*", default=[], metavar="RULE",
-                        help="also run these rules with the merge engine's graph not compiled, as arms RULE/eager: "
-                             "before and after in one process (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="write the medians as JSON here (default: none)")
     return parser.parse_args(argv)
-
-
-@contextmanager
-def eager():
-    """Within it, the merge engine builds its gathers and merges operation by operation."""
-    compiled = merge_ops.COMPILED
-    merge_ops.COMPILED = False
-    try:
-        yield
-    finally:
-        merge_ops.COMPILED = compiled
-
-
-def _eager(fn):
-    def call():
-        with eager():
-            return fn()
-    return call
 
 
 # Operations that make a view of their input, copying nothing (no launch on a GPU).
@@ -175,13 +150,11 @@ def _stages(engines: dict, repeats: int) -> dict[str, dict[str, float]]:
     """Median ms of each part of each engine's call, over repeats calls after a warm one."""
     out = {}
     for name, fn in engines.items():
-        if name.endswith("/eager"):  # every part is timed eager: the rule's own parts
-            continue
         _timed(fn)
         runs = []
         for _ in range(repeats):
             spent: dict[str, float] = {}
-            with stage_timer(spent), eager():  # the parts of a compiled graph are not apart to time
+            with stage_timer(spent):
                 spent["whole"] = _timed(fn)
             runs.append(spent)
         labels = sorted({label for run in runs for label in run})
@@ -227,8 +200,6 @@ def main(argv=None) -> dict:
         settled = merge_ops.Settled(scores, positions, votes, None)
         engines[rule] = (lambda c, st: lambda: merge_ops.compress(keys, values, st, queries, n, scale, c, row_ids,
                                                                   preferred))(cfg(rule), settled)
-        if rule in opts.eager_arms:
-            engines[f"{rule}/eager"] = _eager(engines[rule])
         if rule in opts.ops_arms and drop.on_cuda():
             engines[f"{rule}/ops"] = (lambda c, st: lambda: merge_ops.compress(
                 keys, values, st, queries, n, scale, c, row_ids, preferred, kernels=False))(cfg(rule), settled)

@@ -170,22 +170,16 @@ def kernels_here(*modules):
 @contextlib.contextmanager
 def emulating(*modules):
     """Within the block, mx.fast.cuda_kernel and mx.fast.metal_kernel are emulated_cuda_kernel
-    and emulated_metal_kernel, the modules' kernel caches emptied on the way in and out.
-    The merge engine builds its graph operation by operation meanwhile: an emulated
-    kernel reads its inputs' values, which a graph being compiled does not have yet."""
-    from camkv.backends import merge_ops
-
+    and emulated_metal_kernel, the modules' kernel caches emptied on the way in and out."""
     saved = [(m, name, getattr(m, name)) for m in modules for name in ("_kernel", "_kernels")
              if isinstance(getattr(m, name, False), (dict, type(None)))]  # caches, not the functions filling them
-    real, compiled = (mx.fast.cuda_kernel, mx.fast.metal_kernel), merge_ops.COMPILED
+    real = mx.fast.cuda_kernel, mx.fast.metal_kernel
     try:
         mx.fast.cuda_kernel, mx.fast.metal_kernel = emulated_cuda_kernel, emulated_metal_kernel
-        merge_ops.COMPILED = False
         for module, name, value in saved:
             setattr(module, name, {} if isinstance(value, dict) else None)
         yield
     finally:
         mx.fast.cuda_kernel, mx.fast.metal_kernel = real
-        merge_ops.COMPILED = compiled
         for module, name, value in saved:
             setattr(module, name, value)

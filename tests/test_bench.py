@@ -159,25 +159,6 @@ def test_merge_speed_times_every_arm_in_turn_against_dropping(tmp_path, capsys):
     assert not hook.installed_modules()
 
 
-def test_merge_speed_times_an_eager_arm_with_the_merge_graph_not_compiled(tmp_path, monkeypatch):
-    """--eager-arms mean adds mean/eager, whose caches are made (and run) with the merge
-    engine's graph not compiled, the compiled setting restored after it; each arm's warm
-    round's prefill is reported."""
-    from camkv.backends import merge_ops
-
-    script = _load_bench_script("merge_speed")
-    made = []
-    real = script.camkv.make_prompt_cache
-    monkeypatch.setattr(script.camkv, "make_prompt_cache",
-                        lambda *a, **k: made.append((k["merge"], merge_ops.COMPILED)) or real(*a, **k))
-    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
-                          "--steps", "2", "--rounds", "1", "--rules", "mean", "--eager-arms", "mean"])
-    assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/eager"]
-    assert set(made) == {("drop", True), ("mean", True), ("mean", False)}
-    assert merge_ops.COMPILED is True
-    assert all(arm["warm_prefill_ms"] > 0 for arm in result["arms"].values())
-
-
 def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
     script = _load_bench_script("merge_speed")
     with pytest.raises(SystemExit) as exit_info:
@@ -194,18 +175,6 @@ def test_profile_merge_engine_pairs_every_rule_with_the_drop_engine(capsys):
     assert result["ms"]["drop"]["vs_drop"] == 1.0
     assert all(r["median_ms"] > 0 and r["vs_drop"] > 0 for r in result["ms"].values())
     assert "x drop's (paired)" in capsys.readouterr().out
-
-
-def test_profile_merge_engine_times_an_eager_arm_and_counts_a_compiled_graph_as_fewer_operations():
-    """--eager-arms mean adds mean/eager; --graph counts the compiled graph's fused kernels
-    as one operation each, so the compiled call has fewer operations than the eager one."""
-    script = _load_bench_script("profile_merge_engine")
-    result = script.main(["--rows", "2", "--head-dim", "8", "--budget", "16", "--chunk", "40", "--graph",
-                          "--eager-arms", "mean"])
-    graph = result["graph"]
-    assert graph["mean"]["operations"] < graph["mean/eager"]["operations"]
-    assert any(name.startswith("Compiled") for name in graph["mean"]["by_primitive"])
-    assert not any(name.startswith("Compiled") for name in graph["mean/eager"]["by_primitive"])
 
 
 def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):

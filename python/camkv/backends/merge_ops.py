@@ -24,7 +24,6 @@ import mlx.core as mx
 import numpy as np
 
 from .. import gate, mass, merges, policy
-from ..compiled import CompiledSteps
 from ..rows import RowState
 from . import drop, merge_cuda, selfcheck
 
@@ -102,65 +101,24 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
     if n + s_len <= cfg.budget:
         return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
-    p_last = first_pending + s_len - 1
+    # Losers in any order: a compression's merges are simultaneous (section 4).
+    loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
+                                                    first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
+                                                    losers_sorted=False)
     if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
-        kept_idx = _partition(scores, positions, p_last, cfg)[1]
         return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
+    # The losers' positions key the gate's draws; without a gate nothing reads them.
+    losers = Rows.of(keys, values, scores, positions if cfg.gate else None, votes, loser_idx)
+    kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
     kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
-    optional = {name: a for name, a in (("votes", votes), ("threshold", threshold), ("query", query)) if a is not None}
-    step = _merge_step(cfg, scale, split, kernels) if COMPILED else _merge_survivors(cfg, scale, split, kernels)
-    # The compression's last position as an array: a number would be traced into the compiled graph.
-    out_keys, out_values, out_scores, out_positions, count, state = step(
-        keys, values, scores, positions, mx.array(p_last, mx.int32), row_ids, optional)
-    return RowState(out_keys, out_values, out_scores, out_positions, state.get("votes"),
-                    state.get("threshold")), count
-
-
-# Whether a compression's gathers and merges run as one compiled graph (mx.compile): on a
-# GPU each MLX operation of the eager graph is a launch and some microseconds of the
-# host's, and a merge adds 30-130 of them to dropping's 41 (bench/profile_merge_engine.py
-# --graph); compiled, the elementwise ones fuse and the graph is built once a shape.
-# The benchmarks switch it off to time the eager graph beside it.
-COMPILED = True
-_STEPS = CompiledSteps()
-
-
-def _merge_step(cfg, scale: float, split: bool, kernels: bool):
-    """_merge_survivors for one configuration, scale and way under mx.compile."""
-    return _STEPS.get((cfg, scale, split, kernels), lambda: _merge_survivors(cfg, scale, split, kernels))
-
-
-def _partition(scores, positions, p_last, cfg) -> tuple[mx.array, mx.array]:
-    """Losers (in any order: a compression's merges are simultaneous, section 4) and
-    survivors (in position order) of a compression whose last position is p_last."""
-    return drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions, p_last, cfg.budget, cfg.n_sink,
-                                     cfg.recent, losers_sorted=False)
-
-
-def _merge_survivors(cfg, scale: float, split: bool, kernels: bool):
-    """A scored compression from its partition on: losers and survivors chosen and
-    gathered, merged (merge), the survivors cast back to the storage dtype. Takes (keys,
-    values, scores, positions [R, N], p_last (the compression's last position, a scalar
-    array), row_ids, optional: a dict of what the rule reads, of votes [R, N], threshold
-    [R], query [R, Dk]); returns (keys, values, scores, positions, merges [R] int32, a
-    dict of the votes and threshold after)."""
-    def step(keys, values, scores, positions, p_last, row_ids, optional):
-        loser_idx, kept_idx = _partition(scores, positions, p_last, cfg)
-        votes = optional.get("votes")
-        # The losers' positions key the gate's draws; without a gate nothing reads them.
-        losers = Rows.of(keys, values, scores, positions if cfg.gate else None, votes, loser_idx)
-        kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
-        merged = merge(losers, loser_idx, kept, kept_idx, optional.get("threshold"), optional.get("query"), scale,
-                       cfg, row_ids, split, kernels)
-        # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
-        out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
-        state = {name: a for name, a in (("votes", merged.votes), ("threshold", merged.threshold)) if a is not None}
-        return out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.count, state
-
-    return step
+    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
+    # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
+    out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
+    return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
+                    merged.threshold), merged.count
 
 
 _probe: dict[str, str | None] = {}  # "failure": None once the kernels passed, else why they did not
