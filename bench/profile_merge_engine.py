@@ -48,7 +48,7 @@ STAGES = (
     (mass, "chunk_mass", "mass"),
     (policy, "eviction_ranks", "ranks"),
     (drop, "losers_and_survivors", "partition"),
-    (merge_ops.Rows, "of", "gather"),
+    (merge_ops.Rows, "split", "gather"),
     (merge_ops, "_targets", "targets"),
     (merge_ops, "_nearest", "nearest"),
     (merge_ops, "_merging", "gate"),

@@ -43,7 +43,8 @@ def reducer(bias: bool, preferred: mass.Reducer | None = None) -> mass.Reducer:
 class Rows(NamedTuple):
     """Some rows of every row r, gathered [R, m, ...]: float32 keys and values for the
     arithmetic, the keys as stored too (a survivor's key no merge changes goes back as
-    it was, without a cast back), positions where asked for."""
+    it was, without a cast back), positions, votes where the rule keeps them, and the
+    keys' norms [R, m] where asked for."""
 
     keys: mx.array
     values: mx.array
@@ -51,6 +52,7 @@ class Rows(NamedTuple):
     positions: mx.array | None
     votes: mx.array | None
     stored_keys: mx.array
+    key_norm: mx.array | None = None
 
     @classmethod
     def of(cls, keys, values, scores, positions, votes, idx) -> "Rows":
@@ -60,6 +62,19 @@ class Rows(NamedTuple):
         stored_keys = take(keys)
         return cls(stored_keys.astype(mx.float32), take(values).astype(mx.float32), take(scores), take(positions),
                    take(votes), stored_keys)
+
+    @classmethod
+    def split(cls, keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm: bool = False
+              ) -> tuple["Rows", "Rows"]:
+        """The losers' rows and the survivors': one gather and one cast of each array for
+        both (on a GPU each is a launch), and with key_norm one norm of their keys, then
+        views of its two parts."""
+        both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
+        if key_norm:
+            both = both._replace(key_norm=merges.feature_norm(both.keys))
+        k = loser_idx.shape[1]
+        part = lambda first, last: cls(*(None if a is None else a[:, first:last] for a in both))  # noqa: E731
+        return part(0, k), part(k, None)
 
 
 class Settled(NamedTuple):
@@ -107,9 +122,8 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
                                                     losers_sorted=False)
     if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
         return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
-    # The losers' positions key the gate's draws; without a gate nothing reads them.
-    losers = Rows.of(keys, values, scores, positions if cfg.gate else None, votes, loser_idx)
-    kept = Rows.of(keys, values, scores, positions, votes, kept_idx)
+    losers, kept = Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx,
+                              key_norm=rule.kind == merges.NEAREST)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
@@ -197,7 +211,8 @@ def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg, split: bool, ke
         shared = mx.maximum(width, 1)
         s_target = mx.where(valid, _at(kept.scores, index), 0.0).sum(axis=2) / shared  # the mean score of W(e)
         return _Targets(index, valid, width > 0, s_target, losers.scores / shared, width=shared)
-    t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink, split, kernels)
+    t, found, cosine = _nearest(losers.keys, kept.keys, kept.positions, cfg.n_sink, split, kernels,
+                                (losers.key_norm, kept.key_norm))
     return _Targets(t[:, :, None], found[:, :, None], found, _at(kept.scores, t), losers.scores, t, cosine)
 
 
@@ -251,7 +266,8 @@ def _at(x: mx.array, idx: mx.array) -> mx.array:
     return mx.take_along_axis(x, flat, axis=1).reshape(idx.shape)
 
 
-def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, kernels: bool = False):
+def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, kernels: bool = False,
+             norms: tuple = (None, None)):
     """Section 4.1 for every loser at once: the non-sink survivor of largest cosine
     (ties to the smaller position: survivors are in position order, and the first
     maximum wins; a device whose argmax broke exact ties otherwise would stay within
@@ -263,8 +279,9 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     exact inputs of a TF32 product, so it needs no split (split: float32 keys on an NVIDIA
     GPU). Returns t [R, k] (indices into the survivors, 0 where there is none), whether
     there is one [R, k] and cos_t [R, k] as section 4.1 computes it. kernels: the product's
-    ranking and argmax in one pass over it (merge_cuda.nearest)."""
-    norm_l, norm_k = merges.feature_norm(loser_keys), merges.feature_norm(kept_keys)
+    ranking and argmax in one pass over it (merge_cuda.nearest). norms: the keys' norms
+    (losers', survivors'; Rows.split's) where already computed."""
+    norm_l, norm_k = (merges.feature_norm(x) if norm is None else norm for x, norm in zip((loser_keys, kept_keys), norms))
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
     candidate = (kept_positions >= n_sink) & (norm_k < _INF)
