@@ -3,6 +3,12 @@ a RULER needle's value, in every camkv layer and KV head, and its percentile amo
 rows that compression scored (the share of them with less mass: a compression to a
 budget of B of N rows evicts the tokens below percentile 1 - B / N, before protection).
 
+Beside each token's percentile among its own head's rows (what camkv's even split of
+the budget over heads reads), its percentile among every head's rows of its layer: what
+one threshold for the whole layer would read, as KVzip evicts (heads keeping more or
+fewer rows). The summary counts the needle's (token, layer, head) rows that each would
+keep at the run's budget.
+
 Prompts come from `camkv eval --export-prompts FILE` (the suite's own generator, with
 its template); a needle's tokens are found as the tokenizer writes " VALUE" in the
 prompt. Example (2-core CPU):
@@ -66,6 +72,27 @@ def recording(caches: list) -> list[tuple[int, int, np.ndarray]]:
     return seen
 
 
+def percentiles(mass: np.ndarray, head: int, local: list[int]) -> tuple[list[float], list[float]]:
+    """For the rows `local` of one head of mass [H, S]: the share of that head's rows with
+    less mass, and the share of the whole layer's (every head's) rows with less."""
+    own = mass[head]
+    return ([round(float((own < own[i]).mean()), 3) for i in local],
+            [round(float((mass < own[i]).mean()), 3) for i in local])
+
+
+def kept_counts(rows: list[dict], budget: int) -> dict[str, int]:
+    """How many needle rows (token, layer, head) a compression to `budget` of each
+    record's rows_scored keeps (before protection), split evenly over heads (percentile)
+    and by one threshold a layer (layer_percentile)."""
+    counts = {"needle_rows": 0, "kept_even_split": 0, "kept_one_threshold_a_layer": 0}
+    for row in rows:
+        below = 1.0 - min(1.0, budget / row["rows_scored"])  # the share of rows evicted
+        counts["needle_rows"] += len(row["percentile"])
+        counts["kept_even_split"] += sum(q >= below for q in row["percentile"])
+        counts["kept_one_threshold_a_layer"] += sum(q >= below for q in row["layer_percentile"])
+    return counts
+
+
 def probe(model, tokenizer, prompt: dict, budget: int, chunk: int) -> dict:
     ids = prompt["context_ids"] + prompt["question_ids"]
     positions = needle_positions(ids, prompt["expected"], tokenizer)
@@ -82,11 +109,13 @@ def probe(model, tokenizer, prompt: dict, budget: int, chunk: int) -> dict:
             if not local:
                 continue
             for head, head_mass in enumerate(mass):
+                own, whole = percentiles(mass, head, local)
                 rows.append({"layer": layer, "head": head, "value": value, "first_position": first,
                              "rows_scored": int(mass.shape[1]),
                              "mass": [round(float(head_mass[i]), 4) for i in local],
-                             "percentile": [round(float((head_mass < head_mass[i]).mean()), 3) for i in local]})
-    return {"sample": prompt["sample"], "expected": prompt["expected"], "answer": answer, "needles": rows}
+                             "percentile": own, "layer_percentile": whole})
+    return {"sample": prompt["sample"], "expected": prompt["expected"], "answer": answer, "needles": rows,
+            "kept": kept_counts(rows, budget)}
 
 
 def main(argv=None) -> int:
@@ -98,7 +127,11 @@ def main(argv=None) -> int:
         print(f"{got['sample']}: expected {got['expected']}, answered {got['answer'][:40]!r}")
         for row in got["needles"]:
             print(f"  layer {row['layer']:2d} head {row['head']} {row['value']}: mass {row['mass']} "
-                  f"percentile {row['percentile']} (of {row['rows_scored']} rows)")
+                  f"percentile {row['percentile']} (of {row['rows_scored']} rows), in the layer "
+                  f"{row['layer_percentile']}")
+        kept = got["kept"]
+        print(f"  needle rows kept at budget {args.budget}: {kept['kept_even_split']} of {kept['needle_rows']} "
+              f"split evenly over heads, {kept['kept_one_threshold_a_layer']} by one threshold a layer")
     return 0
 
 

@@ -280,8 +280,25 @@ def test_reread_mass_reports_each_needle_token_in_the_compression_that_scored_it
     for r in rows:
         assert r["first_position"] <= 60 and 62 < r["first_position"] + r["rows_scored"]
         assert len(r["mass"]) == 3 and all(0 <= m <= 1 for m in r["mass"])
-        assert all(0 <= q <= 1 for q in r["percentile"])
+        assert all(0 <= q <= 1 for q in r["percentile"] + r["layer_percentile"])
     assert len(got["answer"]) == 2
+    assert got["kept"]["needle_rows"] == 12  # three tokens in four (layer, head) rows
+
+
+def test_reread_mass_counts_what_one_threshold_a_layer_keeps_against_an_even_split():
+    """Head 0's rows all outweigh head 1's: at half the rows, an even split keeps each
+    head's top half (head 1's needle row among them), one threshold for the layer keeps
+    head 0's rows only."""
+    import numpy as np
+
+    script = _load_bench_script("reread_mass")
+    mass = np.array([[0.9, 0.8, 0.7, 0.6], [0.4, 0.3, 0.2, 0.1]], np.float32)
+    own, whole = script.percentiles(mass, 1, [0])
+    assert own == [0.75] and whole == [0.375]
+    rows = [{"rows_scored": 4, "percentile": own, "layer_percentile": whole}]
+    assert script.kept_counts(rows, budget=2) == {"needle_rows": 1, "kept_even_split": 1,
+                                                  "kept_one_threshold_a_layer": 0}
+    assert script.kept_counts(rows, budget=4)["kept_one_threshold_a_layer"] == 1
 
 
 def test_reread_mass_refuses_a_budget_below_two(capsys):
