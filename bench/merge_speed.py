@@ -15,7 +15,10 @@ engine's CUDA kernels (camkv.backends.merge_cuda) switched off, so its MLX opera
 run every compression, and keepkv's decode steps attending through mlx-lm's attention
 with a mask (not camkv's pass, camkv.quantized_attention.attend_weighed), as before
 those kernels; and for a rule with votes, RULE/sdpa: only the attention as before.
-Before and after in one process.
+Before and after in one process. --core-arms RULE ... adds RULE/core: the rule with the
+compressions of its decode steps (the slack's tokens and the step's) run in the backend's
+kernel core, one launch, instead of the merge engine's operations (prompt chunks stay on
+the engine): camkv.backends.compress.OPERATIONS_FROM_TOKENS raised past the slack.
 
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
@@ -41,7 +44,7 @@ import camkv
 from camkv import CaMConfig, merges
 from camkv.eval import loading
 from camkv import quantized_attention
-from camkv.backends import merge_cuda, merge_ops
+from camkv.backends import compress, merge_cuda, merge_ops
 from camkv.eval.loading import cast_model
 from camkv.models import RANDOM_LLAMAS
 
@@ -49,6 +52,7 @@ ROTATING = "rotating"
 DROP = "drop"
 OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels, nor camkv's weighed attention
 SDPA = "/sdpa"  # an arm's suffix: the rule without camkv's weighed attention (mlx-lm's, with a mask)
+CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the kernel core
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -71,6 +75,9 @@ def parse_args(argv=None):
                         help="on an NVIDIA GPU, also time these rules as before the merge engine's CUDA kernels "
                              "and camkv's weighed decode attention (arms RULE/ops) and as before the latter alone "
                              "(RULE/sdpa) (default: none)")
+    parser.add_argument("--core-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="also time these rules with their decode compressions in the kernel core "
+                             "(arms RULE/core) (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results (default none)")
     opts = parser.parse_args(argv)
     try:
@@ -94,20 +101,24 @@ def arms_of(opts) -> list[str]:
     rules_before = [rule for rule in dict.fromkeys(opts.ops_arms) if rule != DROP] if merge_cuda.available() else []
     without = [rule + OPS for rule in rules_before]
     without += [rule + SDPA for rule in rules_before if merges.rule(rule).keeps_votes]  # only votes weigh attention
+    without += [rule + CORE for rule in dict.fromkeys(opts.core_arms) if rule != DROP]
     return [ROTATING, DROP] + rules + without
 
 
 def make_cache(model, arm: str, budget: int) -> list:
     if arm == ROTATING:  # StreamingLLM as mlx-lm has it, with camkv's default sinks
         return [RotatingKVCache(max_size=budget, keep=CaMConfig(budget=budget).n_sink) for _ in model.layers]
-    return camkv.make_prompt_cache(model, budget=budget, merge=arm.removesuffix(OPS).removesuffix(SDPA))
+    return camkv.make_prompt_cache(model, budget=budget, merge=arm.split("/")[0])
 
 
 def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     """(seconds to the first token, mean seconds of each decode step after it)."""
     cache = make_cache(model, arm, opts.budget)
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
-    verdict, weighed = merge_ops._probe.copy(), quantized_attention.attend_weighed
+    verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
+        compress.OPERATIONS_FROM_TOKENS
+    if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
+        compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
     if arm.endswith((OPS, SDPA)):
@@ -125,6 +136,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
         merge_ops._probe.clear()
         merge_ops._probe.update(verdict)
         quantized_attention.attend_weighed = weighed
+        compress.OPERATIONS_FROM_TOKENS = from_tokens
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps

@@ -159,6 +159,25 @@ def test_merge_speed_times_every_arm_in_turn_against_dropping(tmp_path, capsys):
     assert not hook.installed_modules()
 
 
+def test_merge_speed_core_arm_runs_decode_compressions_below_the_engine_threshold(monkeypatch):
+    """--core-arms mean adds mean/core, during which the GPU engine's threshold is the
+    slack + 2 (a decode compression's slack + 1 tokens go to the kernel core), restored
+    after; the other arms keep the default 2."""
+    from camkv import CaMConfig
+    from camkv.backends import compress
+
+    script = _load_bench_script("merge_speed")
+    seen = set()
+    real = compress.by_operations
+    monkeypatch.setattr(compress, "by_operations",
+                        lambda *a: seen.add(compress.OPERATIONS_FROM_TOKENS) or real(*a))
+    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
+                          "--steps", "12", "--rounds", "1", "--rules", "mean", "--core-arms", "mean"])
+    assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/core"]
+    assert seen == {2, CaMConfig(budget=40).slack + 2}
+    assert compress.OPERATIONS_FROM_TOKENS == 2
+
+
 def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
     script = _load_bench_script("merge_speed")
     with pytest.raises(SystemExit) as exit_info:

@@ -344,6 +344,15 @@ def test_compressions_go_to_the_engine_on_a_gpu_and_to_the_kernel_core_elsewhere
     assert not compress.by_operations(_GPUStandIn(), exact, 40, 16)  # exact mode: the backend's own update
 
 
+def test_chunks_below_the_operations_threshold_run_in_the_kernel_core(monkeypatch):
+    """With OPERATIONS_FROM_TOKENS raised (the benchmarks' RULE/core arms), a GPU chunk of
+    fewer pending tokens goes to the backend's update, a longer one stays on the engine."""
+    chunk = CaMConfig(budget=16, merge="mean", prefill="chunk", scoring="query")
+    monkeypatch.setattr(compress, "OPERATIONS_FROM_TOKENS", 10)
+    assert not compress.by_operations(_GPUStandIn(), chunk, 25, 16)  # 9 pending tokens
+    assert compress.by_operations(_GPUStandIn(), chunk, 26, 16)  # 10
+
+
 @pytest.mark.skipif(ext.unavailable_reason() is not None, reason="needs the extension")
 @pytest.mark.parametrize("backend", ["auto", "ext"])
 @pytest.mark.parametrize("merge", STATEFUL)

@@ -5,8 +5,9 @@
 #                                     RotatingKVCache's (random-1b 8k @ 512, random-8b 16k @ 2048;
 #                                     merges1b and merges8b run one of the two), mean and keepkv
 #                                     also as before the merge kernels and keepkv's CUDA decode
-#                                     attention (mean/ops, keepkv/ops), and keepkv/sdpa: its
-#                                     decode attention alone as before
+#                                     attention (mean/ops, keepkv/ops), keepkv/sdpa: its
+#                                     decode attention alone as before, and every rule with its
+#                                     decode compressions in the kernel core (RULE/core)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
@@ -30,9 +31,11 @@
 #   bash bench/gpu/speed.sh batchstep a BatchGenerator's decode call with 4 and 16 requests of
 #                                     16k tokens decoding, bfloat16 and 4-bit rows (random-1b,
 #                                     budget 512; about 2 minutes)
-# e.g. `bash bench/gpu/speed.sh merges decode8b` (about 7 minutes).
+# e.g. `bash bench/gpu/speed.sh merges1b decode8b` (about 9 minutes).
 . bench/gpu/env.sh
 mkdir -p "$OUT"
+# The merge rules the command line lists (camkv.merges' registry), dropping aside.
+RULES=$(python3 -c "from camkv import merges; print(*(r for r in merges.offered() if r != 'drop'))")
 step() {  # SECONDS COMMAND...: one run, cut at SECONDS, its last lines printed
   local seconds=$1; shift
   timeout "$seconds" "$@" 2>&1 | grep -v "it/s\]\|Warn" | tail -${TAIL:-14}
@@ -40,10 +43,12 @@ step() {  # SECONDS COMMAND...: one run, cut at SECONDS, its last lines printed
 for part in "$@"; do
   case $part in
     merges|merges1b|merges8b)
-      [ $part = merges8b ] || step 200 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
-        --budget 512 --steps 160 --rounds 3 --ops-arms mean keepkv --out "$OUT/merge-speed-random-1b-8k.json"
-      [ $part = merges1b ] || step 330 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
-        --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --out "$OUT/merge-speed-random-8b-16k.json" ;;
+      [ $part = merges8b ] || step 280 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
+        --budget 512 --steps 160 --rounds 3 --ops-arms mean keepkv --core-arms $RULES \
+        --out "$OUT/merge-speed-random-1b-8k.json"
+      [ $part = merges1b ] || step 420 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
+        --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --core-arms $RULES \
+        --out "$OUT/merge-speed-random-8b-16k.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
         --chunk 2048 --repeats 5 --stages --ops-arms mean keepkv d2o --out "$OUT/merge-engine-8b-shape.json" ;;

@@ -78,11 +78,19 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
     return merged
 
 
+# The fewest pending tokens a GPU compression runs as batched MLX operations (the drop or
+# merge engine: a chunk's); fewer run in the backend's update, the kernel core's one
+# launch. bench/merge_speed.py's RULE/core arms raise it past the slack, to time a merge
+# rule's decode compressions in the kernel core beside the engine.
+OPERATIONS_FROM_TOKENS = 2
+
+
 def by_operations(backend, cfg, end: int, settled: int) -> bool:
     """Whether a compression of rows [settled, end) runs as batched MLX operations: a
-    chunk of several tokens on a GPU. Exact prefill scores token by token
-    (docs/algorithm.md section 2): the backend's update."""
-    return cfg.prefill == "chunk" and bool(getattr(backend, "target", None)) and end - settled > 1
+    chunk of OPERATIONS_FROM_TOKENS tokens or more on a GPU. Exact prefill scores token by
+    token (docs/algorithm.md section 2): the backend's update."""
+    return (cfg.prefill == "chunk" and bool(getattr(backend, "target", None))
+            and end - settled >= OPERATIONS_FROM_TOKENS)
 
 
 def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
