@@ -4,10 +4,11 @@ rows that compression scored (the share of them with less mass: a compression to
 budget of B of N rows evicts the tokens below percentile 1 - B / N, before protection).
 
 Beside each token's percentile among its own head's rows (what camkv's even split of
-the budget over heads reads), its percentile among every head's rows of its layer: what
-one threshold for the whole layer would read, as KVzip evicts (heads keeping more or
-fewer rows). The summary counts the needle's (token, layer, head) rows that each would
-keep at the run's budget.
+the budget over heads reads), its percentile among every head's rows of its layer (one
+threshold a layer: heads keeping more or fewer rows) and among every row the run's
+compressions scored in any layer (one threshold for the model, as kvpress's KVzip evicts
+by default: layers and heads keeping more or fewer rows). The summary counts the
+needle's (token, layer, head) rows that each would keep at the run's budget.
 
 Prompts come from `camkv eval --export-prompts FILE` (the suite's own generator, with
 its template); a needle's tokens are found as the tokenizer writes " VALUE" in the
@@ -72,24 +73,36 @@ def recording(caches: list) -> list[tuple[int, int, np.ndarray]]:
     return seen
 
 
-def percentiles(mass: np.ndarray, head: int, local: list[int]) -> tuple[list[float], list[float]]:
+def percentiles(mass: np.ndarray, head: int, local: list[int], pooled: np.ndarray | None = None
+                ) -> tuple[list[float], ...]:
     """For the rows `local` of one head of mass [H, S]: the share of that head's rows with
-    less mass, and the share of the whole layer's (every head's) rows with less."""
+    less mass, the share of the whole layer's (every head's) rows with less, and (given
+    pooled, every scored row of every layer, sorted) the share of those with less."""
     own = mass[head]
-    return ([round(float((own < own[i]).mean()), 3) for i in local],
-            [round(float((mass < own[i]).mean()), 3) for i in local])
+    out = ([round(float((own < own[i]).mean()), 3) for i in local],
+           [round(float((mass < own[i]).mean()), 3) for i in local])
+    if pooled is None:
+        return out
+    return out + ([round(float(np.searchsorted(pooled, own[i], side="left") / pooled.size), 3) for i in local],)
 
 
 def kept_counts(rows: list[dict], budget: int) -> dict[str, int]:
     """How many needle rows (token, layer, head) a compression to `budget` of each
-    record's rows_scored keeps (before protection), split evenly over heads (percentile)
-    and by one threshold a layer (layer_percentile)."""
-    counts = {"needle_rows": 0, "kept_even_split": 0, "kept_one_threshold_a_layer": 0}
+    record's rows_scored keeps (before protection), and in how many (layer, head) records
+    it keeps every token of the needle ("whole_..."): split evenly over heads
+    (percentile), by one threshold a layer (layer_percentile) and by one threshold for
+    the model (model_percentile, where recorded)."""
+    ways = {"even_split": "percentile", "one_threshold_a_layer": "layer_percentile",
+            "one_threshold_for_the_model": "model_percentile"}
+    counts = {"needle_rows": 0, "needle_heads": 0, **{f"{k}_{way}": 0 for way in ways for k in ("kept", "whole")}}
     for row in rows:
         below = 1.0 - min(1.0, budget / row["rows_scored"])  # the share of rows evicted
         counts["needle_rows"] += len(row["percentile"])
-        counts["kept_even_split"] += sum(q >= below for q in row["percentile"])
-        counts["kept_one_threshold_a_layer"] += sum(q >= below for q in row["layer_percentile"])
+        counts["needle_heads"] += 1
+        for way, key in ways.items():
+            kept = [q >= below for q in row.get(key, [])]
+            counts[f"kept_{way}"] += sum(kept)
+            counts[f"whole_{way}"] += bool(kept) and all(kept)
     return counts
 
 
@@ -103,17 +116,18 @@ def probe(model, tokenizer, prompt: dict, budget: int, chunk: int) -> dict:
     answer = greedy_answer(model, caches, logits, sample, tokenizer)
     remove(model)
     rows = []
+    pooled = np.sort(np.concatenate([mass.ravel() for _, _, mass in seen])) if seen else None
     for layer, first, mass in seen:  # mass [H, pending]: positions first.. of the prompt
         for value, where in positions.items():
             local = [p - first for p in where if 0 <= p - first < mass.shape[1]]
             if not local:
                 continue
             for head, head_mass in enumerate(mass):
-                own, whole = percentiles(mass, head, local)
+                own, whole, model_wide = percentiles(mass, head, local, pooled)
                 rows.append({"layer": layer, "head": head, "value": value, "first_position": first,
                              "rows_scored": int(mass.shape[1]),
                              "mass": [round(float(head_mass[i]), 4) for i in local],
-                             "percentile": own, "layer_percentile": whole})
+                             "percentile": own, "layer_percentile": whole, "model_percentile": model_wide})
     return {"sample": prompt["sample"], "expected": prompt["expected"], "answer": answer, "needles": rows,
             "kept": kept_counts(rows, budget)}
 
@@ -130,8 +144,10 @@ def main(argv=None) -> int:
                   f"percentile {row['percentile']} (of {row['rows_scored']} rows), in the layer "
                   f"{row['layer_percentile']}")
         kept = got["kept"]
-        print(f"  needle rows kept at budget {args.budget}: {kept['kept_even_split']} of {kept['needle_rows']} "
-              f"split evenly over heads, {kept['kept_one_threshold_a_layer']} by one threshold a layer")
+        for way in ("even_split", "one_threshold_a_layer", "one_threshold_for_the_model"):
+            print(f"  {way.replace('_', ' ')} at budget {args.budget}: {kept['kept_' + way]} of "
+                  f"{kept['needle_rows']} needle rows kept, the whole needle in {kept['whole_' + way]} of "
+                  f"{kept['needle_heads']} (layer, head)")
     return 0
 
 

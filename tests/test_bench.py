@@ -301,23 +301,34 @@ def test_reread_mass_reports_each_needle_token_in_the_compression_that_scored_it
         assert len(r["mass"]) == 3 and all(0 <= m <= 1 for m in r["mass"])
         assert all(0 <= q <= 1 for q in r["percentile"] + r["layer_percentile"])
     assert len(got["answer"]) == 2
-    assert got["kept"]["needle_rows"] == 12  # three tokens in four (layer, head) rows
+    assert got["kept"]["needle_rows"] == 12 and got["kept"]["needle_heads"] == 4  # three tokens, four heads
 
 
 def test_reread_mass_counts_what_one_threshold_a_layer_keeps_against_an_even_split():
     """Head 0's rows all outweigh head 1's: at half the rows, an even split keeps each
     head's top half (head 1's needle row among them), one threshold for the layer keeps
-    head 0's rows only."""
+    head 0's rows only; beside a layer whose rows all weigh less, one threshold for the
+    model keeps the needle row again (7 of 12 rows weigh less)."""
     import numpy as np
 
     script = _load_bench_script("reread_mass")
     mass = np.array([[0.9, 0.8, 0.7, 0.6], [0.4, 0.3, 0.2, 0.1]], np.float32)
     own, whole = script.percentiles(mass, 1, [0])
     assert own == [0.75] and whole == [0.375]
-    rows = [{"rows_scored": 4, "percentile": own, "layer_percentile": whole}]
-    assert script.kept_counts(rows, budget=2) == {"needle_rows": 1, "kept_even_split": 1,
-                                                  "kept_one_threshold_a_layer": 0}
+    other_layer = np.array([[0.05, 0.02, 0.01, 0.03]], np.float32)  # a layer whose rows weigh less
+    pooled = np.sort(np.concatenate([mass.ravel(), other_layer.ravel()]))
+    assert script.percentiles(mass, 1, [0], pooled)[2] == [round(7 / 12, 3)]
+    rows = [{"rows_scored": 4, "percentile": own, "layer_percentile": whole,
+             "model_percentile": script.percentiles(mass, 1, [0], pooled)[2]}]
+    assert script.kept_counts(rows, budget=2) == {
+        "needle_rows": 1, "needle_heads": 1, "kept_even_split": 1, "whole_even_split": 1,
+        "kept_one_threshold_a_layer": 0, "whole_one_threshold_a_layer": 0,
+        "kept_one_threshold_for_the_model": 1, "whole_one_threshold_for_the_model": 1}
     assert script.kept_counts(rows, budget=4)["kept_one_threshold_a_layer"] == 1
+    two_tokens = [{"rows_scored": 4, "percentile": [0.75, 0.25], "layer_percentile": [0.9, 0.6]}]
+    counts = script.kept_counts(two_tokens, budget=2)  # half evicted: the second token only in the layer's way
+    assert (counts["kept_even_split"], counts["whole_even_split"]) == (1, 0)
+    assert (counts["kept_one_threshold_a_layer"], counts["whole_one_threshold_a_layer"]) == (2, 1)
 
 
 def test_reread_mass_refuses_a_budget_below_two(capsys):
