@@ -73,17 +73,14 @@ def recording(caches: list) -> list[tuple[int, int, np.ndarray]]:
     return seen
 
 
-def percentiles(mass: np.ndarray, head: int, local: list[int], pooled: np.ndarray | None = None
-                ) -> tuple[list[float], ...]:
+def percentiles(mass: np.ndarray, head: int, local: list[int], pooled: np.ndarray) -> tuple[list[float], ...]:
     """For the rows `local` of one head of mass [H, S]: the share of that head's rows with
-    less mass, the share of the whole layer's (every head's) rows with less, and (given
-    pooled, every scored row of every layer, sorted) the share of those with less."""
+    less mass, the share of the whole layer's (every head's) rows with less, and the share
+    of pooled (every scored row of every layer, sorted) with less."""
     own = mass[head]
-    out = ([round(float((own < own[i]).mean()), 3) for i in local],
-           [round(float((mass < own[i]).mean()), 3) for i in local])
-    if pooled is None:
-        return out
-    return out + ([round(float(np.searchsorted(pooled, own[i], side="left") / pooled.size), 3) for i in local],)
+    return ([round(float((own < own[i]).mean()), 3) for i in local],
+            [round(float((mass < own[i]).mean()), 3) for i in local],
+            [round(float(np.searchsorted(pooled, own[i], side="left") / pooled.size), 3) for i in local])
 
 
 def kept_counts(rows: list[dict], budget: int) -> dict[str, int]:
@@ -91,7 +88,7 @@ def kept_counts(rows: list[dict], budget: int) -> dict[str, int]:
     record's rows_scored keeps (before protection), and in how many (layer, head) records
     it keeps every token of the needle ("whole_..."): split evenly over heads
     (percentile), by one threshold a layer (layer_percentile) and by one threshold for
-    the model (model_percentile, where recorded)."""
+    the model (model_percentile)."""
     ways = {"even_split": "percentile", "one_threshold_a_layer": "layer_percentile",
             "one_threshold_for_the_model": "model_percentile"}
     counts = {"needle_rows": 0, "needle_heads": 0, **{f"{k}_{way}": 0 for way in ways for k in ("kept", "whole")}}
@@ -100,9 +97,9 @@ def kept_counts(rows: list[dict], budget: int) -> dict[str, int]:
         counts["needle_rows"] += len(row["percentile"])
         counts["needle_heads"] += 1
         for way, key in ways.items():
-            kept = [q >= below for q in row.get(key, [])]
+            kept = [q >= below for q in row[key]]
             counts[f"kept_{way}"] += sum(kept)
-            counts[f"whole_{way}"] += bool(kept) and all(kept)
+            counts[f"whole_{way}"] += all(kept)
     return counts
 
 
@@ -116,7 +113,7 @@ def probe(model, tokenizer, prompt: dict, budget: int, chunk: int) -> dict:
     answer = greedy_answer(model, caches, logits, sample, tokenizer)
     remove(model)
     rows = []
-    pooled = np.sort(np.concatenate([mass.ravel() for _, _, mass in seen])) if seen else None
+    pooled = np.sort(np.concatenate([mass.ravel() for _, _, mass in seen] or [np.zeros(0, np.float32)]))
     for layer, first, mass in seen:  # mass [H, pending]: positions first.. of the prompt
         for value, where in positions.items():
             local = [p - first for p in where if 0 <= p - first < mass.shape[1]]

@@ -299,7 +299,7 @@ def test_reread_mass_reports_each_needle_token_in_the_compression_that_scored_it
     for r in rows:
         assert r["first_position"] <= 60 and 62 < r["first_position"] + r["rows_scored"]
         assert len(r["mass"]) == 3 and all(0 <= m <= 1 for m in r["mass"])
-        assert all(0 <= q <= 1 for q in r["percentile"] + r["layer_percentile"])
+        assert all(0 <= q <= 1 for q in r["percentile"] + r["layer_percentile"] + r["model_percentile"])
     assert len(got["answer"]) == 2
     assert got["kept"]["needle_rows"] == 12 and got["kept"]["needle_heads"] == 4  # three tokens, four heads
 
@@ -313,19 +313,19 @@ def test_reread_mass_counts_what_one_threshold_a_layer_keeps_against_an_even_spl
 
     script = _load_bench_script("reread_mass")
     mass = np.array([[0.9, 0.8, 0.7, 0.6], [0.4, 0.3, 0.2, 0.1]], np.float32)
-    own, whole = script.percentiles(mass, 1, [0])
-    assert own == [0.75] and whole == [0.375]
     other_layer = np.array([[0.05, 0.02, 0.01, 0.03]], np.float32)  # a layer whose rows weigh less
     pooled = np.sort(np.concatenate([mass.ravel(), other_layer.ravel()]))
-    assert script.percentiles(mass, 1, [0], pooled)[2] == [round(7 / 12, 3)]
-    rows = [{"rows_scored": 4, "percentile": own, "layer_percentile": whole,
-             "model_percentile": script.percentiles(mass, 1, [0], pooled)[2]}]
+    own, whole, model_wide = script.percentiles(mass, 1, [0], pooled)
+    assert own == [0.75] and whole == [0.375]
+    assert model_wide == [round(7 / 12, 3)]
+    rows = [{"rows_scored": 4, "percentile": own, "layer_percentile": whole, "model_percentile": model_wide}]
     assert script.kept_counts(rows, budget=2) == {
         "needle_rows": 1, "needle_heads": 1, "kept_even_split": 1, "whole_even_split": 1,
         "kept_one_threshold_a_layer": 0, "whole_one_threshold_a_layer": 0,
         "kept_one_threshold_for_the_model": 1, "whole_one_threshold_for_the_model": 1}
     assert script.kept_counts(rows, budget=4)["kept_one_threshold_a_layer"] == 1
-    two_tokens = [{"rows_scored": 4, "percentile": [0.75, 0.25], "layer_percentile": [0.9, 0.6]}]
+    two_tokens = [{"rows_scored": 4, "percentile": [0.75, 0.25], "layer_percentile": [0.9, 0.6],
+                   "model_percentile": [0.9, 0.1]}]
     counts = script.kept_counts(two_tokens, budget=2)  # half evicted: the second token only in the layer's way
     assert (counts["kept_even_split"], counts["whole_even_split"]) == (1, 0)
     assert (counts["kept_one_threshold_a_layer"], counts["whole_one_threshold_a_layer"]) == (2, 1)

@@ -281,7 +281,8 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     there is one [R, k] and cos_t [R, k] as section 4.1 computes it. kernels: the product's
     ranking and argmax in one pass over it (merge_cuda.nearest). norms: the keys' norms
     (losers', survivors'; Rows.split's) where already computed."""
-    norm_l, norm_k = (merges.feature_norm(x) if norm is None else norm for x, norm in zip((loser_keys, kept_keys), norms))
+    norm_l, norm_k = (merges.feature_norm(keys) if norm is None else norm
+                      for keys, norm in zip((loser_keys, kept_keys), norms))
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
     candidate = (kept_positions >= n_sink) & (norm_k < _INF)
