@@ -174,7 +174,7 @@ def make_arm(model, arm: str, budget: int) -> list:
     if arm == "camkv-fullway":
         caches = make_prompt_cache(model, config=cfg)
         for cache in caches:
-            cache._plain_rows = lambda: False  # never a short way (an instance's own method)
+            cache._short_way_rows = lambda queries: False  # never a short way (an instance's own method)
         return caches
     if arm == "camkv-fullhook":
         caches = make_prompt_cache(model, config=cfg)

@@ -490,7 +490,7 @@ def test_decode_steps_of_plain_rows_take_a_short_way_that_stores_and_returns_wha
     monkeypatch.setattr(CaMKVCache, "update_stored", counted)
 
     def run(plain_rows):
-        monkeypatch.setattr(CaMKVCache, "_plain_rows", plain_rows)
+        monkeypatch.setattr(CaMKVCache, "_short_way_rows", plain_rows)
         full_calls.clear()
         cache = camkv_cache(model, merge)
         logits = [model(tokens[None, :40], cache=cache)[:, -1]]
@@ -498,8 +498,8 @@ def test_decode_steps_of_plain_rows_take_a_short_way_that_stores_and_returns_wha
         remove(model)
         return cache, mx.concatenate(logits), list(full_calls)
 
-    plain_rows = CaMKVCache._plain_rows
-    (full, full_logits, _), (short, short_logits, calls) = run(lambda self: False), run(plain_rows)
+    plain_rows = CaMKVCache._short_way_rows
+    (full, full_logits, _), (short, short_logits, calls) = run(lambda self, queries: False), run(plain_rows)
     # Decode steps (of two layers) that took the full way: all 50 where the rule keeps
     # votes, else each layer's first two (the second's queries are the first to continue).
     full_steps = sum(1 for s in calls if s == 1)

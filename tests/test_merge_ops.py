@@ -342,6 +342,18 @@ def test_compressions_go_to_the_engine_on_a_gpu_and_to_the_kernel_core_elsewhere
     assert not compress.by_operations(jit.metal, chunk, 17, 16)
     assert not compress.by_operations(reference, chunk, 40, 16)  # the reference is the reference
     assert not compress.by_operations(_GPUStandIn(), exact, 40, 16)  # exact mode: the backend's own update
+    # A decode compression (slack + 1 = 3 pending tokens): a merging rule's in the kernel
+    # core, but dropping's (its own engines) and a rule marked decodes_on_engine's (keepkv).
+    rule = merges.rule(merge)
+    on_engine = rule.kind == merges.DROP or rule.decodes_on_engine
+    assert compress.by_operations(_GPUStandIn(), chunk, 16 + chunk.slack + 1, 16) == on_engine
+    assert compress.by_operations(_GPUStandIn(), chunk, 16 + chunk.slack + 2, 16)  # one more: a prompt chunk
+
+
+def test_only_keepkv_decodes_on_the_engine():
+    """The registry's one rule whose decode compressions stay on the MLX engine on a GPU
+    (its kernel core pass measured slower there: bench/merge_speed.py keepkv/core)."""
+    assert merges.names(decodes_on_engine=True) == ("keepkv",)
 
 
 def test_chunks_below_the_operations_threshold_run_in_the_kernel_core(monkeypatch):

@@ -77,6 +77,10 @@ class RowBuffers:
         self.held = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def has_room(self) -> bool:
+        """Whether the buffers have an empty row after the held ones (a decode step fits)."""
+        return self.keys is not None and self.held < self.keys.shape[2]
+
     def write_in_place(self, keys: mx.array, values: mx.array):
         """append's write of a block [B, H, S, D] that fits in the buffers after the held
         rows (held + S <= their size); the views [B, H, held + S, D]."""

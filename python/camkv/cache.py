@@ -7,6 +7,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, policy, quantized, tier
+from .backends import quantized_cuda
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
@@ -69,7 +70,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._pending = PendingChunk()
         self._waiting = 0  # tokens of the last call that wait for their queries
         self._step_queries: tuple | None = None  # a decode step's queries' shape, once checked
-        self._plain_step: tuple | None = None  # (keys shape, values shape, dtype): the short way (_plain_rows)
+        self._plain_step: tuple | None = None  # (keys shape, values shape, dtype): the short way (_short_way_rows)
         self._layout: tuple | None = None  # (B, H, Dk, Dv, dtype) fixed by the first call
         self._checked_block: tuple | None = None  # (keys shape, values shape, dtype) last checked
         # The log-votes of the rows the last call returned [B, H, n] (attention weighs each
@@ -121,8 +122,9 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         step, rows = self._plain_step, self._rows
         if (step is not None and not self._waiting and type(keys) is type(values) is mx.array
                 and keys.shape == step[0] and values.shape == step[1] and keys.dtype == step[2]
-                and rows.keys is not None and rows.held < rows.keys.shape[2] and self._queries_can_come()):
-            # A plain decode step after one scored with its queries: update_stored's work, unchecked.
+                and rows.has_room() and self._queries_can_come()):
+            # A decode step of _short_way_rows after one scored with its queries:
+            # update_stored's work, unchecked.
             self.offset += 1
             self._waiting = 1
             return rows.write_in_place(keys, values)
@@ -173,7 +175,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
 
     def observe_queries(self, queries: mx.array, scale: float, defer_launch: bool = False) -> bool:
         """The model's queries [B, Hq, S, Dk] for the tokens waiting ("query" scoring); whether
-        attention may read the rows just fetched as they are (a decode step of _plain_rows:
+        attention may read the rows just fetched as they are (a decode step of _short_way_rows:
         the hook's short way). defer_launch (camkv.batch): hold a one-launch compression due
         now (deferred_launch)."""
         # A copy of its own where mlx-lm's quantized attention reads this cache (it has
@@ -184,7 +186,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             queries = mx.array(queries)
         if self._continues_decoding(queries, scale):
             # _queue's work for such a step without its checks (host time, every layer and token).
-            if self._plain_step is None and self._plain_rows():
+            if self._plain_step is None and self._short_way_rows(queries):
                 self._plain_step = self._checked_block
             self._waiting = 0
             self._query_scored += 1
@@ -214,10 +216,18 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         return (self._waiting == 1 and queries.shape == self._step_queries
                 and self._pending.takes_step(scale, rows.held - rows.settled - 1))
 
-    def _plain_rows(self) -> bool:
-        """Whether the rows go to attention as held, each standing for one token: no
-        quantization, no tier, no votes (update_and_fetch's short way)."""
-        return self._config.bits is None and self._tier is None and self._rows.votes is None
+    def _short_way_rows(self, queries: mx.array) -> bool:
+        """Whether a decode step's rows go to attention as held, each standing for one
+        token (update_and_fetch's and the hook's short way): no tier, no votes, and the
+        rows plain or, on MLX's CUDA build, quantized rows that camkv's pass reads as
+        stored (camkv.backends.quantized_cuda takes these queries and rows)."""
+        cfg, rows = self._config, self._rows
+        if self._tier is not None or rows.votes is not None:
+            return False
+        if cfg.bits is None:
+            return True
+        return (attention_rows.hook_reads_stored(cfg)
+                and quantized_cuda.takes(queries, *rows.quantized_views(), cfg.bits, cfg.group_size))
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:

@@ -29,6 +29,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from . import quantized, quantized_attention
+from .backends import quantized_cuda
 
 _NAME = "scaled_dot_product_attention"
 _ORIGINAL = base.scaled_dot_product_attention
@@ -44,9 +45,14 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     observe = getattr(cache, "observe_queries", None)  # a camkv cache
     if observe is not None:
         if observe(queries, scale):
-            # A decode step of plain rows: no bias, arrays as held; straight to mlx-lm's
-            # attention, without the checks below (host time, every layer and token).
-            return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
+            # A decode step of rows as held, no bias: straight to mlx-lm's attention (plain
+            # rows) or camkv's pass over quantized ones (MLX's CUDA build, shapes it takes),
+            # without the checks below (host time, every layer and token).
+            if type(keys) is not tuple:
+                return _ORIGINAL(queries, keys, values, cache, scale, mask, *args, **kwargs)
+            if mask is None and not args and not kwargs:
+                bits, group_size = quantized.format_of(keys, queries.shape[3])
+                return quantized_cuda.attend(queries, keys, values, scale, None, bits, group_size)
         bias = cache.attention_bias()
         given_mask = mask
         stored = isinstance(keys, tuple)  # quantized rows as stored (codes, scales, biases)

@@ -104,6 +104,11 @@ class MergeRule:
     loser_share: Share | None = None  # a_e of a blending rule
     moving_threshold: bool = False  # merges only above its row's moving similarity threshold (RowState.threshold)
     keeps_votes: bool = False  # each row stands for RowState.votes tokens, which weigh its attention
+    # On a GPU a decode compression (at most slack + 1 pending tokens) of a merging rule
+    # runs in the kernel core's one launch, which there beats the MLX merge engine's ~70
+    # operations, except for the rules marked here, whose core pass is the slower one
+    # (camkv.backends.compress.by_operations; bench/merge_speed.py's RULE/core arms).
+    decodes_on_engine: bool = False
     # Why the rule is retired (empty: offered): a rule that lost to dropping in every
     # measurement stays an experiment (CaMConfig and the reference accept it, its results
     # stay), but the command line's lists no longer offer it.
@@ -145,7 +150,7 @@ RULES: tuple[MergeRule, ...] = (
               "unchanged (KeepKV): each row keeps votes, the tokens it stands for, which weigh its attention; "
               "the merged value is the current query's attention-weighted mean and the key is set to match "
               "(merge_keys does not apply)",
-              own_mass, _loser_mass, keeps_votes=True),
+              own_mass, _loser_mass, keeps_votes=True, decodes_on_engine=True),
 )
 
 _BY_NAME = {r.name: r for r in RULES}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .backends import append_cuda
 from .buffers import RowBuffers, capacity_for, with_room
 
 SCORE_AND_POSITION_BYTES = 8  # float32 score + int32 position per row, quantized or not
@@ -111,6 +112,23 @@ class QuantizedRowBuffers(RowBuffers):
     def append(self, keys: mx.array, values: mx.array):
         """Quantize the block [B, H, S, D] and write it after the held rows; return the
         quantized views (tuples [B, H, held + S, w]) of keys and values."""
+        if self.keys is not None and self.held + keys.shape[2] <= self.keys[0].shape[2]:
+            return self.write_in_place(keys, values)
+        return self._append_quantized(self.quantize(keys), self.quantize(values))
+
+    def has_room(self) -> bool:
+        return self.keys is not None and self.held < self.keys[0].shape[2]
+
+    def write_in_place(self, keys: mx.array, values: mx.array):
+        """append's write of a block [B, H, S, D] that fits after the held rows: on MLX's
+        CUDA build one launch writes it quantized into new buffers (camkv.backends.
+        append_cuda), elsewhere mx.quantize and six writes in place; the quantized views."""
+        if append_cuda.takes(self.keys, self.values, keys, self.bits):
+            held = self.held
+            self.held = end = held + keys.shape[2]
+            self.keys, self.values = append_cuda.write(self.keys, self.values, keys, values, held, self.bits,
+                                                       self.group_size)
+            return _first(self.keys, end), _first(self.values, end)
         return self._append_quantized(self.quantize(keys), self.quantize(values))
 
     def reappend(self, rest) -> None:

@@ -9,7 +9,8 @@ camkv.policy.decayed), before any engine reads them. The engines:
 - on an NVIDIA GPU, merge="drop" with score eviction: one launch chooses, compacts and
   copies the survivors (camkv.backends.drop.compress_drop_buffers over backends.compact_cuda);
   a batch may collect such launches of its rows and run the ones alike together;
-- on a GPU, a chunk of several tokens: batched MLX operations use the whole device,
+- on a GPU, a chunk of several tokens (a merging rule's: a prompt chunk, longer than
+  the slack + 1 tokens of a decode compression): batched MLX operations use the whole device,
   where the kernel core runs one work group per row: for merge="drop" a product, a
   partition and a gather (camkv.backends.drop.compress_drop), for a merge rule those
   and its merges as one product of losers by survivors and segment sums
@@ -87,10 +88,16 @@ OPERATIONS_FROM_TOKENS = 2
 
 def by_operations(backend, cfg, end: int, settled: int) -> bool:
     """Whether a compression of rows [settled, end) runs as batched MLX operations: a
-    chunk of OPERATIONS_FROM_TOKENS tokens or more on a GPU. Exact prefill scores token by
-    token (docs/algorithm.md section 2): the backend's update."""
-    return (cfg.prefill == "chunk" and bool(getattr(backend, "target", None))
-            and end - settled >= OPERATIONS_FROM_TOKENS)
+    chunk of OPERATIONS_FROM_TOKENS tokens or more on a GPU, but a merging rule's decode
+    compression (at most slack + 1 tokens) in the kernel core's one launch unless its
+    registry entry says decodes_on_engine (bench/merge_speed.py: mean's decode step
+    1.17x drop's on the engine, 0.91x in the core, on an H100). Exact prefill scores
+    token by token (docs/algorithm.md section 2): the backend's update."""
+    tokens = end - settled
+    if cfg.prefill != "chunk" or not getattr(backend, "target", None) or tokens < OPERATIONS_FROM_TOKENS:
+        return False
+    rule = merges.rule(cfg.merge)
+    return tokens > cfg.slack + 1 or rule.kind == merges.DROP or rule.decodes_on_engine
 
 
 def _by_operations(backend, rows: RowBuffers, chunk: Chunk):

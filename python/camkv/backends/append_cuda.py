@@ -1,0 +1,139 @@
+"""A decode step's key and value written into quantized rows on an NVIDIA GPU in one launch.
+
+A quantized cache's decode step as MLX operations quantizes the step's key and value (two
+launches) and writes six arrays in place (codes, scales and biases of each: six more).
+On MLX's CUDA build each launch costs the host about as much as a small attention, and a
+decode step at a small model's size is bound by that host work (bench/decode_parts.py:
+8-bit rows at 0.62x RotatingKVCache's speed on llama-3-8B's shape, an H100). Here one
+launch writes all six: a thread an element of the six buffers copies it, except the
+elements of the new rows, which it quantizes as MLX's CUDA `mx.quantize` does (its
+affine_quantize: a group's range from a minimum and a maximum that starts at 0, the edge
+of larger magnitude made exact, codes rounded half away from zero), so the stored codes
+are the ones the operations would store (docs/algorithm.md section 12).
+
+Copying the buffers costs device time (their bytes, twice) where the operations write
+one row; `takes` sends only buffers up to COPY_LIMIT_BYTES here, where that copy is a few
+microseconds of an H100's bandwidth, well under the launches it saves.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import drop
+
+BITS = (4, 8)
+COPY_LIMIT_BYTES = 32 << 20  # the six buffers of one layer, in bytes, that a step may copy
+_THREADS = 256
+
+_SOURCE = """
+  // Outputs o*: the inputs k*/v* (codes, scales, biases of keys and values, [B, H, C, w]),
+  // with rows [at, at + S) replaced by keys / values [B, H, S, D] quantized.
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr float N_BINS = (1 << BITS) - 1;
+  const long B = kc_shape[0], H = kc_shape[1], C = kc_shape[2];
+  const int S = keys_shape[2], at = first[0];
+  const long widths[6] = {kc_shape[3], ks_shape[3], kb_shape[3], vc_shape[3], vs_shape[3], vb_shape[3]};
+  long e = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int a = 0;
+  for (; a < 6 && e >= B * H * C * widths[a]; ++a) e -= B * H * C * widths[a];
+  if (a == 6) return;
+  const long w = e % widths[a], j = (e / widths[a]) % C, h = (e / widths[a] / C) % H, b = e / widths[a] / C / H;
+  const bool fresh = j >= at && j < at + S;
+
+  // The scale and bias of group g of row s of x (MLX's CUDA affine_quantize).
+  auto group_of = [&](const T* x, const Strides& st, long s, long g, float& scale, float& bias) {
+    const T* row = x + b * st[0] + h * st[1] + s * st[2];
+    float lo = 3.40282347e38f, hi = 0.0f;  // MLX's maximum starts at 0, its minimum at FLT_MAX
+    for (int i = 0; i < GS; ++i) {
+      const float v = static_cast<float>(row[(g * GS + i) * st[3]]);
+      lo = fminf(lo, v);
+      hi = fmaxf(hi, v);
+    }
+    float s0 = fmaxf((hi - lo) / N_BINS, 1e-7f);
+    const bool side = fabsf(lo) > fabsf(hi);
+    s0 = side ? s0 : -s0;
+    const float edge = side ? lo : hi;
+    const float q0 = roundf(edge / s0);
+    const bool at_zero = q0 == 0.0f;
+    scale = at_zero ? s0 : edge / q0;
+    bias = at_zero ? 0.0f : edge;
+  };
+  auto word_of = [&](const T* x, const Strides& st, long s) -> uint32_t {
+    float scale, bias;
+    group_of(x, st, s, w * PER_WORD / GS, scale, bias);
+    const T* row = x + b * st[0] + h * st[1] + s * st[2];
+    uint32_t word = 0u;
+    for (int i = 0; i < PER_WORD; ++i) {
+      const float v = static_cast<float>(row[(w * PER_WORD + i) * st[3]]);
+      const float code = fmaxf(fminf(roundf((v - bias) / scale), N_BINS), 0.0f);
+      word |= static_cast<uint32_t>(code) << (i * BITS);
+    }
+    return word;
+  };
+  auto scale_or_bias = [&](const T* x, const Strides& st, long s, bool want_bias) -> T {
+    float scale, bias;
+    group_of(x, st, s, w, scale, bias);
+    return static_cast<T>(want_bias ? bias : scale);
+  };
+
+  // Outputs are new and contiguous; inputs are read through their strides.
+  const long out_at = ((b * H + h) * C + j) * widths[a] + w;
+  const long s = j - at;
+  auto held = [&](const auto* x, const Strides& st) { return x[b * st[0] + h * st[1] + j * st[2] + w * st[3]]; };
+  switch (a) {
+    case 0: okc[out_at] = fresh ? word_of(keys, keys_strides, s) : held(kc, kc_strides); break;
+    case 1: oks[out_at] = fresh ? scale_or_bias(keys, keys_strides, s, false) : held(ks, ks_strides); break;
+    case 2: okb[out_at] = fresh ? scale_or_bias(keys, keys_strides, s, true) : held(kb, kb_strides); break;
+    case 3: ovc[out_at] = fresh ? word_of(values, values_strides, s) : held(vc, vc_strides); break;
+    case 4: ovs[out_at] = fresh ? scale_or_bias(values, values_strides, s, false) : held(vs, vs_strides); break;
+    default: ovb[out_at] = fresh ? scale_or_bias(values, values_strides, s, true) : held(vb, vb_strides); break;
+  }
+"""
+
+_kernel = None
+_firsts: dict[int, mx.array] = {}  # row -> int32 [1]: made once (an array from Python is a copy to the device)
+
+
+def _append_kernel():
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="camkv_quantized_append",
+            input_names=["kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "first"],
+            output_names=["okc", "oks", "okb", "ovc", "ovs", "ovb"],
+            source=_SOURCE, ensure_row_contiguous=False)
+    return _kernel
+
+
+def _first(row: int) -> mx.array:
+    if row not in _firsts:
+        _firsts[row] = mx.array([row], mx.int32)
+    return _firsts[row]
+
+
+def buffer_bytes(buffers: tuple) -> int:
+    return sum(a.nbytes for a in buffers)
+
+
+def takes(key_buffers: tuple, value_buffers: tuple, keys: mx.array, bits: int) -> bool:
+    """Whether one launch writes this step here: MLX's CUDA build on the default device,
+    bits in BITS, the rows' dtype the scales', buffers of at most COPY_LIMIT_BYTES in all."""
+    return (drop.on_cuda() and bits in BITS and keys.dtype == key_buffers[1].dtype == value_buffers[1].dtype
+            and buffer_bytes(key_buffers) + buffer_bytes(value_buffers) <= COPY_LIMIT_BYTES)
+
+
+def write(key_buffers: tuple, value_buffers: tuple, keys: mx.array, values: mx.array, at: int, bits: int,
+          group_size: int) -> tuple[tuple, tuple]:
+    """The buffers (codes, scales, biases) [B, H, C, w] of keys and of values with rows
+    [at, at + S) holding keys and values [B, H, S, D] quantized as mx.quantize(x,
+    group_size, bits) on MLX's CUDA build; new arrays (the caller rebinds its buffers).
+    The caller checks takes() and at + S <= C."""
+    buffers = (*key_buffers, *value_buffers)
+    count = sum(a.size for a in buffers)
+    out = _append_kernel()(
+        inputs=[*buffers, keys, values, _first(at)],
+        template=[("T", keys.dtype), ("BITS", bits), ("GS", group_size)],
+        grid=(-(-count // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[a.shape for a in buffers], output_dtypes=[a.dtype for a in buffers])
+    return tuple(out[:3]), tuple(out[3:])
