@@ -17,8 +17,12 @@ with a mask (not camkv's pass, camkv.quantized_attention.attend_weighed), as bef
 those kernels; and for a rule with votes, RULE/sdpa: only the attention as before.
 Before and after in one process. --core-arms RULE ... adds RULE/core: the rule with the
 compressions of its decode steps (the slack's tokens and the step's) run in the backend's
-kernel core, one launch, instead of the merge engine's operations (prompt chunks stay on
-the engine): camkv.backends.compress.OPERATIONS_FROM_TOKENS raised past the slack.
+kernel core, one launch (prompt chunks stay on the engine):
+camkv.backends.compress.OPERATIONS_FROM_TOKENS raised past the slack. That is where a GPU
+runs every merging rule's decode compressions but keepkv's (its registry entry's
+decodes_on_engine), so the arm differs from the rule's own for keepkv only.
+--engine-arms RULE ... adds RULE/engine: the rule with its decode compressions on the
+merge engine's MLX operations, as every rule ran them before that routing.
 
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
@@ -53,6 +57,7 @@ DROP = "drop"
 OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels, nor camkv's weighed attention
 SDPA = "/sdpa"  # an arm's suffix: the rule without camkv's weighed attention (mlx-lm's, with a mask)
 CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the kernel core
+ENGINE = "/engine"  # an arm's suffix: the rule with its decode compressions on the merge engine
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -78,6 +83,10 @@ def parse_args(argv=None):
     parser.add_argument("--core-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
                         help="also time these rules with their decode compressions in the kernel core "
                              "(arms RULE/core) (default: none)")
+    parser.add_argument("--engine-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="also time these rules with their decode compressions on the merge engine's "
+                             "operations, as before they moved to the kernel core (arms RULE/engine) "
+                             "(default: none)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results (default none)")
     opts = parser.parse_args(argv)
     try:
@@ -102,6 +111,7 @@ def arms_of(opts) -> list[str]:
     without = [rule + OPS for rule in rules_before]
     without += [rule + SDPA for rule in rules_before if merges.rule(rule).keeps_votes]  # only votes weigh attention
     without += [rule + CORE for rule in dict.fromkeys(opts.core_arms) if rule != DROP]
+    without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
     return [ROTATING, DROP] + rules + without
 
 
@@ -111,14 +121,24 @@ def make_cache(model, arm: str, budget: int) -> list:
     return camkv.make_prompt_cache(model, budget=budget, merge=arm.split("/")[0])
 
 
+def _every_chunk_on_the_engine(backend, cfg, end: int, settled: int) -> bool:
+    """compress.by_operations as it was before decode compressions moved to the kernel
+    core: every GPU chunk of OPERATIONS_FROM_TOKENS tokens or more on the engine."""
+    return (cfg.prefill == "chunk" and bool(getattr(backend, "target", None))
+            and end - settled >= compress.OPERATIONS_FROM_TOKENS)
+
+
 def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     """(seconds to the first token, mean seconds of each decode step after it)."""
     cache = make_cache(model, arm, opts.budget)
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
     verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
         compress.OPERATIONS_FROM_TOKENS
+    routing = compress.by_operations
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
         compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
+    if arm.endswith(ENGINE):
+        compress.by_operations = _every_chunk_on_the_engine
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
     if arm.endswith((OPS, SDPA)):
@@ -137,6 +157,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
         merge_ops._probe.update(verdict)
         quantized_attention.attend_weighed = weighed
         compress.OPERATIONS_FROM_TOKENS = from_tokens
+        compress.by_operations = routing
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps

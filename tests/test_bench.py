@@ -179,6 +179,28 @@ def test_merge_speed_core_arm_runs_decode_compressions_below_the_engine_threshol
     assert compress.OPERATIONS_FROM_TOKENS == 2
 
 
+def test_merge_speed_engine_arm_runs_decode_compressions_on_the_engine(monkeypatch):
+    """--engine-arms mean adds mean/engine, during which a GPU's decode compression of
+    mean (slack + 1 tokens) goes to the merge engine, as before it moved to the kernel
+    core; the routing is restored after."""
+    from camkv import CaMConfig
+    from camkv.backends import compress
+
+    script = _load_bench_script("merge_speed")
+    real, routed = compress.by_operations, []
+    gpu = type("GPU", (), {"target": "cuda"})()
+    decode = CaMConfig(budget=40, merge="mean")
+    monkeypatch.setattr(script, "generate_step",
+                        lambda *a, real_step=script.generate_step, **k:
+                        routed.append(compress.by_operations(gpu, decode, 40 + decode.slack + 1, 40))
+                        or real_step(*a, **k))
+    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
+                          "--steps", "12", "--rounds", "1", "--rules", "mean", "--engine-arms", "mean"])
+    assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/engine"]
+    assert True in routed and False in routed  # mean/engine's caches on the engine, mean's in the core
+    assert compress.by_operations is real
+
+
 def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
     script = _load_bench_script("merge_speed")
     with pytest.raises(SystemExit) as exit_info:

@@ -6,8 +6,9 @@
 #                                     merges1b and merges8b run one of the two), mean and keepkv
 #                                     also as before the merge kernels and keepkv's CUDA decode
 #                                     attention (mean/ops, keepkv/ops), keepkv/sdpa: its
-#                                     decode attention alone as before, and every rule with its
-#                                     decode compressions in the kernel core (RULE/core)
+#                                     decode attention alone as before, every rule with its
+#                                     decode compressions on the merge engine as before
+#                                     (RULE/engine), and keepkv's in the kernel core (keepkv/core)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
@@ -44,10 +45,10 @@ for part in "$@"; do
   case $part in
     merges|merges1b|merges8b)
       [ $part = merges8b ] || step 280 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
-        --budget 512 --steps 160 --rounds 3 --ops-arms mean keepkv --core-arms $RULES \
+        --budget 512 --steps 160 --rounds 3 --ops-arms mean keepkv --engine-arms $RULES --core-arms keepkv \
         --out "$OUT/merge-speed-random-1b-8k.json"
       [ $part = merges1b ] || step 420 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
-        --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --core-arms $RULES \
+        --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --engine-arms $RULES --core-arms keepkv \
         --out "$OUT/merge-speed-random-8b-16k.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
