@@ -217,25 +217,20 @@ def test_a_quantized_caches_decode_steps_through_the_launch_store_what_six_write
 @on_gpu
 def test_quantized_decode_steps_take_the_short_way_on_an_nvidia_gpu(monkeypatch):
     """On MLX's CUDA build (pretended here, kernels emulated) a quantized cache's decode
-    steps go the short way (but the first and the one after a compression): update_and_fetch writes the step in one launch
-    and the hook hands the rows as stored straight to camkv's pass (both counted), through
-    compressions; the output equals attention over the dequantized rows."""
+    steps go the short way (but the first and the one after a compression):
+    update_and_fetch writes the step in one launch and the hook hands the rows as stored
+    straight to camkv's pass (both counted), through compressions; the output equals
+    attention over the dequantized rows."""
     from camkv import CaMKVCache, hook, quantized_attention
     from camkv.backends import quantized_cuda
-    from tiny_models import tiny_llama
+    from tiny_models import counted, random_steps, tiny_llama
 
     monkeypatch.setattr(quantized_cuda, "here", lambda: True)
-    writes, passes = [], []
-    real_write, real_attend = append_cuda.write, quantized_cuda.attend
     monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
-    monkeypatch.setattr(append_cuda, "write", lambda *a: writes.append(1) or real_write(*a))
-    monkeypatch.setattr(quantized_cuda, "attend", lambda *a: passes.append(1) or real_attend(*a))
-    long_way = []  # steps through the hook's checks (camkv.quantized_attention.attend)
-    real_checked = quantized_attention.attend
-    monkeypatch.setattr(quantized_attention, "attend", lambda *a: long_way.append(1) or real_checked(*a))
-    rng = np.random.default_rng(5)
-    block = lambda s: mx.array(rng.standard_normal((1, 2, s, 64)).astype(np.float32))  # noqa: E731
-    query = lambda s: mx.array(rng.standard_normal((1, 4, s, 64)).astype(np.float32))  # noqa: E731
+    writes = counted(monkeypatch, append_cuda, "write")
+    passes = counted(monkeypatch, quantized_cuda, "attend")
+    long_way = counted(monkeypatch, quantized_attention, "attend")  # steps through the hook's checks
+    block, query = random_steps(5)
     model = tiny_llama()
     hook.install(model)
     try:
@@ -243,7 +238,7 @@ def test_quantized_decode_steps_take_the_short_way_on_an_nvidia_gpu(monkeypatch)
             cache = CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, bits=8, group_size=32)
             keys, values = cache.update_and_fetch(block(40), block(40))
             hook.scaled_dot_product_attention(query(40), keys, values, cache, 0.125, "causal")
-            for step in range(12):
+            for _ in range(12):
                 keys, values = cache.update_and_fetch(block(1), block(1))
                 assert isinstance(keys, tuple)
                 q = query(1)

@@ -179,15 +179,11 @@ def test_keepkv_decode_steps_through_the_hook_take_camkvs_pass_and_equal_mlx_lms
     and the votes' log to camkv's pass (counted), whose output equals mlx-lm's attention
     with weighed_by_votes' mask."""
     from camkv import CaMKVCache, hook
-    from tiny_models import tiny_llama
+    from tiny_models import counted, random_steps, tiny_llama
 
     monkeypatch.setattr(quantized_cuda, "here", lambda: True)
-    taken = []
-    real = quantized_cuda.attend_rows
-    monkeypatch.setattr(quantized_cuda, "attend_rows", lambda *a: taken.append(1) or real(*a))
-    rng = np.random.default_rng(3)
-    block = lambda s: mx.array(rng.standard_normal((1, 2, s, 64)).astype(np.float32))  # noqa: E731
-    query = lambda s: mx.array(rng.standard_normal((1, 4, s, 64)).astype(np.float32))  # noqa: E731
+    taken = counted(monkeypatch, quantized_cuda, "attend_rows")
+    block, query = random_steps(3)
     model = tiny_llama()
     hook.install(model)  # a hooked model: the cache waits for the queries the hook hands it
     try:

@@ -249,3 +249,19 @@ def feed_with_queries(cache, sizes, *, seed: int, heads: int = 2, groups: int = 
         cache.observe_queries(queries[:, :, block], scale)
         first += size
     return cache
+
+
+def random_steps(seed: int, kv_heads: int = 2, query_heads: int = 4, dim: int = 64):
+    """(block, query): functions of s drawing float32 keys or values [1, kv_heads, s, dim]
+    and queries [1, query_heads, s, dim] in turn from one generator, as a hooked model
+    would hand a cache and its attention."""
+    rng = np.random.default_rng(seed)
+    return (lambda s: mx.array(rng.standard_normal((1, kv_heads, s, dim)).astype(np.float32)),
+            lambda s: mx.array(rng.standard_normal((1, query_heads, s, dim)).astype(np.float32)))
+
+
+def counted(monkeypatch, module, name: str) -> list:
+    """Replace module.name by itself counting its calls: the list grows by one a call."""
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    return calls
