@@ -21,6 +21,12 @@
 #                                     more per layer for each of camkv's three; about 6 minutes)
 #   bash bench/gpu/speed.sh decodehost the caches' own host work per step and layer (clocked
 #                                     calls) at 64k, the same arms (about 3 minutes)
+#   bash bench/gpu/speed.sh qstep     a quantized decode step against bfloat16 rows' and
+#                                     RotatingKVCache's as mlx_lm.generate runs them (random-1b
+#                                     at 4k, budget 512; random-8b at 32k, budget 2048), then
+#                                     one trial of each camkv arm under cProfile: the host work
+#                                     of a step by function, custom kernels' calls included
+#                                     (about 4 minutes)
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
 #                                     4k-32k, random-8b 32k; about 5 minutes)
 #   bash bench/gpu/speed.sh qattn     one layer's decode attention over quantized rows: MLX's,
@@ -61,6 +67,13 @@ for part in "$@"; do
     decodehost)
       step 200 python3 bench/decode_parts.py --model random-8b --prompt-length 65536 --budget 2048 \
         --arms rotating camkv camkv-fullhook --interleave --cache-host --trials 1 --steps 64 --out "$OUT/decodehost-65536" ;;
+    qstep)
+      step 120 python3 bench/decode_parts.py --model random-1b --prompt-length 4096 --budget 512 \
+        --arms rotating camkv camkv-q8 camkv-q4 --pipelined 16 --trials 2 --steps 64 \
+        --host-profile camkv camkv-q8 --out "$OUT/qstep-random-1b-4096"
+      step 150 python3 bench/decode_parts.py --model random-8b --prompt-length 32768 --budget 2048 \
+        --arms rotating camkv camkv-q8 camkv-q4 --pipelined 16 --trials 1 --steps 48 \
+        --host-profile camkv-q8 --out "$OUT/qstep-random-8b-32768" ;;
     quant)
       step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \
         --equal-bytes --out "$OUT" --tag quant-h200-random-1b
@@ -75,6 +88,6 @@ for part in "$@"; do
     batchstep)
       step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, engine, decode8b, decodehost, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, engine, decode8b, decodehost, qstep, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 done
