@@ -11,7 +11,7 @@ affine_quantize: a group's range from a minimum and a maximum that starts at 0, 
 of larger magnitude made exact, codes rounded half away from zero), so the stored codes
 are the ones the operations would store (docs/algorithm.md section 12).
 
-Copying the buffers costs device time (their bytes, twice) where the operations write
+Copying the buffers costs GPU time (their bytes, read and written) where the operations write
 one row; `takes` sends only buffers up to COPY_LIMIT_BYTES here, where that copy is a few
 microseconds of an H100's bandwidth, well under the launches it saves.
 """
