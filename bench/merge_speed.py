@@ -121,13 +121,6 @@ def make_cache(model, arm: str, budget: int) -> list:
     return camkv.make_prompt_cache(model, budget=budget, merge=arm.split("/")[0])
 
 
-def _every_chunk_on_the_engine(backend, cfg, end: int, settled: int) -> bool:
-    """compress.by_operations as it was before decode compressions moved to the kernel
-    core: every GPU chunk of OPERATIONS_FROM_TOKENS tokens or more on the engine."""
-    return (cfg.prefill == "chunk" and bool(getattr(backend, "target", None))
-            and end - settled >= compress.OPERATIONS_FROM_TOKENS)
-
-
 def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     """(seconds to the first token, mean seconds of each decode step after it)."""
     cache = make_cache(model, arm, opts.budget)
@@ -137,8 +130,8 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     routing = compress.by_operations
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
         compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
-    if arm.endswith(ENGINE):
-        compress.by_operations = _every_chunk_on_the_engine
+    if arm.endswith(ENGINE):  # the routing before decode compressions moved to the kernel core
+        compress.by_operations = compress.gpu_chunk
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
     if arm.endswith((OPS, SDPA)):

@@ -68,7 +68,7 @@ class RowBuffers:
         if self.scores is None:
             R = keys.shape[0] * keys.shape[1]
             self.scores, self.positions = mx.zeros((R, 0), mx.float32), mx.zeros((R, 0), mx.int32)
-        if self.keys is not None and end <= self.keys.shape[2]:
+        if self.has_room(keys.shape[2]):
             return self.write_in_place(keys, values)
         # A first call or a long block: one new buffer, with room for decoding after.
         spare = self.room_after(end)
@@ -77,9 +77,10 @@ class RowBuffers:
         self.held = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
-    def has_room(self) -> bool:
-        """Whether the buffers have an empty row after the held ones (a decode step fits)."""
-        return self.keys is not None and self.held < self.keys.shape[2]
+    def has_room(self, rows: int = 1) -> bool:
+        """Whether the buffers have `rows` empty rows after the held ones (by default a
+        decode step's one)."""
+        return self.keys is not None and self.held + rows <= self.keys.shape[2]
 
     def write_in_place(self, keys: mx.array, values: mx.array):
         """append's write of a block [B, H, S, D] that fits in the buffers after the held

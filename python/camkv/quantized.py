@@ -111,25 +111,21 @@ class QuantizedRowBuffers(RowBuffers):
 
     def append(self, keys: mx.array, values: mx.array):
         """Quantize the block [B, H, S, D] and write it after the held rows; return the
-        quantized views (tuples [B, H, held + S, w]) of keys and values."""
-        if self.keys is not None and self.held + keys.shape[2] <= self.keys[0].shape[2]:
-            return self.write_in_place(keys, values)
-        return self._append_quantized(self.quantize(keys), self.quantize(values))
-
-    def has_room(self) -> bool:
-        return self.keys is not None and self.held < self.keys[0].shape[2]
-
-    def write_in_place(self, keys: mx.array, values: mx.array):
-        """append's write of a block [B, H, S, D] that fits after the held rows: on MLX's
-        CUDA build one launch writes it quantized into new buffers (camkv.backends.
-        append_cuda), elsewhere mx.quantize and six writes in place; the quantized views."""
-        if append_cuda.takes(self.keys, self.values, keys, self.bits):
+        quantized views (tuples [B, H, held + S, w]) of keys and values. A block that fits
+        is written on MLX's CUDA build by one launch into new buffers (camkv.backends.
+        append_cuda), elsewhere by mx.quantize and six writes in place."""
+        if self.has_room(keys.shape[2]) and append_cuda.takes(self.keys, self.values, keys, self.bits):
             held = self.held
             self.held = end = held + keys.shape[2]
             self.keys, self.values = append_cuda.write(self.keys, self.values, keys, values, held, self.bits,
                                                        self.group_size)
             return _first(self.keys, end), _first(self.values, end)
         return self._append_quantized(self.quantize(keys), self.quantize(values))
+
+    write_in_place = append  # a block that fits: append's own work
+
+    def has_room(self, rows: int = 1) -> bool:
+        return self.keys is not None and self.held + rows <= self.keys[0].shape[2]
 
     def reappend(self, rest) -> None:
         """Rows after(end) handed out before a compression, written back as they were."""
@@ -140,7 +136,7 @@ class QuantizedRowBuffers(RowBuffers):
         if self.scores is None:
             R = keys[0].shape[0] * keys[0].shape[1]
             self.scores, self.positions = mx.zeros((R, 0), mx.float32), mx.zeros((R, 0), mx.int32)
-        if self.keys is not None and end <= self.keys[0].shape[2]:
+        if self.has_room(keys[0].shape[2]):
             for buffer, block in zip((*self.keys, *self.values), (*keys, *values)):
                 buffer[:, :, self.held : end] = block
         else:

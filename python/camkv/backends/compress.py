@@ -86,18 +86,24 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
 OPERATIONS_FROM_TOKENS = 2
 
 
+def gpu_chunk(backend, cfg, end: int, settled: int) -> bool:
+    """Whether rows [settled, end) are a chunk the GPU engines could take: chunk prefill
+    (exact prefill scores token by token, docs/algorithm.md section 2), a GPU backend, and
+    OPERATIONS_FROM_TOKENS pending tokens or more."""
+    return (cfg.prefill == "chunk" and bool(getattr(backend, "target", None))
+            and end - settled >= OPERATIONS_FROM_TOKENS)
+
+
 def by_operations(backend, cfg, end: int, settled: int) -> bool:
     """Whether a compression of rows [settled, end) runs as batched MLX operations: a
-    chunk of OPERATIONS_FROM_TOKENS tokens or more on a GPU, but a merging rule's decode
-    compression (at most slack + 1 tokens) in the kernel core's one launch unless its
-    registry entry says decodes_on_engine (bench/merge_speed.py: mean's decode step
-    1.17x drop's on the engine, 0.91x in the core, on an H100). Exact prefill scores
-    token by token (docs/algorithm.md section 2): the backend's update."""
-    tokens = end - settled
-    if cfg.prefill != "chunk" or not getattr(backend, "target", None) or tokens < OPERATIONS_FROM_TOKENS:
+    gpu_chunk, but a merging rule's decode compression (at most slack + 1 tokens) in the
+    kernel core's one launch unless its registry entry says decodes_on_engine
+    (bench/merge_speed.py: mean's decode step 1.17x drop's on the engine, 0.91x in the
+    core, on an H100). Elsewhere the backend's update."""
+    if not gpu_chunk(backend, cfg, end, settled):
         return False
     rule = merges.rule(cfg.merge)
-    return tokens > cfg.slack + 1 or rule.kind == merges.DROP or rule.decodes_on_engine
+    return end - settled > cfg.slack + 1 or rule.kind == merges.DROP or rule.decodes_on_engine
 
 
 def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
