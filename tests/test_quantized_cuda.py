@@ -35,7 +35,8 @@ def cases(draw):
         bits=draw(st.sampled_from(quantized_cuda.BITS)), group_size=draw(st.sampled_from([32, 64, 128][:D // 64 + 1])),
         dtype=draw(st.sampled_from(sorted(DTYPES))), mask=draw(st.sampled_from(["none", "shared", "per_head"])),
         spare=draw(st.sampled_from([0, 5])), lead=draw(st.sampled_from([0, 3])), strided_queries=draw(st.booleans()),
-        scale=draw(st.sampled_from([0.125, 1.0, 40.0])), seed=draw(st.integers(0, 2**31 - 1)))
+        scale=draw(st.sampled_from([0.125, 1.0, 40.0])), seed=draw(st.integers(0, 2**31 - 1)),
+        whole=draw(st.booleans()))
 
 
 def _queries(rng, B, Hq, D, dtype, strided):
@@ -44,9 +45,13 @@ def _queries(rng, B, Hq, D, dtype, strided):
     return mx.array(rng.standard_normal((B, Hq, 1, D)).astype(np.float32)).astype(dtype)
 
 
-def _check(queries, keys, values, scale, mask, bits, group_size, dtype_name):
+def _check(queries, keys, values, scale, mask, bits, group_size, dtype_name, whole=True):
+    """camkv's pass against the float64 reference; whole=False: in stretches and a combine
+    launch even where one work group a head would read every row (WHOLE_ROWS)."""
     assert quantized_cuda.takes(queries, keys, values, bits, group_size)
-    got = quantized_cuda.attend(queries, keys, values, scale, mask, bits, group_size)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quantized_cuda, "WHOLE_ROWS", quantized_cuda.WHOLE_ROWS if whole else 0)
+        got = quantized_cuda.attend(queries, keys, values, scale, mask, bits, group_size)
     assert got.dtype == queries.dtype and got.shape == queries.shape
     expected = _reference(queries, keys, values, scale, mask, bits, group_size)
     got = np.array(got.astype(mx.float32), np.float64)
@@ -73,7 +78,7 @@ def test_matches_float64_attention_over_the_dequantized_rows(case):
         m = rng.standard_normal((c["B"], 1 if c["mask"] == "shared" else c["H"], 1, c["N"])).astype(np.float32)
         m[..., 1:][rng.random(m[..., 1:].shape) < 0.3] = -np.inf  # row 0 stays visible
         mask = mx.array(m)
-    _check(queries, keys, values, c["scale"], mask, c["bits"], c["group_size"], c["dtype"])
+    _check(queries, keys, values, c["scale"], mask, c["bits"], c["group_size"], c["dtype"], c["whole"])
 
 
 @on_gpu
@@ -157,7 +162,9 @@ def test_plain_rows_match_float64_attention(case):
         bias[rng.random(bias.shape) < 0.2] = -np.inf
         mask = mx.array(bias)
     assert quantized_cuda.takes_rows(queries, keys, values)
-    got = np.array(quantized_cuda.attend_rows(queries, keys, values, c["scale"], mask).astype(mx.float32))
+    with pytest.MonkeyPatch.context() as patch:  # one launch a head, or stretches and a combine
+        patch.setattr(quantized_cuda, "WHOLE_ROWS", quantized_cuda.WHOLE_ROWS if c["whole"] else 0)
+        got = np.array(quantized_cuda.attend_rows(queries, keys, values, c["scale"], mask).astype(mx.float32))
     expected = _plain_reference(queries, keys, values, c["scale"], mask)
     tolerance = 4 * EPS[c["dtype"]] * np.abs(expected).max() + 2e-4 * max(1.0, c["scale"])
     np.testing.assert_allclose(got, expected, atol=tolerance, rtol=0)

@@ -18,6 +18,10 @@ them (views into its buffers, read through their strides: nothing copied):
 2. Combine: one thread an output channel merges the stretches of its (b, h, g) by their
    maxima and divides by the sum, rounding once to the queries' dtype.
 
+Up to WHOLE_ROWS rows a head (a small model's bounded rows), one work group a KV head
+reads every row and writes the output itself: one launch, whose host work (MLX builds a
+custom kernel's call on the host each time) a decode step pays per layer.
+
 Sums are float32; a row whose logit is -inf (masked) adds nothing, and a query head that
 sees no row gets zeros. The additive mask is read per KV head, [B, 1 or H, 1, N] (zero
 strides broadcast), as the CPU extension reads it.
@@ -34,6 +38,9 @@ STEPS = 4  # row slots each warp slot reads in a stretch
 HEAD_DIMS = (64, 128, 256)  # D / 8 lanes a row must divide a warp
 BITS = (4, 8)
 MAX_GROUP = 8  # query heads a KV head, held in registers
+# Rows up to which one work group a KV head attends them all and writes the output (one
+# launch); more rows are read in stretches by many work groups, then combined (two).
+WHOLE_ROWS = 1024
 
 # How a lane reads its eight channels [c0, c0 + 8) of row j as floats: quantized rows
 # (codes, scales, biases) or rows as the model's dtype. The partials' text reads the keys
@@ -165,13 +172,20 @@ _PARTIALS = """
       sum += warp_total[w][g] * weight;
       out += warp_acc[w][g][c] * weight;
     }
+@WRITE@
+  }
+"""
+
+# What a work group writes of its stretch: its maximum, sum and unnormalized output for
+# the combine launch, or (one stretch a head: every row) the output itself, rounded once.
+_WRITE_PARTIALS = """
     partial_out[(blockIdx.x * G + g) * D + c] = out;
     if (c == 0) {
       partial_top[blockIdx.x * G + g] = best;
       partial_total[blockIdx.x * G + g] = sum;
-    }
-  }
-"""
+    }"""
+_WRITE_OUTPUT = """
+    output[(blockIdx.x * G + g) * D + c] = static_cast<T>(sum > 0.0f ? out / sum : 0.0f);"""
 
 _COMBINE = """
   // partial_top [B * H, splits, G]: its shape says how many stretches (no array to copy).
@@ -216,13 +230,16 @@ def here() -> bool:
 
 def _kernel(name: str):
     if name not in _kernels:
-        if name in _ROW_INPUTS:  # the partials over quantized rows, or over rows as the model's dtype
-            rows = _ROW_INPUTS[name]
+        kind, _, whole = name.partition("/")
+        if kind in _ROW_INPUTS:  # the partials over quantized rows, or over rows as the model's dtype
+            rows = _ROW_INPUTS[kind]
             _kernels[name] = mx.fast.cuda_kernel(
-                name=f"camkv_{name}_attention_partials", input_names=["queries", *rows, "mask", "params"],
-                output_names=["partial_top", "partial_total", "partial_out"],
+                name=f"camkv_{kind}_attention_{'whole' if whole else 'partials'}",
+                input_names=["queries", *rows, "mask", "params"],
+                output_names=["output"] if whole else ["partial_top", "partial_total", "partial_out"],
                 source=_PARTIALS.replace("@ROWS@", rows[0]).replace(
-                    "@READER@", _DEQUANTIZE if name == "quantized" else _READ),
+                    "@READER@", _DEQUANTIZE if kind == "quantized" else _READ).replace(
+                    "@WRITE@", _WRITE_OUTPUT if whole else _WRITE_PARTIALS),
                 ensure_row_contiguous=False)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
@@ -284,15 +301,21 @@ def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float,
     B, Hq, _, D = queries.shape
     H, N = rows_shape[1], rows_shape[2]
     G = Hq // H
+    has_mask = mask is not None
+    heads = B * H
+    inputs = [queries, *rows, mask if has_mask else _constant(None), _constant(float(scale))]
+    if N <= WHOLE_ROWS:  # one work group a KV head reads all its rows and writes the output: one launch
+        template = [("T", queries.dtype), ("D", D), ("G", G), *extra, ("WARPS", WARPS), ("ROWS", WHOLE_ROWS),
+                    ("HAS_MASK", has_mask)]
+        return _kernel(kind + "/whole")(
+            inputs=inputs, template=template, grid=(heads * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
     per_stretch = rows_per_stretch(D)
     splits = max(1, -(-N // per_stretch))
-    has_mask = mask is not None
     template = [("T", queries.dtype), ("D", D), ("G", G), *extra, ("WARPS", WARPS), ("ROWS", per_stretch),
                 ("HAS_MASK", has_mask)]
-    heads = B * H
     top, total, out = _kernel(kind)(
-        inputs=[queries, *rows, mask if has_mask else _constant(None), _constant(float(scale))],
-        template=template, grid=(heads * splits * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+        inputs=inputs, template=template, grid=(heads * splits * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(heads, splits, G), (heads, splits, G), (heads, splits, G, D)],
         output_dtypes=[mx.float32, mx.float32, mx.float32])
     threads = 128
