@@ -29,27 +29,20 @@ _THREADS = 256
 _SOURCE = """
   // Outputs o*: the inputs k*/v* (codes, scales, biases of keys and values, [B, H, C, w]),
   // with rows [at, at + S) replaced by keys / values [B, H, S, D] quantized.
-  // Index arithmetic in 32 bits with the row widths known when compiled (divisions by
-  // constants): the buffers a step may copy hold fewer than 2^31 elements (takes()).
   constexpr int PER_WORD = 32 / BITS;
   constexpr float N_BINS = (1 << BITS) - 1;
-  constexpr int KC = DK / PER_WORD, KG = DK / GS, VC = DV / PER_WORD, VG = DV / GS;
-  const int H = kc_shape[1], C = kc_shape[2];
-  const int rows = kc_shape[0] * H * C;
+  const long B = kc_shape[0], H = kc_shape[1], C = kc_shape[2];
   const int S = keys_shape[2], at = first[0];
-  int e = blockIdx.x * blockDim.x + threadIdx.x;
-  int a = 0, width = KC;
-  if (e >= rows * KC) { e -= rows * KC; a = 1; width = KG; }
-  if (a == 1 && e >= rows * KG) { e -= rows * KG; a = 2; }
-  if (a == 2 && e >= rows * KG) { e -= rows * KG; a = 3; width = VC; }
-  if (a == 3 && e >= rows * VC) { e -= rows * VC; a = 4; width = VG; }
-  if (a == 4 && e >= rows * VG) { e -= rows * VG; a = 5; }
-  if (a == 5 && e >= rows * VG) return;
-  const int w = e % width, r = e / width, j = r % C, h = (r / C) % H, b = r / C / H;
+  const long widths[6] = {kc_shape[3], ks_shape[3], kb_shape[3], vc_shape[3], vs_shape[3], vb_shape[3]};
+  long e = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int a = 0;
+  for (; a < 6 && e >= B * H * C * widths[a]; ++a) e -= B * H * C * widths[a];
+  if (a == 6) return;
+  const long w = e % widths[a], j = (e / widths[a]) % C, h = (e / widths[a] / C) % H, b = e / widths[a] / C / H;
   const bool fresh = j >= at && j < at + S;
 
   // The scale and bias of group g of row s of x (MLX's CUDA affine_quantize).
-  auto group_of = [&](const T* x, const Strides& st, int s, int g, float& scale, float& bias) {
+  auto group_of = [&](const T* x, const Strides& st, long s, long g, float& scale, float& bias) {
     const T* row = x + b * st[0] + h * st[1] + s * st[2];
     float lo = 3.40282347e38f, hi = 0.0f;  // MLX's maximum starts at 0, its minimum at FLT_MAX
     for (int i = 0; i < GS; ++i) {
@@ -66,7 +59,7 @@ _SOURCE = """
     scale = at_zero ? s0 : edge / q0;
     bias = at_zero ? 0.0f : edge;
   };
-  auto word_of = [&](const T* x, const Strides& st, int s) -> uint32_t {
+  auto word_of = [&](const T* x, const Strides& st, long s) -> uint32_t {
     float scale, bias;
     group_of(x, st, s, w * PER_WORD / GS, scale, bias);
     const T* row = x + b * st[0] + h * st[1] + s * st[2];
@@ -78,15 +71,15 @@ _SOURCE = """
     }
     return word;
   };
-  auto scale_or_bias = [&](const T* x, const Strides& st, int s, bool want_bias) -> T {
+  auto scale_or_bias = [&](const T* x, const Strides& st, long s, bool want_bias) -> T {
     float scale, bias;
     group_of(x, st, s, w, scale, bias);
     return static_cast<T>(want_bias ? bias : scale);
   };
 
   // Outputs are new and contiguous; inputs are read through their strides.
-  const int out_at = r * width + w;
-  const int s = j - at;
+  const long out_at = ((b * H + h) * C + j) * widths[a] + w;
+  const long s = j - at;
   auto held = [&](const auto* x, const Strides& st) { return x[b * st[0] + h * st[1] + j * st[2] + w * st[3]]; };
   switch (a) {
     case 0: okc[out_at] = fresh ? word_of(keys, keys_strides, s) : held(kc, kc_strides); break;
@@ -140,8 +133,7 @@ def write(key_buffers: tuple, value_buffers: tuple, keys: mx.array, values: mx.a
     count = sum(a.size for a in buffers)
     out = _append_kernel()(
         inputs=[*buffers, keys, values, _first(at)],
-        template=[("T", keys.dtype), ("BITS", bits), ("GS", group_size), ("DK", keys.shape[3]),
-                  ("DV", values.shape[3])],
+        template=[("T", keys.dtype), ("BITS", bits), ("GS", group_size)],
         grid=(-(-count // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[a.shape for a in buffers], output_dtypes=[a.dtype for a in buffers])
     return tuple(out[:3]), tuple(out[3:])
