@@ -8,8 +8,22 @@ import numpy as np
 import mlx.core as mx
 import pytest
 
-from camkv import backends
+from camkv import _blas, backends
 from camkv.rows import RowState
+
+
+def pytest_configure(config):
+    """The suite compares every backend with the reference bit for bit or within a few
+    ulps of float32 sums taken in feature order, as MLX's own CPU BLAS takes them. An
+    OpenBLAS loaded into the process (LD_PRELOAD; camkv's command line loads one for speed,
+    the package and these tests do not) sums the reference's products in another order and
+    fails those comparisons without a defect, so the run stops here saying why."""
+    if _blas.bound():
+        raise pytest.UsageError(
+            "OpenBLAS is loaded into this process (LD_PRELOAD="
+            f"{os.environ.get('LD_PRELOAD', '')!r}): the tests compare backends with the reference under "
+            "MLX's own BLAS, whose float32 sums OpenBLAS takes in another order. Run them without it "
+            "(unset LD_PRELOAD).")
 
 
 def _backend_params():

@@ -268,6 +268,24 @@ def test_openblas_choice_follows_camkv_blas(monkeypatch, tmp_path):
     assert _blas.preload() is None
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps (Linux)")
+def test_bound_tells_whether_openblas_is_mapped_into_the_process():
+    """The tests compare a batch row with its request alone bit for bit only where MLX's own
+    BLAS runs (tests/tiny_models.exact_here): bound() must see an OpenBLAS put in place by
+    LD_PRELOAD, and none without it."""
+    from camkv import _blas
+
+    library = _blas.find_openblas()
+    if library is None:
+        pytest.skip("no OpenBLAS installed")
+    probe = [sys.executable, "-c", "import mlx.core; from camkv import _blas; print(_blas.bound())"]
+    env = {k: v for k, v in subprocess_env().items() if k != "LD_PRELOAD"}
+    without = subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    with_it = subprocess.run(probe, env={**env, "LD_PRELOAD": library}, capture_output=True, text=True,
+                             check=True).stdout.strip()
+    assert (without, with_it) == ("False", "True")
+
+
 def test_a_cpu_command_without_openblas_says_why_it_is_slow(monkeypatch, tmp_path, capsys):
     from camkv import _blas
 

@@ -64,6 +64,17 @@ def preload() -> str | None:
     return library
 
 
+def bound() -> bool:
+    """Whether an OpenBLAS is mapped into this process (Linux; False elsewhere): MLX's CPU
+    matrix products then run through it, whose blocking follows the matrices' shapes, so a
+    batch's products may differ in the last digits from one row's (docs/algorithm.md
+    section 10)."""
+    try:
+        return "libopenblas" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+
+
 def _turned_off() -> bool:
     return os.environ.get("CAMKV_BLAS", "").lower() in ("0", "off", "no", "false")
 
