@@ -189,16 +189,20 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
 
 
 @on_gpu
-@pytest.mark.parametrize("defect", ["none", "wrong", "no compile"])
+@pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
-    """The probe passes the kernels as they are; a kernel that computes a cosine 0.1% off,
-    or whose text does not compile, is switched off for the process with one warning,
-    and compressions then run the MLX operations (kernels=None asks the probe)."""
+    """The probe passes the kernels as they are; a kernel that computes a cosine or a blend
+    0.1% off, or whose text does not compile, is switched off for the process with one
+    warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
             "dot[loser] = dots[t];", "dot[loser] = dots[t] * 1.001f;"))
     elif defect == "no compile":
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
+    elif defect == "wrong blend":
+        monkeypatch.setattr(merge_cuda, "_FINISH", merge_cuda._FINISH.replace(" / total : own;", " / total * 1.001f : own;"))
+    elif defect == "blend does not compile":
+        monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})
     monkeypatch.setattr(merge_cuda, "_kernels", {})  # built again from the (patched) text
     if defect == "none":

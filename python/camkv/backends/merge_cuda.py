@@ -15,6 +15,13 @@ launches and passes over large arrays (camkv.backends.merge_ops calls them there
   keepkv's largest logit a target takes in, with atomic maxima, where MLX operations
   would mask a dense [R, k, m] array.
 
+- **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch
+  adds every merging loser's share-weighted value (and key), its share, a count and its
+  mass into its target's float32 sums (a warp per loser, atomic additions), and one
+  more writes each survivor's blended row and score from them: two launches where the
+  MLX operations and scatter_rows take about twenty (the shares' products and their
+  concatenation, the sums' slices, the denominators, the divisions and the choices).
+
 The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
 
@@ -94,6 +101,50 @@ _SCATTER_MAX = """
   camkv_atomic_max(maxima + r * m + targets[edge], x[r * k + e]);
 """
 
+_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay).
+  // A warp per (row, loser) that merges: share * its value (and key), then the share, 1
+  // and its mass s_e, added into its target's float32 sums [R, m, Dv + Dk + 3]. The share:
+  // share_in[loser] (SHARE_IN) or one for every loser, constants[0].
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
+  const float share = SHARE_IN ? share_in[loser] : constants[0];
+  float* into = sums + ((loser / k) * m + target[loser]) * (C + 3);
+  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(share, values[loser * Dv + c]));
+  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(share, keys[loser * Dk + c]));
+  if (lane == 0) {
+    atomicAdd(into + C, share);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, mass[loser]);
+  }
+"""
+
+_FINISH = """
+  // dims: R rows, m survivors, Dv, Dk. A thread per (row, survivor, column): the
+  // survivor's row becomes (A row + sum share source) / (A + sum share) where a loser
+  // gives to it and that denominator is not 0 (else it stays); column 0 also writes its
+  // score plus the mass it took in. A: share_t[j] (SHARE_T) or one for every survivor,
+  // constants[1].
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at >= rows * m * C) return;
+  const long j = at / C;
+  const int c = (int)(at % C);
+  const float* sum = sums + j * (C + 3);
+  const float own_share = SHARE_T ? share_t[j] : constants[1];
+  const float total = __fadd_rn(own_share, sum[C]);
+  const bool blending = sum[C + 1] > 0.0f && total > 0.0f;
+  const float own = c < Dv ? own_values[j * Dv + c] : own_keys[j * Dk + c - Dv];
+  const float blended = blending ? __fadd_rn(__fmul_rn(own_share, own), sum[c]) / total : own;
+  if (c < Dv) out_values[j * Dv + c] = blended;
+  else out_keys[j * Dk + c - Dv] = blended;
+  if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[C + 2]);
+"""
+
 _kernels: dict[str, object] = {}
 
 
@@ -119,6 +170,16 @@ def _kernel(name: str):
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_scatter_max", _MAX_HEADER + _SCATTER_MAX), input_names=["x", "targets", "live", "dims"],
                 output_names=["maxima"], source=_SCATTER_MAX, header=_MAX_HEADER)
+        elif name == "spread":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named("camkv_blend_spread", _SPREAD),
+                input_names=["values", "keys", "share_in", "mass", "target", "merging", "constants", "dims"],
+                output_names=["sums"], source=_SPREAD)
+        elif name == "finish":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named("camkv_blend_finish", _FINISH),
+                input_names=["sums", "own_values", "own_keys", "share_t", "scores", "constants", "dims"],
+                output_names=["out_values", "out_keys", "out_scores"], source=_FINISH)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_scatter_rows", _SCATTER), input_names=["rows_in", "targets", "live", "dims"],
@@ -166,3 +227,48 @@ def scatter_max(x: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.ar
         inputs=[x.astype(mx.float32), targets.astype(mx.int32), live, dims],
         grid=(-(-rows * k * w // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
+
+
+_constants: dict[tuple, mx.array] = {}  # (share_in, share_t) -> float32 [2], made once (a copy to the device)
+
+
+def _shares(share_in, share_t) -> mx.array:
+    """The constant shares blend_nearest's kernels read where a rule's share is a number
+    (0 where it is an array)."""
+    key = tuple(0.0 if isinstance(a, mx.array) else float(a) for a in (share_in, share_t))
+    if key not in _constants:
+        _constants[key] = mx.array(key, mx.float32)
+    return _constants[key]
+
+
+def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, share_in, share_t, mass):
+    """Section 4.4's blend for every survivor at once, where each merging loser has one
+    target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
+    the survivors' own_values [R, m, Dv] (own_keys) float32 and scores [R, m], each
+    loser's target [R, k] int32 (indices into the survivors), whether it merges [R, k]
+    bool, its share a_e ([R, k] or a number for all) and mass s_e [R, k], the survivors'
+    share A ([R, m] or a number). Returns the survivors' values [R, m, Dv] and keys
+    (own_keys where keys is None) float32 and their scores plus the mass taken in
+    [R, m]: (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that
+    denominator is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums
+    in the device's order."""
+    rows, k, Dv = values.shape
+    m = own_values.shape[1]
+    Dk = 0 if keys is None else keys.shape[2]
+    per_loser, per_survivor = (isinstance(a, mx.array) for a in (share_in, share_t))
+    constants = _shares(share_in, share_t)
+    sums = _kernel("spread")(
+        inputs=[values, values if keys is None else keys, share_in if per_loser else mass, mass, target, merging,
+                constants, mx.array([rows, k, m, Dv, Dk], mx.int32)],
+        template=[("SHARE_IN", per_loser)],
+        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, Dv + Dk + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    threads = rows * m * (Dv + Dk)
+    out_values, out_keys, out_scores = _kernel("finish")(
+        inputs=[sums, own_values, own_values if keys is None else own_keys, share_t if per_survivor else scores,
+                scores, constants, mx.array([rows, m, Dv, Dk], mx.int32)],
+        template=[("SHARE_T", per_survivor)],
+        grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, Dv), (rows, m, max(Dk, 1)), (rows, m)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32])
+    return out_values, own_keys if keys is None else out_keys, out_scores

@@ -161,15 +161,21 @@ def _probe_failure() -> str | None:
     targets = mx.array(rng.integers(0, 90, (2, 70, 2)).astype(np.int32))
     live = mx.array(rng.random((2, 70, 2)) < 0.8)
     rows, x = mx.array(rng.standard_normal((2, 70, 33)).astype(np.float32)), losers[:, :, 0]
+    own, scores = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in ((2, 90, 33), (2, 90)))
+    share_in, share_t = mx.abs(x), mx.abs(scores)
     try:
         edges = _Edges(targets, live, 90, kernels=True)
-        got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x))
+        got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x),
+               *merge_cuda.blend_nearest(rows, None, own, own, scores, targets[:, :, 0], live[:, :, 0], share_in,
+                                         share_t, x)[::2])
         mx.eval(got)
     except Exception as error:  # a compile or launch error, whatever MLX raises it as
         return f"their first-use check raised: {error}"
     edges = _Edges(targets, live, 90)
-    want = (*_nearest(losers, kept, positions, 1, True), *edges.sums(rows), edges.max(x))
-    for name, g, w in zip(("targets", "found", "cosines", "sums", "maxima"), got, want):
+    blend = _Edges(targets[:, :, :1], live[:, :, :1], 90).blend([(own, rows)], share_in, share_t, x)
+    want = (*_nearest(losers, kept, positions, 1, True), *edges.sums(rows), edges.max(x), blend.rows[0],
+            scores + blend.extra[0])
+    for name, g, w in zip(("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores"), got, want):
         if not np.allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-4):
             return f"their first-use check's {name} differ from the MLX operations'"
     return None
@@ -240,15 +246,20 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
     do = targets.any_valid if do is None else do & targets.any_valid  # a loser with no target merges nowhere
-    edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
+    count = do.sum(axis=1).astype(mx.int32)
     keys, values, votes = kept.keys, kept.values, kept.votes
+    if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
+        # One target a loser: the whole blend in two launches (merge_cuda.blend_nearest).
+        values, keys, scores = merge_cuda.blend_nearest(
+            losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.keys, kept.scores,
+            targets.nearest, do, _loser_share(rule, losers, kept, targets), rule.target_share(kept.scores),
+            targets.s_in)
+        return Merged(keys, values, scores, votes, threshold, count)
+    edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
     if rule.keeps_votes:
         keys, values, votes, s_in = _keep_output(rule, losers, kept, targets, edges, query, scale)
     elif rule.blends:
-        norm_e = norm_t = None
-        if rule.kind == merges.NEAREST:
-            norm_e, norm_t = merges.feature_norm(losers.values), _at(merges.feature_norm(kept.values), targets.nearest)
-        share_in = rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
+        share_in = _loser_share(rule, losers, kept, targets)
         pairs = [(kept.values, losers.values)] + ([(kept.keys, losers.keys)] if cfg.merge_keys else [])
         blend = edges.blend(pairs, share_in, rule.target_share(kept.scores), targets.s_in)
         values, s_in = blend.rows[0], blend.extra[0]
@@ -257,7 +268,15 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     else:  # additive: each target of W(e) gains V_e / |W(e)|
         added, s_in = edges.sums(losers.values / targets.width[:, :, None], targets.s_in)
         values = kept.values + added
-    return Merged(keys, values, kept.scores + s_in, votes, threshold, do.sum(axis=1).astype(mx.int32))
+    return Merged(keys, values, kept.scores + s_in, votes, threshold, count)
+
+
+def _loser_share(rule, losers: Rows, kept: Rows, targets: _Targets):
+    """A blending rule's a_e for every loser (section 4.4): [R, k] or a number for all."""
+    norm_e = norm_t = None
+    if rule.kind == merges.NEAREST:
+        norm_e, norm_t = merges.feature_norm(losers.values), _at(merges.feature_norm(kept.values), targets.nearest)
+    return rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
 
 
 def _at(x: mx.array, idx: mx.array) -> mx.array:
