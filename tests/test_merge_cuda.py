@@ -37,7 +37,7 @@ def nearest_cases(draw):
     return dict(R=draw(st.integers(1, 3)), k=draw(st.one_of(st.integers(1, 70), st.integers(60, 300))),
                 m=draw(st.one_of(st.integers(1, 70), st.integers(60, 300))), D=draw(st.sampled_from([8, 33, 64, 128])),
                 n_sink=draw(st.sampled_from([0, 1, 4])), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-                duplicates=draw(st.booleans()), poison=draw(st.sampled_from(["none", "nan", "inf"])),
+                duplicates=draw(st.booleans()), poison=draw(st.sampled_from(["none", "nan", "inf", "huge"])),
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -63,7 +63,8 @@ def test_nearest_survivor_kernel_matches_the_operations(case):
     if c["duplicates"]:
         losers = mx.concatenate([kept[:, :1], losers[:, 1:]], axis=1)
     if c["poison"] != "none":
-        bad = mx.array(np.nan if c["poison"] == "nan" else np.inf, mx.float32)
+        # huge: a key whose norm overflows to inf while its dot products stay finite
+        bad = mx.array({"nan": np.nan, "inf": np.inf, "huge": 1e30}[c["poison"]], mx.float32)
         losers = mx.concatenate([losers[:, :1] * bad, losers[:, 1:]], axis=1)
         kept = mx.concatenate([kept[:, :-1], kept[:, -1:] * bad], axis=1)
     positions = mx.broadcast_to(mx.arange(c["m"], dtype=mx.int32), (c["R"], c["m"]))
@@ -196,7 +197,8 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
     warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
-            "dot[loser] = dots[t];", "dot[loser] = dots[t] * 1.001f;"))
+            "const float dot = dots[best > -INFINITY ? best_at : 0];",
+            "const float dot = dots[best > -INFINITY ? best_at : 0] * 1.001f;"))
     elif defect == "no compile":
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
     elif defect == "wrong blend":

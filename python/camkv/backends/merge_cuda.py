@@ -37,8 +37,10 @@ _THREADS = 256
 _WARPS = _THREADS // 32
 
 _NEAREST = """
-  // dims: R rows, k losers, m survivors. A warp per (row, loser), lanes over the survivors.
+  // dims: R rows, k losers, m survivors, n_sink. A warp per (row, loser), lanes over the
+  // survivors: a candidate is a non-sink survivor (position >= n_sink) of finite key norm.
   const long rows = dims[0], k = dims[1], m = dims[2];
+  const int n_sink = dims[3];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (loser >= rows * k) return;  // the whole warp: loser is the same for its lanes
@@ -48,8 +50,9 @@ _NEAREST = """
   int best_at = 0;
   // Each lane's survivors rise, so a strict comparison keeps the first of equals.
   for (long s = lane; s < m; s += 32) {
-    if (!candidate[r * m + s]) continue;
-    float ranked = dots[s] / fmaxf(norm_k[r * m + s], 1e-12f);
+    const float norm = norm_k[r * m + s];
+    if (positions[r * m + s] < n_sink || !(norm < INFINITY)) continue;
+    float ranked = dots[s] / fmaxf(norm, 1e-12f);
     if (ranked > best) { best = ranked; best_at = (int)s; }
   }
   for (int o = 16; o > 0; o /= 2) {
@@ -61,11 +64,16 @@ _NEAREST = """
     }
   }
   if (lane == 0) {
-    // A loser without a candidate reads survivor 0 (its cosine as MLX's path computes it).
-    int t = best > -INFINITY ? best_at : 0;
+    // The dot product read at the ranked best (survivor 0 where none ranked); a loser of
+    // infinite or NaN norm has no target; the cosine with the target kept, or with
+    // survivor 0, as merge_ops._nearest's operations compute it.
+    const float dot = dots[best > -INFINITY ? best_at : 0];
+    const float norm_e = norm_l[loser];
+    const bool has = best > -INFINITY && norm_e < INFINITY;
+    const int t = has ? best_at : 0;
     target[loser] = t;
-    score[loser] = best;
-    dot[loser] = dots[t];
+    found[loser] = has;
+    cosine[loser] = dot / fmaxf(__fmul_rn(norm_e, norm_k[r * m + t]), 1e-12f);
   }
 """
 
@@ -164,8 +172,9 @@ def _kernel(name: str):
     if name not in _kernels:
         if name == "nearest":
             _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_nearest_survivor", _NEAREST), input_names=["products", "norm_k", "candidate", "dims"],
-                output_names=["target", "score", "dot"], source=_NEAREST)
+                name=_named("camkv_nearest_survivor", _NEAREST),
+                input_names=["products", "norm_k", "positions", "norm_l", "dims"],
+                output_names=["target", "found", "cosine"], source=_NEAREST)
         elif name == "max":
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_scatter_max", _MAX_HEADER + _SCATTER_MAX), input_names=["x", "targets", "live", "dims"],
@@ -187,21 +196,21 @@ def _kernel(name: str):
     return _kernels[name]
 
 
-def nearest(products: mx.array, norm_k: mx.array, candidate: mx.array):
-    """For the dot products of losers and survivors [R, k, m] (float32), norm_k [R, m] the
-    survivors' key norms and candidate [R, m] bool which of them a loser may choose: each
-    loser's survivor t [R, k] int32 of largest dot / max(|K_t|, 1e-12) among the
-    candidates (the first of equal ones; 0 where none has a finite one), that largest
-    value [R, k] (-inf where none) and the dot product with t [R, k] (with survivor 0
-    where none)."""
+def nearest(products: mx.array, norm_l: mx.array, norm_k: mx.array, positions: mx.array, n_sink: int):
+    """Section 4.1 from the dot products of losers and survivors [R, k, m] (float32), the
+    losers' key norms norm_l [R, k], the survivors' norm_k [R, m] and positions [R, m]:
+    each loser's survivor t [R, k] int32 of largest dot / max(|K_t|, 1e-12) among the
+    candidates (non-sink, finite norm; the first of equal ones), whether it has one [R, k]
+    (a candidate, and a finite norm of its own; t = 0 where not) and the cosine dot /
+    max(|K_e| |K_t|, 1e-12) [R, k] (with survivor 0 where none), as merge_ops._nearest's
+    operations compute them."""
     rows, k, m = products.shape
-    dims = mx.array([rows, k, m], mx.int32)
-    target, score, dot = _kernel("nearest")(
-        inputs=[products, norm_k, candidate, dims],
+    dims = mx.array([rows, k, m, n_sink], mx.int32)
+    target, found, cosine = _kernel("nearest")(
+        inputs=[products, norm_k, positions, norm_l, dims],
         grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.float32, mx.float32])
-    return target, score, dot
-
+        output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.bool_, mx.float32])
+    return target, found, cosine
 
 def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.array:
     """sums [R, m, C] float32: for every survivor j, the sum of rows_in[r, e] over the

@@ -302,15 +302,12 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     (losers', survivors'; Rows.split's) where already computed."""
     norm_l, norm_k = (merges.feature_norm(keys) if norm is None else norm
                       for keys, norm in zip((loser_keys, kept_keys), norms))
+    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
+    if kernels:
+        return merge_cuda.nearest(products, norm_l, norm_k, kept_positions, n_sink)
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
     candidate = (kept_positions >= n_sink) & (norm_k < _INF)
-    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
-    if kernels:
-        t, best, dot = merge_cuda.nearest(products, norm_k, candidate)
-        found = (best > -_INF) & (norm_l < _INF)
-        t = mx.where(found, t, 0)
-        return t, found, dot / mx.maximum(norm_l * _at(norm_k, t), 1e-12)
     ranked = products / mx.maximum(norm_k, 1e-12)[:, None, :]
     ranked = mx.where(candidate[:, None, :], ranked, -_INF)
     t = mx.argmax(ranked, axis=2)  # MLX's argmax takes the first of equal maxima
