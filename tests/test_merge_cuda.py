@@ -2,8 +2,9 @@
 they stand for, on random and adversarial inputs: the nearest survivor of every loser
 (ties, sinks, NaN and infinite keys, rows with no candidate, sizes off the tiles), the
 sums of the losers' rows into their targets and keepkv's maxima (several slots a loser,
-dead slots, many losers on one target); then the whole engine with them against the
-reference, rule by rule. On an NVIDIA GPU the kernels run there; elsewhere their text
+dead slots, many losers on one target), the rows a compression gathers (index dtypes,
+poisoned keys); then the whole engine with them, a nearest rule's blend included,
+against the reference, rule by rule, and their first-use check. On an NVIDIA GPU the kernels run there; elsewhere their text
 runs on CPU threads (tests/cuda_emulation.py)."""
 
 from __future__ import annotations
@@ -111,6 +112,51 @@ def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals():
 
 
 @st.composite
+def gather_cases(draw):
+    return dict(R=draw(st.integers(1, 3)), k=draw(st.integers(1, 90)), m=draw(st.integers(1, 90)),
+                spare=draw(st.integers(0, 5)), Dk=draw(st.sampled_from([8, 33, 64, 128])),
+                Dv=draw(st.sampled_from([8, 33, 64])), dtype=draw(st.sampled_from(sorted(DTYPES))),
+                index=draw(st.sampled_from(["int32", "uint32"])), poison=draw(st.sampled_from(["none", "nan", "inf"])),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@on_gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gather_cases())
+def test_gather_kernel_takes_the_rows_as_the_operations(case):
+    """Rows.split in one launch (merge_cuda.gather_rows) against its MLX operations: the
+    same float32 keys and values, keys as stored, scores and positions bit for bit, key
+    norms within float32 summation-order rounding (NaN and infinite keys included), for
+    the losers and the survivors, whatever the index dtype argpartition leaves."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    n = c["k"] + c["m"] + c["spare"]
+    dtype = getattr(mx, c["dtype"])
+    keys = rng.standard_normal((c["R"], n, c["Dk"])).astype(np.float32)
+    if c["poison"] != "none":
+        keys[:, rng.integers(0, n)] = np.nan if c["poison"] == "nan" else np.inf
+    keys, values = mx.array(keys).astype(dtype), mx.array(rng.standard_normal((c["R"], n, c["Dv"])).astype(np.float32)).astype(dtype)
+    scores = mx.array(rng.random((c["R"], n)).astype(np.float32))
+    positions = mx.array(rng.integers(0, 10**6, (c["R"], n)).astype(np.int32))
+    order = np.stack([rng.permutation(n)[:c["k"] + c["m"]] for _ in range(c["R"])])
+    loser_idx, kept_idx = (mx.array(part.astype(c["index"])) for part in (order[:, :c["k"]], order[:, c["k"]:]))
+    got = merge_ops.Rows.split(keys, values, scores, positions, None, loser_idx, kept_idx, key_norm=True, kernels=True)
+    want = merge_ops.Rows.split(keys, values, scores, positions, None, loser_idx, kept_idx, key_norm=True)
+    for g_rows, w_rows in zip(got, want):
+        for field, g, w in zip(merge_ops.Rows._fields, g_rows, w_rows):
+            if w is None:
+                assert g is None, field
+                continue
+            assert g.dtype == w.dtype and g.shape == w.shape, field
+            g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+            if field == "key_norm":
+                np.testing.assert_allclose(g, w, rtol=1e-5, err_msg=field)
+            else:
+                np.testing.assert_array_equal(g, w, err_msg=field)
+
+
+@st.composite
 def scatter_cases(draw):
     return dict(R=draw(st.integers(1, 3)), k=draw(st.integers(1, 200)), m=draw(st.integers(1, 40)),
                 w=draw(st.sampled_from([1, 3])), C=draw(st.sampled_from([1, 2, 33, 130])),
@@ -190,10 +236,11 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
 
 
 @on_gpu
-@pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile"])
+@pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
+                                    "wrong gather"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
-    """The probe passes the kernels as they are; a kernel that computes a cosine or a blend
-    0.1% off, or whose text does not compile, is switched off for the process with one
+    """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
+    or a key norm 0.1% off, or whose text does not compile, is switched off for the process with one
     warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
@@ -203,6 +250,9 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
     elif defect == "wrong blend":
         monkeypatch.setattr(merge_cuda, "_FINISH", merge_cuda._FINISH.replace(" / total : own;", " / total * 1.001f : own;"))
+    elif defect == "wrong gather":
+        monkeypatch.setattr(merge_cuda, "_GATHER", merge_cuda._GATHER.replace(
+            "out_norm[item] = sqrtf(squares);", "out_norm[item] = sqrtf(squares) * 1.001f;"))
     elif defect == "blend does not compile":
         monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})

@@ -15,6 +15,10 @@ launches and passes over large arrays (camkv.backends.merge_ops calls them there
   keepkv's largest logit a target takes in, with atomic maxima, where MLX operations
   would mask a dense [R, k, m] array.
 
+- **The rows a compression merges, gathered once**: losers' and survivors' keys and
+  values as float32, the keys as stored, scores, positions and the keys' norms, a warp
+  a row in one launch, where the MLX operations take a concatenation, five gathers, two
+  casts and a norm's three.
 - **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch
   adds every merging loser's share-weighted value (and key), its share, a count and its
   mass into its target's float32 sums (a warp per loser, atomic additions), and one
@@ -109,6 +113,35 @@ _SCATTER_MAX = """
   camkv_atomic_max(maxima + r * m + targets[edge], x[r * k + e]);
 """
 
+_GATHER = """
+  // dims: R rows, N rows held, k losers, m survivors, Dk, Dv. A warp per (row, j) of the
+  // k + m rows taken (the losers, then the survivors): its key and value as float32, its
+  // key as stored, its score and position, and its key's L2 norm (each lane's sum of
+  // squares, then the warp's).
+  const long rows = dims[0], N = dims[1], k = dims[2], m = dims[3];
+  const int Dk = dims[4], Dv = dims[5];
+  const long item = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (item >= rows * (k + m)) return;  // the whole warp
+  const long r = item / (k + m), j = item % (k + m);
+  const long from = r * N + (long)(j < k ? loser_idx[r * k + j] : kept_idx[r * m + j - k]);
+  float squares = 0.0f;
+  for (int c = lane; c < Dk; c += 32) {
+    const auto key = keys[from * Dk + c];
+    const float x = static_cast<float>(key);
+    out_keys[item * Dk + c] = x;
+    out_stored[item * Dk + c] = key;
+    squares = __fadd_rn(squares, __fmul_rn(x, x));
+  }
+  for (int c = lane; c < Dv; c += 32) out_values[item * Dv + c] = static_cast<float>(values[from * Dv + c]);
+  for (int o = 16; o > 0; o /= 2) squares = __fadd_rn(squares, __shfl_xor_sync(0xffffffffu, squares, o));
+  if (lane == 0) {
+    out_scores[item] = scores[from];
+    out_positions[item] = positions[from];
+    out_norm[item] = sqrtf(squares);
+  }
+"""
+
 _SPREAD = """
   // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay).
   // A warp per (row, loser) that merges: share * its value (and key), then the share, 1
@@ -179,6 +212,12 @@ def _kernel(name: str):
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_scatter_max", _MAX_HEADER + _SCATTER_MAX), input_names=["x", "targets", "live", "dims"],
                 output_names=["maxima"], source=_SCATTER_MAX, header=_MAX_HEADER)
+        elif name == "gather":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named("camkv_merge_gather", _GATHER),
+                input_names=["keys", "values", "scores", "positions", "loser_idx", "kept_idx", "dims"],
+                output_names=["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm"],
+                source=_GATHER)
         elif name == "spread":
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_blend_spread", _SPREAD),
@@ -236,6 +275,23 @@ def scatter_max(x: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.ar
         inputs=[x.astype(mx.float32), targets.astype(mx.int32), live, dims],
         grid=(-(-rows * k * w // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
+
+
+def gather_rows(keys, values, scores, positions, loser_idx, kept_idx):
+    """Rows k losers then m survivors of every row r, from keys [R, N, Dk] and values
+    [R, N, Dv] (their storage dtype), scores [R, N] float32 and positions [R, N] int32 at
+    loser_idx [R, k] and kept_idx [R, m]: keys and values [R, k + m, D] float32, the keys
+    as stored, scores, positions and the keys' L2 norms [R, k + m] (sums of squares in
+    the device's order)."""
+    rows, n, dk = keys.shape
+    dv, k, m = values.shape[2], loser_idx.shape[1], kept_idx.shape[1]
+    taken = k + m
+    return _kernel("gather")(
+        inputs=[keys, values, scores, positions, loser_idx, kept_idx, mx.array([rows, n, k, m, dk, dv], mx.int32)],
+        grid=(-(-rows * taken // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
+                       (rows, taken)],
+        output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32])
 
 
 _constants: dict[tuple, mx.array] = {}  # (share_in, share_t) -> float32 [2], made once (a copy to the device)

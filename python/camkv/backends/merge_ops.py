@@ -64,14 +64,20 @@ class Rows(NamedTuple):
                    take(votes), stored_keys)
 
     @classmethod
-    def split(cls, keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm: bool = False
-              ) -> tuple["Rows", "Rows"]:
+    def split(cls, keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm: bool = False,
+              kernels: bool = False) -> tuple["Rows", "Rows"]:
         """The losers' rows and the survivors': one gather and one cast of each array for
         both (on a GPU each is a launch), and with key_norm one norm of their keys, then
-        views of its two parts."""
-        both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
-        if key_norm:
-            both = both._replace(key_norm=merges.feature_norm(both.keys))
+        views of its two parts. kernels (rows without votes): all of it in one launch
+        (merge_cuda.gather_rows)."""
+        if kernels and votes is None:
+            f_keys, f_values, stored, taken_scores, taken_positions, norm = merge_cuda.gather_rows(
+                keys, values, scores, positions, loser_idx, kept_idx)
+            both = cls(f_keys, f_values, taken_scores, taken_positions, None, stored, norm if key_norm else None)
+        else:
+            both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
+            if key_norm:
+                both = both._replace(key_norm=merges.feature_norm(both.keys))
         k = loser_idx.shape[1]
         part = lambda first, last: cls(*(None if a is None else a[:, first:last] for a in both))  # noqa: E731
         return part(0, k), part(k, None)
@@ -122,12 +128,12 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
                                                     losers_sorted=False)
     if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
         return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
+    kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
     losers, kept = Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx,
-                              key_norm=rule.kind == merges.NEAREST)
+                              key_norm=rule.kind == merges.NEAREST, kernels=kernels)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
-    kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
     merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
@@ -163,22 +169,36 @@ def _probe_failure() -> str | None:
     rows, x = mx.array(rng.standard_normal((2, 70, 33)).astype(np.float32)), losers[:, :, 0]
     own, scores = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in ((2, 90, 33), (2, 90)))
     share_in, share_t = mx.abs(x), mx.abs(scores)
+    held = mx.concatenate([losers, kept], axis=1).astype(mx.bfloat16)  # [2, 160, 64]
+    held_scores, held_positions = mx.abs(held[:, :, 0]).astype(mx.float32), mx.broadcast_to(
+        mx.arange(160, dtype=mx.int32), (2, 160))
+    order = mx.array(np.stack([rng.permutation(160) for _ in range(2)]).astype(np.int32))
+    taken = (held, held[:, :, :33], held_scores, held_positions, None, order[:, :70], order[:, 70:])
     try:
         edges = _Edges(targets, live, 90, kernels=True)
         got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x),
                *merge_cuda.blend_nearest(rows, None, own, own, scores, targets[:, :, 0], live[:, :, 0], share_in,
-                                         share_t, x)[::2])
-        mx.eval(got)
+                                         share_t, x)[::2],
+               *Rows.split(*taken, key_norm=True, kernels=True)[1])
+        mx.eval([a for a in got if a is not None])
     except Exception as error:  # a compile or launch error, whatever MLX raises it as
         return f"their first-use check raised: {error}"
     edges = _Edges(targets, live, 90)
     blend = _Edges(targets[:, :, :1], live[:, :, :1], 90).blend([(own, rows)], share_in, share_t, x)
     want = (*_nearest(losers, kept, positions, 1, True), *edges.sums(rows), edges.max(x), blend.rows[0],
-            scores + blend.extra[0])
-    for name, g, w in zip(("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores"), got, want):
-        if not np.allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-4):
+            scores + blend.extra[0], *Rows.split(*taken, key_norm=True)[1])
+    names = ("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores", *(
+        f"gathered {field}" for field in Rows._fields))
+    for name, g, w in zip(names, got, want):
+        if g is None and w is None:
+            continue
+        if not np.allclose(_as_numpy(g), _as_numpy(w), rtol=1e-4, atol=1e-4):
             return f"their first-use check's {name} differ from the MLX operations'"
     return None
+
+
+def _as_numpy(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
 
 
 class Merged(NamedTuple):
