@@ -166,7 +166,8 @@ _SPREAD = """
 _FINISH = """
   // dims: R rows, m survivors, Dv, Dk. A thread per (row, survivor, column): the
   // survivor's row becomes (A row + sum share source) / (A + sum share) where a loser
-  // gives to it and that denominator is not 0 (else it stays); column 0 also writes its
+  // gives to it and that denominator is not 0 (else it stays), rounded once to OUT (the
+  // rows' storage dtype); column 0 also writes its
   // score plus the mass it took in. A: share_t[j] (SHARE_T) or one for every survivor,
   // constants[1].
   const long rows = dims[0], m = dims[1];
@@ -181,8 +182,8 @@ _FINISH = """
   const bool blending = sum[C + 1] > 0.0f && total > 0.0f;
   const float own = c < Dv ? own_values[j * Dv + c] : own_keys[j * Dk + c - Dv];
   const float blended = blending ? __fadd_rn(__fmul_rn(own_share, own), sum[c]) / total : own;
-  if (c < Dv) out_values[j * Dv + c] = blended;
-  else out_keys[j * Dk + c - Dv] = blended;
+  if (c < Dv) out_values[j * Dv + c] = static_cast<OUT>(blended);
+  else out_keys[j * Dk + c - Dv] = static_cast<OUT>(blended);
   if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[C + 2]);
 """
 
@@ -193,6 +194,15 @@ def available() -> bool:
     """Whether the merge engine's compressions here run these kernels: on an NVIDIA GPU
     (MLX's CUDA build; drop.on_cuda alone is what tests patch to emulate its arithmetic)."""
     return drop.on_cuda() and drop.cuda_build()
+
+
+_dim_arrays: dict[tuple, mx.array] = {}  # a launch's dims -> int32 array, made once (a copy to the device)
+
+
+def _dims(*sizes: int) -> mx.array:
+    if sizes not in _dim_arrays:
+        _dim_arrays[sizes] = mx.array(sizes, mx.int32)
+    return _dim_arrays[sizes]
 
 
 def _named(name: str, source: str) -> str:
@@ -244,7 +254,7 @@ def nearest(products: mx.array, norm_l: mx.array, norm_k: mx.array, positions: m
     max(|K_e| |K_t|, 1e-12) [R, k] (with survivor 0 where none), as merge_ops._nearest's
     operations compute them."""
     rows, k, m = products.shape
-    dims = mx.array([rows, k, m, n_sink], mx.int32)
+    dims = _dims(rows, k, m, n_sink)
     target, found, cosine = _kernel("nearest")(
         inputs=[products, norm_k, positions, norm_l, dims],
         grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
@@ -258,7 +268,7 @@ def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -
     rows, k, columns = rows_in.shape
     w = targets.shape[2]
     edges = rows * k * w
-    dims = mx.array([rows, k, w, m, columns], mx.int32)
+    dims = _dims(rows, k, w, m, columns)
     return _kernel("scatter")(
         inputs=[rows_in, targets.astype(mx.int32), live, dims],
         grid=(-(-edges // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
@@ -270,7 +280,7 @@ def scatter_max(x: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.ar
     -inf, never NaN) over the losers e and slots s with targets[r, e, s] = j where
     live[r, e, s]; -inf where none."""
     rows, k, w = targets.shape
-    dims = mx.array([rows, k, w, m], mx.int32)
+    dims = _dims(rows, k, w, m)
     return _kernel("max")(
         inputs=[x.astype(mx.float32), targets.astype(mx.int32), live, dims],
         grid=(-(-rows * k * w // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
@@ -287,7 +297,7 @@ def gather_rows(keys, values, scores, positions, loser_idx, kept_idx):
     dv, k, m = values.shape[2], loser_idx.shape[1], kept_idx.shape[1]
     taken = k + m
     return _kernel("gather")(
-        inputs=[keys, values, scores, positions, loser_idx, kept_idx, mx.array([rows, n, k, m, dk, dv], mx.int32)],
+        inputs=[keys, values, scores, positions, loser_idx, kept_idx, _dims(rows, n, k, m, dk, dv)],
         grid=(-(-rows * taken // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
                        (rows, taken)],
@@ -306,14 +316,15 @@ def _shares(share_in, share_t) -> mx.array:
     return _constants[key]
 
 
-def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, share_in, share_t, mass):
+def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, share_in, share_t, mass,
+                  out_dtype=mx.float32):
     """Section 4.4's blend for every survivor at once, where each merging loser has one
     target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
     the survivors' own_values [R, m, Dv] (own_keys) float32 and scores [R, m], each
     loser's target [R, k] int32 (indices into the survivors), whether it merges [R, k]
     bool, its share a_e ([R, k] or a number for all) and mass s_e [R, k], the survivors'
     share A ([R, m] or a number). Returns the survivors' values [R, m, Dv] and keys
-    (own_keys where keys is None) float32 and their scores plus the mass taken in
+    (own_keys where keys is None) rounded once to out_dtype, and their scores plus the mass taken in
     [R, m]: (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that
     denominator is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums
     in the device's order."""
@@ -324,16 +335,16 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, s
     constants = _shares(share_in, share_t)
     sums = _kernel("spread")(
         inputs=[values, values if keys is None else keys, share_in if per_loser else mass, mass, target, merging,
-                constants, mx.array([rows, k, m, Dv, Dk], mx.int32)],
+                constants, _dims(rows, k, m, Dv, Dk)],
         template=[("SHARE_IN", per_loser)],
         grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, Dv + Dk + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
     threads = rows * m * (Dv + Dk)
     out_values, out_keys, out_scores = _kernel("finish")(
         inputs=[sums, own_values, own_values if keys is None else own_keys, share_t if per_survivor else scores,
-                scores, constants, mx.array([rows, m, Dv, Dk], mx.int32)],
-        template=[("SHARE_T", per_survivor)],
+                scores, constants, _dims(rows, m, Dv, Dk)],
+        template=[("SHARE_T", per_survivor), ("OUT", out_dtype)],
         grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, Dv), (rows, m, max(Dk, 1)), (rows, m)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
+        output_dtypes=[out_dtype, out_dtype, mx.float32])
     return out_values, own_keys if keys is None else out_keys, out_scores

@@ -134,7 +134,8 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
-    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
+    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels,
+                   values.dtype)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
     return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
@@ -202,8 +203,8 @@ def _as_numpy(a: mx.array) -> np.ndarray:
 
 
 class Merged(NamedTuple):
-    """The survivors after a compression's merges (keys and values float32), the rule's
-    state and the merges per row."""
+    """The survivors after a compression's merges (keys and values float32, or as merge's
+    storage where the kernels' blend rounded them), the rule's state and the merges per row."""
 
     keys: mx.array
     values: mx.array
@@ -257,11 +258,13 @@ def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
 
 
 def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids,
-          split: bool, kernels: bool = False) -> Merged:
+          split: bool, kernels: bool = False, storage=mx.float32) -> Merged:
     """Sections 4.1-4.6: every loser's targets among the survivors (as they stand before
     any merge), the gate and d2o's threshold, then every target's merges at once. split:
     whether the nearest search's product needs float32_product's split (float32 keys on
-    an NVIDIA GPU); kernels: the nearest search and the sums by camkv.backends.merge_cuda."""
+    an NVIDIA GPU); kernels: the nearest search and the sums by camkv.backends.merge_cuda,
+    whose blend of a nearest rule rounds the values to storage (the values' dtype as
+    stored) and blended keys to the keys' own."""
     rule = merges.rule(cfg.merge)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
@@ -270,10 +273,12 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
         # One target a loser: the whole blend in two launches (merge_cuda.blend_nearest).
+        if cfg.merge_keys and kept.stored_keys.dtype != storage:  # one rounding for both: keys float32 here
+            storage = mx.float32
         values, keys, scores = merge_cuda.blend_nearest(
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.keys, kept.scores,
             targets.nearest, do, _loser_share(rule, losers, kept, targets), rule.target_share(kept.scores),
-            targets.s_in)
+            targets.s_in, storage)
         return Merged(keys, values, scores, votes, threshold, count)
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
     if rule.keeps_votes:
