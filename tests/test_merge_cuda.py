@@ -117,7 +117,7 @@ def gather_cases(draw):
                 spare=draw(st.integers(0, 5)), Dk=draw(st.sampled_from([8, 33, 64, 128])),
                 Dv=draw(st.sampled_from([8, 33, 64])), dtype=draw(st.sampled_from(sorted(DTYPES))),
                 index=draw(st.sampled_from(["int32", "uint32"])), poison=draw(st.sampled_from(["none", "nan", "inf"])),
-                seed=draw(st.integers(0, 2**31 - 1)))
+                votes=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 @on_gpu
@@ -125,7 +125,7 @@ def gather_cases(draw):
 @given(gather_cases())
 def test_gather_kernel_takes_the_rows_as_the_operations(case):
     """Rows.split in one launch (merge_cuda.gather_rows) against its MLX operations: the
-    same float32 keys and values, keys as stored, scores and positions bit for bit, key
+    same float32 keys and values, keys as stored, scores, positions and votes bit for bit, key
     norms within float32 summation-order rounding (NaN and infinite keys included), for
     the losers and the survivors, whatever the index dtype argpartition leaves."""
     note(f"case={case}")
@@ -141,8 +141,9 @@ def test_gather_kernel_takes_the_rows_as_the_operations(case):
     positions = mx.array(rng.integers(0, 10**6, (c["R"], n)).astype(np.int32))
     order = np.stack([rng.permutation(n)[:c["k"] + c["m"]] for _ in range(c["R"])])
     loser_idx, kept_idx = (mx.array(part.astype(c["index"])) for part in (order[:, :c["k"]], order[:, c["k"]:]))
-    got = merge_ops.Rows.split(keys, values, scores, positions, None, loser_idx, kept_idx, key_norm=True, kernels=True)
-    want = merge_ops.Rows.split(keys, values, scores, positions, None, loser_idx, kept_idx, key_norm=True)
+    votes = mx.array(rng.integers(1, 9, (c["R"], n)).astype(np.float32)) if c["votes"] else None
+    got = merge_ops.Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm=True, kernels=True)
+    want = merge_ops.Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm=True)
     for g_rows, w_rows in zip(got, want):
         for field, g, w in zip(merge_ops.Rows._fields, g_rows, w_rows):
             if w is None:

@@ -116,8 +116,8 @@ _SCATTER_MAX = """
 _GATHER = """
   // dims: R rows, N rows held, k losers, m survivors, Dk, Dv. A warp per (row, j) of the
   // k + m rows taken (the losers, then the survivors): its key and value as float32, its
-  // key as stored, its score and position, and its key's L2 norm (each lane's sum of
-  // squares, then the warp's).
+  // key as stored, its score and position (and votes: VOTES), and its key's L2 norm
+  // (each lane's sum of squares, then the warp's).
   const long rows = dims[0], N = dims[1], k = dims[2], m = dims[3];
   const int Dk = dims[4], Dv = dims[5];
   const long item = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -139,6 +139,7 @@ _GATHER = """
     out_scores[item] = scores[from];
     out_positions[item] = positions[from];
     out_norm[item] = sqrtf(squares);
+    if (VOTES) out_votes[item] = votes[from];
   }
 """
 
@@ -225,8 +226,9 @@ def _kernel(name: str):
         elif name == "gather":
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_merge_gather", _GATHER),
-                input_names=["keys", "values", "scores", "positions", "loser_idx", "kept_idx", "dims"],
-                output_names=["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm"],
+                input_names=["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
+                output_names=["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
+                              "out_votes"],
                 source=_GATHER)
         elif name == "spread":
             _kernels[name] = mx.fast.cuda_kernel(
@@ -287,21 +289,24 @@ def scatter_max(x: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.ar
         output_shapes=[(rows, m)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
 
 
-def gather_rows(keys, values, scores, positions, loser_idx, kept_idx):
+def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
     """Rows k losers then m survivors of every row r, from keys [R, N, Dk] and values
-    [R, N, Dv] (their storage dtype), scores [R, N] float32 and positions [R, N] int32 at
-    loser_idx [R, k] and kept_idx [R, m]: keys and values [R, k + m, D] float32, the keys
-    as stored, scores, positions and the keys' L2 norms [R, k + m] (sums of squares in
-    the device's order)."""
+    [R, N, Dv] (their storage dtype), scores [R, N] float32, positions [R, N] int32 and
+    votes [R, N] float32 (or None) at loser_idx [R, k] and kept_idx [R, m]: keys and
+    values [R, k + m, D] float32, the keys as stored, scores, positions, the keys' L2
+    norms [R, k + m] (sums of squares in the device's order) and votes (or None)."""
     rows, n, dk = keys.shape
     dv, k, m = values.shape[2], loser_idx.shape[1], kept_idx.shape[1]
     taken = k + m
-    return _kernel("gather")(
-        inputs=[keys, values, scores, positions, loser_idx, kept_idx, _dims(rows, n, k, m, dk, dv)],
+    out = _kernel("gather")(
+        inputs=[keys, values, scores, positions, scores if votes is None else votes, loser_idx, kept_idx,
+                _dims(rows, n, k, m, dk, dv)],
+        template=[("VOTES", votes is not None)],
         grid=(-(-rows * taken // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
-                       (rows, taken)],
-        output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32])
+                       (rows, taken), (rows, taken if votes is not None else 1)],
+        output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32])
+    return (*out[:6], None if votes is None else out[6])
 
 
 _constants: dict[tuple, mx.array] = {}  # (share_in, share_t) -> float32 [2], made once (a copy to the device)

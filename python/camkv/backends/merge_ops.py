@@ -68,12 +68,12 @@ class Rows(NamedTuple):
               kernels: bool = False) -> tuple["Rows", "Rows"]:
         """The losers' rows and the survivors': one gather and one cast of each array for
         both (on a GPU each is a launch), and with key_norm one norm of their keys, then
-        views of its two parts. kernels (rows without votes): all of it in one launch
-        (merge_cuda.gather_rows)."""
-        if kernels and votes is None:
-            f_keys, f_values, stored, taken_scores, taken_positions, norm = merge_cuda.gather_rows(
-                keys, values, scores, positions, loser_idx, kept_idx)
-            both = cls(f_keys, f_values, taken_scores, taken_positions, None, stored, norm if key_norm else None)
+        views of its two parts. kernels: all of it in one launch (merge_cuda.gather_rows)."""
+        if kernels:
+            f_keys, f_values, stored, taken_scores, taken_positions, norm, taken_votes = merge_cuda.gather_rows(
+                keys, values, scores, positions, votes, loser_idx, kept_idx)
+            both = cls(f_keys, f_values, taken_scores, taken_positions, taken_votes, stored,
+                       norm if key_norm else None)
         else:
             both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
             if key_norm:
@@ -174,7 +174,7 @@ def _probe_failure() -> str | None:
     held_scores, held_positions = mx.abs(held[:, :, 0]).astype(mx.float32), mx.broadcast_to(
         mx.arange(160, dtype=mx.int32), (2, 160))
     order = mx.array(np.stack([rng.permutation(160) for _ in range(2)]).astype(np.int32))
-    taken = (held, held[:, :, :33], held_scores, held_positions, None, order[:, :70], order[:, 70:])
+    taken = (held, held[:, :, :33], held_scores, held_positions, held_scores + 1.0, order[:, :70], order[:, 70:])
     try:
         edges = _Edges(targets, live, 90, kernels=True)
         got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x),
