@@ -11,6 +11,11 @@ MLX graph (each a launch on a GPU, where a compression's time follows their numb
 and how many of them are views (reshapes, slices, broadcasts, which copy nothing). Run
 it against another checkout (PYTHONPATH=OTHER/python) for the counts before a change.
 
+With --graph --kernel-graph, the merge engine is counted as it runs on an NVIDIA GPU,
+anywhere: its CUDA kernels (camkv.backends.merge_cuda) each count as one operation (a
+stand-in hangs their outputs on their inputs' graph, one Depends node a call, without
+running them).
+
 With --stages, each call's parts are timed too (mass, ranks, partition, gathers, targets,
 gate, blends, sums; each part's inputs evaluated before it starts and its outputs after,
 so a part's time is its own device work plus one synchronisation): where a rule's extra
@@ -40,7 +45,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from camkv import CaMConfig, mass, merges, policy
-from camkv.backends import drop, ext, merge_ops
+from camkv.backends import drop, ext, merge_cuda, merge_ops
 
 # The parts of a compression --stages times: (owner, attribute, label). Parts nest (the
 # targets hold the nearest search; a blend holds its sums): each is timed inclusive.
@@ -69,6 +74,9 @@ def parse_args(argv=None):
     parser.add_argument("--stages", action="store_true", help="time each part of a call too (default off)")
     parser.add_argument("--graph", action="store_true",
                         help="count each call's graph operations instead of timing it (default off)")
+    parser.add_argument("--kernel-graph", action="store_true",
+                        help="with --graph: the merge engine with its CUDA kernels, each counted as one operation "
+                             "(default off: as this device runs it)")
     parser.add_argument("--ops-arms", nargs="*", default=[], metavar="RULE",
                         help="on an NVIDIA GPU, also run these rules without camkv.backends.merge_cuda's kernels, "
                              "as arms RULE/ops: before and after in one process (default: none)")
@@ -89,6 +97,18 @@ def graph_operations(outputs) -> dict[str, int]:
     for name in re.findall(r'\[label ="([^"]+)", shape=rectangle\]', dot.getvalue()):
         counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def stand_in_kernel(**_spec):
+    """mx.fast.cuda_kernel for --kernel-graph: a call's outputs are constants tied to its
+    inputs by one Depends node, so each kernel call counts once and what feeds it stays in
+    the graph."""
+    def call(inputs, output_shapes, output_dtypes, **_launch):
+        outputs = [mx.array(np.zeros(shape, np.float32)).astype(dtype) for shape, dtype in zip(output_shapes,
+                                                                                            output_dtypes)]
+        mx.eval(outputs)
+        return mx.depends(outputs, [a for a in inputs if isinstance(a, mx.array)])
+    return call
 
 
 def _graphs(engines: dict) -> dict[str, dict[str, int]]:
@@ -177,6 +197,11 @@ def _in_turn(engines: dict, repeats: int) -> dict[str, list[float]]:
 
 def main(argv=None) -> dict:
     opts = parse_args(argv)
+    if opts.kernel_graph:  # every engine as on an NVIDIA GPU, its kernels stood in for
+        mx.fast.cuda_kernel = stand_in_kernel
+        drop.on_cuda = merge_cuda.available = lambda: True
+        merge_cuda._kernels.clear()
+        merge_ops._probe["failure"] = None  # the first-use check is the real kernels' (none run here)
     rows, dim, n, s_len = opts.rows, opts.head_dim, opts.budget, opts.chunk
     rng = np.random.default_rng(0)
     keys = mx.array(rng.standard_normal((rows, n + s_len, dim)).astype(np.float32)).astype(mx.bfloat16)
@@ -186,7 +211,7 @@ def main(argv=None) -> dict:
     window = CaMConfig(budget=n).observation_window
     queries = mx.array(rng.standard_normal((rows, opts.queries_per_kv, window, dim)).astype(np.float32))
     row_ids, scale = mx.arange(rows).astype(mx.uint32), dim ** -0.5
-    on_cpu_ext = mx.default_device() == mx.cpu and ext.unavailable_reason() is None
+    on_cpu_ext = mx.default_device() == mx.cpu and ext.unavailable_reason() is None and not opts.kernel_graph
     preferred = ext.REDUCER if on_cpu_ext else None  # as backends.compress hands the engine on the CPU
 
     def cfg(rule):
