@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from camkv import CaMConfig, merges
-from camkv.backends import merge_cuda, merge_ops
+from camkv import CaMConfig, merges, policy
+from camkv.backends import compact_cuda, drop, merge_cuda, merge_ops
 import cuda_emulation
 from test_merge_ops import DTYPES, MERGING, check_engine, check_engine_case, engine_cases
 
@@ -29,7 +29,7 @@ def _kernels_here(monkeypatch):
     (compiled once per text)."""
     monkeypatch.setattr(merge_cuda, "available", lambda: True)
     monkeypatch.setattr(merge_ops, "_probe", {"failure": None})  # the tests here check the kernels themselves
-    with cuda_emulation.kernels_here(merge_cuda):
+    with cuda_emulation.kernels_here(merge_cuda, compact_cuda):
         yield
 
 
@@ -158,6 +158,64 @@ def test_gather_kernel_takes_the_rows_as_the_operations(case):
 
 
 @st.composite
+def partition_cases(draw):
+    n_sink, recent = draw(st.sampled_from([0, 1, 4])), draw(st.sampled_from([1, 3, 50]))
+    budget = n_sink + recent + 1 + draw(st.integers(0, 300))
+    N = budget + draw(st.integers(1, 300))
+    n = draw(st.integers(0, N - 1))
+    return dict(R=draw(st.integers(1, 3)), n=n, s_len=N - n, budget=budget, n_sink=n_sink, recent=recent,
+                ties=draw(st.booleans()), nan=draw(st.booleans()), first=n + draw(st.integers(0, 5000)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@on_gpu
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(partition_cases())
+def test_partition_kernel_chooses_as_the_operations(case):
+    """compact_cuda.partition against drop.losers_and_survivors and the joined scores and
+    positions: the same joined rows bit for bit; the same survivors where scores are
+    distinct; with ties (section 8) a valid choice: every row ranked above the budget-th
+    kept, every row below it evicted, losers and survivors ascending and disjoint."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    R, n, s_len = c["R"], c["n"], c["s_len"]
+    N = n + s_len
+    draw = (lambda shape: rng.integers(0, 4, shape).astype(np.float32)) if c["ties"] else (
+        lambda shape: rng.random(shape).astype(np.float32))
+    settled, chunk = draw((R, n)), draw((R, N))
+    if c["nan"]:
+        chunk[:, rng.integers(0, N)] = np.nan
+    # The settled rows' positions: distinct, ascending, below the chunk's first.
+    positions = np.stack([np.sort(rng.choice(c["first"], n, replace=False)) for _ in range(R)]).astype(np.int32)
+    cfg = CaMConfig(budget=c["budget"], n_sink=c["n_sink"], recent=c["recent"], merge="mean", scoring="query")
+    settled_m, positions_m, chunk_m = mx.array(settled), mx.array(positions), mx.array(chunk)
+    losers, kept, scores, held_positions = compact_cuda.partition(settled_m, positions_m, chunk_m,
+                                                                  merge_cuda.ints(c["first"]), cfg)
+    want_positions = mx.concatenate([positions_m, mx.broadcast_to(c["first"] + mx.arange(s_len, dtype=mx.int32),
+                                                                  (R, s_len))], axis=1)
+    want_scores = mx.concatenate([settled_m + chunk_m[:, :n], chunk_m[:, n:]], axis=1)
+    np.testing.assert_array_equal(np.array(held_positions), np.array(want_positions))
+    np.testing.assert_array_equal(np.array(scores), np.array(want_scores))
+    want_losers, want_kept = drop.losers_and_survivors(want_scores, want_positions, c["first"] + s_len - 1, c["budget"],
+                                                       c["n_sink"], c["recent"])
+    losers, kept = np.array(losers), np.array(kept)
+    assert losers.shape == np.array(want_losers).shape and kept.shape == np.array(want_kept).shape
+    for r in range(R):
+        assert np.all(np.diff(kept[r]) > 0) and np.all(np.diff(losers[r]) > 0)
+        assert sorted([*kept[r], *losers[r]]) == list(range(N))
+    if not c["ties"]:
+        np.testing.assert_array_equal(kept, np.array(want_kept))
+        return
+    # Ties: rank as drop.losers_and_survivors ranks; the kept rows' lowest rank is at least every loser's.
+    protected = np.array(policy.protected(want_positions, c["first"] + s_len - 1, c["n_sink"], c["recent"]))
+    ranked = np.where(protected, np.inf, np.where(np.isnan(np.array(want_scores)), -np.inf, np.array(want_scores)))
+    for r in range(R):
+        if len(losers[r]) and len(kept[r]):
+            assert ranked[r, kept[r]].min() >= ranked[r, losers[r]].max()
+
+
+@st.composite
 def scatter_cases(draw):
     return dict(R=draw(st.integers(1, 3)), k=draw(st.integers(1, 200)), m=draw(st.integers(1, 40)),
                 w=draw(st.sampled_from([1, 3])), C=draw(st.sampled_from([1, 2, 33, 130])),
@@ -238,10 +296,10 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
 
 @on_gpu
 @pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
-                                    "wrong gather"])
+                                    "wrong gather", "wrong partition"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
-    or a key norm 0.1% off, or whose text does not compile, is switched off for the process with one
+    or a key norm 0.1% off, or a position one off, or whose text does not compile, is switched off for the process with one
     warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
@@ -254,6 +312,10 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
     elif defect == "wrong gather":
         monkeypatch.setattr(merge_cuda, "_GATHER", merge_cuda._GATHER.replace(
             "out_norm[item] = sqrtf(squares);", "out_norm[item] = sqrtf(squares) * 1.001f;"))
+    elif defect == "wrong partition":
+        monkeypatch.setattr(compact_cuda, "_SOURCE_SELECT", compact_cuda._SOURCE_SELECT.replace(
+            "positions_out[(long)r * N + j] = position_at(j);", "positions_out[(long)r * N + j] = position_at(j) + 1;"))
+        monkeypatch.setattr(compact_cuda, "_kernels", {})
     elif defect == "blend does not compile":
         monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})

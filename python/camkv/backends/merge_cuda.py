@@ -197,13 +197,14 @@ def available() -> bool:
     return drop.on_cuda() and drop.cuda_build()
 
 
-_dim_arrays: dict[tuple, mx.array] = {}  # a launch's dims -> int32 array, made once (a copy to the device)
+_int_arrays: dict[tuple, mx.array] = {}  # values -> int32 array, made once (an array from Python is a copy)
 
 
-def _dims(*sizes: int) -> mx.array:
-    if sizes not in _dim_arrays:
-        _dim_arrays[sizes] = mx.array(sizes, mx.int32)
-    return _dim_arrays[sizes]
+def ints(*sizes: int) -> mx.array:
+    """An int32 array of these values (a launch's dims, a first position), made once."""
+    if sizes not in _int_arrays:
+        _int_arrays[sizes] = mx.array(sizes, mx.int32)
+    return _int_arrays[sizes]
 
 
 def _named(name: str, source: str) -> str:
@@ -256,7 +257,7 @@ def nearest(products: mx.array, norm_l: mx.array, norm_k: mx.array, positions: m
     max(|K_e| |K_t|, 1e-12) [R, k] (with survivor 0 where none), as merge_ops._nearest's
     operations compute them."""
     rows, k, m = products.shape
-    dims = _dims(rows, k, m, n_sink)
+    dims = ints(rows, k, m, n_sink)
     target, found, cosine = _kernel("nearest")(
         inputs=[products, norm_k, positions, norm_l, dims],
         grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
@@ -270,7 +271,7 @@ def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -
     rows, k, columns = rows_in.shape
     w = targets.shape[2]
     edges = rows * k * w
-    dims = _dims(rows, k, w, m, columns)
+    dims = ints(rows, k, w, m, columns)
     return _kernel("scatter")(
         inputs=[rows_in, targets.astype(mx.int32), live, dims],
         grid=(-(-edges // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
@@ -282,7 +283,7 @@ def scatter_max(x: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.ar
     -inf, never NaN) over the losers e and slots s with targets[r, e, s] = j where
     live[r, e, s]; -inf where none."""
     rows, k, w = targets.shape
-    dims = _dims(rows, k, w, m)
+    dims = ints(rows, k, w, m)
     return _kernel("max")(
         inputs=[x.astype(mx.float32), targets.astype(mx.int32), live, dims],
         grid=(-(-rows * k * w // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
@@ -300,7 +301,7 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
     taken = k + m
     out = _kernel("gather")(
         inputs=[keys, values, scores, positions, scores if votes is None else votes, loser_idx, kept_idx,
-                _dims(rows, n, k, m, dk, dv)],
+                ints(rows, n, k, m, dk, dv)],
         template=[("VOTES", votes is not None)],
         grid=(-(-rows * taken // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
@@ -340,14 +341,14 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, s
     constants = _shares(share_in, share_t)
     sums = _kernel("spread")(
         inputs=[values, values if keys is None else keys, share_in if per_loser else mass, mass, target, merging,
-                constants, _dims(rows, k, m, Dv, Dk)],
+                constants, ints(rows, k, m, Dv, Dk)],
         template=[("SHARE_IN", per_loser)],
         grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, Dv + Dk + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
     threads = rows * m * (Dv + Dk)
     out_values, out_keys, out_scores = _kernel("finish")(
         inputs=[sums, own_values, own_values if keys is None else own_keys, share_t if per_survivor else scores,
-                scores, constants, _dims(rows, m, Dv, Dk)],
+                scores, constants, ints(rows, m, Dv, Dk)],
         template=[("SHARE_T", per_survivor), ("OUT", out_dtype)],
         grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, Dv), (rows, m, max(Dk, 1)), (rows, m)],

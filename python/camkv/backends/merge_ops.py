@@ -24,8 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import gate, mass, merges, policy
+from ..config import CaMConfig
 from ..rows import RowState
-from . import drop, merge_cuda, selfcheck
+from . import compact_cuda, drop, merge_cuda, selfcheck
 
 _INF = float("inf")
 
@@ -107,8 +108,9 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     rule = merges.rule(cfg.merge)
     rows, n = settled.scores.shape
     s_len = keys.shape[1] - n
-    positions = mx.concatenate(
-        [settled.positions, mx.broadcast_to(first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
+    merging = n + s_len > cfg.budget and rule.kind != merges.DROP
+    if merging:
+        kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
     votes = settled.votes
     if rule.keeps_votes:
         votes = mx.concatenate([mx.ones((rows, n), mx.float32) if votes is None else votes,
@@ -119,16 +121,22 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     bias = None if votes is None else mx.log(votes)
     chunk = given if given is not None else mass.chunk_mass(queries, keys, scale, n, cfg, s_len,
                                                             reducer(bias is not None, preferred), bias=bias)
-    scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
-    if n + s_len <= cfg.budget:
-        return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
-    # Losers in any order: a compression's merges are simultaneous (section 4).
-    loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
-                                                    first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
-                                                    losers_sorted=False)
-    if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
-        return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
-    kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
+    if merging and kernels and cfg.eviction == "score":  # the partition and the joined rows in one launch
+        loser_idx, kept_idx, scores, positions = compact_cuda.partition(
+            settled.scores, settled.positions, chunk, merge_cuda.ints(first_pending), cfg)
+    else:
+        positions = mx.concatenate([settled.positions, mx.broadcast_to(
+            first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
+        scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
+        if n + s_len <= cfg.budget:
+            return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
+        # Losers in any order: a compression's merges are simultaneous (section 4).
+        loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
+                                                        first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
+                                                        losers_sorted=False)
+        if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
+            return (RowState(keys, values, scores, positions, votes, threshold).take(kept_idx),
+                    mx.zeros((rows,), mx.int32))
     losers, kept = Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx,
                               key_norm=rule.kind == merges.NEAREST, kernels=kernels)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
@@ -175,21 +183,27 @@ def _probe_failure() -> str | None:
         mx.arange(160, dtype=mx.int32), (2, 160))
     order = mx.array(np.stack([rng.permutation(160) for _ in range(2)]).astype(np.int32))
     taken = (held, held[:, :, :33], held_scores, held_positions, held_scores + 1.0, order[:, :70], order[:, 70:])
+    # A partition of 160 rows, 60 settled, to 90 (2 sinks, 5 recent; distinct scores).
+    settled, chunk = (mx.array(rng.random((2, size)).astype(np.float32)) for size in (60, 160))
+    cut = CaMConfig(budget=90, n_sink=2, recent=5, merge="mean")
     try:
         edges = _Edges(targets, live, 90, kernels=True)
         got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x),
                *merge_cuda.blend_nearest(rows, None, own, own, scores, targets[:, :, 0], live[:, :, 0], share_in,
                                          share_t, x)[::2],
-               *Rows.split(*taken, key_norm=True, kernels=True)[1])
+               *Rows.split(*taken, key_norm=True, kernels=True)[1],
+               *compact_cuda.partition(settled, held_positions[:, :60], chunk, merge_cuda.ints(60), cut))
         mx.eval([a for a in got if a is not None])
     except Exception as error:  # a compile or launch error, whatever MLX raises it as
         return f"their first-use check raised: {error}"
     edges = _Edges(targets, live, 90)
     blend = _Edges(targets[:, :, :1], live[:, :, :1], 90).blend([(own, rows)], share_in, share_t, x)
+    joined = mx.concatenate([settled + chunk[:, :60], chunk[:, 60:]], axis=1)
     want = (*_nearest(losers, kept, positions, 1, True), *edges.sums(rows), edges.max(x), blend.rows[0],
-            scores + blend.extra[0], *Rows.split(*taken, key_norm=True)[1])
+            scores + blend.extra[0], *Rows.split(*taken, key_norm=True)[1],
+            *drop.losers_and_survivors(joined, held_positions, 159, 90, 2, 5), joined, held_positions)
     names = ("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores", *(
-        f"gathered {field}" for field in Rows._fields))
+        f"gathered {field}" for field in Rows._fields), "losers", "survivors", "joined scores", "joined positions")
     for name, g, w in zip(names, got, want):
         if g is None and w is None:
             continue
