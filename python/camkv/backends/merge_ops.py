@@ -170,46 +170,78 @@ def kernels_pass_probe() -> bool:
 
 
 def _probe_failure() -> str | None:
-    rng = np.random.default_rng(selfcheck.PROBE_SEED)
-    losers, kept = (mx.array(rng.standard_normal((2, n, 64)).astype(np.float32)) for n in (70, 90))
-    positions = mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 90))
-    targets = mx.array(rng.integers(0, 90, (2, 70, 2)).astype(np.int32))
-    live = mx.array(rng.random((2, 70, 2)) < 0.8)
-    rows, x = mx.array(rng.standard_normal((2, 70, 33)).astype(np.float32)), losers[:, :, 0]
-    own, scores = (mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in ((2, 90, 33), (2, 90)))
-    share_in, share_t = mx.abs(x), mx.abs(scores)
-    held = mx.concatenate([losers, kept], axis=1).astype(mx.bfloat16)  # [2, 160, 64]
-    held_scores, held_positions = mx.abs(held[:, :, 0]).astype(mx.float32), mx.broadcast_to(
-        mx.arange(160, dtype=mx.int32), (2, 160))
-    order = mx.array(np.stack([rng.permutation(160) for _ in range(2)]).astype(np.int32))
-    taken = (held, held[:, :, :33], held_scores, held_positions, held_scores + 1.0, order[:, :70], order[:, 70:])
-    # A partition of 160 rows, 60 settled, to 90 (2 sinks, 5 recent; distinct scores).
-    settled, chunk = (mx.array(rng.random((2, size)).astype(np.float32)) for size in (60, 160))
-    cut = CaMConfig(budget=90, n_sink=2, recent=5, merge="mean")
+    p = _probe_problem()
     try:
-        edges = _Edges(targets, live, 90, kernels=True)
-        got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x),
-               *merge_cuda.blend_nearest(rows, None, own, own, scores, targets[:, :, 0], live[:, :, 0], share_in,
-                                         share_t, x)[::2],
-               *Rows.split(*taken, key_norm=True, kernels=True)[1],
-               *compact_cuda.partition(settled, held_positions[:, :60], chunk, merge_cuda.ints(60), cut))
+        got = _probe_with_kernels(p)
         mx.eval([a for a in got if a is not None])
     except Exception as error:  # a compile or launch error, whatever MLX raises it as
         return f"their first-use check raised: {error}"
-    edges = _Edges(targets, live, 90)
-    blend = _Edges(targets[:, :, :1], live[:, :, :1], 90).blend([(own, rows)], share_in, share_t, x)
-    joined = mx.concatenate([settled + chunk[:, :60], chunk[:, 60:]], axis=1)
-    want = (*_nearest(losers, kept, positions, 1, True), *edges.sums(rows), edges.max(x), blend.rows[0],
-            scores + blend.extra[0], *Rows.split(*taken, key_norm=True)[1],
-            *drop.losers_and_survivors(joined, held_positions, 159, 90, 2, 5), joined, held_positions)
-    names = ("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores", *(
-        f"gathered {field}" for field in Rows._fields), "losers", "survivors", "joined scores", "joined positions")
-    for name, g, w in zip(names, got, want):
-        if g is None and w is None:
-            continue
-        if not np.allclose(_as_numpy(g), _as_numpy(w), rtol=1e-4, atol=1e-4):
+    for name, g, w in zip(_PROBED, got, _probe_with_operations(p)):
+        same = g is w if g is None or w is None else np.allclose(_as_numpy(g), _as_numpy(w), rtol=1e-4, atol=1e-4)
+        if not same:
             return f"their first-use check's {name} differ from the MLX operations'"
     return None
+
+
+# What the first-use check compares, in the order _probe_with_kernels gives it.
+_PROBED = ("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores",
+           *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
+                                                "key norms")),
+           "losers", "survivors", "joined scores", "joined positions")
+
+
+def _probe_problem() -> dict:
+    """A small random problem for every merge kernel (ties unlikely): 70 losers and 90
+    survivors of 64 channels in 2 rows, two target slots each, 160 rows held (60 settled)
+    to partition down to 90 (2 sinks, 5 recent)."""
+    rng = np.random.default_rng(selfcheck.PROBE_SEED)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    losers, kept = normal(2, 70, 64), normal(2, 90, 64)
+    held = mx.concatenate([losers, kept], axis=1).astype(mx.bfloat16)
+    p = dict(losers=losers, kept=kept, positions=mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 90)),
+             targets=mx.array(rng.integers(0, 90, (2, 70, 2)).astype(np.int32)),
+             live=mx.array(rng.random((2, 70, 2)) < 0.8), rows=normal(2, 70, 33), own=normal(2, 90, 33),
+             scores=normal(2, 90), held=held, held_scores=mx.abs(held[:, :, 0]).astype(mx.float32),
+             held_positions=mx.broadcast_to(mx.arange(160, dtype=mx.int32), (2, 160)),
+             order=mx.array(np.stack([rng.permutation(160) for _ in range(2)]).astype(np.int32)),
+             settled=mx.array(rng.random((2, 60)).astype(np.float32)),
+             chunk=mx.array(rng.random((2, 160)).astype(np.float32)),
+             cut=CaMConfig(budget=90, n_sink=2, recent=5, merge="mean"))
+    p["x"] = losers[:, :, 0]
+    return p
+
+
+def _probe_taken(p: dict) -> tuple:
+    """Rows.split's inputs for the probe: 70 losers and 90 survivors of the 160 held."""
+    held = p["held"]
+    return held, held[:, :, :33], p["held_scores"], p["held_positions"], p["held_scores"] + 1.0, \
+        p["order"][:, :70], p["order"][:, 70:]
+
+
+def _probe_with_kernels(p: dict) -> tuple:
+    edges = _Edges(p["targets"], p["live"], 90, kernels=True)
+    blend = merge_cuda.blend_nearest(p["rows"], None, p["own"], p["own"], p["scores"], p["targets"][:, :, 0],
+                                     p["live"][:, :, 0], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
+    gathered = Rows.split(*_probe_taken(p), key_norm=True, kernels=True)[1]
+    partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], merge_cuda.ints(60),
+                                       p["cut"])
+    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
+            edges.max(p["x"]), blend[0], blend[2], *_gathered_fields(gathered), *partition)
+
+
+def _probe_with_operations(p: dict) -> tuple:
+    edges = _Edges(p["targets"], p["live"], 90)
+    blend = _Edges(p["targets"][:, :, :1], p["live"][:, :, :1], 90).blend(
+        [(p["own"], p["rows"])], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
+    gathered = Rows.split(*_probe_taken(p), key_norm=True)[1]
+    joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
+    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), edges.max(p["x"]),
+            blend.rows[0], p["scores"] + blend.extra[0], *_gathered_fields(gathered),
+            *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"])
+
+
+def _gathered_fields(rows: "Rows") -> tuple:
+    return rows.keys, rows.values, rows.scores, rows.positions, rows.votes, rows.stored_keys, rows.key_norm
 
 
 def _as_numpy(a: mx.array) -> np.ndarray:
