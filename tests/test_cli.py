@@ -270,9 +270,8 @@ def test_openblas_choice_follows_camkv_blas(monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps (Linux)")
 def test_bound_tells_whether_openblas_is_mapped_into_the_process():
-    """The tests compare a batch row with its request alone bit for bit only where MLX's own
-    BLAS runs (tests/tiny_models.exact_here): bound() must see an OpenBLAS put in place by
-    LD_PRELOAD, and none without it."""
+    """The suite runs only under MLX's own BLAS (tests/conftest.py stops a run where bound()
+    is True): bound() must see an OpenBLAS put in place by LD_PRELOAD, and none without it."""
     from camkv import _blas
 
     library = _blas.find_openblas()

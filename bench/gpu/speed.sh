@@ -38,7 +38,10 @@
 #   bash bench/gpu/speed.sh batchstep a BatchGenerator's decode call with 4 and 16 requests of
 #                                     16k tokens decoding, bfloat16 and 4-bit rows (random-1b,
 #                                     budget 512; about 2 minutes)
-# e.g. `bash bench/gpu/speed.sh merges1b decode8b` (about 9 minutes).
+# e.g. `bash bench/gpu/speed.sh merges1b decode8b` (about 9 minutes). With BEFORE=FOLDER (a
+# camkv package's parent, e.g. an older commit's python/ unpacked there), each part runs
+# first with that camkv, then with this one, JSON under $OUT/before and $OUT/after (twice
+# the time).
 . bench/gpu/env.sh
 mkdir -p "$OUT"
 # The merge rules the command line lists (camkv.merges' registry), dropping aside.
@@ -47,7 +50,8 @@ step() {  # SECONDS COMMAND...: one run, cut at SECONDS, its last lines printed
   local seconds=$1; shift
   timeout "$seconds" "$@" 2>&1 | grep -v "it/s\]\|Warn" | tail -${TAIL:-14}
 }
-for part in "$@"; do
+run_part() {  # PART: one part's runs, JSON under $OUT
+  local part=$1
   case $part in
     merges|merges1b|merges8b)
       [ $part = merges8b ] || step 280 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
@@ -90,4 +94,19 @@ for part in "$@"; do
         --out "$OUT/batch-decode-step-h200.json" ;;
     *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, engine, decode8b, decodehost, qstep, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
-done
+}
+if [ -z "${BEFORE:-}" ]; then
+  for part in "$@"; do run_part "$part"; done
+else  # each part with the camkv at $BEFORE (e.g. an older checkout's python/ folder), then with this one
+  [ -d "$BEFORE/camkv" ] || { echo "bench/gpu/speed.sh: BEFORE=$BEFORE holds no camkv package" >&2; exit 2; }
+  after_path=$PYTHONPATH after_out=$OUT
+  for part in "$@"; do
+    for tag in before after; do
+      echo "== $part, $tag"
+      if [ $tag = before ]; then export PYTHONPATH=/tmp/site:$(cd "$BEFORE" && pwd); else export PYTHONPATH=$after_path; fi
+      OUT=$after_out/$tag; mkdir -p "$OUT"
+      run_part "$part"
+    done
+  done
+  export PYTHONPATH=$after_path; OUT=$after_out
+fi
