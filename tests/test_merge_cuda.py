@@ -215,6 +215,39 @@ def test_partition_kernel_chooses_as_the_operations(case):
             assert ranked[r, kept[r]].min() >= ranked[r, losers[r]].max()
 
 
+@on_gpu
+@pytest.mark.parametrize("overflow", [False, True])
+def test_keepkv_kernels_match_the_operations_where_logits_overflow(overflow):
+    """keepkv's four launches (merge_cuda.keep_merge) against merge_ops._keep_output's
+    operations, through merge_ops.merge: with overflow, a third of the losers have keys
+    of finite norm whose logits for a large query overflow, so their targets' mass is not
+    finite (section 4.6: such a target blends by votes and its key stays the mean)."""
+    rng = np.random.default_rng(11)
+    R, k, m, D = 2, 40, 30, 16
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    loser_keys, kept_keys = normal(R, k, D), normal(R, m, D)
+    query = normal(R, D) * (1e21 if overflow else 1.0)
+    if overflow:
+        loser_keys[:, ::3] *= 1e18
+    def rows(keys, n):
+        keys = mx.array(keys)
+        return merge_ops.Rows(keys, mx.array(normal(R, n, 12)), mx.array(rng.random((R, n)).astype(np.float32)),
+                              mx.broadcast_to(mx.arange(n, dtype=mx.int32) + 8, (R, n)),
+                              mx.array(rng.integers(1, 5, (R, n)).astype(np.float32)), keys, merges.feature_norm(keys))
+    losers, kept = rows(loser_keys, k), rows(kept_keys, m)
+    cfg = CaMConfig(budget=m, n_sink=0, recent=1, merge="keepkv", scoring="query")
+    args = (losers, mx.zeros((R, k), mx.int32), kept, mx.zeros((R, m), mx.int32), None, mx.array(query), 0.25, cfg,
+            mx.arange(R).astype(mx.uint32), False)
+    got, want = merge_ops.merge(*args, kernels=True), merge_ops.merge(*args, kernels=False)
+    assert np.array(want.count).sum() > 0
+    if overflow:  # the case this test is for: some target's mass is not finite
+        l_e = 0.25 * np.einsum("rkd,rd->rk", loser_keys.astype(np.float64), query)
+        assert (np.abs(l_e) > np.finfo(np.float32).max).any()
+    for field in ("keys", "values", "votes", "scores"):
+        np.testing.assert_allclose(np.array(getattr(got, field)), np.array(getattr(want, field)), rtol=1e-4,
+                                   atol=1e-5, err_msg=field)
+
+
 @st.composite
 def scatter_cases(draw):
     return dict(R=draw(st.integers(1, 3)), k=draw(st.integers(1, 200)), m=draw(st.integers(1, 40)),
@@ -296,10 +329,10 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
 
 @on_gpu
 @pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
-                                    "wrong gather", "wrong partition"])
+                                    "wrong gather", "wrong partition", "wrong keepkv key"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
-    or a key norm 0.1% off, or a position one off, or whose text does not compile, is switched off for the process with one
+    or a key norm 0.1% off, a position one off or keepkv's key moved 1% too far, or whose text does not compile, is switched off for the process with one
     warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
@@ -316,6 +349,10 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
         monkeypatch.setattr(compact_cuda, "_SOURCE_SELECT", compact_cuda._SOURCE_SELECT.replace(
             "positions_out[(long)r * N + j] = position_at(j);", "positions_out[(long)r * N + j] = position_at(j) + 1;"))
         monkeypatch.setattr(compact_cuda, "_kernels", {})
+    elif defect == "wrong keepkv key":
+        monkeypatch.setattr(merge_cuda, "_KEEP", {**merge_cuda._KEEP, "keep_finish": (
+            merge_cuda._KEEP_FINISH.replace("__fmul_rn(shift, query[r * Dk + c])", "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
+            *merge_cuda._KEEP["keep_finish"][1:])})
     elif defect == "blend does not compile":
         monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})

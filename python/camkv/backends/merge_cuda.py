@@ -26,6 +26,12 @@ launches and passes over large arrays (camkv.backends.merge_ops calls them there
   MLX operations and scatter_rows take about twenty (the shares' products and their
   concatenation, the sums' slices, the denominators, the divisions and the choices).
 
+- **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
+  logits for the query and each target's largest incoming one; each survivor's top and
+  mass; the losers' masses and their weighted rows, votes and scores summed into the
+  targets; each survivor's blended value, its key moved to keep the query's attention
+  and its votes) where the MLX operations take about a hundred.
+
 The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
 
@@ -188,6 +194,124 @@ _FINISH = """
   if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[C + 2]);
 """
 
+# keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
+# comes in are atomic maxima into arrays that start at -inf (one init_value a launch).
+_KEEP_LOGITS = """
+  // dims: R rows, k losers, m survivors, Dk. A warp per (row, loser): its logit
+  // l_e = scale q.K_e; a merging loser's finite logit raises its target's top_in, a
+  // non-finite one sets its target's poisoned to 1.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dk = dims[3];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;
+  const long r = loser / k;
+  float dot = 0.0f;
+  for (int c = lane; c < Dk; c += 32) dot = __fadd_rn(dot, __fmul_rn(keys[loser * Dk + c], query[r * Dk + c]));
+  for (int o = 16; o > 0; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  if (lane == 0) {
+    const float l = __fmul_rn(scale[0], dot);
+    logits[loser] = l;
+    if (merging[loser]) {
+      const long to = r * m + target[loser];
+      if (isfinite(l)) camkv_atomic_max(top_in + to, l);
+      else camkv_atomic_max(poisoned + to, 1.0f);
+    }
+  }
+"""
+
+_KEEP_TOPS = """
+  // dims: R rows, m survivors, Dk. A warp per (row, survivor): l_t = scale q.K_t; its
+  // mass is finite where l_t is and no merging loser's logit is not; top: the larger of
+  // l_t and top_in there (0 elsewhere); m_t = votes exp(l_t - top) there (votes elsewhere).
+  const long rows = dims[0], m = dims[1];
+  const int Dk = dims[2];
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (j >= rows * m) return;
+  const long r = j / m;
+  float dot = 0.0f;
+  for (int c = lane; c < Dk; c += 32) dot = __fadd_rn(dot, __fmul_rn(keys[j * Dk + c], query[r * Dk + c]));
+  for (int o = 16; o > 0; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  if (lane == 0) {
+    const float l = __fmul_rn(scale[0], dot);
+    const bool fin = isfinite(l) && !(poisoned[j] > 0.0f);
+    const float best = fin ? fmaxf(l, top_in[j]) : 0.0f;
+    top[j] = best;
+    finite[j] = fin;
+    mass_t[j] = __fmul_rn(votes[j], fin ? expf(l - best) : 1.0f);
+  }
+"""
+
+_KEEP_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv, Dk. A warp per (row, loser) that merges:
+  // m_e = votes_e exp(l_e - top_t) (votes_e where the target's mass is not finite), then
+  // m_e V_e, m_e K_e, m_e, 1, votes_e and s_e added into its target's float32 sums
+  // [R, m, Dv + Dk + 4].
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k || !merging[loser]) return;
+  const long to = (loser / k) * m + target[loser];
+  const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(logits[loser] - top[to]) : 1.0f);
+  float* into = sums + to * (C + 4);
+  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(mass_e, values[loser * Dv + c]));
+  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(mass_e, keys[loser * Dk + c]));
+  if (lane == 0) {
+    atomicAdd(into + C, mass_e);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, votes[loser]);
+    atomicAdd(into + C + 3, mass[loser]);
+  }
+"""
+
+_KEEP_FINISH = """
+  // dims: R rows, m survivors, Dv, Dk. A warp per (row, survivor). Where a loser gives to
+  // it: its value and mean key (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where
+  // that is 0), the key then moved along q so that the row, standing for all its votes,
+  // gets the group's mass (merges.output_preserving_key), its votes summed; elsewhere
+  // its row and votes as they were. Its score gains the mass s_e of its losers.
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (j >= rows * m) return;
+  const long r = j / m;
+  const float* sum = sums + j * (C + 4);
+  const float taken = sum[C], in_votes = sum[C + 2];
+  const bool receiving = sum[C + 1] > 0.0f;
+  const float total = __fadd_rn(mass_t[j], taken);
+  const bool blending = receiving && total > 0.0f;
+  auto blended = [&](float own, float into) {
+    return blending ? __fadd_rn(__fmul_rn(mass_t[j], own), into) / total : own;
+  };
+  for (int c = lane; c < Dv; c += 32) out_values[j * Dv + c] = blended(values[j * Dv + c], sum[c]);
+  const float total_votes = __fadd_rn(votes[j], in_votes);
+  float along = 0.0f, norm_q = 0.0f;  // mean key . q and q . q
+  for (int c = lane; c < Dk; c += 32) {
+    const float q = query[r * Dk + c];
+    along = __fadd_rn(along, __fmul_rn(blended(keys[j * Dk + c], sum[Dv + c]), q));
+    norm_q = __fadd_rn(norm_q, __fmul_rn(q, q));
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    along = __fadd_rn(along, __shfl_xor_sync(0xffffffffu, along, o));
+    norm_q = __fadd_rn(norm_q, __shfl_xor_sync(0xffffffffu, norm_q, o));
+  }
+  const float want = __fadd_rn(top[j], logf(total)) - logf(total_votes);
+  const float shift = (want - __fmul_rn(scale[0], along)) / __fmul_rn(scale[0], norm_q);
+  const bool moved = receiving && finite[j] && isfinite(shift);
+  for (int c = lane; c < Dk; c += 32) {
+    const float mean = blended(keys[j * Dk + c], sum[Dv + c]);
+    out_keys[j * Dk + c] = !receiving ? keys[j * Dk + c]
+                         : moved ? __fadd_rn(mean, __fmul_rn(shift, query[r * Dk + c])) : mean;
+  }
+  if (lane == 0) {
+    out_votes[j] = receiving ? total_votes : votes[j];
+    out_scores[j] = __fadd_rn(scores[j], sum[C + 3]);
+  }
+"""
+
 _kernels: dict[str, object] = {}
 
 
@@ -224,6 +348,11 @@ def _kernel(name: str):
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_scatter_max", _MAX_HEADER + _SCATTER_MAX), input_names=["x", "targets", "live", "dims"],
                 output_names=["maxima"], source=_SCATTER_MAX, header=_MAX_HEADER)
+        elif name in _KEEP:
+            source, inputs, outputs = _KEEP[name]
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named(f"camkv_{name}", _MAX_HEADER + source), input_names=[*inputs, "dims"],
+                output_names=outputs, source=source, header=_MAX_HEADER)
         elif name == "gather":
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_merge_gather", _GATHER),
@@ -308,6 +437,56 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
                        (rows, taken), (rows, taken if votes is not None else 1)],
         output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32])
     return (*out[:6], None if votes is None else out[6])
+
+
+# keepkv's launches: name -> (text, inputs before dims, outputs).
+_KEEP = {
+    "keep_logits": (_KEEP_LOGITS, ["keys", "query", "target", "merging", "scale"], ["logits", "top_in", "poisoned"]),
+    "keep_tops": (_KEEP_TOPS, ["keys", "query", "votes", "top_in", "poisoned", "scale"], ["top", "finite", "mass_t"]),
+    "keep_spread": (_KEEP_SPREAD, ["values", "keys", "votes", "mass", "logits", "top", "finite", "target", "merging"],
+               ["sums"]),
+    "keep_finish": (_KEEP_FINISH, ["values", "keys", "votes", "scores", "query", "sums", "mass_t", "top", "finite",
+                              "scale"], ["out_values", "out_keys", "out_votes", "out_scores"]),
+}
+
+
+def keep_merge(losers, kept, target, merging, query, scale: float):
+    """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results):
+    losers and kept are merge_ops.Rows (float32 keys and values, votes, scores), target
+    [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk] float32. Returns the
+    survivors' keys and values float32, votes and scores plus the mass taken in."""
+    rows, k, dk = losers.keys.shape
+    m, dv = kept.keys.shape[1], kept.values.shape[2]
+    by_loser = (-(-rows * k // _WARPS) * _THREADS, 1, 1)
+    by_survivor = (-(-rows * m // _WARPS) * _THREADS, 1, 1)
+    block = (_THREADS, 1, 1)
+    scale_ = floats(scale)
+    logits, top_in, poisoned = _kernel("keep_logits")(
+        inputs=[losers.keys, query, target, merging, scale_, ints(rows, k, m, dk)], grid=by_loser,
+        threadgroup=block, output_shapes=[(rows, k), (rows, m), (rows, m)], output_dtypes=[mx.float32] * 3,
+        init_value=-float("inf"))
+    top, finite, mass_t = _kernel("keep_tops")(
+        inputs=[kept.keys, query, kept.votes, top_in, poisoned, scale_, ints(rows, m, dk)], grid=by_survivor,
+        threadgroup=block, output_shapes=[(rows, m)] * 3, output_dtypes=[mx.float32, mx.bool_, mx.float32])
+    sums = _kernel("keep_spread")(
+        inputs=[losers.values, losers.keys, losers.votes, losers.scores, logits, top, finite, target, merging,
+                ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
+        output_shapes=[(rows, m, dv + dk + 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    values, keys, votes, scores = _kernel("keep_finish")(
+        inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, mass_t, top, finite, scale_,
+                ints(rows, m, dv, dk)], grid=by_survivor, threadgroup=block,
+        output_shapes=[(rows, m, dv), (rows, m, dk), (rows, m), (rows, m)], output_dtypes=[mx.float32] * 4)
+    return keys, values, votes, scores
+
+
+_float_arrays: dict[tuple, mx.array] = {}
+
+
+def floats(*values: float) -> mx.array:
+    """A float32 array of these values (a launch's scale), made once."""
+    if values not in _float_arrays:
+        _float_arrays[values] = mx.array(values, mx.float32)
+    return _float_arrays[values]
 
 
 _constants: dict[tuple, mx.array] = {}  # (share_in, share_t) -> float32 [2], made once (a copy to the device)

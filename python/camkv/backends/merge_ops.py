@@ -187,7 +187,8 @@ def _probe_failure() -> str | None:
 _PROBED = ("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores",
            *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
                                                 "key norms")),
-           "losers", "survivors", "joined scores", "joined positions")
+           "losers", "survivors", "joined scores", "joined positions",
+           *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")))
 
 
 def _probe_problem() -> dict:
@@ -208,7 +209,22 @@ def _probe_problem() -> dict:
              chunk=mx.array(rng.random((2, 160)).astype(np.float32)),
              cut=CaMConfig(budget=90, n_sink=2, recent=5, merge="mean"))
     p["x"] = losers[:, :, 0]
+    p["query"] = normal(2, 64)
     return p
+
+
+def _probe_keep(p: dict, kernels: bool) -> tuple:
+    """keepkv's merges of the probe's losers into its survivors (targets found by the
+    nearest search, every loser merging)."""
+    def rows(keys, values, scores, n):
+        return Rows(keys, values, scores, mx.broadcast_to(mx.arange(n, dtype=mx.int32), scores.shape),
+                    mx.abs(scores) + 1.0, keys, merges.feature_norm(keys))
+    losers = rows(p["losers"], p["rows"], mx.abs(p["x"]), 70)
+    kept = rows(p["kept"], p["own"], mx.abs(p["scores"]), 90)
+    merged = merge(losers, p["order"][:, :70], kept, p["order"][:, 70:], None, p["query"], 0.125,
+                   CaMConfig(budget=90, n_sink=1, recent=1, merge="keepkv"), mx.arange(2).astype(mx.uint32), False,
+                   kernels)
+    return merged.keys, merged.values, merged.votes, merged.scores
 
 
 def _probe_taken(p: dict) -> tuple:
@@ -226,7 +242,7 @@ def _probe_with_kernels(p: dict) -> tuple:
     partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], merge_cuda.ints(60),
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
-            edges.max(p["x"]), blend[0], blend[2], *_gathered_fields(gathered), *partition)
+            edges.max(p["x"]), blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True))
 
 
 def _probe_with_operations(p: dict) -> tuple:
@@ -237,7 +253,8 @@ def _probe_with_operations(p: dict) -> tuple:
     joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), edges.max(p["x"]),
             blend.rows[0], p["scores"] + blend.extra[0], *_gathered_fields(gathered),
-            *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"])
+            *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
+            *_probe_keep(p, False))
 
 
 def _gathered_fields(rows: "Rows") -> tuple:
@@ -325,6 +342,9 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.keys, kept.scores,
             targets.nearest, do, _loser_share(rule, losers, kept, targets), rule.target_share(kept.scores),
             targets.s_in, storage)
+        return Merged(keys, values, scores, votes, threshold, count)
+    if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
+        keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale)
         return Merged(keys, values, scores, votes, threshold, count)
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
     if rule.keeps_votes:
