@@ -1,36 +1,32 @@
 """A compression's merges on an NVIDIA GPU, in kernels where MLX operations take many
-launches and passes over large arrays (camkv.backends.merge_ops calls them there).
+launches and passes over large arrays (camkv.backends.merge_ops calls them there, after
+camkv.backends.compact_cuda.partition has chosen the survivors).
 
+- **The rows a compression merges, gathered once**: losers' and survivors' keys and
+  values as float32, the keys as stored, scores, positions, votes and the keys' norms, a
+  warp a row in one launch, where the MLX operations take a concatenation, five gathers,
+  two casts and a norm's three.
 - **The nearest survivor of every loser** (docs/algorithm.md section 4.1): MLX's matrix
   product makes the dot products losers x survivors [R, k, m] (on the tensor cores), and
   one kernel reads them once: a warp per loser ranks each candidate's dot / |K_t| and
-  keeps the largest (ties to the smaller survivor index, as MLX's argmax), with its dot
-  product, from which the cosine follows. As MLX operations the ranking is a division, a
-  mask and an argmax, three more passes over an array of R x k x m floats (134 MB for
-  eight rows of 2048 losers and 2048 survivors) and their launches.
-- **The losers' rows into their targets** (section 4.4's sums over a target's losers):
-  a warp per (loser, target slot) adds the loser's row (its weighted value, key and
-  scalars side by side) into the target's float32 sums with atomic additions, every
-  loser at once, where MLX's scatter-add first spreads every row over the slots; and
-  keepkv's largest logit a target takes in, with atomic maxima, where MLX operations
-  would mask a dense [R, k, m] array.
-
-- **The rows a compression merges, gathered once**: losers' and survivors' keys and
-  values as float32, the keys as stored, scores, positions and the keys' norms, a warp
-  a row in one launch, where the MLX operations take a concatenation, five gathers, two
-  casts and a norm's three.
+  keeps the largest (ties to the smaller survivor index, as MLX's argmax), then writes
+  the target, whether there is one and the cosine. As MLX operations the ranking is a
+  division, a mask and an argmax, three more passes over an array of R x k x m floats
+  (134 MB for eight rows of 2048 losers and 2048 survivors), and the rest eight more.
 - **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch
   adds every merging loser's share-weighted value (and key), its share, a count and its
   mass into its target's float32 sums (a warp per loser, atomic additions), and one
   more writes each survivor's blended row and score from them: two launches where the
-  MLX operations and scatter_rows take about twenty (the shares' products and their
-  concatenation, the sums' slices, the denominators, the divisions and the choices).
-
+  MLX operations take about twenty.
 - **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
-  logits for the query and each target's largest incoming one; each survivor's top and
-  mass; the losers' masses and their weighted rows, votes and scores summed into the
-  targets; each survivor's blended value, its key moved to keep the query's attention
-  and its votes) where the MLX operations take about a hundred.
+  logits for the query and each target's largest incoming one, by atomic maxima; each
+  survivor's top and mass; the losers' masses and their weighted rows, votes and
+  scores summed into the targets; each survivor's blended value, its key moved to keep
+  the query's attention, and its votes) where the MLX operations take about a hundred.
+- **A window rule's sums** (section 4.2's losers spread over the survivors after them):
+  a warp per (loser, target slot) adds the loser's row and scalars into the target's
+  float32 sums, every loser at once, where MLX's scatter-add first spreads every row
+  over the slots.
 
 The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
@@ -108,15 +104,6 @@ __device__ inline void camkv_atomic_max(float* at, float value) {
   if ((__float_as_uint(value) >> 31) == 0u) atomicMax(reinterpret_cast<int*>(at), __float_as_int(value));
   else atomicMin(reinterpret_cast<unsigned*>(at), __float_as_uint(value));
 }
-"""
-
-_SCATTER_MAX = """
-  // dims: R rows, k losers, w target slots a loser, m survivors. A thread per (loser, slot).
-  const long rows = dims[0], k = dims[1], w = dims[2], m = dims[3];
-  const long edge = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (edge >= rows * k * w || !live[edge]) return;
-  const long r = edge / (k * w), e = (edge / w) % k;
-  camkv_atomic_max(maxima + r * m + targets[edge], x[r * k + e]);
 """
 
 _GATHER = """
@@ -344,10 +331,6 @@ def _kernel(name: str):
                 name=_named("camkv_nearest_survivor", _NEAREST),
                 input_names=["products", "norm_k", "positions", "norm_l", "dims"],
                 output_names=["target", "found", "cosine"], source=_NEAREST)
-        elif name == "max":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_scatter_max", _MAX_HEADER + _SCATTER_MAX), input_names=["x", "targets", "live", "dims"],
-                output_names=["maxima"], source=_SCATTER_MAX, header=_MAX_HEADER)
         elif name in _KEEP:
             source, inputs, outputs = _KEEP[name]
             _kernels[name] = mx.fast.cuda_kernel(
@@ -405,18 +388,6 @@ def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -
         inputs=[rows_in, targets.astype(mx.int32), live, dims],
         grid=(-(-edges // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, columns)], output_dtypes=[mx.float32], init_value=0.0)[0]
-
-
-def scatter_max(x: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.array:
-    """maxima [R, m] float32: for every survivor j, the largest x[r, e] [R, k] (finite or
-    -inf, never NaN) over the losers e and slots s with targets[r, e, s] = j where
-    live[r, e, s]; -inf where none."""
-    rows, k, w = targets.shape
-    dims = ints(rows, k, w, m)
-    return _kernel("max")(
-        inputs=[x.astype(mx.float32), targets.astype(mx.int32), live, dims],
-        grid=(-(-rows * k * w // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, m)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
 
 
 def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):

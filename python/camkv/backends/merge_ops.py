@@ -184,7 +184,7 @@ def _probe_failure() -> str | None:
 
 
 # What the first-use check compares, in the order _probe_with_kernels gives it.
-_PROBED = ("targets", "found", "cosines", "sums", "maxima", "blends", "blended scores",
+_PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores",
            *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
                                                 "key norms")),
            "losers", "survivors", "joined scores", "joined positions",
@@ -242,7 +242,7 @@ def _probe_with_kernels(p: dict) -> tuple:
     partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], merge_cuda.ints(60),
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
-            edges.max(p["x"]), blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True))
+            blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True))
 
 
 def _probe_with_operations(p: dict) -> tuple:
@@ -251,8 +251,7 @@ def _probe_with_operations(p: dict) -> tuple:
         [(p["own"], p["rows"])], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
     gathered = Rows.split(*_probe_taken(p), key_norm=True)[1]
     joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
-    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), edges.max(p["x"]),
-            blend.rows[0], p["scores"] + blend.extra[0], *_gathered_fields(gathered),
+    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0], p["scores"] + blend.extra[0], *_gathered_fields(gathered),
             *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
             *_probe_keep(p, False))
 
@@ -489,10 +488,8 @@ class _Edges:
     def max(self, x: mx.array) -> mx.array:
         """Each survivor's largest x [R, k] over its merging losers, -inf where none: [R, m].
         A dense masked maximum over (loser, survivor) pairs, as large as the cosines'
-        product (MLX has no scatter of maxima); with kernels, atomic maxima
-        (merge_cuda.scatter_max)."""
-        if self.kernels:
-            return merge_cuda.scatter_max(x, self.targets, self.live, self.m)
+        product (MLX has no scatter of maxima; on CUDA keepkv's kernels take atomic maxima
+        instead, merge_cuda.keep_merge)."""
         onehot = (self.targets[:, :, :, None] == mx.arange(self.m)) & self.live[:, :, :, None]  # [R, k, w, m]
         return mx.where(onehot, x[:, :, None, None], -_INF).max(axis=(1, 2))
 
