@@ -96,13 +96,21 @@ _SCATTER = """
   for (long c = lane; c < C; c += 32) atomicAdd(into + c, source[c]);
 """
 
-_MAX_HEADER = """
+_KEEP_HEADER = """
 // An atomic maximum of floats (no NaN among them): a float of sign bit 0 orders as its
 // int bits, one of sign bit 1 (-0.0 too, which >= 0 would let through) reversed as its
 // unsigned bits.
 __device__ inline void camkv_atomic_max(float* at, float value) {
   if ((__float_as_uint(value) >> 31) == 0u) atomicMax(reinterpret_cast<int*>(at), __float_as_int(value));
   else atomicMin(reinterpret_cast<unsigned*>(at), __float_as_uint(value));
+}
+
+// a . b over n floats, summed by a warp: each lane's strided products, then the lanes'.
+__device__ inline float camkv_warp_dot(const float* a, const float* b, int n, int lane) {
+  float dot = 0.0f;
+  for (int c = lane; c < n; c += 32) dot = __fadd_rn(dot, __fmul_rn(a[c], b[c]));
+  for (int o = 16; o > 0; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  return dot;
 }
 """
 
@@ -193,9 +201,7 @@ _KEEP_LOGITS = """
   const int lane = threadIdx.x & 31;
   if (loser >= rows * k) return;
   const long r = loser / k;
-  float dot = 0.0f;
-  for (int c = lane; c < Dk; c += 32) dot = __fadd_rn(dot, __fmul_rn(keys[loser * Dk + c], query[r * Dk + c]));
-  for (int o = 16; o > 0; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  const float dot = camkv_warp_dot(keys + loser * Dk, query + r * Dk, Dk, lane);
   if (lane == 0) {
     const float l = __fmul_rn(scale[0], dot);
     logits[loser] = l;
@@ -217,9 +223,7 @@ _KEEP_TOPS = """
   const int lane = threadIdx.x & 31;
   if (j >= rows * m) return;
   const long r = j / m;
-  float dot = 0.0f;
-  for (int c = lane; c < Dk; c += 32) dot = __fadd_rn(dot, __fmul_rn(keys[j * Dk + c], query[r * Dk + c]));
-  for (int o = 16; o > 0; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  const float dot = camkv_warp_dot(keys + j * Dk, query + r * Dk, Dk, lane);
   if (lane == 0) {
     const float l = __fmul_rn(scale[0], dot);
     const bool fin = isfinite(l) && !(poisoned[j] > 0.0f);
@@ -334,8 +338,8 @@ def _kernel(name: str):
         elif name in _KEEP:
             source, inputs, outputs = _KEEP[name]
             _kernels[name] = mx.fast.cuda_kernel(
-                name=_named(f"camkv_{name}", _MAX_HEADER + source), input_names=[*inputs, "dims"],
-                output_names=outputs, source=source, header=_MAX_HEADER)
+                name=_named(f"camkv_{name}", _KEEP_HEADER + source), input_names=[*inputs, "dims"],
+                output_names=outputs, source=source, header=_KEEP_HEADER)
         elif name == "gather":
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_merge_gather", _GATHER),
