@@ -128,7 +128,7 @@ def gather_cases(draw):
 def test_gather_kernel_takes_the_rows_as_the_operations(case):
     """Rows.split in one launch (merge_cuda.gather_rows) against its MLX operations: the
     same float32 keys and values, keys as stored, scores, positions and votes bit for bit, key
-    norms within float32 summation-order rounding (NaN and infinite keys included), for
+    and value norms within float32 summation-order rounding (NaN and infinite keys included), for
     the losers and the survivors, whatever the index dtype argpartition leaves."""
     note(f"case={case}")
     c = case
@@ -153,7 +153,7 @@ def test_gather_kernel_takes_the_rows_as_the_operations(case):
                 continue
             assert g.dtype == w.dtype and g.shape == w.shape, field
             g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
-            if field == "key_norm":
+            if field in ("key_norm", "value_norm"):
                 np.testing.assert_allclose(g, w, rtol=1e-5, err_msg=field)
             else:
                 np.testing.assert_array_equal(g, w, err_msg=field)

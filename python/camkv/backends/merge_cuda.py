@@ -3,9 +3,9 @@ launches and passes over large arrays (camkv.backends.merge_ops calls them there
 camkv.backends.compact_cuda.partition has chosen the survivors).
 
 - **The rows a compression merges, gathered once**: losers' and survivors' keys and
-  values as float32, the keys as stored, scores, positions, votes and the keys' norms, a
-  warp a row in one launch, where the MLX operations take a concatenation, five gathers,
-  two casts and a norm's three.
+  values as float32, the keys as stored, scores, positions, votes and the keys' and
+  values' norms, a warp a row in one launch, where the MLX operations take a
+  concatenation, five gathers, two casts and two norms' three each.
 - **The nearest survivor of every loser** (docs/algorithm.md section 4.1): MLX's matrix
   product makes the dot products losers x survivors [R, k, m] (on the tensor cores), and
   one kernel reads them once: a warp per loser ranks each candidate's dot / |K_t| and
@@ -117,8 +117,8 @@ __device__ inline float camkv_warp_dot(const float* a, const float* b, int n, in
 _GATHER = """
   // dims: R rows, N rows held, k losers, m survivors, Dk, Dv. A warp per (row, j) of the
   // k + m rows taken (the losers, then the survivors): its key and value as float32, its
-  // key as stored, its score and position (and votes: VOTES), and its key's L2 norm
-  // (each lane's sum of squares, then the warp's).
+  // key as stored, its score and position (and votes: VOTES), and its key's and its
+  // value's L2 norms (each lane's sum of squares, then the warp's).
   const long rows = dims[0], N = dims[1], k = dims[2], m = dims[3];
   const int Dk = dims[4], Dv = dims[5];
   const long item = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -134,12 +134,21 @@ _GATHER = """
     out_stored[item * Dk + c] = key;
     squares = __fadd_rn(squares, __fmul_rn(x, x));
   }
-  for (int c = lane; c < Dv; c += 32) out_values[item * Dv + c] = static_cast<float>(values[from * Dv + c]);
-  for (int o = 16; o > 0; o /= 2) squares = __fadd_rn(squares, __shfl_xor_sync(0xffffffffu, squares, o));
+  float value_squares = 0.0f;
+  for (int c = lane; c < Dv; c += 32) {
+    const float x = static_cast<float>(values[from * Dv + c]);
+    out_values[item * Dv + c] = x;
+    value_squares = __fadd_rn(value_squares, __fmul_rn(x, x));
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    squares = __fadd_rn(squares, __shfl_xor_sync(0xffffffffu, squares, o));
+    value_squares = __fadd_rn(value_squares, __shfl_xor_sync(0xffffffffu, value_squares, o));
+  }
   if (lane == 0) {
     out_scores[item] = scores[from];
     out_positions[item] = positions[from];
     out_norm[item] = sqrtf(squares);
+    out_value_norm[item] = sqrtf(value_squares);
     if (VOTES) out_votes[item] = votes[from];
   }
 """
@@ -345,7 +354,7 @@ def _kernel(name: str):
                 name=_named("camkv_merge_gather", _GATHER),
                 input_names=["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
                 output_names=["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
-                              "out_votes"],
+                              "out_value_norm", "out_votes"],
                 source=_GATHER)
         elif name == "spread":
             _kernels[name] = mx.fast.cuda_kernel(
@@ -398,8 +407,9 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
     """Rows k losers then m survivors of every row r, from keys [R, N, Dk] and values
     [R, N, Dv] (their storage dtype), scores [R, N] float32, positions [R, N] int32 and
     votes [R, N] float32 (or None) at loser_idx [R, k] and kept_idx [R, m]: keys and
-    values [R, k + m, D] float32, the keys as stored, scores, positions, the keys' L2
-    norms [R, k + m] (sums of squares in the device's order) and votes (or None)."""
+    values [R, k + m, D] float32, the keys as stored, scores, positions, the keys' and
+    the values' L2 norms [R, k + m] (sums of squares in the device's order) and votes
+    (or None)."""
     rows, n, dk = keys.shape
     dv, k, m = values.shape[2], loser_idx.shape[1], kept_idx.shape[1]
     taken = k + m
@@ -409,9 +419,10 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
         template=[("VOTES", votes is not None)],
         grid=(-(-rows * taken // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
-                       (rows, taken), (rows, taken if votes is not None else 1)],
-        output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32])
-    return (*out[:6], None if votes is None else out[6])
+                       (rows, taken), (rows, taken), (rows, taken if votes is not None else 1)],
+        output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32,
+                       mx.float32])
+    return (*out[:7], None if votes is None else out[7])
 
 
 # keepkv's launches: name -> (text, inputs before dims, outputs).

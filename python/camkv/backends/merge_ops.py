@@ -45,7 +45,7 @@ class Rows(NamedTuple):
     """Some rows of every row r, gathered [R, m, ...]: float32 keys and values for the
     arithmetic, the keys as stored too (a survivor's key no merge changes goes back as
     it was, without a cast back), positions, votes where the rule keeps them, and the
-    keys' norms [R, m] where asked for."""
+    keys' and values' norms [R, m] where asked for."""
 
     keys: mx.array
     values: mx.array
@@ -54,6 +54,7 @@ class Rows(NamedTuple):
     votes: mx.array | None
     stored_keys: mx.array
     key_norm: mx.array | None = None
+    value_norm: mx.array | None = None
 
     @classmethod
     def of(cls, keys, values, scores, positions, votes, idx) -> "Rows":
@@ -68,17 +69,18 @@ class Rows(NamedTuple):
     def split(cls, keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm: bool = False,
               kernels: bool = False) -> tuple["Rows", "Rows"]:
         """The losers' rows and the survivors': one gather and one cast of each array for
-        both (on a GPU each is a launch), and with key_norm one norm of their keys, then
-        views of its two parts. kernels: all of it in one launch (merge_cuda.gather_rows)."""
+        both (on a GPU each is a launch), and with key_norm one norm of their keys and one
+        of their values, then views of its two parts. kernels: all of it in one launch (merge_cuda.gather_rows)."""
         if kernels:
-            f_keys, f_values, stored, taken_scores, taken_positions, norm, taken_votes = merge_cuda.gather_rows(
-                keys, values, scores, positions, votes, loser_idx, kept_idx)
+            f_keys, f_values, stored, taken_scores, taken_positions, k_norm, v_norm, taken_votes = \
+                merge_cuda.gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx)
             both = cls(f_keys, f_values, taken_scores, taken_positions, taken_votes, stored,
-                       norm if key_norm else None)
+                       *((k_norm, v_norm) if key_norm else (None, None)))
         else:
             both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
             if key_norm:
-                both = both._replace(key_norm=merges.feature_norm(both.keys))
+                both = both._replace(key_norm=merges.feature_norm(both.keys),
+                                     value_norm=merges.feature_norm(both.values))
         k = loser_idx.shape[1]
         part = lambda first, last: cls(*(None if a is None else a[:, first:last] for a in both))  # noqa: E731
         return part(0, k), part(k, None)
@@ -186,7 +188,7 @@ def _probe_failure() -> str | None:
 # What the first-use check compares, in the order _probe_with_kernels gives it.
 _PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores",
            *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
-                                                "key norms")),
+                                                "key norms", "value norms")),
            "losers", "survivors", "joined scores", "joined positions",
            *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")))
 
@@ -257,7 +259,8 @@ def _probe_with_operations(p: dict) -> tuple:
 
 
 def _gathered_fields(rows: "Rows") -> tuple:
-    return rows.keys, rows.values, rows.scores, rows.positions, rows.votes, rows.stored_keys, rows.key_norm
+    return (rows.keys, rows.values, rows.scores, rows.positions, rows.votes, rows.stored_keys, rows.key_norm,
+            rows.value_norm)
 
 
 def _as_numpy(a: mx.array) -> np.ndarray:
@@ -364,8 +367,8 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
 def _loser_share(rule, losers: Rows, kept: Rows, targets: _Targets):
     """A blending rule's a_e for every loser (section 4.4): [R, k] or a number for all."""
     norm_e = norm_t = None
-    if rule.kind == merges.NEAREST:
-        norm_e, norm_t = merges.feature_norm(losers.values), _at(merges.feature_norm(kept.values), targets.nearest)
+    if rule.kind == merges.NEAREST:  # the values' norms Rows.split took
+        norm_e, norm_t = losers.value_norm, _at(kept.value_norm, targets.nearest)
     return rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
 
 
