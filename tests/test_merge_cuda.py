@@ -311,10 +311,11 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
 
 @on_gpu
 @pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
-                                    "wrong gather", "wrong partition", "wrong keepkv key"])
+                                    "wrong gather", "wrong partition", "wrong keepkv key", "wrong window"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
-    or a key norm 0.1% off, a position one off or keepkv's key moved 1% too far, or whose text does not compile, is switched off for the process with one
+    or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or a window's
+    mass 1% too large, or whose text does not compile, is switched off for the process with one
     warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
@@ -335,6 +336,9 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
         monkeypatch.setattr(merge_cuda, "_KEEP", {**merge_cuda._KEEP, "keep_finish": (
             merge_cuda._KEEP_FINISH.replace("__fmul_rn(shift, query[r * Dk + c])", "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
             *merge_cuda._KEEP["keep_finish"][1:])})
+    elif defect == "wrong window":
+        monkeypatch.setattr(merge_cuda, "_WINDOW", merge_cuda._WINDOW.replace(
+            "atomicAdd(into + Dv, mass[loser] / shared);", "atomicAdd(into + Dv, mass[loser] / shared * 1.01f);"))
     elif defect == "blend does not compile":
         monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})

@@ -23,10 +23,12 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
   survivor's top and mass; the losers' masses and their weighted rows, votes and
   scores summed into the targets; each survivor's blended value, its key moved to keep
   the query's attention, and its votes) where the MLX operations take about a hundred.
-- **A window rule's sums** (section 4.2's losers spread over the survivors after them):
-  a warp per (loser, target slot) adds the loser's row and scalars into the target's
-  float32 sums, every loser at once, where MLX's scatter-add first spreads every row
-  over the slots.
+- **The paper's window rule, whole** (section 4.2, no gate): a warp per loser finds the
+  survivors after it by a binary search and adds its share of value and mass into each,
+  where the MLX operations compare every loser with every survivor.
+- **A window rule's sums otherwise** (with the gate, or `window_mass`): a warp per
+  (loser, target slot) adds the loser's row and scalars into the target's float32 sums,
+  every loser at once, where MLX's scatter-add first spreads every row over the slots.
 
 The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
@@ -198,6 +200,33 @@ _FINISH = """
   if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[C + 2]);
 """
 
+_WINDOW = """
+  // dims: R rows, k losers, m survivors, Dv, window. A warp per (row, loser): the first
+  // survivor after it (survivors ascending: a binary search), then V_e / |W| and
+  // s_e / |W| added into each of the |W| = min(window, survivors after it) survivors
+  // from there (float32 sums [R, m, Dv + 1]), and the row's merge counted.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], window = dims[4];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;
+  const long r = loser / k, at = (long)loser_idx[loser];
+  long low = 0, high = m;
+  while (low < high) {
+    const long middle = (low + high) / 2;
+    if ((long)kept_idx[r * m + middle] < at) low = middle + 1; else high = middle;
+  }
+  const int width = (int)min((long)window, m - low);
+  if (width <= 0) return;
+  const float shared = (float)width;
+  for (int slot = 0; slot < width; ++slot) {
+    float* into = sums + (r * m + low + slot) * (Dv + 1);
+    for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, values[loser * Dv + c] / shared);
+    if (lane == 0) atomicAdd(into + Dv, mass[loser] / shared);
+  }
+  if (lane == 0) atomicAdd(merged + r, 1);
+"""
+
 # keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
 # comes in are atomic maxima into arrays that start at -inf (one init_value a launch).
 _KEEP_LOGITS = """
@@ -344,6 +373,11 @@ def _kernel(name: str):
                 name=_named("camkv_nearest_survivor", _NEAREST),
                 input_names=["products", "norm_k", "positions", "norm_l", "dims"],
                 output_names=["target", "found", "cosine"], source=_NEAREST)
+        elif name == "window":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named("camkv_window_spread", _WINDOW),
+                input_names=["values", "mass", "loser_idx", "kept_idx", "dims"], output_names=["sums", "merged"],
+                source=_WINDOW)
         elif name in _KEEP:
             source, inputs, outputs = _KEEP[name]
             _kernels[name] = mx.fast.cuda_kernel(
@@ -463,6 +497,22 @@ def keep_merge(losers, kept, target, merging, query, scale: float):
                 ints(rows, m, dv, dk)], grid=by_survivor, threadgroup=block,
         output_shapes=[(rows, m, dv), (rows, m, dk), (rows, m), (rows, m)], output_dtypes=[mx.float32] * 4)
     return keys, values, votes, scores
+
+
+def spread_window(values, mass, loser_idx, kept_idx, own_values, scores, window: int):
+    """The paper's window rule for every loser at once (section 4.2, no gate): losers'
+    values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k], survivors at
+    kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32 and scores [R, m].
+    Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every loser e whose window
+    W(e) (the first `window` survivors after it) holds it. Returns the survivors' values,
+    scores and the merges per row [R] int32 (the losers with a survivor after them)."""
+    rows, k, dv = values.shape
+    m = kept_idx.shape[1]
+    sums, merged = _kernel("window")(
+        inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
+        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, dv + 1), (rows,)], output_dtypes=[mx.float32, mx.int32], init_value=0.0)
+    return own_values + sums[:, :, :dv], scores + sums[:, :, dv], merged
 
 
 _float_arrays: dict[tuple, mx.array] = {}

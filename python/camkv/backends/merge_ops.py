@@ -190,7 +190,8 @@ _PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores",
            *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
                                                 "key norms", "value norms")),
            "losers", "survivors", "joined scores", "joined positions",
-           *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")))
+           *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")),
+           *(f"window's merged {field}" for field in ("values", "scores", "counts")))
 
 
 def _probe_problem() -> dict:
@@ -229,6 +230,17 @@ def _probe_keep(p: dict, kernels: bool) -> tuple:
     return merged.keys, merged.values, merged.votes, merged.scores
 
 
+def _probe_window(p: dict, kernels: bool) -> tuple:
+    """The window rule's merges of the probe's 70 losers into its 90 survivors (the
+    survivors' rows ascending, as a partition gives them)."""
+    keys = mx.zeros((2, 160, 4), mx.float32)  # the window rule reads no key
+    rows = lambda values, scores: Rows(keys[:, :scores.shape[1]], values, scores, None, None, None)  # noqa: E731
+    merged = merge(rows(p["rows"], mx.abs(p["x"])), p["order"][:, :70], rows(p["own"], mx.abs(p["scores"])),
+                   mx.sort(p["order"][:, 70:], axis=1), None, None, 1.0, CaMConfig(budget=90, merge="window"),
+                   mx.arange(2).astype(mx.uint32), False, kernels)
+    return merged.values, merged.scores, merged.count
+
+
 def _probe_taken(p: dict) -> tuple:
     """Rows.split's inputs for the probe: 70 losers and 90 survivors of the 160 held."""
     held = p["held"]
@@ -244,7 +256,8 @@ def _probe_with_kernels(p: dict) -> tuple:
     partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], merge_cuda.ints(60),
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
-            blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True))
+            blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
+            *_probe_window(p, True))
 
 
 def _probe_with_operations(p: dict) -> tuple:
@@ -255,7 +268,7 @@ def _probe_with_operations(p: dict) -> tuple:
     joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0], p["scores"] + blend.extra[0], *_gathered_fields(gathered),
             *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
-            *_probe_keep(p, False))
+            *_probe_keep(p, False), *_probe_window(p, False))
 
 
 def _gathered_fields(rows: "Rows") -> tuple:
@@ -331,6 +344,10 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     whose blend of a nearest rule rounds the values to storage (the values' dtype as
     stored) and blended keys to the keys' own."""
     rule = merges.rule(cfg.merge)
+    if kernels and rule.kind == merges.WINDOW and not rule.blends and not cfg.gate:
+        values, scores, count = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
+                                                         kept.values, kept.scores, cfg.window)
+        return Merged(kept.keys, values, scores, kept.votes, threshold, count)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
     do = targets.any_valid if do is None else do & targets.any_valid  # a loser with no target merges nowhere
