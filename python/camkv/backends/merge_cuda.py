@@ -216,7 +216,7 @@ _WINDOW = """
     const long middle = (low + high) / 2;
     if ((long)kept_idx[r * m + middle] < at) low = middle + 1; else high = middle;
   }
-  const int width = (int)min((long)window, m - low);
+  const int width = m - low < window ? (int)(m - low) : window;
   if (width <= 0) return;
   const float shared = (float)width;
   for (int slot = 0; slot < width; ++slot) {
