@@ -206,7 +206,7 @@ _COMBINE = """
   output[e] = static_cast<T>(sum > 0.0f ? out / sum : 0.0f);
 """
 
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple, object] = {}  # (kind, whole) -> its launch
 _ROW_INPUTS = {"quantized": ("kc", "ks", "kb", "vc", "vs", "vb"), "plain": ("keys", "values")}
 # Small inputs made once: an array made from Python is copied to the device each time it
 # is made, which at one step's scale costs more than the kernels.
@@ -228,12 +228,14 @@ def here() -> bool:
     return mx.default_device() == mx.gpu and drop.cuda_build()
 
 
-def _kernel(name: str):
-    if name not in _kernels:
-        kind, _, whole = name.partition("/")
+def _kernel(kind: str, whole: bool = False):
+    """The launch of kind (a key of _ROW_INPUTS, or "combine"); whole: the one-launch
+    variant that attends every row of a head and writes the output."""
+    key = (kind, whole)
+    if key not in _kernels:
         if kind in _ROW_INPUTS:  # the partials over quantized rows, or over rows as the model's dtype
             rows = _ROW_INPUTS[kind]
-            _kernels[name] = mx.fast.cuda_kernel(
+            _kernels[key] = mx.fast.cuda_kernel(
                 name=f"camkv_{kind}_attention_{'whole' if whole else 'partials'}",
                 input_names=["queries", *rows, "mask", "params"],
                 output_names=["output"] if whole else ["partial_top", "partial_total", "partial_out"],
@@ -242,11 +244,11 @@ def _kernel(name: str):
                     "@WRITE@", _WRITE_OUTPUT if whole else _WRITE_PARTIALS),
                 ensure_row_contiguous=False)
         else:
-            _kernels[name] = mx.fast.cuda_kernel(
+            _kernels[key] = mx.fast.cuda_kernel(
                 name="camkv_quantized_attention_combine",
                 input_names=["partial_top", "partial_total", "partial_out"], output_names=["output"],
                 source=_COMBINE)
-    return _kernels[name]
+    return _kernels[key]
 
 
 def takes(queries: mx.array, keys: tuple, values: tuple, bits: int, group_size: int) -> bool:
@@ -307,7 +309,7 @@ def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float,
     if N <= WHOLE_ROWS:  # one work group a KV head reads all its rows and writes the output: one launch
         template = [("T", queries.dtype), ("D", D), ("G", G), *extra, ("WARPS", WARPS), ("ROWS", WHOLE_ROWS),
                     ("HAS_MASK", has_mask)]
-        return _kernel(kind + "/whole")(
+        return _kernel(kind, whole=True)(
             inputs=inputs, template=template, grid=(heads * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
             output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
     per_stretch = rows_per_stretch(D)
