@@ -1,10 +1,13 @@
-"""The merge engine's CUDA kernels (camkv.backends.merge_cuda) against the MLX operations
-they stand for, on random and adversarial inputs: the nearest survivor of every loser
-(ties, sinks, NaN and infinite keys, rows with no candidate, sizes off the tiles), the
-sums of the losers' rows into their targets and keepkv's maxima (several slots a loser,
-dead slots, many losers on one target); then the whole engine with them against the
-reference, rule by rule. On an NVIDIA GPU the kernels run there; elsewhere their text
-runs on CPU threads (tests/cuda_emulation.py)."""
+"""The merge engine's CUDA kernels (camkv.backends.merge_cuda, and the partition of
+camkv.backends.compact_cuda) against the MLX operations they stand for, on random and
+adversarial inputs: the partition (ties, NaN scores, sinks, recent windows), the rows a
+compression gathers (index dtypes, poisoned keys, votes), the nearest survivor of every
+loser (ties, sinks, NaN, infinite and overflowing keys, rows with no candidate, sizes off
+the tiles), the sums of a window rule's losers into their targets (several slots a
+loser, dead slots, many losers on one target), keepkv's merge where logits overflow;
+then the whole engine with them against the reference, rule by rule, and their
+first-use check. On an NVIDIA GPU the kernels run there; elsewhere their text runs on
+CPU threads (tests/cuda_emulation.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from camkv import CaMConfig, merges
-from camkv.backends import merge_cuda, merge_ops
+from camkv import CaMConfig, merges, policy
+from camkv.backends import compact_cuda, drop, merge_cuda, merge_ops
 import cuda_emulation
 from test_merge_ops import DTYPES, MERGING, check_engine, check_engine_case, engine_cases
 
@@ -28,7 +31,7 @@ def _kernels_here(monkeypatch):
     (compiled once per text)."""
     monkeypatch.setattr(merge_cuda, "available", lambda: True)
     monkeypatch.setattr(merge_ops, "_probe", {"failure": None})  # the tests here check the kernels themselves
-    with cuda_emulation.kernels_here(merge_cuda):
+    with cuda_emulation.kernels_here(merge_cuda, compact_cuda):
         yield
 
 
@@ -37,7 +40,7 @@ def nearest_cases(draw):
     return dict(R=draw(st.integers(1, 3)), k=draw(st.one_of(st.integers(1, 70), st.integers(60, 300))),
                 m=draw(st.one_of(st.integers(1, 70), st.integers(60, 300))), D=draw(st.sampled_from([8, 33, 64, 128])),
                 n_sink=draw(st.sampled_from([0, 1, 4])), dtype=draw(st.sampled_from(["float32", "bfloat16"])),
-                duplicates=draw(st.booleans()), poison=draw(st.sampled_from(["none", "nan", "inf"])),
+                duplicates=draw(st.booleans()), poison=draw(st.sampled_from(["none", "nan", "inf", "huge"])),
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -63,7 +66,8 @@ def test_nearest_survivor_kernel_matches_the_operations(case):
     if c["duplicates"]:
         losers = mx.concatenate([kept[:, :1], losers[:, 1:]], axis=1)
     if c["poison"] != "none":
-        bad = mx.array(np.nan if c["poison"] == "nan" else np.inf, mx.float32)
+        # huge: a key whose norm overflows to inf while its dot products stay finite
+        bad = mx.array({"nan": np.nan, "inf": np.inf, "huge": 1e30}[c["poison"]], mx.float32)
         losers = mx.concatenate([losers[:, :1] * bad, losers[:, 1:]], axis=1)
         kept = mx.concatenate([kept[:, :-1], kept[:, -1:] * bad], axis=1)
     positions = mx.broadcast_to(mx.arange(c["m"], dtype=mx.int32), (c["R"], c["m"]))
@@ -110,6 +114,143 @@ def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals():
 
 
 @st.composite
+def gather_cases(draw):
+    return dict(R=draw(st.integers(1, 3)), k=draw(st.integers(1, 90)), m=draw(st.integers(1, 90)),
+                spare=draw(st.integers(0, 5)), Dk=draw(st.sampled_from([8, 33, 64, 128])),
+                Dv=draw(st.sampled_from([8, 33, 64])), dtype=draw(st.sampled_from(sorted(DTYPES))),
+                index=draw(st.sampled_from(["int32", "uint32"])), poison=draw(st.sampled_from(["none", "nan", "inf"])),
+                votes=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@on_gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gather_cases())
+def test_gather_kernel_takes_the_rows_as_the_operations(case):
+    """Rows.split in one launch (merge_cuda.gather_rows) against its MLX operations: the
+    same float32 keys and values, keys as stored, scores, positions and votes bit for bit, key
+    and value norms within float32 summation-order rounding (NaN and infinite keys included), for
+    the losers and the survivors, whatever the index dtype argpartition leaves."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    n = c["k"] + c["m"] + c["spare"]
+    dtype = getattr(mx, c["dtype"])
+    keys = rng.standard_normal((c["R"], n, c["Dk"])).astype(np.float32)
+    if c["poison"] != "none":
+        keys[:, rng.integers(0, n)] = np.nan if c["poison"] == "nan" else np.inf
+    keys, values = mx.array(keys).astype(dtype), mx.array(rng.standard_normal((c["R"], n, c["Dv"])).astype(np.float32)).astype(dtype)
+    scores = mx.array(rng.random((c["R"], n)).astype(np.float32))
+    positions = mx.array(rng.integers(0, 10**6, (c["R"], n)).astype(np.int32))
+    order = np.stack([rng.permutation(n)[:c["k"] + c["m"]] for _ in range(c["R"])])
+    loser_idx, kept_idx = (mx.array(part.astype(c["index"])) for part in (order[:, :c["k"]], order[:, c["k"]:]))
+    votes = mx.array(rng.integers(1, 9, (c["R"], n)).astype(np.float32)) if c["votes"] else None
+    got = merge_ops.Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm=True, kernels=True)
+    want = merge_ops.Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm=True)
+    for g_rows, w_rows in zip(got, want):
+        for field, g, w in zip(merge_ops.Rows._fields, g_rows, w_rows):
+            if w is None:
+                assert g is None, field
+                continue
+            assert g.dtype == w.dtype and g.shape == w.shape, field
+            g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+            if field in ("key_norm", "value_norm"):
+                np.testing.assert_allclose(g, w, rtol=1e-5, err_msg=field)
+            else:
+                np.testing.assert_array_equal(g, w, err_msg=field)
+
+
+@st.composite
+def partition_cases(draw):
+    n_sink, recent = draw(st.sampled_from([0, 1, 4])), draw(st.sampled_from([1, 3, 50]))
+    budget = n_sink + recent + 1 + draw(st.integers(0, 300))
+    N = budget + draw(st.integers(1, 300))
+    n = draw(st.integers(0, N - 1))
+    return dict(R=draw(st.integers(1, 3)), n=n, s_len=N - n, budget=budget, n_sink=n_sink, recent=recent,
+                ties=draw(st.booleans()), nan=draw(st.booleans()), first=n + draw(st.integers(0, 5000)),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@on_gpu
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(partition_cases())
+def test_partition_kernel_chooses_as_the_operations(case):
+    """compact_cuda.partition against drop.losers_and_survivors and the joined scores and
+    positions: the same joined rows bit for bit; the same survivors where scores are
+    distinct; with ties (section 8) a valid choice: every row ranked above the budget-th
+    kept, every row below it evicted, losers and survivors ascending and disjoint."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    R, n, s_len = c["R"], c["n"], c["s_len"]
+    N = n + s_len
+    draw = (lambda shape: rng.integers(0, 4, shape).astype(np.float32)) if c["ties"] else (
+        lambda shape: rng.random(shape).astype(np.float32))
+    settled, chunk = draw((R, n)), draw((R, N))
+    if c["nan"]:
+        chunk[:, rng.integers(0, N)] = np.nan
+    # The settled rows' positions: distinct, ascending, below the chunk's first.
+    positions = np.stack([np.sort(rng.choice(c["first"], n, replace=False)) for _ in range(R)]).astype(np.int32)
+    cfg = CaMConfig(budget=c["budget"], n_sink=c["n_sink"], recent=c["recent"], merge="mean", scoring="query")
+    settled_m, positions_m, chunk_m = mx.array(settled), mx.array(positions), mx.array(chunk)
+    losers, kept, scores, held_positions = compact_cuda.partition(settled_m, positions_m, chunk_m,
+                                                                  merge_cuda.ints(c["first"]), cfg)
+    want_positions = mx.concatenate([positions_m, mx.broadcast_to(c["first"] + mx.arange(s_len, dtype=mx.int32),
+                                                                  (R, s_len))], axis=1)
+    want_scores = mx.concatenate([settled_m + chunk_m[:, :n], chunk_m[:, n:]], axis=1)
+    np.testing.assert_array_equal(np.array(held_positions), np.array(want_positions))
+    np.testing.assert_array_equal(np.array(scores), np.array(want_scores))
+    want_losers, want_kept = drop.losers_and_survivors(want_scores, want_positions, c["first"] + s_len - 1, c["budget"],
+                                                       c["n_sink"], c["recent"])
+    losers, kept = np.array(losers), np.array(kept)
+    assert losers.shape == np.array(want_losers).shape and kept.shape == np.array(want_kept).shape
+    for r in range(R):
+        assert np.all(np.diff(kept[r]) > 0) and np.all(np.diff(losers[r]) > 0)
+        assert sorted([*kept[r], *losers[r]]) == list(range(N))
+    if not c["ties"]:
+        np.testing.assert_array_equal(kept, np.array(want_kept))
+        return
+    # Ties: rank as drop.losers_and_survivors ranks; the kept rows' lowest rank is at least every loser's.
+    protected = np.array(policy.protected(want_positions, c["first"] + s_len - 1, c["n_sink"], c["recent"]))
+    ranked = np.where(protected, np.inf, np.where(np.isnan(np.array(want_scores)), -np.inf, np.array(want_scores)))
+    for r in range(R):
+        if len(losers[r]) and len(kept[r]):
+            assert ranked[r, kept[r]].min() >= ranked[r, losers[r]].max()
+
+
+@on_gpu
+@pytest.mark.parametrize("overflow", [False, True])
+def test_keepkv_kernels_match_the_operations_where_logits_overflow(overflow):
+    """keepkv's four launches (merge_cuda.keep_merge) against merge_ops._keep_output's
+    operations, through merge_ops.merge: with overflow, a third of the losers have keys
+    of finite norm whose logits for a large query overflow, so their targets' mass is not
+    finite (section 4.6: such a target blends by votes and its key stays the mean)."""
+    rng = np.random.default_rng(11)
+    R, k, m, D = 2, 40, 30, 16
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    loser_keys, kept_keys = normal(R, k, D), normal(R, m, D)
+    query = normal(R, D) * (1e21 if overflow else 1.0)
+    if overflow:
+        loser_keys[:, ::3] *= 1e18
+    def rows(keys, n):
+        keys = mx.array(keys)
+        return merge_ops.Rows(keys, mx.array(normal(R, n, 12)), mx.array(rng.random((R, n)).astype(np.float32)),
+                              mx.broadcast_to(mx.arange(n, dtype=mx.int32) + 8, (R, n)),
+                              mx.array(rng.integers(1, 5, (R, n)).astype(np.float32)), keys, merges.feature_norm(keys))
+    losers, kept = rows(loser_keys, k), rows(kept_keys, m)
+    cfg = CaMConfig(budget=m, n_sink=0, recent=1, merge="keepkv", scoring="query")
+    args = (losers, mx.zeros((R, k), mx.int32), kept, mx.zeros((R, m), mx.int32), None, mx.array(query), 0.25, cfg,
+            mx.arange(R).astype(mx.uint32), False)
+    got, want = merge_ops.merge(*args, kernels=True), merge_ops.merge(*args, kernels=False)
+    assert np.array(want.count).sum() > 0
+    if overflow:  # the case this test is for: some target's mass is not finite
+        l_e = 0.25 * np.einsum("rkd,rd->rk", loser_keys.astype(np.float64), query)
+        assert (np.abs(l_e) > np.finfo(np.float32).max).any()
+    for field in ("keys", "values", "votes", "scores"):
+        np.testing.assert_allclose(np.array(getattr(got, field)), np.array(getattr(want, field)), rtol=1e-4,
+                                   atol=1e-5, err_msg=field)
+
+
+@st.composite
 def scatter_cases(draw):
     return dict(R=draw(st.integers(1, 3)), k=draw(st.integers(1, 200)), m=draw(st.integers(1, 40)),
                 w=draw(st.sampled_from([1, 3])), C=draw(st.sampled_from([1, 2, 33, 130])),
@@ -134,26 +275,6 @@ def test_scatter_kernel_sums_as_the_scatter_add(case):
     for g, e in zip(got, expected):
         assert g.shape == e.shape
         np.testing.assert_allclose(np.array(g), np.array(e), rtol=1e-5, atol=1e-4)
-
-
-@on_gpu
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scatter_cases())
-def test_scatter_max_kernel_is_the_dense_maximum(case):
-    """_Edges.max with the kernel equals the dense masked maximum exactly (a maximum does
-    not round), with -inf among the values and survivors that take nothing."""
-    note(f"case={case}")
-    c = case
-    rng = np.random.default_rng(c["seed"])
-    targets = mx.array(rng.integers(0, c["m"], (c["R"], c["k"], c["w"])).astype(np.int32))
-    live = mx.array(rng.random((c["R"], c["k"], c["w"])) < c["live"])
-    x = rng.standard_normal((c["R"], c["k"])).astype(np.float32) * 50
-    x[rng.random(x.shape) < 0.2] = -np.inf
-    x[rng.random(x.shape) < 0.1] = -0.0
-    x = mx.array(x)
-    expected = merge_ops._Edges(targets, live, c["m"], kernels=False).max(x)
-    got = merge_ops._Edges(targets, live, c["m"], kernels=True).max(x)
-    np.testing.assert_array_equal(np.array(got), np.array(expected))
 
 
 # ---------------------------------------------------------------- the engine with its kernels
@@ -189,16 +310,37 @@ def test_the_engine_fuzz_with_its_kernels_matches_the_reference():
 
 
 @on_gpu
-@pytest.mark.parametrize("defect", ["none", "wrong", "no compile"])
+@pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
+                                    "wrong gather", "wrong partition", "wrong keepkv key", "wrong window"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
-    """The probe passes the kernels as they are; a kernel that computes a cosine 0.1% off,
-    or whose text does not compile, is switched off for the process with one warning,
-    and compressions then run the MLX operations (kernels=None asks the probe)."""
+    """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
+    or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or a window's
+    mass 1% too large, or whose text does not compile, is switched off for the process with one
+    warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
-            "dot[loser] = dots[t];", "dot[loser] = dots[t] * 1.001f;"))
+            "const float dot = dots[best > -INFINITY ? best_at : 0];",
+            "const float dot = dots[best > -INFINITY ? best_at : 0] * 1.001f;"))
     elif defect == "no compile":
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
+    elif defect == "wrong blend":
+        monkeypatch.setattr(merge_cuda, "_FINISH", merge_cuda._FINISH.replace(" / total : own;", " / total * 1.001f : own;"))
+    elif defect == "wrong gather":
+        monkeypatch.setattr(merge_cuda, "_GATHER", merge_cuda._GATHER.replace(
+            "out_norm[item] = sqrtf(squares);", "out_norm[item] = sqrtf(squares) * 1.001f;"))
+    elif defect == "wrong partition":
+        monkeypatch.setattr(compact_cuda, "_SOURCE_SELECT", compact_cuda._SOURCE_SELECT.replace(
+            "positions_out[(long)r * N + j] = position_at(j);", "positions_out[(long)r * N + j] = position_at(j) + 1;"))
+        monkeypatch.setattr(compact_cuda, "_kernels", {})
+    elif defect == "wrong keepkv key":
+        monkeypatch.setattr(merge_cuda, "_KEEP", {**merge_cuda._KEEP, "keep_finish": (
+            merge_cuda._KEEP_FINISH.replace("__fmul_rn(shift, query[r * Dk + c])", "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
+            *merge_cuda._KEEP["keep_finish"][1:])})
+    elif defect == "wrong window":
+        monkeypatch.setattr(merge_cuda, "_WINDOW", merge_cuda._WINDOW.replace(
+            "atomicAdd(into + Dv, mass[loser] / shared);", "atomicAdd(into + Dv, mass[loser] / shared * 1.01f);"))
+    elif defect == "blend does not compile":
+        monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})
     monkeypatch.setattr(merge_cuda, "_kernels", {})  # built again from the (patched) text
     if defect == "none":

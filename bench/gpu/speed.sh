@@ -39,7 +39,8 @@
 #                                     16k tokens decoding, bfloat16 and 4-bit rows (random-1b,
 #                                     budget 512; about 2 minutes)
 # e.g. `bash bench/gpu/speed.sh merges1b decode8b` (about 9 minutes). With BEFORE=FOLDER (a
-# camkv package's parent, e.g. an older commit's python/ unpacked there), each part runs
+# camkv package's parent: `git archive OLD python csrc cuda metal | tar -x -C before` and
+# BEFORE=before/python, the kernels' text beside the package), each part runs
 # first with that camkv, then with this one, JSON under $OUT/before and $OUT/after (twice
 # the time).
 . bench/gpu/env.sh
@@ -99,6 +100,8 @@ if [ -z "${BEFORE:-}" ]; then
   for part in "$@"; do run_part "$part"; done
 else  # each part with the camkv at $BEFORE (e.g. an older checkout's python/ folder), then with this one
   [ -d "$BEFORE/camkv" ] || { echo "bench/gpu/speed.sh: BEFORE=$BEFORE holds no camkv package" >&2; exit 2; }
+  [ -d "$BEFORE/camkv/kernels" ] || [ -d "$BEFORE/../cuda" ] || {
+    echo "bench/gpu/speed.sh: BEFORE=$BEFORE has no kernel sources beside it (unpack csrc, cuda and metal next to python/)" >&2; exit 2; }
   after_path=$PYTHONPATH after_out=$OUT
   for part in "$@"; do
     for tag in before after; do

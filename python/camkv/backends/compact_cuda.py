@@ -15,6 +15,10 @@ row does all of it:
 3. writes the survivors' scores and positions, and copies their keys and values, in
    row (= position) order, into new buffers of `capacity` rows whose rows past the
    budget are left unwritten (the next decode steps write them).
+
+A merging compression (camkv.backends.merge_ops) takes steps 1 and 2 alone as
+`partition`: the survivors' and the losers' row indices, and every held row's score and
+position, which the merge engine's kernels gather from.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ __device__ inline void camkv_copy_rows(const T* source, T* dest, const int* kept
 }
 """
 
-_SOURCE = """
+_SELECT = """
   // dims: n settled rows, N rows held, budget, sinks, recent, KV heads, rows of the
   // input buffers, rows of the output buffers, Dk, Dv. starts: each sequence's first
   // pending position (its pending rows n.. are at starts[b], starts[b] + 1, ...).
@@ -131,32 +135,71 @@ _SOURCE = """
     int slot = kept_so_far + camkv_count_before(keep, warp_counts, &kept_total);
     if (keep) {
       kept_rows[slot] = j;
-      scores_out[(long)r * budget + slot] = score_at(j);
-      positions_out[(long)r * budget + slot] = position_at(j);
+@KEPT@
     }
+@EVICTED@
     equal_so_far += equal_total;
     kept_so_far += kept_total;
   }
   __syncthreads();
+"""
 
+# The drop compression: the survivors' scores and positions, then their keys and values.
+_SOURCE = _SELECT.replace("@KEPT@", """      scores_out[(long)r * budget + slot] = score_at(j);
+      positions_out[(long)r * budget + slot] = position_at(j);""").replace("@EVICTED@\n", "") + """
   // 3. Their keys and values.
   camkv_copy_rows(keys + r * cap_in * Dk, keys_out + r * cap_out * Dk, kept_rows, budget, Dk);
   camkv_copy_rows(values + r * cap_in * Dv, values_out + r * cap_out * Dv, kept_rows, budget, Dv);
 """
 
+# A merging compression's partition: the losers too (j minus the survivors before it), and
+# every held row's score and position, which the merge engine gathers from.
+_SOURCE_SELECT = _SELECT.replace("@KEPT@\n", "").replace("@EVICTED@", """    if (j < N && !keep) losers[(long)r * (N - budget) + (j - slot)] = j;""") + """
+  for (int j = threadIdx.x; j < N; j += blockDim.x) {
+    scores_out[(long)r * N + j] = score_at(j);
+    positions_out[(long)r * N + j] = position_at(j);
+  }
+"""
+
 _THREADS = 512
-_kernel = None
+_kernels: dict[str, object] = {}
 
 
 def _compact_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
+    if "compact" not in _kernels:
+        _kernels["compact"] = mx.fast.cuda_kernel(
             name="camkv_drop_compact",
             input_names=["keys", "values", "settled_scores", "settled_positions", "mass", "dims", "starts"],
             output_names=["keys_out", "values_out", "scores_out", "positions_out", "kept"],
             source=_SOURCE, header=_HEADER)
-    return _kernel
+    return _kernels["compact"]
+
+
+def _partition_kernel():
+    if "partition" not in _kernels:
+        _kernels["partition"] = mx.fast.cuda_kernel(
+            name="camkv_merge_partition", input_names=["settled_scores", "settled_positions", "mass", "dims", "starts"],
+            output_names=["scores_out", "positions_out", "kept", "losers"], source=_SOURCE_SELECT, header=_HEADER)
+    return _kernels["partition"]
+
+
+def partition(settled_scores, settled_positions, mass, first_pending: mx.array, cfg):
+    """A merging compression's choice of survivors by score (eviction="score"), as
+    drop_compact chooses them: rows n.. of every row r pending at positions
+    first_pending[0].. (int32 [1]), settled_scores / settled_positions [R, n], mass [R, N]
+    every held row's new mass. Returns the losers' row indices [R, N - budget] and the
+    survivors' [R, budget] (int32, both ascending), and every held row's score [R, N]
+    float32 and position [R, N] int32: what camkv.backends.drop.losers_and_survivors and
+    the joined scores and positions give, in one launch."""
+    rows, n = settled_scores.shape
+    N, budget = mass.shape[1], cfg.budget
+    dims = mx.array([n, N, budget, cfg.n_sink, cfg.recent, rows, 0, 0, 0, 0], mx.int32)
+    scores, positions, kept, losers = _partition_kernel()(
+        inputs=[settled_scores, settled_positions, mass, dims, first_pending],
+        grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, N), (rows, N), (rows, budget), (rows, N - budget)],
+        output_dtypes=[mx.float32, mx.int32, mx.int32, mx.int32])
+    return losers, kept, scores, positions
 
 
 def drop_compact(keys, values, settled_scores, settled_positions, mass, pending_starts, cfg, capacity: int):

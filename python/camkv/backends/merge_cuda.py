@@ -1,19 +1,34 @@
 """A compression's merges on an NVIDIA GPU, in kernels where MLX operations take many
-launches and passes over large arrays (camkv.backends.merge_ops calls them there).
+launches and passes over large arrays (camkv.backends.merge_ops calls them there, after
+camkv.backends.compact_cuda.partition has chosen the survivors).
 
+- **The rows a compression merges, gathered once**: losers' and survivors' keys and
+  values as float32, the keys as stored, scores, positions, votes and the keys' and
+  values' norms, a warp a row in one launch, where the MLX operations take a
+  concatenation, five gathers, two casts and two norms' three each.
 - **The nearest survivor of every loser** (docs/algorithm.md section 4.1): MLX's matrix
   product makes the dot products losers x survivors [R, k, m] (on the tensor cores), and
   one kernel reads them once: a warp per loser ranks each candidate's dot / |K_t| and
-  keeps the largest (ties to the smaller survivor index, as MLX's argmax), with its dot
-  product, from which the cosine follows. As MLX operations the ranking is a division, a
-  mask and an argmax, three more passes over an array of R x k x m floats (134 MB for
-  eight rows of 2048 losers and 2048 survivors) and their launches.
-- **The losers' rows into their targets** (section 4.4's sums over a target's losers):
-  a warp per (loser, target slot) adds the loser's row (its weighted value, key and
-  scalars side by side) into the target's float32 sums with atomic additions, every
-  loser at once, where MLX's scatter-add first spreads every row over the slots; and
-  keepkv's largest logit a target takes in, with atomic maxima, where MLX operations
-  would mask a dense [R, k, m] array.
+  keeps the largest (ties to the smaller survivor index, as MLX's argmax), then writes
+  the target, whether there is one and the cosine. As MLX operations the ranking is a
+  division, a mask and an argmax, three more passes over an array of R x k x m floats
+  (134 MB for eight rows of 2048 losers and 2048 survivors), and the rest eight more.
+- **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch
+  adds every merging loser's share-weighted value (and key), its share, a count and its
+  mass into its target's float32 sums (a warp per loser, atomic additions), and one
+  more writes each survivor's blended row and score from them: two launches where the
+  MLX operations take about twenty.
+- **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
+  logits for the query and each target's largest incoming one, by atomic maxima; each
+  survivor's top and mass; the losers' masses and their weighted rows, votes and
+  scores summed into the targets; each survivor's blended value, its key moved to keep
+  the query's attention, and its votes) where the MLX operations take about a hundred.
+- **The paper's window rule, whole** (section 4.2, no gate): a warp per loser finds the
+  survivors after it by a binary search and adds its share of value and mass into each,
+  where the MLX operations compare every loser with every survivor.
+- **A window rule's sums otherwise** (with the gate, or `window_mass`): a warp per
+  (loser, target slot) adds the loser's row and scalars into the target's float32 sums,
+  every loser at once, where MLX's scatter-add first spreads every row over the slots.
 
 The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
@@ -30,8 +45,10 @@ _THREADS = 256
 _WARPS = _THREADS // 32
 
 _NEAREST = """
-  // dims: R rows, k losers, m survivors. A warp per (row, loser), lanes over the survivors.
+  // dims: R rows, k losers, m survivors, n_sink. A warp per (row, loser), lanes over the
+  // survivors: a candidate is a non-sink survivor (position >= n_sink) of finite key norm.
   const long rows = dims[0], k = dims[1], m = dims[2];
+  const int n_sink = dims[3];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (loser >= rows * k) return;  // the whole warp: loser is the same for its lanes
@@ -41,8 +58,9 @@ _NEAREST = """
   int best_at = 0;
   // Each lane's survivors rise, so a strict comparison keeps the first of equals.
   for (long s = lane; s < m; s += 32) {
-    if (!candidate[r * m + s]) continue;
-    float ranked = dots[s] / fmaxf(norm_k[r * m + s], 1e-12f);
+    const float norm = norm_k[r * m + s];
+    if (positions[r * m + s] < n_sink || !(norm < INFINITY)) continue;
+    float ranked = dots[s] / fmaxf(norm, 1e-12f);
     if (ranked > best) { best = ranked; best_at = (int)s; }
   }
   for (int o = 16; o > 0; o /= 2) {
@@ -54,11 +72,16 @@ _NEAREST = """
     }
   }
   if (lane == 0) {
-    // A loser without a candidate reads survivor 0 (its cosine as MLX's path computes it).
-    int t = best > -INFINITY ? best_at : 0;
+    // The dot product read at the ranked best (survivor 0 where none ranked); a loser of
+    // infinite or NaN norm has no target; the cosine with the target kept, or with
+    // survivor 0, as merge_ops._nearest's operations compute it.
+    const float dot = dots[best > -INFINITY ? best_at : 0];
+    const float norm_e = norm_l[loser];
+    const bool has = best > -INFINITY && norm_e < INFINITY;
+    const int t = has ? best_at : 0;
     target[loser] = t;
-    score[loser] = best;
-    dot[loser] = dots[t];
+    found[loser] = has;
+    cosine[loser] = dot / fmaxf(__fmul_rn(norm_e, norm_k[r * m + t]), 1e-12f);
   }
 """
 
@@ -75,7 +98,7 @@ _SCATTER = """
   for (long c = lane; c < C; c += 32) atomicAdd(into + c, source[c]);
 """
 
-_MAX_HEADER = """
+_KEEP_HEADER = """
 // An atomic maximum of floats (no NaN among them): a float of sign bit 0 orders as its
 // int bits, one of sign bit 1 (-0.0 too, which >= 0 would let through) reversed as its
 // unsigned bits.
@@ -83,15 +106,239 @@ __device__ inline void camkv_atomic_max(float* at, float value) {
   if ((__float_as_uint(value) >> 31) == 0u) atomicMax(reinterpret_cast<int*>(at), __float_as_int(value));
   else atomicMin(reinterpret_cast<unsigned*>(at), __float_as_uint(value));
 }
+
+// a . b over n floats, summed by a warp: each lane's strided products, then the lanes'.
+__device__ inline float camkv_warp_dot(const float* a, const float* b, int n, int lane) {
+  float dot = 0.0f;
+  for (int c = lane; c < n; c += 32) dot = __fadd_rn(dot, __fmul_rn(a[c], b[c]));
+  for (int o = 16; o > 0; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
+  return dot;
+}
 """
 
-_SCATTER_MAX = """
-  // dims: R rows, k losers, w target slots a loser, m survivors. A thread per (loser, slot).
-  const long rows = dims[0], k = dims[1], w = dims[2], m = dims[3];
-  const long edge = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (edge >= rows * k * w || !live[edge]) return;
-  const long r = edge / (k * w), e = (edge / w) % k;
-  camkv_atomic_max(maxima + r * m + targets[edge], x[r * k + e]);
+_GATHER = """
+  // dims: R rows, N rows held, k losers, m survivors, Dk, Dv. A warp per (row, j) of the
+  // k + m rows taken (the losers, then the survivors): its key and value as float32, its
+  // key as stored, its score and position (and votes: VOTES), and its key's and its
+  // value's L2 norms (each lane's sum of squares, then the warp's).
+  const long rows = dims[0], N = dims[1], k = dims[2], m = dims[3];
+  const int Dk = dims[4], Dv = dims[5];
+  const long item = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (item >= rows * (k + m)) return;  // the whole warp
+  const long r = item / (k + m), j = item % (k + m);
+  const long from = r * N + (long)(j < k ? loser_idx[r * k + j] : kept_idx[r * m + j - k]);
+  float squares = 0.0f;
+  for (int c = lane; c < Dk; c += 32) {
+    const auto key = keys[from * Dk + c];
+    const float x = static_cast<float>(key);
+    out_keys[item * Dk + c] = x;
+    out_stored[item * Dk + c] = key;
+    squares = __fadd_rn(squares, __fmul_rn(x, x));
+  }
+  float value_squares = 0.0f;
+  for (int c = lane; c < Dv; c += 32) {
+    const float x = static_cast<float>(values[from * Dv + c]);
+    out_values[item * Dv + c] = x;
+    value_squares = __fadd_rn(value_squares, __fmul_rn(x, x));
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    squares = __fadd_rn(squares, __shfl_xor_sync(0xffffffffu, squares, o));
+    value_squares = __fadd_rn(value_squares, __shfl_xor_sync(0xffffffffu, value_squares, o));
+  }
+  if (lane == 0) {
+    out_scores[item] = scores[from];
+    out_positions[item] = positions[from];
+    out_norm[item] = sqrtf(squares);
+    out_value_norm[item] = sqrtf(value_squares);
+    if (VOTES) out_votes[item] = votes[from];
+  }
+"""
+
+_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay).
+  // A warp per (row, loser) that merges: share * its value (and key), then the share, 1
+  // and its mass s_e, added into its target's float32 sums [R, m, Dv + Dk + 3]. The share:
+  // share_in[loser] (SHARE_IN) or one for every loser, constants[0].
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
+  const float share = SHARE_IN ? share_in[loser] : constants[0];
+  float* into = sums + ((loser / k) * m + target[loser]) * (C + 3);
+  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(share, values[loser * Dv + c]));
+  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(share, keys[loser * Dk + c]));
+  if (lane == 0) {
+    atomicAdd(into + C, share);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, mass[loser]);
+  }
+"""
+
+_FINISH = """
+  // dims: R rows, m survivors, Dv, Dk. A thread per (row, survivor, column): the
+  // survivor's row becomes (A row + sum share source) / (A + sum share) where a loser
+  // gives to it and that denominator is not 0 (else it stays), rounded once to OUT (the
+  // rows' storage dtype); column 0 also writes its
+  // score plus the mass it took in. A: share_t[j] (SHARE_T) or one for every survivor,
+  // constants[1].
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at >= rows * m * C) return;
+  const long j = at / C;
+  const int c = (int)(at % C);
+  const float* sum = sums + j * (C + 3);
+  const float own_share = SHARE_T ? share_t[j] : constants[1];
+  const float total = __fadd_rn(own_share, sum[C]);
+  const bool blending = sum[C + 1] > 0.0f && total > 0.0f;
+  const float own = c < Dv ? own_values[j * Dv + c] : own_keys[j * Dk + c - Dv];
+  const float blended = blending ? __fadd_rn(__fmul_rn(own_share, own), sum[c]) / total : own;
+  if (c < Dv) out_values[j * Dv + c] = static_cast<OUT>(blended);
+  else out_keys[j * Dk + c - Dv] = static_cast<OUT>(blended);
+  if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[C + 2]);
+"""
+
+_WINDOW = """
+  // dims: R rows, k losers, m survivors, Dv, window. A warp per (row, loser): the first
+  // survivor after it (survivors ascending: a binary search), then V_e / |W| and
+  // s_e / |W| added into each of the |W| = min(window, survivors after it) survivors
+  // from there (float32 sums [R, m, Dv + 1]), and the row's merge counted.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], window = dims[4];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;
+  const long r = loser / k, at = (long)loser_idx[loser];
+  long low = 0, high = m;
+  while (low < high) {
+    const long middle = (low + high) / 2;
+    if ((long)kept_idx[r * m + middle] < at) low = middle + 1; else high = middle;
+  }
+  const int width = m - low < window ? (int)(m - low) : window;
+  if (width <= 0) return;
+  const float shared = (float)width;
+  for (int slot = 0; slot < width; ++slot) {
+    float* into = sums + (r * m + low + slot) * (Dv + 1);
+    for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, values[loser * Dv + c] / shared);
+    if (lane == 0) atomicAdd(into + Dv, mass[loser] / shared);
+  }
+  if (lane == 0) atomicAdd(merged + r, 1);
+"""
+
+# keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
+# comes in are atomic maxima into arrays that start at -inf (one init_value a launch).
+_KEEP_LOGITS = """
+  // dims: R rows, k losers, m survivors, Dk. A warp per (row, loser): its logit
+  // l_e = scale q.K_e; a merging loser's finite logit raises its target's top_in, a
+  // non-finite one sets its target's poisoned to 1.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dk = dims[3];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;
+  const long r = loser / k;
+  const float dot = camkv_warp_dot(keys + loser * Dk, query + r * Dk, Dk, lane);
+  if (lane == 0) {
+    const float l = __fmul_rn(scale[0], dot);
+    logits[loser] = l;
+    if (merging[loser]) {
+      const long to = r * m + target[loser];
+      if (isfinite(l)) camkv_atomic_max(top_in + to, l);
+      else camkv_atomic_max(poisoned + to, 1.0f);
+    }
+  }
+"""
+
+_KEEP_TOPS = """
+  // dims: R rows, m survivors, Dk. A warp per (row, survivor): l_t = scale q.K_t; its
+  // mass is finite where l_t is and no merging loser's logit is not; top: the larger of
+  // l_t and top_in there (0 elsewhere); m_t = votes exp(l_t - top) there (votes elsewhere).
+  const long rows = dims[0], m = dims[1];
+  const int Dk = dims[2];
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (j >= rows * m) return;
+  const long r = j / m;
+  const float dot = camkv_warp_dot(keys + j * Dk, query + r * Dk, Dk, lane);
+  if (lane == 0) {
+    const float l = __fmul_rn(scale[0], dot);
+    const bool fin = isfinite(l) && !(poisoned[j] > 0.0f);
+    const float best = fin ? fmaxf(l, top_in[j]) : 0.0f;
+    top[j] = best;
+    finite[j] = fin;
+    mass_t[j] = __fmul_rn(votes[j], fin ? expf(l - best) : 1.0f);
+  }
+"""
+
+_KEEP_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv, Dk. A warp per (row, loser) that merges:
+  // m_e = votes_e exp(l_e - top_t) (votes_e where the target's mass is not finite), then
+  // m_e V_e, m_e K_e, m_e, 1, votes_e and s_e added into its target's float32 sums
+  // [R, m, Dv + Dk + 4].
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k || !merging[loser]) return;
+  const long to = (loser / k) * m + target[loser];
+  const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(logits[loser] - top[to]) : 1.0f);
+  float* into = sums + to * (C + 4);
+  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(mass_e, values[loser * Dv + c]));
+  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(mass_e, keys[loser * Dk + c]));
+  if (lane == 0) {
+    atomicAdd(into + C, mass_e);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, votes[loser]);
+    atomicAdd(into + C + 3, mass[loser]);
+  }
+"""
+
+_KEEP_FINISH = """
+  // dims: R rows, m survivors, Dv, Dk. A warp per (row, survivor). Where a loser gives to
+  // it: its value and mean key (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where
+  // that is 0), the key then moved along q so that the row, standing for all its votes,
+  // gets the group's mass (merges.output_preserving_key), its votes summed; elsewhere
+  // its row and votes as they were. Its score gains the mass s_e of its losers.
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (j >= rows * m) return;
+  const long r = j / m;
+  const float* sum = sums + j * (C + 4);
+  const float taken = sum[C], in_votes = sum[C + 2];
+  const bool receiving = sum[C + 1] > 0.0f;
+  const float total = __fadd_rn(mass_t[j], taken);
+  const bool blending = receiving && total > 0.0f;
+  auto blended = [&](float own, float into) {
+    return blending ? __fadd_rn(__fmul_rn(mass_t[j], own), into) / total : own;
+  };
+  for (int c = lane; c < Dv; c += 32) out_values[j * Dv + c] = blended(values[j * Dv + c], sum[c]);
+  const float total_votes = __fadd_rn(votes[j], in_votes);
+  float along = 0.0f, norm_q = 0.0f;  // mean key . q and q . q
+  for (int c = lane; c < Dk; c += 32) {
+    const float q = query[r * Dk + c];
+    along = __fadd_rn(along, __fmul_rn(blended(keys[j * Dk + c], sum[Dv + c]), q));
+    norm_q = __fadd_rn(norm_q, __fmul_rn(q, q));
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    along = __fadd_rn(along, __shfl_xor_sync(0xffffffffu, along, o));
+    norm_q = __fadd_rn(norm_q, __shfl_xor_sync(0xffffffffu, norm_q, o));
+  }
+  const float want = __fadd_rn(top[j], logf(total)) - logf(total_votes);
+  const float shift = (want - __fmul_rn(scale[0], along)) / __fmul_rn(scale[0], norm_q);
+  const bool moved = receiving && finite[j] && isfinite(shift);
+  for (int c = lane; c < Dk; c += 32) {
+    const float mean = blended(keys[j * Dk + c], sum[Dv + c]);
+    out_keys[j * Dk + c] = !receiving ? keys[j * Dk + c]
+                         : moved ? __fadd_rn(mean, __fmul_rn(shift, query[r * Dk + c])) : mean;
+  }
+  if (lane == 0) {
+    out_votes[j] = receiving ? total_votes : votes[j];
+    out_scores[j] = __fadd_rn(scores[j], sum[C + 3]);
+  }
 """
 
 _kernels: dict[str, object] = {}
@@ -101,6 +348,16 @@ def available() -> bool:
     """Whether the merge engine's compressions here run these kernels: on an NVIDIA GPU
     (MLX's CUDA build; drop.on_cuda alone is what tests patch to emulate its arithmetic)."""
     return drop.on_cuda() and drop.cuda_build()
+
+
+_int_arrays: dict[tuple, mx.array] = {}  # values -> int32 array, made once (an array from Python is a copy)
+
+
+def ints(*sizes: int) -> mx.array:
+    """An int32 array of these values (a launch's dims, a first position), made once."""
+    if sizes not in _int_arrays:
+        _int_arrays[sizes] = mx.array(sizes, mx.int32)
+    return _int_arrays[sizes]
 
 
 def _named(name: str, source: str) -> str:
@@ -113,12 +370,36 @@ def _kernel(name: str):
     if name not in _kernels:
         if name == "nearest":
             _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_nearest_survivor", _NEAREST), input_names=["products", "norm_k", "candidate", "dims"],
-                output_names=["target", "score", "dot"], source=_NEAREST)
-        elif name == "max":
+                name=_named("camkv_nearest_survivor", _NEAREST),
+                input_names=["products", "norm_k", "positions", "norm_l", "dims"],
+                output_names=["target", "found", "cosine"], source=_NEAREST)
+        elif name == "window":
             _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_scatter_max", _MAX_HEADER + _SCATTER_MAX), input_names=["x", "targets", "live", "dims"],
-                output_names=["maxima"], source=_SCATTER_MAX, header=_MAX_HEADER)
+                name=_named("camkv_window_spread", _WINDOW),
+                input_names=["values", "mass", "loser_idx", "kept_idx", "dims"], output_names=["sums", "merged"],
+                source=_WINDOW)
+        elif name in _KEEP:
+            source, inputs, outputs = _KEEP[name]
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named(f"camkv_{name}", _KEEP_HEADER + source), input_names=[*inputs, "dims"],
+                output_names=outputs, source=source, header=_KEEP_HEADER)
+        elif name == "gather":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named("camkv_merge_gather", _GATHER),
+                input_names=["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
+                output_names=["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
+                              "out_value_norm", "out_votes"],
+                source=_GATHER)
+        elif name == "spread":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named("camkv_blend_spread", _SPREAD),
+                input_names=["values", "keys", "share_in", "mass", "target", "merging", "constants", "dims"],
+                output_names=["sums"], source=_SPREAD)
+        elif name == "finish":
+            _kernels[name] = mx.fast.cuda_kernel(
+                name=_named("camkv_blend_finish", _FINISH),
+                input_names=["sums", "own_values", "own_keys", "share_t", "scores", "constants", "dims"],
+                output_names=["out_values", "out_keys", "out_scores"], source=_FINISH)
         else:
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_scatter_rows", _SCATTER), input_names=["rows_in", "targets", "live", "dims"],
@@ -126,21 +407,21 @@ def _kernel(name: str):
     return _kernels[name]
 
 
-def nearest(products: mx.array, norm_k: mx.array, candidate: mx.array):
-    """For the dot products of losers and survivors [R, k, m] (float32), norm_k [R, m] the
-    survivors' key norms and candidate [R, m] bool which of them a loser may choose: each
-    loser's survivor t [R, k] int32 of largest dot / max(|K_t|, 1e-12) among the
-    candidates (the first of equal ones; 0 where none has a finite one), that largest
-    value [R, k] (-inf where none) and the dot product with t [R, k] (with survivor 0
-    where none)."""
+def nearest(products: mx.array, norm_l: mx.array, norm_k: mx.array, positions: mx.array, n_sink: int):
+    """Section 4.1 from the dot products of losers and survivors [R, k, m] (float32), the
+    losers' key norms norm_l [R, k], the survivors' norm_k [R, m] and positions [R, m]:
+    each loser's survivor t [R, k] int32 of largest dot / max(|K_t|, 1e-12) among the
+    candidates (non-sink, finite norm; the first of equal ones), whether it has one [R, k]
+    (a candidate, and a finite norm of its own; t = 0 where not) and the cosine dot /
+    max(|K_e| |K_t|, 1e-12) [R, k] (with survivor 0 where none), as merge_ops._nearest's
+    operations compute them."""
     rows, k, m = products.shape
-    dims = mx.array([rows, k, m], mx.int32)
-    target, score, dot = _kernel("nearest")(
-        inputs=[products, norm_k, candidate, dims],
+    dims = ints(rows, k, m, n_sink)
+    target, found, cosine = _kernel("nearest")(
+        inputs=[products, norm_k, positions, norm_l, dims],
         grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.float32, mx.float32])
-    return target, score, dot
-
+        output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.bool_, mx.float32])
+    return target, found, cosine
 
 def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.array:
     """sums [R, m, C] float32: for every survivor j, the sum of rows_in[r, e] over the
@@ -149,20 +430,142 @@ def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -
     rows, k, columns = rows_in.shape
     w = targets.shape[2]
     edges = rows * k * w
-    dims = mx.array([rows, k, w, m, columns], mx.int32)
+    dims = ints(rows, k, w, m, columns)
     return _kernel("scatter")(
         inputs=[rows_in, targets.astype(mx.int32), live, dims],
         grid=(-(-edges // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, columns)], output_dtypes=[mx.float32], init_value=0.0)[0]
 
 
-def scatter_max(x: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.array:
-    """maxima [R, m] float32: for every survivor j, the largest x[r, e] [R, k] (finite or
-    -inf, never NaN) over the losers e and slots s with targets[r, e, s] = j where
-    live[r, e, s]; -inf where none."""
-    rows, k, w = targets.shape
-    dims = mx.array([rows, k, w, m], mx.int32)
-    return _kernel("max")(
-        inputs=[x.astype(mx.float32), targets.astype(mx.int32), live, dims],
-        grid=(-(-rows * k * w // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, m)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
+def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
+    """Rows k losers then m survivors of every row r, from keys [R, N, Dk] and values
+    [R, N, Dv] (their storage dtype), scores [R, N] float32, positions [R, N] int32 and
+    votes [R, N] float32 (or None) at loser_idx [R, k] and kept_idx [R, m]: keys and
+    values [R, k + m, D] float32, the keys as stored, scores, positions, the keys' and
+    the values' L2 norms [R, k + m] (sums of squares in the device's order) and votes
+    (or None)."""
+    rows, n, dk = keys.shape
+    dv, k, m = values.shape[2], loser_idx.shape[1], kept_idx.shape[1]
+    taken = k + m
+    out = _kernel("gather")(
+        inputs=[keys, values, scores, positions, scores if votes is None else votes, loser_idx, kept_idx,
+                ints(rows, n, k, m, dk, dv)],
+        template=[("VOTES", votes is not None)],
+        grid=(-(-rows * taken // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
+                       (rows, taken), (rows, taken), (rows, taken if votes is not None else 1)],
+        output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32,
+                       mx.float32])
+    return (*out[:7], None if votes is None else out[7])
+
+
+# keepkv's launches: name -> (text, inputs before dims, outputs).
+_KEEP = {
+    "keep_logits": (_KEEP_LOGITS, ["keys", "query", "target", "merging", "scale"], ["logits", "top_in", "poisoned"]),
+    "keep_tops": (_KEEP_TOPS, ["keys", "query", "votes", "top_in", "poisoned", "scale"], ["top", "finite", "mass_t"]),
+    "keep_spread": (_KEEP_SPREAD, ["values", "keys", "votes", "mass", "logits", "top", "finite", "target", "merging"],
+               ["sums"]),
+    "keep_finish": (_KEEP_FINISH, ["values", "keys", "votes", "scores", "query", "sums", "mass_t", "top", "finite",
+                              "scale"], ["out_values", "out_keys", "out_votes", "out_scores"]),
+}
+
+
+def keep_merge(losers, kept, target, merging, query, scale: float):
+    """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results):
+    losers and kept are merge_ops.Rows (float32 keys and values, votes, scores), target
+    [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk] float32. Returns the
+    survivors' keys and values float32, votes and scores plus the mass taken in."""
+    rows, k, dk = losers.keys.shape
+    m, dv = kept.keys.shape[1], kept.values.shape[2]
+    by_loser = (-(-rows * k // _WARPS) * _THREADS, 1, 1)
+    by_survivor = (-(-rows * m // _WARPS) * _THREADS, 1, 1)
+    block = (_THREADS, 1, 1)
+    scale_ = floats(scale)
+    logits, top_in, poisoned = _kernel("keep_logits")(
+        inputs=[losers.keys, query, target, merging, scale_, ints(rows, k, m, dk)], grid=by_loser,
+        threadgroup=block, output_shapes=[(rows, k), (rows, m), (rows, m)], output_dtypes=[mx.float32] * 3,
+        init_value=-float("inf"))
+    top, finite, mass_t = _kernel("keep_tops")(
+        inputs=[kept.keys, query, kept.votes, top_in, poisoned, scale_, ints(rows, m, dk)], grid=by_survivor,
+        threadgroup=block, output_shapes=[(rows, m)] * 3, output_dtypes=[mx.float32, mx.bool_, mx.float32])
+    sums = _kernel("keep_spread")(
+        inputs=[losers.values, losers.keys, losers.votes, losers.scores, logits, top, finite, target, merging,
+                ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
+        output_shapes=[(rows, m, dv + dk + 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    values, keys, votes, scores = _kernel("keep_finish")(
+        inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, mass_t, top, finite, scale_,
+                ints(rows, m, dv, dk)], grid=by_survivor, threadgroup=block,
+        output_shapes=[(rows, m, dv), (rows, m, dk), (rows, m), (rows, m)], output_dtypes=[mx.float32] * 4)
+    return keys, values, votes, scores
+
+
+def spread_window(values, mass, loser_idx, kept_idx, own_values, scores, window: int):
+    """The paper's window rule for every loser at once (section 4.2, no gate): losers'
+    values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k], survivors at
+    kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32 and scores [R, m].
+    Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every loser e whose window
+    W(e) (the first `window` survivors after it) holds it. Returns the survivors' values,
+    scores and the merges per row [R] int32 (the losers with a survivor after them)."""
+    rows, k, dv = values.shape
+    m = kept_idx.shape[1]
+    sums, merged = _kernel("window")(
+        inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
+        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, dv + 1), (rows,)], output_dtypes=[mx.float32, mx.int32], init_value=0.0)
+    return own_values + sums[:, :, :dv], scores + sums[:, :, dv], merged
+
+
+_float_arrays: dict[tuple, mx.array] = {}
+
+
+def floats(*values: float) -> mx.array:
+    """A float32 array of these values (a launch's scale), made once."""
+    if values not in _float_arrays:
+        _float_arrays[values] = mx.array(values, mx.float32)
+    return _float_arrays[values]
+
+
+_constants: dict[tuple, mx.array] = {}  # (share_in, share_t) -> float32 [2], made once (a copy to the device)
+
+
+def _shares(share_in, share_t) -> mx.array:
+    """The constant shares blend_nearest's kernels read where a rule's share is a number
+    (0 where it is an array)."""
+    key = tuple(0.0 if isinstance(a, mx.array) else float(a) for a in (share_in, share_t))
+    if key not in _constants:
+        _constants[key] = mx.array(key, mx.float32)
+    return _constants[key]
+
+
+def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, share_in, share_t, mass,
+                  out_dtype=mx.float32):
+    """Section 4.4's blend for every survivor at once, where each merging loser has one
+    target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
+    the survivors' own_values [R, m, Dv] (own_keys) float32 and scores [R, m], each
+    loser's target [R, k] int32 (indices into the survivors), whether it merges [R, k]
+    bool, its share a_e ([R, k] or a number for all) and mass s_e [R, k], the survivors'
+    share A ([R, m] or a number). Returns the survivors' values [R, m, Dv] and keys
+    (own_keys where keys is None) rounded once to out_dtype, and their scores plus the mass taken in
+    [R, m]: (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that
+    denominator is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums
+    in the device's order."""
+    rows, k, Dv = values.shape
+    m = own_values.shape[1]
+    Dk = 0 if keys is None else keys.shape[2]
+    per_loser, per_survivor = (isinstance(a, mx.array) for a in (share_in, share_t))
+    constants = _shares(share_in, share_t)
+    sums = _kernel("spread")(
+        inputs=[values, values if keys is None else keys, share_in if per_loser else mass, mass, target, merging,
+                constants, ints(rows, k, m, Dv, Dk)],
+        template=[("SHARE_IN", per_loser)],
+        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, Dv + Dk + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    threads = rows * m * (Dv + Dk)
+    out_values, out_keys, out_scores = _kernel("finish")(
+        inputs=[sums, own_values, own_values if keys is None else own_keys, share_t if per_survivor else scores,
+                scores, constants, ints(rows, m, Dv, Dk)],
+        template=[("SHARE_T", per_survivor), ("OUT", out_dtype)],
+        grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, Dv), (rows, m, max(Dk, 1)), (rows, m)],
+        output_dtypes=[out_dtype, out_dtype, mx.float32])
+    return out_values, own_keys if keys is None else out_keys, out_scores

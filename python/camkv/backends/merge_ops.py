@@ -24,8 +24,9 @@ import mlx.core as mx
 import numpy as np
 
 from .. import gate, mass, merges, policy
+from ..config import CaMConfig
 from ..rows import RowState
-from . import drop, merge_cuda, selfcheck
+from . import compact_cuda, drop, merge_cuda, selfcheck
 
 _INF = float("inf")
 
@@ -44,7 +45,7 @@ class Rows(NamedTuple):
     """Some rows of every row r, gathered [R, m, ...]: float32 keys and values for the
     arithmetic, the keys as stored too (a survivor's key no merge changes goes back as
     it was, without a cast back), positions, votes where the rule keeps them, and the
-    keys' norms [R, m] where asked for."""
+    keys' and values' norms [R, m] where asked for."""
 
     keys: mx.array
     values: mx.array
@@ -53,6 +54,7 @@ class Rows(NamedTuple):
     votes: mx.array | None
     stored_keys: mx.array
     key_norm: mx.array | None = None
+    value_norm: mx.array | None = None
 
     @classmethod
     def of(cls, keys, values, scores, positions, votes, idx) -> "Rows":
@@ -64,14 +66,21 @@ class Rows(NamedTuple):
                    take(votes), stored_keys)
 
     @classmethod
-    def split(cls, keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm: bool = False
-              ) -> tuple["Rows", "Rows"]:
+    def split(cls, keys, values, scores, positions, votes, loser_idx, kept_idx, key_norm: bool = False,
+              kernels: bool = False) -> tuple["Rows", "Rows"]:
         """The losers' rows and the survivors': one gather and one cast of each array for
-        both (on a GPU each is a launch), and with key_norm one norm of their keys, then
-        views of its two parts."""
-        both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
-        if key_norm:
-            both = both._replace(key_norm=merges.feature_norm(both.keys))
+        both (on a GPU each is a launch), and with key_norm one norm of their keys and one
+        of their values, then views of its two parts. kernels: all of it in one launch (merge_cuda.gather_rows)."""
+        if kernels:
+            f_keys, f_values, stored, taken_scores, taken_positions, k_norm, v_norm, taken_votes = \
+                merge_cuda.gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx)
+            both = cls(f_keys, f_values, taken_scores, taken_positions, taken_votes, stored,
+                       *((k_norm, v_norm) if key_norm else (None, None)))
+        else:
+            both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
+            if key_norm:
+                both = both._replace(key_norm=merges.feature_norm(both.keys),
+                                     value_norm=merges.feature_norm(both.values))
         k = loser_idx.shape[1]
         part = lambda first, last: cls(*(None if a is None else a[:, first:last] for a in both))  # noqa: E731
         return part(0, k), part(k, None)
@@ -101,8 +110,9 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     rule = merges.rule(cfg.merge)
     rows, n = settled.scores.shape
     s_len = keys.shape[1] - n
-    positions = mx.concatenate(
-        [settled.positions, mx.broadcast_to(first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
+    merging = n + s_len > cfg.budget and rule.kind != merges.DROP
+    if merging:
+        kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
     votes = settled.votes
     if rule.keeps_votes:
         votes = mx.concatenate([mx.ones((rows, n), mx.float32) if votes is None else votes,
@@ -113,22 +123,29 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     bias = None if votes is None else mx.log(votes)
     chunk = given if given is not None else mass.chunk_mass(queries, keys, scale, n, cfg, s_len,
                                                             reducer(bias is not None, preferred), bias=bias)
-    scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
-    if n + s_len <= cfg.budget:
-        return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
-    # Losers in any order: a compression's merges are simultaneous (section 4).
-    loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
-                                                    first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
-                                                    losers_sorted=False)
-    if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
-        return RowState(keys, values, scores, positions, votes, threshold).take(kept_idx), mx.zeros((rows,), mx.int32)
+    if merging and kernels and cfg.eviction == "score":  # the partition and the joined rows in one launch
+        loser_idx, kept_idx, scores, positions = compact_cuda.partition(
+            settled.scores, settled.positions, chunk, merge_cuda.ints(first_pending), cfg)
+    else:
+        positions = mx.concatenate([settled.positions, mx.broadcast_to(
+            first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
+        scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
+        if n + s_len <= cfg.budget:
+            return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
+        # Losers in any order: a compression's merges are simultaneous (section 4).
+        loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
+                                                        first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
+                                                        losers_sorted=False)
+        if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
+            return (RowState(keys, values, scores, positions, votes, threshold).take(kept_idx),
+                    mx.zeros((rows,), mx.int32))
     losers, kept = Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx,
-                              key_norm=rule.kind == merges.NEAREST)
+                              key_norm=rule.kind == merges.NEAREST, kernels=kernels)
     query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
-    kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
-    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels)
+    merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels,
+                   values.dtype)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
     return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
@@ -155,29 +172,117 @@ def kernels_pass_probe() -> bool:
 
 
 def _probe_failure() -> str | None:
-    rng = np.random.default_rng(selfcheck.PROBE_SEED)
-    losers, kept = (mx.array(rng.standard_normal((2, n, 64)).astype(np.float32)) for n in (70, 90))
-    positions = mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 90))
-    targets = mx.array(rng.integers(0, 90, (2, 70, 2)).astype(np.int32))
-    live = mx.array(rng.random((2, 70, 2)) < 0.8)
-    rows, x = mx.array(rng.standard_normal((2, 70, 33)).astype(np.float32)), losers[:, :, 0]
+    p = _probe_problem()
     try:
-        edges = _Edges(targets, live, 90, kernels=True)
-        got = (*_nearest(losers, kept, positions, 1, True, kernels=True), *edges.sums(rows), edges.max(x))
-        mx.eval(got)
+        got = _probe_with_kernels(p)
+        mx.eval([a for a in got if a is not None])
     except Exception as error:  # a compile or launch error, whatever MLX raises it as
         return f"their first-use check raised: {error}"
-    edges = _Edges(targets, live, 90)
-    want = (*_nearest(losers, kept, positions, 1, True), *edges.sums(rows), edges.max(x))
-    for name, g, w in zip(("targets", "found", "cosines", "sums", "maxima"), got, want):
-        if not np.allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-4):
+    for name, g, w in zip(_PROBED, got, _probe_with_operations(p)):
+        same = g is w if g is None or w is None else np.allclose(_as_numpy(g), _as_numpy(w), rtol=1e-4, atol=1e-4)
+        if not same:
             return f"their first-use check's {name} differ from the MLX operations'"
     return None
 
 
+# What the first-use check compares, in the order _probe_with_kernels gives it.
+_PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores",
+           *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
+                                                "key norms", "value norms")),
+           "losers", "survivors", "joined scores", "joined positions",
+           *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")),
+           *(f"window's merged {field}" for field in ("values", "scores", "counts")))
+
+
+def _probe_problem() -> dict:
+    """A small random problem for every merge kernel (ties unlikely): 70 losers and 90
+    survivors of 64 channels in 2 rows, two target slots each, 160 rows held (60 settled)
+    to partition down to 90 (2 sinks, 5 recent)."""
+    rng = np.random.default_rng(selfcheck.PROBE_SEED)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    losers, kept = normal(2, 70, 64), normal(2, 90, 64)
+    held = mx.concatenate([losers, kept], axis=1).astype(mx.bfloat16)
+    p = dict(losers=losers, kept=kept, positions=mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 90)),
+             targets=mx.array(rng.integers(0, 90, (2, 70, 2)).astype(np.int32)),
+             live=mx.array(rng.random((2, 70, 2)) < 0.8), rows=normal(2, 70, 33), own=normal(2, 90, 33),
+             scores=normal(2, 90), held=held, held_scores=mx.abs(held[:, :, 0]).astype(mx.float32),
+             held_positions=mx.broadcast_to(mx.arange(160, dtype=mx.int32), (2, 160)),
+             order=mx.array(np.stack([rng.permutation(160) for _ in range(2)]).astype(np.int32)),
+             settled=mx.array(rng.random((2, 60)).astype(np.float32)),
+             chunk=mx.array(rng.random((2, 160)).astype(np.float32)),
+             cut=CaMConfig(budget=90, n_sink=2, recent=5, merge="mean"))
+    p["x"] = losers[:, :, 0]
+    p["query"] = normal(2, 64)
+    return p
+
+
+def _probe_keep(p: dict, kernels: bool) -> tuple:
+    """keepkv's merges of the probe's losers into its survivors (targets found by the
+    nearest search, every loser merging)."""
+    def rows(keys, values, scores, n):
+        return Rows(keys, values, scores, mx.broadcast_to(mx.arange(n, dtype=mx.int32), scores.shape),
+                    mx.abs(scores) + 1.0, keys, merges.feature_norm(keys))
+    losers = rows(p["losers"], p["rows"], mx.abs(p["x"]), 70)
+    kept = rows(p["kept"], p["own"], mx.abs(p["scores"]), 90)
+    merged = merge(losers, p["order"][:, :70], kept, p["order"][:, 70:], None, p["query"], 0.125,
+                   CaMConfig(budget=90, n_sink=1, recent=1, merge="keepkv"), mx.arange(2).astype(mx.uint32), False,
+                   kernels)
+    return merged.keys, merged.values, merged.votes, merged.scores
+
+
+def _probe_window(p: dict, kernels: bool) -> tuple:
+    """The window rule's merges of the probe's 70 losers into its 90 survivors (the
+    survivors' rows ascending, as a partition gives them)."""
+    keys = mx.zeros((2, 160, 4), mx.float32)  # the window rule reads no key
+    rows = lambda values, scores: Rows(keys[:, :scores.shape[1]], values, scores, None, None, None)  # noqa: E731
+    merged = merge(rows(p["rows"], mx.abs(p["x"])), p["order"][:, :70], rows(p["own"], mx.abs(p["scores"])),
+                   mx.sort(p["order"][:, 70:], axis=1), None, None, 1.0, CaMConfig(budget=90, merge="window"),
+                   mx.arange(2).astype(mx.uint32), False, kernels)
+    return merged.values, merged.scores, merged.count
+
+
+def _probe_taken(p: dict) -> tuple:
+    """Rows.split's inputs for the probe: 70 losers and 90 survivors of the 160 held."""
+    held = p["held"]
+    return held, held[:, :, :33], p["held_scores"], p["held_positions"], p["held_scores"] + 1.0, \
+        p["order"][:, :70], p["order"][:, 70:]
+
+
+def _probe_with_kernels(p: dict) -> tuple:
+    edges = _Edges(p["targets"], p["live"], 90, kernels=True)
+    blend = merge_cuda.blend_nearest(p["rows"], None, p["own"], p["own"], p["scores"], p["targets"][:, :, 0],
+                                     p["live"][:, :, 0], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
+    gathered = Rows.split(*_probe_taken(p), key_norm=True, kernels=True)[1]
+    partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], merge_cuda.ints(60),
+                                       p["cut"])
+    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
+            blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
+            *_probe_window(p, True))
+
+
+def _probe_with_operations(p: dict) -> tuple:
+    edges = _Edges(p["targets"], p["live"], 90)
+    blend = _Edges(p["targets"][:, :, :1], p["live"][:, :, :1], 90).blend(
+        [(p["own"], p["rows"])], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
+    gathered = Rows.split(*_probe_taken(p), key_norm=True)[1]
+    joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
+    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0], p["scores"] + blend.extra[0], *_gathered_fields(gathered),
+            *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
+            *_probe_keep(p, False), *_probe_window(p, False))
+
+
+def _gathered_fields(rows: "Rows") -> tuple:
+    return (rows.keys, rows.values, rows.scores, rows.positions, rows.votes, rows.stored_keys, rows.key_norm,
+            rows.value_norm)
+
+
+def _as_numpy(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+
+
 class Merged(NamedTuple):
-    """The survivors after a compression's merges (keys and values float32), the rule's
-    state and the merges per row."""
+    """The survivors after a compression's merges (keys and values float32, or as merge's
+    storage where the kernels' blend rounded them), the rule's state and the merges per row."""
 
     keys: mx.array
     values: mx.array
@@ -231,24 +336,40 @@ def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
 
 
 def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids,
-          split: bool, kernels: bool = False) -> Merged:
+          split: bool, kernels: bool = False, storage=mx.float32) -> Merged:
     """Sections 4.1-4.6: every loser's targets among the survivors (as they stand before
     any merge), the gate and d2o's threshold, then every target's merges at once. split:
     whether the nearest search's product needs float32_product's split (float32 keys on
-    an NVIDIA GPU); kernels: the nearest search and the sums by camkv.backends.merge_cuda."""
+    an NVIDIA GPU); kernels: the nearest search and the sums by camkv.backends.merge_cuda,
+    whose blend of a nearest rule rounds the values to storage (the values' dtype as
+    stored) and blended keys to the keys' own."""
     rule = merges.rule(cfg.merge)
+    if kernels and rule.kind == merges.WINDOW and not rule.blends and not cfg.gate:
+        values, scores, count = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
+                                                         kept.values, kept.scores, cfg.window)
+        return Merged(kept.keys, values, scores, kept.votes, threshold, count)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
     do = targets.any_valid if do is None else do & targets.any_valid  # a loser with no target merges nowhere
-    edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
+    count = do.sum(axis=1).astype(mx.int32)
     keys, values, votes = kept.keys, kept.values, kept.votes
+    if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
+        # One target a loser: the whole blend in two launches (merge_cuda.blend_nearest).
+        if cfg.merge_keys and kept.stored_keys.dtype != storage:  # one rounding for both: keys float32 here
+            storage = mx.float32
+        values, keys, scores = merge_cuda.blend_nearest(
+            losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.keys, kept.scores,
+            targets.nearest, do, _loser_share(rule, losers, kept, targets), rule.target_share(kept.scores),
+            targets.s_in, storage)
+        return Merged(keys, values, scores, votes, threshold, count)
+    if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
+        keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale)
+        return Merged(keys, values, scores, votes, threshold, count)
+    edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
     if rule.keeps_votes:
         keys, values, votes, s_in = _keep_output(rule, losers, kept, targets, edges, query, scale)
     elif rule.blends:
-        norm_e = norm_t = None
-        if rule.kind == merges.NEAREST:
-            norm_e, norm_t = merges.feature_norm(losers.values), _at(merges.feature_norm(kept.values), targets.nearest)
-        share_in = rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
+        share_in = _loser_share(rule, losers, kept, targets)
         pairs = [(kept.values, losers.values)] + ([(kept.keys, losers.keys)] if cfg.merge_keys else [])
         blend = edges.blend(pairs, share_in, rule.target_share(kept.scores), targets.s_in)
         values, s_in = blend.rows[0], blend.extra[0]
@@ -257,7 +378,15 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     else:  # additive: each target of W(e) gains V_e / |W(e)|
         added, s_in = edges.sums(losers.values / targets.width[:, :, None], targets.s_in)
         values = kept.values + added
-    return Merged(keys, values, kept.scores + s_in, votes, threshold, do.sum(axis=1).astype(mx.int32))
+    return Merged(keys, values, kept.scores + s_in, votes, threshold, count)
+
+
+def _loser_share(rule, losers: Rows, kept: Rows, targets: _Targets):
+    """A blending rule's a_e for every loser (section 4.4): [R, k] or a number for all."""
+    norm_e = norm_t = None
+    if rule.kind == merges.NEAREST:  # the values' norms Rows.split took
+        norm_e, norm_t = losers.value_norm, _at(kept.value_norm, targets.nearest)
+    return rule.loser_share(targets.cosine, targets.s_in, targets.s_target, norm_e, norm_t)
 
 
 def _at(x: mx.array, idx: mx.array) -> mx.array:
@@ -283,15 +412,12 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     (losers', survivors'; Rows.split's) where already computed."""
     norm_l, norm_k = (merges.feature_norm(keys) if norm is None else norm
                       for keys, norm in zip((loser_keys, kept_keys), norms))
+    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
+    if kernels:
+        return merge_cuda.nearest(products, norm_l, norm_k, kept_positions, n_sink)
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
     candidate = (kept_positions >= n_sink) & (norm_k < _INF)
-    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
-    if kernels:
-        t, best, dot = merge_cuda.nearest(products, norm_k, candidate)
-        found = (best > -_INF) & (norm_l < _INF)
-        t = mx.where(found, t, 0)
-        return t, found, dot / mx.maximum(norm_l * _at(norm_k, t), 1e-12)
     ranked = products / mx.maximum(norm_k, 1e-12)[:, None, :]
     ranked = mx.where(candidate[:, None, :], ranked, -_INF)
     t = mx.argmax(ranked, axis=2)  # MLX's argmax takes the first of equal maxima
@@ -382,10 +508,8 @@ class _Edges:
     def max(self, x: mx.array) -> mx.array:
         """Each survivor's largest x [R, k] over its merging losers, -inf where none: [R, m].
         A dense masked maximum over (loser, survivor) pairs, as large as the cosines'
-        product (MLX has no scatter of maxima); with kernels, atomic maxima
-        (merge_cuda.scatter_max)."""
-        if self.kernels:
-            return merge_cuda.scatter_max(x, self.targets, self.live, self.m)
+        product (MLX has no scatter of maxima; on CUDA keepkv's kernels take atomic maxima
+        instead, merge_cuda.keep_merge)."""
         onehot = (self.targets[:, :, :, None] == mx.arange(self.m)) & self.live[:, :, :, None]  # [R, k, w, m]
         return mx.where(onehot, x[:, :, None, None], -_INF).max(axis=(1, 2))
 
