@@ -182,6 +182,39 @@ def test_global_head_placement_changes_the_draws():
     assert not all(mx.array_equal(a[:, 2:], b).item() for a, b in zip(full.stored(), wrong.stored()))
 
 
+def test_gate_row_ids_are_global_and_uint32():
+    """Section 1's row id b * H_global + head_offset + h for every (batch, KV head) row."""
+    from camkv import gate
+
+    ids = gate.row_ids(2, 3, head_offset=4, n_heads_global=8)
+    assert ids.dtype == mx.uint32
+    assert ids.tolist() == [4, 5, 6, 12, 13, 14]
+    assert gate.row_ids(2, 2).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("merge", ["drop", "mass_weighted", "keepkv"])
+def test_compressions_never_wait_for_the_device(monkeypatch, merge):
+    """A model's calls through camkv caches (query scoring: prompt chunks, then decode
+    steps) only queue work: an mx.eval inside a compression makes the host wait for the
+    device where it could build the model's next layers."""
+    import camkv
+    from tiny_models import tiny_llama
+
+    model = tiny_llama(layers=2)
+    cache = camkv.make_prompt_cache(model, budget=16, merge=merge)
+    prompt, steps = mx.random.randint(0, 128, (4, 1, 24)), mx.random.randint(0, 128, (10, 1, 1))
+    waits = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: (waits.append(len(a)), real_eval(*a, **k)))
+    try:
+        for tokens in [*prompt, *steps]:
+            model(tokens, cache=cache)
+    finally:
+        monkeypatch.undo()
+        camkv.hook.uninstall(model)
+    assert cache[0].stats["evictions"] > 0 and waits == []
+
+
 def test_merge_count_adds_up_over_many_calls():
     # Per-call merge counts are summed in batches; stats and state must see them all,
     # before and after a batch boundary. Ungated merging merges every eviction.

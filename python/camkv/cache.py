@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
@@ -112,6 +114,8 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         that has bits for a quantized one). Plain attributes, absent elsewhere: mlx-lm asks
         hasattr(cache, "bits") at every layer and step, a failed lookup, nothing raised."""
         self._config = config
+        # The state's meta reads it after every prompt chunk, per layer: encoded once.
+        self._config_fields = json.loads(config.to_json())
         for name in attention_rows.QUANTIZED_FIELDS:
             self.__dict__.pop(name, None)
         self.__dict__.update(attention_rows.quantized_fields(config))
@@ -424,9 +428,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         # Made once per shape: on a GPU every small array op of a decode step costs a
         # launch, and this one would otherwise be five of them per layer and token.
         if self._row_ids_for is None or self._row_ids_for[0] != (B, H):
-            ids = gate.row_ids(B, H, self._head_offset, self._n_heads_global)
-            mx.eval(ids)
-            self._row_ids_for = ((B, H), ids)
+            self._row_ids_for = ((B, H), gate.row_ids(B, H, self._head_offset, self._n_heads_global))
         return self._row_ids_for[1]
 
     def _backend(self):

@@ -35,7 +35,7 @@ class CacheState:
         the rest will be scored, "waiting" how many wait for their queries), so a cache
         loaded from it goes on exactly as this one. camkv.save_prompt_cache compresses
         first (compress_pending), so its files hold only scored rows."""
-        meta = {"offset": self.offset, "config": json.loads(self._config.to_json()),
+        meta = {"offset": self.offset, "config": self._config_fields,
                 "head_offset": self._head_offset, "n_heads_global": self._n_heads_global,
                 "evictions": self._evictions, "query_scored": self._query_scored,
                 "settled": self._rows.settled, "pending": self._pending.kind,

@@ -5,6 +5,7 @@ for the reference and the MLX merge engine (the kernel core states it in C++).""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 _GOLDEN = 0x9E3779B9
 _MIX_MUL_1 = 0x7FEB352D
@@ -33,9 +34,10 @@ def row_ids(B: int, H: int, head_offset: int = 0, n_heads_global: int | None = N
     unsharded), so a cache holding some of the heads draws what an unsharded one draws
     (section 1)."""
     heads = n_heads_global or H
-    b = mx.arange(B, dtype=mx.uint32)[:, None]
-    h = mx.arange(H, dtype=mx.uint32)[None, :] + head_offset
-    return (b * heads + h).reshape(-1)
+    # Built on the host: an array born with its data needs no evaluation, where MLX
+    # operations would need one (a wait for the device, once per cache in a prompt).
+    ids = np.arange(B, dtype=np.uint32)[:, None] * heads + (np.arange(H, dtype=np.uint32) + head_offset)[None, :]
+    return mx.array(ids.reshape(-1).astype(np.uint32))
 
 
 def uniform(seed, row, position) -> mx.array:
