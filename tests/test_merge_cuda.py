@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from camkv import CaMConfig, merges, policy
-from camkv.backends import compact_cuda, drop, merge_cuda, merge_ops
+from camkv.backends import compact_cuda, constants, drop, merge_cuda, merge_ops
 import cuda_emulation
 from test_merge_ops import DTYPES, MERGING, check_engine, check_engine_case, engine_cases
 
@@ -49,6 +49,17 @@ def _keys(rng, shape, dtype, duplicates):
     if duplicates:  # exact ties: survivors repeating one key, losers equal to a survivor
         keys[..., 1::3, :] = keys[..., :1, :]
     return mx.array(keys).astype(getattr(mx, dtype)).astype(mx.float32)
+
+
+def test_launch_constants_are_made_once_per_value_dtype_and_shape():
+    """A launch's small inputs (camkv.backends.constants): one array per value, dtype and
+    shape, so 1 as a dim and 1.0 as a scale (equal keys in Python) stay apart."""
+    dims = constants.ints(1, 2)
+    assert constants.ints(1, 2) is dims and dims.dtype == mx.int32 and dims.tolist() == [1, 2]
+    scale = constants.floats(1.0, 2.0)
+    assert scale.dtype == mx.float32 and scale is not dims and scale.tolist() == [1.0, 2.0]
+    placeholder = constants.floats(0.0, shape=(1, 1, 1, 1))
+    assert placeholder.shape == (1, 1, 1, 1) and constants.floats(0.0).shape == (1,)
 
 
 @on_gpu
@@ -193,7 +204,7 @@ def test_partition_kernel_chooses_as_the_operations(case):
     cfg = CaMConfig(budget=c["budget"], n_sink=c["n_sink"], recent=c["recent"], merge="mean", scoring="query")
     settled_m, positions_m, chunk_m = mx.array(settled), mx.array(positions), mx.array(chunk)
     losers, kept, scores, held_positions = compact_cuda.partition(settled_m, positions_m, chunk_m,
-                                                                  merge_cuda.ints(c["first"]), cfg)
+                                                                  constants.ints(c["first"]), cfg)
     want_positions = mx.concatenate([positions_m, mx.broadcast_to(c["first"] + mx.arange(s_len, dtype=mx.int32),
                                                                   (R, s_len))], axis=1)
     want_scores = mx.concatenate([settled_m + chunk_m[:, :n], chunk_m[:, n:]], axis=1)

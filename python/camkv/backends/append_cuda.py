@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import drop
+from . import constants, drop
 
 BITS = (4, 8)
 COPY_LIMIT_BYTES = 32 << 20  # the six buffers of one layer, in bytes, that a step may copy
@@ -92,7 +92,6 @@ _SOURCE = """
 """
 
 _kernel = None
-_firsts: dict[int, mx.array] = {}  # row -> int32 [1]: made once (an array from Python is a copy to the device)
 
 
 def _append_kernel():
@@ -104,12 +103,6 @@ def _append_kernel():
             output_names=["okc", "oks", "okb", "ovc", "ovs", "ovb"],
             source=_SOURCE, ensure_row_contiguous=False)
     return _kernel
-
-
-def _first(row: int) -> mx.array:
-    if row not in _firsts:
-        _firsts[row] = mx.array([row], mx.int32)
-    return _firsts[row]
 
 
 def buffer_bytes(buffers: tuple) -> int:
@@ -132,7 +125,7 @@ def write(key_buffers: tuple, value_buffers: tuple, keys: mx.array, values: mx.a
     buffers = (*key_buffers, *value_buffers)
     count = sum(a.size for a in buffers)
     out = _append_kernel()(
-        inputs=[*buffers, keys, values, _first(at)],
+        inputs=[*buffers, keys, values, constants.ints(at)],
         template=[("T", keys.dtype), ("BITS", bits), ("GS", group_size)],
         grid=(-(-count // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[a.shape for a in buffers], output_dtypes=[a.dtype for a in buffers])

@@ -40,6 +40,7 @@ import zlib
 import mlx.core as mx
 
 from . import drop
+from .constants import floats, ints
 
 _THREADS = 256
 _WARPS = _THREADS // 32
@@ -350,16 +351,6 @@ def available() -> bool:
     return drop.on_cuda() and drop.cuda_build()
 
 
-_int_arrays: dict[tuple, mx.array] = {}  # values -> int32 array, made once (an array from Python is a copy)
-
-
-def ints(*sizes: int) -> mx.array:
-    """An int32 array of these values (a launch's dims, a first position), made once."""
-    if sizes not in _int_arrays:
-        _int_arrays[sizes] = mx.array(sizes, mx.int32)
-    return _int_arrays[sizes]
-
-
 def _named(name: str, source: str) -> str:
     """A kernel's name with its text's checksum: MLX keeps compiled kernels by name, so a
     changed text (another version, a test's defect) never reuses another text's build."""
@@ -515,26 +506,10 @@ def spread_window(values, mass, loser_idx, kept_idx, own_values, scores, window:
     return own_values + sums[:, :, :dv], scores + sums[:, :, dv], merged
 
 
-_float_arrays: dict[tuple, mx.array] = {}
-
-
-def floats(*values: float) -> mx.array:
-    """A float32 array of these values (a launch's scale), made once."""
-    if values not in _float_arrays:
-        _float_arrays[values] = mx.array(values, mx.float32)
-    return _float_arrays[values]
-
-
-_constants: dict[tuple, mx.array] = {}  # (share_in, share_t) -> float32 [2], made once (a copy to the device)
-
-
 def _shares(share_in, share_t) -> mx.array:
     """The constant shares blend_nearest's kernels read where a rule's share is a number
     (0 where it is an array)."""
-    key = tuple(0.0 if isinstance(a, mx.array) else float(a) for a in (share_in, share_t))
-    if key not in _constants:
-        _constants[key] = mx.array(key, mx.float32)
-    return _constants[key]
+    return floats(*(0.0 if isinstance(a, mx.array) else float(a) for a in (share_in, share_t)))
 
 
 def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, share_in, share_t, mass,

@@ -26,7 +26,7 @@ import numpy as np
 from .. import gate, mass, merges, policy
 from ..config import CaMConfig
 from ..rows import RowState
-from . import compact_cuda, drop, merge_cuda, selfcheck
+from . import compact_cuda, constants, drop, merge_cuda, selfcheck
 
 _INF = float("inf")
 
@@ -125,7 +125,7 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
                                                             reducer(bias is not None, preferred), bias=bias)
     if merging and kernels and cfg.eviction == "score":  # the partition and the joined rows in one launch
         loser_idx, kept_idx, scores, positions = compact_cuda.partition(
-            settled.scores, settled.positions, chunk, merge_cuda.ints(first_pending), cfg)
+            settled.scores, settled.positions, chunk, constants.ints(first_pending), cfg)
     else:
         positions = mx.concatenate([settled.positions, mx.broadcast_to(
             first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
@@ -253,7 +253,7 @@ def _probe_with_kernels(p: dict) -> tuple:
     blend = merge_cuda.blend_nearest(p["rows"], None, p["own"], p["own"], p["scores"], p["targets"][:, :, 0],
                                      p["live"][:, :, 0], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
     gathered = Rows.split(*_probe_taken(p), key_norm=True, kernels=True)[1]
-    partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], merge_cuda.ints(60),
+    partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], constants.ints(60),
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
             blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import drop
+from . import constants, drop
 
 WARPS = 4  # warps a work group
 STEPS = 4  # row slots each warp slot reads in a stretch
@@ -208,17 +208,11 @@ _COMBINE = """
 
 _kernels: dict[tuple, object] = {}  # (kind, whole) -> its launch
 _ROW_INPUTS = {"quantized": ("kc", "ks", "kb", "vc", "vs", "vb"), "plain": ("keys", "values")}
-# Small inputs made once: an array made from Python is copied to the device each time it
-# is made, which at one step's scale costs more than the kernels.
-_constants: dict[object, mx.array] = {}
 
 
-def _constant(value: float | None) -> mx.array:
-    """The scale as a float32 [1] array, or (None) the placeholder of an absent mask."""
-    if value not in _constants:
-        _constants[value] = (mx.zeros((1, 1, 1, 1), mx.float32) if value is None
-                             else mx.array([value], mx.float32))
-    return _constants[value]
+def _no_mask() -> mx.array:
+    """The placeholder the kernel reads where there is no mask (has_mask false)."""
+    return constants.floats(0.0, shape=(1, 1, 1, 1))
 
 
 def here() -> bool:
@@ -305,7 +299,7 @@ def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float,
     G = Hq // H
     has_mask = mask is not None
     heads = B * H
-    inputs = [queries, *rows, mask if has_mask else _constant(None), _constant(float(scale))]
+    inputs = [queries, *rows, mask if has_mask else _no_mask(), constants.floats(float(scale))]
     if N <= WHOLE_ROWS:  # one work group a KV head reads all its rows and writes the output: one launch
         template = [("T", queries.dtype), ("D", D), ("G", G), *extra, ("WARPS", WARPS), ("ROWS", WHOLE_ROWS),
                     ("HAS_MASK", has_mask)]
