@@ -23,6 +23,10 @@ runs every merging rule's decode compressions but keepkv's (its registry entry's
 decodes_on_engine), so the arm differs from the rule's own for keepkv only.
 --engine-arms RULE ... adds RULE/engine: the rule with its decode compressions on the
 merge engine's MLX operations, as every rule ran them before that routing.
+--profile ARM ... runs, after the timed rounds, one prompt of each arm named (any arm
+of the run) under cProfile: the host's calls by their own time, where a prompt's time
+goes when the device waits for the host or the host for the device (MLX's evaluations
+show as the calls that wait).
 
     python bench/merge_speed.py --model random-demo --prompt-length 2048 --budget 256 \\
         --steps 32 --rounds 3
@@ -33,8 +37,10 @@ merge engine's MLX operations, as every rule ran them before that routing.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -87,8 +93,14 @@ def parse_args(argv=None):
                         help="also time these rules with their decode compressions on the merge engine's "
                              "operations, as before they moved to the kernel core (arms RULE/engine) "
                              "(default: none)")
+    parser.add_argument("--profile", nargs="*", default=[], metavar="ARM",
+                        help="after the timed rounds, one prompt of each of these arms under cProfile, its "
+                             "calls by own time (default: none)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file for the results (default none)")
     opts = parser.parse_args(argv)
+    unknown = sorted(set(opts.profile) - set(arms_of(opts)))
+    if unknown:
+        parser.error(f"--profile {' '.join(unknown)}: not an arm of this run; arms: {', '.join(arms_of(opts))}")
     try:
         CaMConfig(budget=opts.budget)
     except ValueError as err:
@@ -156,6 +168,28 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     return prefilled - tick, (done - prefilled) / opts.steps
 
 
+PROFILED_CALLS = 15  # the calls a profile lists, by own time
+
+
+def profile_prefill(model, arm: str, prompt: mx.array, opts) -> dict:
+    """One prompt of arm (to its first token) under cProfile: the seconds it took and
+    the PROFILED_CALLS calls of most own time, each with its count and cumulative time."""
+    profiler = cProfile.Profile()
+    one_step = argparse.Namespace(**{**vars(opts), "steps": 1})
+    profiler.enable()
+    prefill, _ = run_arm(model, arm, prompt, one_step)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILED_CALLS]
+    calls = [{"function": f"{Path(file).name}:{line}({name})", "calls": n, "own_ms": 1e3 * own,
+              "cumulative_ms": 1e3 * cumulative} for (file, line, name), (_, n, own, cumulative, _) in top]
+    print(f"{arm}: one prompt under cProfile, {1e3 * prefill:.1f} ms; calls by own time:")
+    for call in calls:
+        print(f"  {call['own_ms']:9.1f} ms own {call['cumulative_ms']:9.1f} ms cumulative {call['calls']:6d} "
+              f"calls  {call['function']}")
+    return {"prefill_ms": 1e3 * prefill, "calls": calls}
+
+
 def in_turn(arms: list[str], round_index: int) -> list[str]:
     first = round_index % len(arms)
     return arms[first:] + arms[:first]
@@ -220,6 +254,8 @@ def main(argv=None) -> dict:
                         "device": str(mx.default_device()), "machine": platform.machine(), "mlx": mx.__version__,
                         "command": " ".join(["python", "bench/merge_speed.py", *(argv or sys.argv[1:])])},
               "arms": summary}
+    if opts.profile:
+        result["profiles"] = {arm: profile_prefill(model, arm, prompt, opts) for arm in dict.fromkeys(opts.profile)}
     if opts.out is not None:
         opts.out.parent.mkdir(parents=True, exist_ok=True)
         opts.out.write_text(json.dumps(result, indent=1))

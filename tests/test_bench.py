@@ -160,6 +160,26 @@ def test_merge_speed_times_every_arm_in_turn_against_dropping(tmp_path, capsys):
     assert not hook.installed_modules()
 
 
+def test_merge_speed_profile_lists_each_named_arms_calls_by_own_time(capsys):
+    """--profile drop mean: after the rounds, one prompt of each under cProfile, the calls
+    of most own time first (camkv's compressions among them for a merging arm); an arm
+    the run does not have is refused with status 2, naming it and the run's arms."""
+    script = _load_bench_script("merge_speed")
+    base = ["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
+            "--steps", "2", "--rounds", "1", "--rules", "mean"]
+    result = script.main([*base, "--profile", "drop", "mean"])
+    assert list(result["profiles"]) == ["drop", "mean"]
+    for profile in result["profiles"].values():
+        own = [call["own_ms"] for call in profile["calls"]]
+        assert len(own) == script.PROFILED_CALLS and own == sorted(own, reverse=True)
+        assert profile["prefill_ms"] > 0 and all(c["cumulative_ms"] >= c["own_ms"] for c in profile["calls"])
+    assert "mean: one prompt under cProfile" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        script.main([*base, "--profile", "keepkv"])
+    assert stop.value.code == 2
+    assert "--profile keepkv: not an arm of this run; arms: rotating, drop, mean" in capsys.readouterr().err
+
+
 def test_merge_speed_core_arm_runs_decode_compressions_below_the_engine_threshold(monkeypatch):
     """--core-arms mean adds mean/core, during which the GPU engine's threshold is the
     slack + 2 (a decode compression's slack + 1 tokens go to the kernel core), restored
