@@ -8,7 +8,8 @@
 #                                     attention (mean/ops, keepkv/ops), keepkv/sdpa: its
 #                                     decode attention alone as before, every rule with its
 #                                     decode compressions on the merge engine as before
-#                                     (RULE/engine), and keepkv's in the kernel core (keepkv/core)
+#                                     (RULE/engine), and keepkv's in the kernel core (keepkv/core);
+#                                     then one prompt of drop, mean and keepkv under cProfile
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
@@ -55,12 +56,12 @@ run_part() {  # PART: one part's runs, JSON under $OUT
   local part=$1
   case $part in
     merges|merges1b|merges8b)
-      [ $part = merges8b ] || step 280 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
+      [ $part = merges8b ] || TAIL=70 step 280 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
         --budget 512 --steps 160 --rounds 3 --ops-arms mean keepkv --engine-arms $RULES --core-arms keepkv \
-        --out "$OUT/merge-speed-random-1b-8k.json"
-      [ $part = merges1b ] || step 420 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
+        --profile drop mean keepkv --out "$OUT/merge-speed-random-1b-8k.json"
+      [ $part = merges1b ] || TAIL=70 step 420 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
         --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --engine-arms $RULES --core-arms keepkv \
-        --out "$OUT/merge-speed-random-8b-16k.json" ;;
+        --profile drop mean keepkv --out "$OUT/merge-speed-random-8b-16k.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
         --chunk 2048 --repeats 5 --stages --ops-arms mean keepkv d2o --out "$OUT/merge-engine-8b-shape.json" ;;
