@@ -60,6 +60,9 @@ def test_launch_constants_are_made_once_per_value_dtype_and_shape():
     assert scale.dtype == mx.float32 and scale is not dims and scale.tolist() == [1.0, 2.0]
     placeholder = constants.floats(0.0, shape=(1, 1, 1, 1))
     assert placeholder.shape == (1, 1, 1, 1) and constants.floats(0.0).shape == (1,)
+    for first_pending in range(3 * constants.MAX_HELD):  # a value new at every compression
+        assert constants.ints(first_pending).tolist() == [first_pending]
+    assert len(constants._made) <= constants.MAX_HELD
 
 
 @on_gpu

@@ -1,8 +1,8 @@
 """Small arrays a kernel launch reads (its dims, a scale, a first row), each made once.
 
 An array made from Python values is a copy to the device each time it is made, which at
-a decode step's scale costs more than the kernels themselves; these live for the process,
-a few bytes for each distinct value.
+a decode step's scale costs more than the kernels themselves; these are kept, up to
+MAX_HELD of them (a few bytes each).
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import mlx.core as mx
 import numpy as np
 
 _made: dict[tuple, mx.array] = {}
+# Values that change with every compression (a first pending position) would grow the
+# store without end over a long generation; past this many it starts again.
+MAX_HELD = 1024
 
 
 def ints(*values: int) -> mx.array:
@@ -26,6 +29,8 @@ def floats(*values: float, shape: tuple | None = None) -> mx.array:
 def _once(values: tuple, dtype, shape: tuple | None = None) -> mx.array:
     key = (values, dtype, shape)
     if key not in _made:
+        if len(_made) >= MAX_HELD:
+            _made.clear()
         # Born with its data (no operation to evaluate, so no wait for the device).
         _made[key] = mx.array(np.array(values).reshape(shape or (len(values),)), dtype)
     return _made[key]
