@@ -20,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import mass
+from . import constants
 
 ROWS_PER_GROUP = 16
 
@@ -88,8 +89,8 @@ def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int, width
     logits [R, M, N] (float32, float16 or bfloat16), M = G x S with m = g * S + i."""
     rows, queries, _ = logits.shape
     groups_per_row = -(-queries // ROWS_PER_GROUP)
-    dims = mx.array([n_before, s_len, groups_per_row, width], mx.int32)
-    params = mx.array([scale, weight], mx.float32)
+    dims = constants.ints(n_before, s_len, groups_per_row, width)
+    params = constants.floats(float(scale), float(weight))
     partial = _kernel()(
         inputs=[logits, dims, params], template=[("T", logits.dtype)],
         grid=(rows * groups_per_row * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
