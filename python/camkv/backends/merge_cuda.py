@@ -99,7 +99,7 @@ _SCATTER = """
   for (long c = lane; c < C; c += 32) atomicAdd(into + c, source[c]);
 """
 
-_KEEP_HEADER = """
+_HEADER = """
 // An atomic maximum of floats (no NaN among them): a float of sign bit 0 orders as its
 // int bits, one of sign bit 1 (-0.0 too, which >= 0 would let through) reversed as its
 // unsigned bits.
@@ -114,6 +114,20 @@ __device__ inline float camkv_warp_dot(const float* a, const float* b, int n, in
   for (int c = lane; c < n; c += 32) dot = __fadd_rn(dot, __fmul_rn(a[c], b[c]));
   for (int o = 16; o > 0; o /= 2) dot = __fadd_rn(dot, __shfl_xor_sync(0xffffffffu, dot, o));
   return dot;
+}
+
+// keepkv's logit of a row, scale q.K: a warp's dot product (every lane holds it).
+__device__ inline float camkv_keep_logit(const float* key, const float* query, const float* scale, int Dk,
+                                         int lane) {
+  return __fmul_rn(scale[0], camkv_warp_dot(key, query, Dk, lane));
+}
+
+// weight x a loser's value row [Dv] and key row [Dk] added into its target's sums
+// (columns [0, Dv) and [Dv, Dv + Dk)), a warp's lanes over the columns.
+__device__ inline void camkv_add_rows(float* into, float weight, const float* value, int Dv, const float* key,
+                                      int Dk, int lane) {
+  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(weight, value[c]));
+  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(weight, key[c]));
 }
 """
 
@@ -168,8 +182,7 @@ _SPREAD = """
   if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
   const float share = SHARE_IN ? share_in[loser] : constants[0];
   float* into = sums + ((loser / k) * m + target[loser]) * (C + 3);
-  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(share, values[loser * Dv + c]));
-  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(share, keys[loser * Dk + c]));
+  camkv_add_rows(into, share, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
   if (lane == 0) {
     atomicAdd(into + C, share);
     atomicAdd(into + C + 1, 1.0f);
@@ -240,9 +253,8 @@ _KEEP_LOGITS = """
   const int lane = threadIdx.x & 31;
   if (loser >= rows * k) return;
   const long r = loser / k;
-  const float dot = camkv_warp_dot(keys + loser * Dk, query + r * Dk, Dk, lane);
+  const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
   if (lane == 0) {
-    const float l = __fmul_rn(scale[0], dot);
     logits[loser] = l;
     if (merging[loser]) {
       const long to = r * m + target[loser];
@@ -261,10 +273,8 @@ _KEEP_TOPS = """
   const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (j >= rows * m) return;
-  const long r = j / m;
-  const float dot = camkv_warp_dot(keys + j * Dk, query + r * Dk, Dk, lane);
+  const float l = camkv_keep_logit(keys + j * Dk, query + j / m * Dk, scale, Dk, lane);
   if (lane == 0) {
-    const float l = __fmul_rn(scale[0], dot);
     const bool fin = isfinite(l) && !(poisoned[j] > 0.0f);
     const float best = fin ? fmaxf(l, top_in[j]) : 0.0f;
     top[j] = best;
@@ -286,8 +296,7 @@ _KEEP_SPREAD = """
   const long to = (loser / k) * m + target[loser];
   const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(logits[loser] - top[to]) : 1.0f);
   float* into = sums + to * (C + 4);
-  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(mass_e, values[loser * Dv + c]));
-  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(mass_e, keys[loser * Dk + c]));
+  camkv_add_rows(into, mass_e, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
   if (lane == 0) {
     atomicAdd(into + C, mass_e);
     atomicAdd(into + C + 1, 1.0f);
@@ -372,8 +381,8 @@ def _kernel(name: str):
         elif name in _KEEP:
             source, inputs, outputs = _KEEP[name]
             _kernels[name] = mx.fast.cuda_kernel(
-                name=_named(f"camkv_{name}", _KEEP_HEADER + source), input_names=[*inputs, "dims"],
-                output_names=outputs, source=source, header=_KEEP_HEADER)
+                name=_named(f"camkv_{name}", _HEADER + source), input_names=[*inputs, "dims"],
+                output_names=outputs, source=source, header=_HEADER)
         elif name == "gather":
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_merge_gather", _GATHER),
@@ -383,9 +392,9 @@ def _kernel(name: str):
                 source=_GATHER)
         elif name == "spread":
             _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_blend_spread", _SPREAD),
+                name=_named("camkv_blend_spread", _HEADER + _SPREAD),
                 input_names=["values", "keys", "share_in", "mass", "target", "merging", "constants", "dims"],
-                output_names=["sums"], source=_SPREAD)
+                output_names=["sums"], source=_SPREAD, header=_HEADER)
         elif name == "finish":
             _kernels[name] = mx.fast.cuda_kernel(
                 name=_named("camkv_blend_finish", _FINISH),
