@@ -360,6 +360,11 @@ def available() -> bool:
     return drop.on_cuda() and drop.cuda_build()
 
 
+def _warp_per(items: int) -> tuple[int, int, int]:
+    """The grid of a launch with a warp per item (_WARPS items a work group)."""
+    return (-(-items // _WARPS) * _THREADS, 1, 1)
+
+
 def _named(name: str, source: str) -> str:
     """A kernel's name with its text's checksum: MLX keeps compiled kernels by name, so a
     changed text (another version, a test's defect) never reuses another text's build."""
@@ -419,9 +424,10 @@ def nearest(products: mx.array, norm_l: mx.array, norm_k: mx.array, positions: m
     dims = ints(rows, k, m, n_sink)
     target, found, cosine = _kernel("nearest")(
         inputs=[products, norm_k, positions, norm_l, dims],
-        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.bool_, mx.float32])
     return target, found, cosine
+
 
 def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -> mx.array:
     """sums [R, m, C] float32: for every survivor j, the sum of rows_in[r, e] over the
@@ -433,7 +439,7 @@ def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -
     dims = ints(rows, k, w, m, columns)
     return _kernel("scatter")(
         inputs=[rows_in, targets.astype(mx.int32), live, dims],
-        grid=(-(-edges // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        grid=_warp_per(edges), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, columns)], output_dtypes=[mx.float32], init_value=0.0)[0]
 
 
@@ -451,7 +457,7 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
         inputs=[keys, values, scores, positions, scores if votes is None else votes, loser_idx, kept_idx,
                 ints(rows, n, k, m, dk, dv)],
         template=[("VOTES", votes is not None)],
-        grid=(-(-rows * taken // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        grid=_warp_per(rows * taken), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
                        (rows, taken), (rows, taken), (rows, taken if votes is not None else 1)],
         output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32,
@@ -477,8 +483,8 @@ def keep_merge(losers, kept, target, merging, query, scale: float):
     survivors' keys and values float32, votes and scores plus the mass taken in."""
     rows, k, dk = losers.keys.shape
     m, dv = kept.keys.shape[1], kept.values.shape[2]
-    by_loser = (-(-rows * k // _WARPS) * _THREADS, 1, 1)
-    by_survivor = (-(-rows * m // _WARPS) * _THREADS, 1, 1)
+    by_loser = _warp_per(rows * k)
+    by_survivor = _warp_per(rows * m)
     block = (_THREADS, 1, 1)
     scale_ = floats(scale)
     logits, top_in, poisoned = _kernel("keep_logits")(
@@ -510,7 +516,7 @@ def spread_window(values, mass, loser_idx, kept_idx, own_values, scores, window:
     m = kept_idx.shape[1]
     sums, merged = _kernel("window")(
         inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
-        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, dv + 1), (rows,)], output_dtypes=[mx.float32, mx.int32], init_value=0.0)
     return own_values + sums[:, :, :dv], scores + sums[:, :, dv], merged
 
@@ -542,7 +548,7 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, s
         inputs=[values, values if keys is None else keys, share_in if per_loser else mass, mass, target, merging,
                 constants, ints(rows, k, m, Dv, Dk)],
         template=[("SHARE_IN", per_loser)],
-        grid=(-(-rows * k // _WARPS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, Dv + Dk + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
     threads = rows * m * (Dv + Dk)
     out_values, out_keys, out_scores = _kernel("finish")(
