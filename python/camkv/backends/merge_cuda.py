@@ -371,44 +371,36 @@ def _named(name: str, source: str) -> str:
     return f"{name}_{zlib.crc32(source.encode()):08x}"
 
 
+def _specs() -> dict[str, tuple]:
+    """Each kernel's (name, text, inputs, outputs, header), read from the module when a
+    kernel is built, so a test's patched text is the one compiled."""
+    specs = {
+        "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
+                    ["target", "found", "cosine"], ""),
+        "window": ("camkv_window_spread", _WINDOW, ["values", "mass", "loser_idx", "kept_idx", "dims"],
+                   ["sums", "merged"], ""),
+        "gather": ("camkv_merge_gather", _GATHER,
+                   ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
+                   ["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
+                    "out_value_norm", "out_votes"], ""),
+        "spread": ("camkv_blend_spread", _SPREAD,
+                   ["values", "keys", "share_in", "mass", "target", "merging", "constants", "dims"], ["sums"], _HEADER),
+        "finish": ("camkv_blend_finish", _FINISH,
+                   ["sums", "own_values", "own_keys", "share_t", "scores", "constants", "dims"],
+                   ["out_values", "out_keys", "out_scores"], ""),
+        "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
+    }
+    for name, (source, inputs, outputs) in _KEEP.items():
+        specs[name] = (f"camkv_{name}", source, [*inputs, "dims"], outputs, _HEADER)
+    return specs
+
+
 def _kernel(name: str):
     if name not in _kernels:
-        if name == "nearest":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_nearest_survivor", _NEAREST),
-                input_names=["products", "norm_k", "positions", "norm_l", "dims"],
-                output_names=["target", "found", "cosine"], source=_NEAREST)
-        elif name == "window":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_window_spread", _WINDOW),
-                input_names=["values", "mass", "loser_idx", "kept_idx", "dims"], output_names=["sums", "merged"],
-                source=_WINDOW)
-        elif name in _KEEP:
-            source, inputs, outputs = _KEEP[name]
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named(f"camkv_{name}", _HEADER + source), input_names=[*inputs, "dims"],
-                output_names=outputs, source=source, header=_HEADER)
-        elif name == "gather":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_merge_gather", _GATHER),
-                input_names=["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
-                output_names=["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
-                              "out_value_norm", "out_votes"],
-                source=_GATHER)
-        elif name == "spread":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_blend_spread", _HEADER + _SPREAD),
-                input_names=["values", "keys", "share_in", "mass", "target", "merging", "constants", "dims"],
-                output_names=["sums"], source=_SPREAD, header=_HEADER)
-        elif name == "finish":
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_blend_finish", _FINISH),
-                input_names=["sums", "own_values", "own_keys", "share_t", "scores", "constants", "dims"],
-                output_names=["out_values", "out_keys", "out_scores"], source=_FINISH)
-        else:
-            _kernels[name] = mx.fast.cuda_kernel(
-                name=_named("camkv_scatter_rows", _SCATTER), input_names=["rows_in", "targets", "live", "dims"],
-                output_names=["sums"], source=_SCATTER)
+        kernel_name, source, inputs, outputs, header = _specs()[name]
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=_named(kernel_name, header + source), input_names=inputs, output_names=outputs, source=source,
+            header=header)
     return _kernels[name]
 
 
