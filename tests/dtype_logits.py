@@ -7,7 +7,7 @@ by up to |l| 2^-(m+1), a softmax weight by up to twice that relatively (its own 
 its row's normaliser), so scores get |l| 2^-m more rtol for the call's largest logit.
 
 `emulate(monkeypatch)` makes this process score as that path does, on any device: the
-engine's reducer (camkv.backends.merge_ops.reducer, where it has no votes' bias, for any
+engine's reducer (camkv.backends.merge_ops.reducer, keepkv's votes' bias included, for any
 backend, as the CUDA backend's compressions run it) and the drop engine's compute their
 logits in the keys' dtype, and drop.on_cuda() answers True (so the tests widen as they
 would there). CAMKV_EMULATE_CUDA_LOGITS=1 runs tests/test_merge_ops.py's comparisons that way."""
@@ -45,23 +45,25 @@ def scoring_inputs(new_keys, queries, scale):
     return (queries, scale) if queries is not None else drop.key_queries(new_keys)
 
 
-def _dtype_block(queries, keys, scale, n_before, width):
+def _dtype_block(queries, keys, scale, n_before, width, bias=None):
     """One block's mass as the CUDA kernel makes it: logits a product in the keys' dtype,
-    softmax and sums in float32. Float32 products stay float32 here: on the H200 the
+    softmax and sums in float32, a bias [R, visible] (keepkv's log votes) joining every
+    scaled logit of its column. Float32 products stay float32 here: on the H200 the
     engine's float32 cases met the unwidened tolerance, so its matmul did not round them
     to TF32 (the widening still allows it)."""
     rows, groups, s_len, _ = queries.shape
     logits = mass.grouped_logits(queries, keys, keys.dtype).astype(mx.float32)
+    if bias is not None:  # scale * (l + b / scale): the kernel's scale * l + b to float32 rounding
+        logits = logits + bias[:, None, :] / scale
     return mass.column_mass(logits.reshape(rows, groups, s_len, -1), scale, n_before) / groups
 
 
-DTYPE_LOGITS = mass.Reducer("emulated-dtype-logits", _dtype_block, lambda keys: keys, lambda dtype: 4 * dtype.size)
+DTYPE_LOGITS = mass.Reducer("emulated-dtype-logits", _dtype_block, lambda keys: keys, lambda dtype: 4 * dtype.size,
+                            takes_bias=True)
 
 
 def emulate(monkeypatch) -> None:
     """Score chunks with dtype-level logits here, as drop.on_cuda()'s path does."""
-    real = merge_ops.reducer
     monkeypatch.setattr(drop, "on_cuda", lambda: True)
     monkeypatch.setattr(drop, "reducer", lambda kernels=None: DTYPE_LOGITS)
-    monkeypatch.setattr(merge_ops, "reducer",
-                        lambda bias, preferred=None: real(bias) if bias else DTYPE_LOGITS)
+    monkeypatch.setattr(merge_ops, "reducer", lambda bias, preferred=None: DTYPE_LOGITS)

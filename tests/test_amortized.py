@@ -260,9 +260,11 @@ def test_poisoned_token_is_evicted_first_and_leaves_other_rows_alone(poison, whe
 
 
 @pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
+@pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("n_before, s_len", [(0, 300), (512, 2048), (100, 7), (30, 1)])
-def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
-    """(Without an NVIDIA GPU, the kernel's text on CPU threads: tests/cuda_emulation.py.)"""
+def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len, biased):
+    """(Without an NVIDIA GPU, the kernel's text on CPU threads: tests/cuda_emulation.py.)
+    biased: a bias per row and column (keepkv's log votes) joins every scaled logit."""
     from camkv.backends import mass_cuda
 
     rng = np.random.default_rng(s_len)
@@ -272,11 +274,16 @@ def test_cuda_mass_kernels_match_the_mlx_operations(n_before, s_len):
     logits = q @ k.transpose(0, 2, 1)
     logits[0, 5, 3] = float("nan")  # a poisoned logit counts as masked
     width = n_before + s_len + 5  # columns past the logits' come back as zeros
+    bias = mx.log(mx.array(rng.integers(1, 9, (rows, n_before + s_len)).astype(np.float32))) if biased else None
     with cuda_emulation.kernels_here(mass_cuda):
-        got = mass_cuda.column_mass(logits, 0.2, n_before, s_len, width, 0.5)
-    want = 0.5 * mass.column_mass(logits.reshape(rows, groups, s_len, -1), 0.2, n_before)
+        got = mass_cuda.column_mass(logits, 0.2, n_before, s_len, width, 0.5, bias)
+    shifted = logits if bias is None else logits + bias[:, None, :] / 0.2  # scale * shifted = scale * logits + bias
+    want = 0.5 * mass.column_mass(shifted.reshape(rows, groups, s_len, -1), 0.2, n_before)
     want = mx.pad(want, [(0, 0), (0, 5)])
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+    if biased:
+        with pytest.raises(ValueError, match=r"bias must be float32 \[R, N\] = \[3, " + str(n_before + s_len)):
+            mass_cuda.column_mass(logits, 0.2, n_before, s_len, width, 0.5, bias[:, 1:])
 
 
 def test_the_callers_arrays_are_never_written():

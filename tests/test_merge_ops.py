@@ -148,10 +148,8 @@ def check_engine(cfg, first, s_len, *, rows, k_dim, v_dim, dtype, seed, queries_
 
 def _widening(cfg, joined: RowState, call) -> float:
     """What the engine's dtype-level logits add to the scores' rtol in this compression
-    (tests/dtype_logits.py; 0 on the CPU, and for keepkv, whose votes' bias keeps the
-    float32 products)."""
-    if merges.rule(cfg.merge).keeps_votes:
-        return 0.0
+    (tests/dtype_logits.py; 0 on the CPU). keepkv's too: its votes' bias joins logits of
+    the keys' dtype there."""
     new_keys, _, _, queries, scale = call
     queries, scale = dtype_logits.scoring_inputs(new_keys, queries, scale)
     return dtype_logits.widening(queries, joined.keys, scale, joined.keys.dtype)

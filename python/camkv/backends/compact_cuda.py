@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import constants
+
 _HEADER = """
 // Larger key = ranks higher. Protected rows outrank every score; a NaN ranks lowest.
 __device__ inline unsigned camkv_rank_key(float score, bool is_protected) {
@@ -193,7 +195,7 @@ def partition(settled_scores, settled_positions, mass, first_pending: mx.array, 
     the joined scores and positions give, in one launch."""
     rows, n = settled_scores.shape
     N, budget = mass.shape[1], cfg.budget
-    dims = mx.array([n, N, budget, cfg.n_sink, cfg.recent, rows, 0, 0, 0, 0], mx.int32)
+    dims = constants.ints(n, N, budget, cfg.n_sink, cfg.recent, rows, 0, 0, 0, 0)
     scores, positions, kept, losers = _partition_kernel()(
         inputs=[settled_scores, settled_positions, mass, dims, first_pending],
         grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
@@ -214,7 +216,7 @@ def drop_compact(keys, values, settled_scores, settled_positions, mass, pending_
     Dv = values.shape[3]
     rows, n = settled_scores.shape
     N, budget = mass.shape[1], cfg.budget
-    dims = mx.array([n, N, budget, cfg.n_sink, cfg.recent, H, cap_in, capacity, Dk, Dv], mx.int32)
+    dims = constants.ints(n, N, budget, cfg.n_sink, cfg.recent, H, cap_in, capacity, Dk, Dv)
     outputs = _compact_kernel()(
         inputs=[keys, values, settled_scores, settled_positions, mass, dims, pending_starts],
         template=[("T", keys.dtype)],

@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from .. import mass, policy
 from ..rows import RowState
-from . import compact_cuda, mass_cuda
+from . import compact_cuda, constants, mass_cuda
 
 _INF = float("inf")
 
@@ -157,6 +157,6 @@ def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positi
     held = keys[:, :, :end].reshape(rows, end, -1)
     mass = chunk_mass(queries, held, scale, n, cfg, end - n)
     if isinstance(first_pending, int):
-        first_pending = mx.full((keys.shape[0],), first_pending, mx.int32)
+        first_pending = constants.ints(*(first_pending,) * keys.shape[0])  # data, not a launch
     return compact_cuda.drop_compact(keys, values, settled_scores, settled_positions, mass, first_pending, cfg,
                                      capacity)

@@ -12,7 +12,8 @@ run to run.
 
 Masking is the same as the MLX path's: query m (chunk token i = m mod S) sees rows
 j <= n_before + i, a non-finite logit counts as masked, and a query with nothing
-visible adds nothing.
+visible adds nothing. A bias per row and column (keepkv's log votes, docs/algorithm.md
+section 4.6) joins every scaled logit of its column, as the reference adds it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import mass
+from . import constants
 
 ROWS_PER_GROUP = 16
 
@@ -30,6 +32,8 @@ _SOURCE = """
   const long r = blockIdx.x / groups_per_row, part = blockIdx.x % groups_per_row;
   const long m0 = part * ROWS, m1 = min(M, m0 + ROWS);
   const float scale = params[0], weight = params[1];
+  const bool biased = params[2] != 0.0f;
+  const float* column_bias = bias + r * N;  // read only where biased (else a placeholder)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   __shared__ float lse[ROWS];
   __shared__ long last_seen[ROWS];  // the last column query row m sees (no division per logit)
@@ -39,7 +43,7 @@ _SOURCE = """
     const T* row = logits + (r * M + m) * N;
     float top = -INFINITY, total = 0.0f;
     for (long j = lane; j < visible; j += 32) {
-      float x = static_cast<float>(row[j]) * scale;
+      float x = static_cast<float>(row[j]) * scale + (biased ? column_bias[j] : 0.0f);
       if (!isfinite(x)) continue;
       if (x > top) { total = total * expf(top - x) + 1.0f; top = x; }
       else { total += expf(x - top); }
@@ -61,7 +65,7 @@ _SOURCE = """
     for (int k = 0; k < m1 - m0 && j < N; ++k) {
       float l = lse[k];
       if (l == -INFINITY || j > last_seen[k]) continue;
-      float x = static_cast<float>(rows[k * N + j]) * scale;
+      float x = static_cast<float>(rows[k * N + j]) * scale + (biased ? column_bias[j] : 0.0f);
       if (isfinite(x)) sum += expf(x - l);
     }
     out[j] = sum * weight;
@@ -75,31 +79,36 @@ _THREADS = 256
 def _kernel():
     if "mass" not in _kernels:
         _kernels["mass"] = mx.fast.cuda_kernel(
-            name="camkv_column_mass", input_names=["logits", "dims", "params"], output_names=["partial"],
+            name="camkv_column_mass", input_names=["logits", "bias", "dims", "params"], output_names=["partial"],
             source=_SOURCE.replace("ROWS", str(ROWS_PER_GROUP)))
     return _kernels["mass"]
 
 
-def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int, width: int, weight: float = 1.0
-                ) -> mx.array:
-    """weight x the sum over query rows m of softmax_m(scale * logits[r, m, :])[j], masked as
-    above: [R, width] float32, zero past logits' N columns (width >= N).
+def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int, width: int, weight: float = 1.0,
+                bias: mx.array | None = None) -> mx.array:
+    """weight x the sum over query rows m of softmax_m(scale * logits[r, m, :] + bias[r])[j],
+    masked as above: [R, width] float32, zero past logits' N columns (width >= N).
 
-    logits [R, M, N] (float32, float16 or bfloat16), M = G x S with m = g * S + i."""
-    rows, queries, _ = logits.shape
+    logits [R, M, N] (float32, float16 or bfloat16), M = G x S with m = g * S + i; bias
+    [R, N] float32 or None (no bias)."""
+    rows, queries, columns = logits.shape
     groups_per_row = -(-queries // ROWS_PER_GROUP)
-    dims = mx.array([n_before, s_len, groups_per_row, width], mx.int32)
-    params = mx.array([scale, weight], mx.float32)
+    dims = constants.ints(n_before, s_len, groups_per_row, width)
+    params = constants.floats(float(scale), float(weight), 0.0 if bias is None else 1.0)
+    if bias is None:
+        bias = constants.floats(0.0)  # a placeholder the kernel does not read
+    elif bias.shape != (rows, columns) or bias.dtype != mx.float32:
+        raise ValueError(f"bias must be float32 [R, N] = {[rows, columns]}, got {bias.dtype} {list(bias.shape)}")
     partial = _kernel()(
-        inputs=[logits, dims, params], template=[("T", logits.dtype)],
+        inputs=[logits, bias, dims, params], template=[("T", logits.dtype)],
         grid=(rows * groups_per_row * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, groups_per_row, width)], output_dtypes=[mx.float32])[0]
     return partial.sum(axis=1)
 
 
-def _block(queries, keys, scale, n_before, width):
+def _block(queries, keys, scale, n_before, width, bias=None):
     logits = mass.grouped_logits(queries, keys, keys.dtype)
-    return column_mass(logits, scale, n_before, queries.shape[2], width, 1.0 / queries.shape[1])
+    return column_mass(logits, scale, n_before, queries.shape[2], width, 1.0 / queries.shape[1], bias)
 
 
 def _logit_bytes(dtype) -> int:
@@ -111,4 +120,4 @@ def _as_is(keys):
 
 
 # camkv.mass's reduction of a block of chunk queries by this kernel.
-REDUCER = mass.Reducer("cuda-kernel", _block, _as_is, _logit_bytes)
+REDUCER = mass.Reducer("cuda-kernel", _block, _as_is, _logit_bytes, takes_bias=True)

@@ -32,12 +32,13 @@ _INF = float("inf")
 
 
 def reducer(bias: bool, preferred: mass.Reducer | None = None) -> mass.Reducer:
-    """How a chunk's logits become mass here. With votes (bias: their logs join every
-    logit) the float32 products of the reference's arithmetic (split on an NVIDIA GPU,
-    whose matmul rounds to TF32); otherwise the backend's preferred reduction (the
-    extension's column sums on the CPU), or the drop engine's."""
-    if bias:
-        return mass.EXACT_SPLIT if drop.on_cuda() else mass.EXACT
+    """How a chunk's logits become mass here: the backend's preferred reduction (the
+    extension's column sums on the CPU), or the drop engine's (on an NVIDIA GPU one kernel
+    over logits in the keys' dtype, votes' logs included: section 8's widened score
+    tolerance). With votes (bias: their logs join every logit) elsewhere, the float32
+    products of the reference's arithmetic."""
+    if bias and not drop.on_cuda():
+        return mass.EXACT
     return drop.reducer() if preferred is None else preferred
 
 
