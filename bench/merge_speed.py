@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import platform
 import pstats
 import statistics
@@ -252,6 +253,8 @@ def main(argv=None) -> dict:
     print(table(summary))
     result = {"setup": {**vars(opts), "out": None if opts.out is None else str(opts.out),
                         "device": str(mx.default_device()), "machine": platform.machine(), "mlx": mx.__version__,
+                        # MLX's settings from the environment (its CUDA graphs move a merging prompt's time)
+                        "mlx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")},
                         "command": " ".join(["python", "bench/merge_speed.py", *(argv or sys.argv[1:])])},
               "arms": summary}
     if opts.profile:

@@ -10,6 +10,10 @@
 #                                     decode compressions on the merge engine as before
 #                                     (RULE/engine), and keepkv's in the kernel core (keepkv/core);
 #                                     then one prompt of drop, mean and keepkv under cProfile
+#   bash bench/gpu/speed.sh graphs    drop's, mean's and keepkv's prompts (random-8b 16k @ 2048,
+#                                     then random-1b 8k @ 512) under MLX's CUDA graph settings:
+#                                     as installed, MLX_USE_CUDA_GRAPHS=0, MLX_MAX_OPS_PER_BUFFER=100,
+#                                     as installed again (about 5 minutes)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
@@ -62,6 +66,16 @@ run_part() {  # PART: one part's runs, JSON under $OUT
       [ $part = merges1b ] || TAIL=70 step 420 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
         --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --engine-arms $RULES --core-arms keepkv \
         --profile drop mean keepkv --out "$OUT/merge-speed-random-8b-16k.json" ;;
+    graphs)
+      local i=0 setting
+      for setting in "" MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=100 ""; do
+        i=$((i + 1))
+        echo "-- MLX settings: ${setting:-as installed}"
+        TAIL=7 step 120 env $setting python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
+          --budget 2048 --steps 16 --rounds 1 --rules mean keepkv --out "$OUT/graphs-random-8b-$i.json"
+        TAIL=7 step 60 env $setting python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
+          --budget 512 --steps 64 --rounds 2 --rules mean keepkv --out "$OUT/graphs-random-1b-$i.json"
+      done ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
         --chunk 2048 --repeats 5 --stages --ops-arms mean keepkv d2o --out "$OUT/merge-engine-8b-shape.json" ;;
@@ -94,7 +108,7 @@ run_part() {  # PART: one part's runs, JSON under $OUT
     batchstep)
       step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, engine, decode8b, decodehost, qstep, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, graphs, engine, decode8b, decodehost, qstep, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 }
 if [ -z "${BEFORE:-}" ]; then
