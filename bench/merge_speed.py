@@ -29,6 +29,11 @@ compressions (the nearest search's losers by survivors) evaluated as work of its
 records that cuBLAS product in a CUDA graph by itself: whether the graphs that hold it
 are what a merging prompt pays for beyond dropping (bench/results/README.md, "Where a
 merging prompt's extra time goes").
+--direct-arms RULE ... adds RULE/direct: the rule with its nearest search on CUDA by
+camkv.backends.merge_cuda.nearest_direct (the dot products taken in one kernel, no
+matrix product; camkv.backends.merge_ops.NEAREST_WITHOUT_PRODUCT), checked first against
+the product's kernel on a small problem (an arm whose check fails is left out, with the
+reason, under "left_out" in the JSON).
 --profile ARM ... runs, after the timed rounds, one prompt of each arm named (any arm
 of the run) under cProfile: the host's calls by their own time, where a prompt's time
 goes when the device waits for the host or the host for the device (MLX's evaluations
@@ -54,6 +59,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache
 
@@ -72,6 +78,7 @@ SDPA = "/sdpa"  # an arm's suffix: the rule without camkv's weighed attention (m
 CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the kernel core
 ENGINE = "/engine"  # an arm's suffix: the rule with its decode compressions on the merge engine
 FENCED = "/fenced"  # an arm's suffix: the rule with each float32 product of a compression evaluated alone
+DIRECT = "/direct"  # an arm's suffix: the rule with its nearest search's dot products in one kernel (CUDA)
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -104,6 +111,9 @@ def parse_args(argv=None):
     parser.add_argument("--fenced-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
                         help="also time these rules with each float32 product of their compressions evaluated "
                              "as work of its own (arms RULE/fenced) (default: none)")
+    parser.add_argument("--direct-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="on an NVIDIA GPU, also time these rules with the nearest search's dot products "
+                             "taken in one kernel, no matrix product (arms RULE/direct) (default: none)")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ARM",
                         help="after the timed rounds, one prompt of each of these arms under cProfile, its "
                              "calls by own time (default: none)")
@@ -136,6 +146,8 @@ def arms_of(opts) -> list[str]:
     without += [rule + CORE for rule in dict.fromkeys(opts.core_arms) if rule != DROP]
     without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
     without += [rule + FENCED for rule in dict.fromkeys(opts.fenced_arms) if rule != DROP]
+    if merge_cuda.available():
+        without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms) if merges.rule(rule).kind == merges.NEAREST]
     return [ROTATING, DROP] + rules + without
 
 
@@ -151,13 +163,15 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
     verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
         compress.OPERATIONS_FROM_TOKENS
-    routing, product = compress.by_operations, mass.float32_product
+    routing, product, direct = compress.by_operations, mass.float32_product, merge_ops.NEAREST_WITHOUT_PRODUCT
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
         compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
     if arm.endswith(ENGINE):  # the routing before decode compressions moved to the kernel core
         compress.by_operations = compress.gpu_chunk
     if arm.endswith(FENCED):
         mass.float32_product = fenced(product)
+    if arm.endswith(DIRECT):
+        merge_ops.NEAREST_WITHOUT_PRODUCT = True
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
     if arm.endswith((OPS, SDPA)):
@@ -178,6 +192,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
         compress.OPERATIONS_FROM_TOKENS = from_tokens
         compress.by_operations = routing
         mass.float32_product = product
+        merge_ops.NEAREST_WITHOUT_PRODUCT = direct
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps
@@ -220,9 +235,36 @@ def in_turn(arms: list[str], round_index: int) -> list[str]:
     return arms[first:] + arms[:first]
 
 
-def measure(model, prompt: mx.array, opts) -> dict[str, dict[str, list[float]]]:
-    """arm -> {"prefill_s": [...], "decode_step_s": [...]}, one entry a timed round."""
+def direct_check() -> str | None:
+    """Why the RULE/direct arms cannot run here (None where they can): the dot-product
+    kernel's nearest survivors against the product kernel's, on random keys (no ties)."""
+    rng = np.random.default_rng(0)
+    losers, kept = (mx.array(rng.standard_normal((2, n, 64)).astype(np.float32)) for n in (70, 90))
+    positions = mx.broadcast_to(mx.arange(90, dtype=mx.int32), (2, 90))
+    try:
+        want = merge_ops._nearest(losers, kept, positions, 4, False, kernels=True)
+        got = merge_cuda.nearest_direct(losers, kept, *(merges.feature_norm(k) for k in (losers, kept)), positions, 4)
+        same = (mx.array_equal(got[0], want[0]) and mx.array_equal(got[1], want[1])
+                and mx.allclose(got[2], want[2], rtol=1e-4, atol=1e-5))
+        return None if same.item() else "its nearest survivors differ from the product kernel's"
+    except Exception as err:  # a kernel that does not compile here, say
+        return f"{type(err).__name__}: {err}"
+
+
+def runnable_arms(opts) -> tuple[list[str], dict[str, str]]:
+    """arms_of(opts) less those whose check fails here, and why each of those is left out."""
     arms = arms_of(opts)
+    reason = direct_check() if any(arm.endswith(DIRECT) for arm in arms) else None
+    left_out = {arm: reason for arm in arms if reason is not None and arm.endswith(DIRECT)}
+    for arm, why in left_out.items():
+        print(f"{arm} left out: {why}", flush=True)
+    return [arm for arm in arms if arm not in left_out], left_out
+
+
+def measure(model, prompt: mx.array, opts, arms: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
+    """arm -> {"prefill_s": [...], "decode_step_s": [...]}, one entry a timed round (arms:
+    arms_of(opts) by default)."""
+    arms = arms_of(opts) if arms is None else arms
     times = {arm: {"prefill_s": [], "decode_step_s": []} for arm in arms}
     for round_index in range(opts.rounds + 1):
         for arm in in_turn(arms, round_index):
@@ -273,14 +315,15 @@ def main(argv=None) -> dict:
     model = load_model(opts.model)
     vocab = getattr(getattr(model, "args", None), "vocab_size", 1000)
     prompt = mx.random.randint(0, min(vocab, 1000), (opts.prompt_length,), key=mx.random.key(0))
-    summary = summarize(measure(model, prompt, opts))
+    arms, left_out = runnable_arms(opts)
+    summary = summarize(measure(model, prompt, opts, arms))
     print(table(summary))
     result = {"setup": {**vars(opts), "out": None if opts.out is None else str(opts.out),
                         "device": str(mx.default_device()), "machine": platform.machine(), "mlx": mx.__version__,
                         # MLX's settings from the environment (its CUDA graphs move a merging prompt's time)
                         "mlx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")},
                         "command": " ".join(["python", "bench/merge_speed.py", *(argv or sys.argv[1:])])},
-              "arms": summary}
+              "arms": summary, "left_out": left_out}
     if opts.profile:
         result["profiles"] = {arm: profile_prefill(model, arm, prompt, opts) for arm in dict.fromkeys(opts.profile)}
     if opts.out is not None:

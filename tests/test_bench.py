@@ -247,6 +247,34 @@ def test_merge_speed_fenced_arm_evaluates_each_float32_product_alone(monkeypatch
     assert evaluated == [2, 1]
 
 
+def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
+    """Where the merge kernels run (pretended, their text emulated), --direct-arms mean
+    adds mean/direct, during which merge_ops.NEAREST_WITHOUT_PRODUCT is on, off again
+    after; a dot-product kernel that fails its check leaves the arm out, with the reason
+    in the JSON. Elsewhere there is no such arm."""
+    import cuda_emulation
+    from camkv.backends import merge_cuda, merge_ops
+
+    if not cuda_emulation.here():
+        pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
+    script = _load_bench_script("merge_speed")
+    argv = ["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48", "--steps", "4",
+            "--rounds", "1", "--rules", "mean", "--direct-arms", "mean"]
+    assert "mean/direct" not in script.arms_of(script.parse_args(argv))  # no kernels here
+    monkeypatch.setattr(merge_cuda, "available", lambda: True)
+    seen = []
+    monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
+                        seen.append(merge_ops.NEAREST_WITHOUT_PRODUCT) or real_step(*a, **k))
+    with cuda_emulation.kernels_here(merge_cuda):
+        result = script.main(argv)
+        assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/direct"] and result["left_out"] == {}
+        assert seen.count(True) == 2 and merge_ops.NEAREST_WITHOUT_PRODUCT is False  # warm and timed rounds
+        monkeypatch.setattr(merge_cuda, "nearest_direct", lambda *a: (a[0][..., 0].astype(mx.int32),) * 3)
+        result = script.main(argv)
+    assert list(result["arms"]) == ["rotating", "drop", "mean"]
+    assert "differ" in result["left_out"]["mean/direct"] or "Error" in result["left_out"]["mean/direct"]
+
+
 def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
     script = _load_bench_script("merge_speed")
     with pytest.raises(SystemExit) as exit_info:

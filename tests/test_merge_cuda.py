@@ -65,10 +65,19 @@ def test_launch_constants_are_made_once_per_value_dtype_and_shape():
     assert len(constants._made) <= constants.MAX_HELD
 
 
+@pytest.fixture(params=["product", "direct"])
+def nearest_search(request, monkeypatch):
+    """The nearest search's kernels: over the matrix product (merge_cuda.nearest), or the
+    dot products taken in the kernel (merge_cuda.nearest_direct)."""
+    monkeypatch.setattr(merge_ops, "NEAREST_WITHOUT_PRODUCT", request.param == "direct")
+    return request.param
+
+
 @on_gpu
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
 @given(nearest_cases())
-def test_nearest_survivor_kernel_matches_the_operations(case):
+def test_nearest_survivor_kernel_matches_the_operations(nearest_search, case):
     """t, found and the cosine as merge_ops._nearest's MLX operations give them: the same
     target wherever the best cosine is not a near-tie (section 8), equal found, cosines
     within float32 summation-order rounding."""
@@ -105,7 +114,7 @@ def test_nearest_survivor_kernel_matches_the_operations(case):
 
 
 @on_gpu
-def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals():
+def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals(nearest_search):
     """Adversarial by construction: the best survivor is a sink (excluded); the next best
     appears at 1, 33, 65 and 129 (one lane's survivors in the kernel) and at 2 (another
     lane's), which must give 1, the first; a row whose every survivor is a sink has none."""
@@ -298,10 +307,10 @@ def test_scatter_kernel_sums_as_the_scatter_add(case):
 @pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("merge", MERGING)
-def test_the_engine_with_its_kernels_matches_the_reference(merge, dtype):
+def test_the_engine_with_its_kernels_matches_the_reference(merge, dtype, nearest_search):
     """tests/test_merge_ops.py's fixed case (about 56 losers for at most 13 non-sink
     survivors, gate on, query scoring, merge_keys where allowed) by the engine with its
-    kernels, tie-aware against the reference."""
+    kernels (either nearest search), tie-aware against the reference."""
     cfg = CaMConfig(budget=16, n_sink=2, recent=3, merge=merge, window=3, prefill="chunk", gate=True, seed=5,
                     scoring="query", merge_keys=merges.rule(merge).keys_allowed)
     seen = check_engine(cfg, 30, 60, rows=3, k_dim=16, v_dim=12, dtype=DTYPES[dtype], seed=3, queries_per_kv=3)

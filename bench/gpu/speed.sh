@@ -11,10 +11,11 @@
 #                                     (RULE/engine), and keepkv's in the kernel core (keepkv/core);
 #                                     then one prompt of drop, mean and keepkv under cProfile
 #   bash bench/gpu/speed.sh graphs    drop's, window's, mean's and keepkv's prompts (random-8b 16k @
-#                                     2048, then random-1b 8k @ 512), mean and keepkv also with their
-#                                     nearest search's product evaluated alone (RULE/fenced), under
-#                                     MLX's CUDA graph settings: as installed, MLX_USE_CUDA_GRAPHS=0,
-#                                     MLX_MAX_OPS_PER_BUFFER=1, as installed again (about 7 minutes)
+#                                     2048), mean and keepkv also with their nearest search's product
+#                                     evaluated alone (RULE/fenced) and without a product (RULE/direct),
+#                                     under MLX's CUDA graph settings: as installed, MLX_USE_CUDA_GRAPHS=0,
+#                                     as installed again (then random-1b 8k @ 512 as installed), and
+#                                     MLX_MAX_OPS_PER_BUFFER=1 (about 7 minutes)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
@@ -68,16 +69,16 @@ run_part() {  # PART: one part's runs, JSON under $OUT
         --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --engine-arms $RULES --core-arms keepkv \
         --profile drop mean keepkv --out "$OUT/merge-speed-random-8b-16k.json" ;;
     graphs)
-      local i=0 setting
-      for setting in "" MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=1 ""; do
+      local i=0 setting arms="--rules window mean keepkv --fenced-arms mean keepkv --direct-arms mean keepkv"
+      for setting in "" MLX_USE_CUDA_GRAPHS=0 "" MLX_MAX_OPS_PER_BUFFER=1; do
         i=$((i + 1))
         echo "-- MLX settings: ${setting:-as installed}"
-        TAIL=9 step 130 env $setting python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
-          --budget 2048 --steps 16 --rounds 1 --rules window mean keepkv --fenced-arms mean keepkv \
-          --out "$OUT/graphs-random-8b-$i.json"
-        TAIL=9 step 60 env $setting python3 bench/merge_speed.py --model random-1b --prompt-length 8192 \
-          --budget 512 --steps 64 --rounds 2 --rules window mean keepkv --fenced-arms mean keepkv \
-          --out "$OUT/graphs-random-1b-$i.json"
+        TAIL=11 step 120 env $setting python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
+          --budget 2048 --steps 16 --rounds 1 $arms --out "$OUT/graphs-random-8b-$i.json"
+        if [ $i = 3 ]; then
+          TAIL=11 step 70 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 \
+            --steps 64 --rounds 2 $arms --out "$OUT/graphs-random-1b.json"
+        fi
       done ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \

@@ -86,6 +86,91 @@ _NEAREST = """
   }
 """
 
+_NEAREST_DIRECT = """
+  // nearest's result without the products in memory: the dot products of a tile of TL
+  // losers by a tile of TS survivors at a time, from keys in shared memory (DC channels at
+  // a time). dims: R rows, k losers, m survivors, n_sink, D channels. A work group of
+  // 256 threads per (row, tile of losers); thread (ty, tx) of 16 x 16 takes losers ty +
+  // 16 i and survivors tx + 16 j (i, j < 4) of each tile.
+  constexpr int TL = 64, TS = 64, DC = 32, T = 16, PER = 4;
+  const int k = dims[1], m = dims[2], n_sink = dims[3], D = dims[4];
+  const int tiles = (k + TL - 1) / TL;
+  const int r = blockIdx.x / tiles, l0 = (blockIdx.x % tiles) * TL;
+  const int tx = threadIdx.x % T, ty = threadIdx.x / T;
+  __shared__ float tile_l[TL][DC + 1];
+  __shared__ float tile_s[TS][DC + 1];
+  const float* keys_l = losers + (long)r * k * D;
+  const float* keys_s = kept + (long)r * m * D;
+  float best[PER], best_dot[PER], first_dot[PER];
+  int best_at[PER];
+  for (int i = 0; i < PER; ++i) {
+    best[i] = -INFINITY;
+    best_dot[i] = first_dot[i] = 0.0f;
+    best_at[i] = 0;
+  }
+  for (int s0 = 0; s0 < m; s0 += TS) {
+    float acc[PER][PER];
+    for (int i = 0; i < PER; ++i)
+      for (int j = 0; j < PER; ++j) acc[i][j] = 0.0f;
+    for (int d0 = 0; d0 < D; d0 += DC) {
+      for (int e = threadIdx.x; e < TL * DC; e += blockDim.x) {
+        const int row = e / DC, d = d0 + e % DC;
+        tile_l[row][e % DC] = (l0 + row < k && d < D) ? keys_l[(long)(l0 + row) * D + d] : 0.0f;
+        tile_s[row][e % DC] = (s0 + row < m && d < D) ? keys_s[(long)(s0 + row) * D + d] : 0.0f;
+      }
+      __syncthreads();
+      for (int d = 0; d < DC; ++d) {
+        float a[PER], b[PER];
+        for (int i = 0; i < PER; ++i) a[i] = tile_l[ty + T * i][d];
+        for (int j = 0; j < PER; ++j) b[j] = tile_s[tx + T * j][d];
+        for (int i = 0; i < PER; ++i)
+          for (int j = 0; j < PER; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+      }
+      __syncthreads();
+    }
+    // A thread's survivors rise (j, then tiles), so a strict comparison keeps the first of equals.
+    for (int j = 0; j < PER; ++j) {
+      const int s = s0 + tx + T * j;
+      if (s >= m) break;
+      const float norm = norm_k[(long)r * m + s];
+      const bool candidate = positions[(long)r * m + s] >= n_sink && norm < INFINITY;
+      for (int i = 0; i < PER; ++i) {
+        if (s == 0) first_dot[i] = acc[i][j];
+        const float ranked = acc[i][j] / fmaxf(norm, 1e-12f);
+        if (candidate && ranked > best[i]) {
+          best[i] = ranked;
+          best_at[i] = s;
+          best_dot[i] = acc[i][j];
+        }
+      }
+    }
+  }
+  // The 16 threads of a loser are 16 neighbouring lanes of one warp.
+  for (int i = 0; i < PER; ++i) {
+    for (int o = T / 2; o > 0; o /= 2) {
+      const float other = __shfl_xor_sync(0xffffffffu, best[i], o);
+      const int other_at = __shfl_xor_sync(0xffffffffu, best_at[i], o);
+      const float other_dot = __shfl_xor_sync(0xffffffffu, best_dot[i], o);
+      if (other > best[i] || (other == best[i] && other != -INFINITY && other_at < best_at[i])) {
+        best[i] = other;
+        best_at[i] = other_at;
+        best_dot[i] = other_dot;
+      }
+    }
+    const int l = l0 + ty + T * i;
+    if (tx == 0 && l < k) {  // the thread that holds survivor 0's dot product
+      const long loser = (long)r * k + l;
+      const float norm_e = norm_l[loser];
+      const bool has = best[i] > -INFINITY && norm_e < INFINITY;
+      const int t = has ? best_at[i] : 0;
+      target[loser] = t;
+      found[loser] = has;
+      cosine[loser] = (best[i] > -INFINITY ? best_dot[i] : first_dot[i])
+                      / fmaxf(__fmul_rn(norm_e, norm_k[(long)r * m + t]), 1e-12f);
+    }
+  }
+"""
+
 _SCATTER = """
   // dims: R rows, k losers, w target slots a loser, m survivors, C columns. A warp per (loser, slot).
   const long rows = dims[0], k = dims[1], w = dims[2], m = dims[3], C = dims[4];
@@ -377,6 +462,9 @@ def _specs() -> dict[str, tuple]:
     specs = {
         "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
                     ["target", "found", "cosine"], ""),
+        "nearest_direct": ("camkv_nearest_direct", _NEAREST_DIRECT,
+                           ["losers", "kept", "norm_k", "positions", "norm_l", "dims"], ["target", "found", "cosine"],
+                           ""),
         "window": ("camkv_window_spread", _WINDOW, ["values", "mass", "loser_idx", "kept_idx", "dims"],
                    ["sums", "merged"], ""),
         "gather": ("camkv_merge_gather", _GATHER,
@@ -402,6 +490,23 @@ def _kernel(name: str):
             name=_named(kernel_name, header + source), input_names=inputs, output_names=outputs, source=source,
             header=header)
     return _kernels[name]
+
+
+def nearest_direct(losers: mx.array, kept: mx.array, norm_l: mx.array, norm_k: mx.array, positions: mx.array,
+                   n_sink: int):
+    """nearest's t, found and cosine from the keys themselves, losers [R, k, D] and
+    survivors [R, m, D] (float32): the dot products tile by tile in one launch, never the
+    [R, k, m] products in memory, and no matrix product (MLX's CUDA build records its
+    cuBLAS products in CUDA graphs: bench/results/README.md, "Where a merging prompt's
+    extra time goes"). Products summed in float32 in channel order: within section 8's
+    near-tie of the matrix product's."""
+    rows, k, dim = losers.shape
+    m = kept.shape[1]
+    tiles = -(-k // 64)  # the kernel's TL losers a work group
+    return tuple(_kernel("nearest_direct")(
+        inputs=[losers, kept, norm_k, positions, norm_l, ints(rows, k, m, n_sink, dim)],
+        grid=(rows * tiles * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.bool_, mx.float32]))
 
 
 def nearest(products: mx.array, norm_l: mx.array, norm_k: mx.array, positions: mx.array, n_sink: int):

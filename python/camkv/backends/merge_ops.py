@@ -153,6 +153,10 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
                     merged.threshold), merged.count
 
 
+# On CUDA, the nearest search by merge_cuda.nearest_direct (dot products in one kernel) instead of
+# a matrix product and merge_cuda.nearest: off, and timed as bench/merge_speed.py's RULE/direct arms.
+NEAREST_WITHOUT_PRODUCT = False
+
 _probe: dict[str, str | None] = {}  # "failure": None once the kernels passed, else why they did not
 
 
@@ -413,6 +417,8 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     (losers', survivors'; Rows.split's) where already computed."""
     norm_l, norm_k = (merges.feature_norm(keys) if norm is None else norm
                       for keys, norm in zip((loser_keys, kept_keys), norms))
+    if kernels and NEAREST_WITHOUT_PRODUCT:
+        return merge_cuda.nearest_direct(loser_keys, kept_keys, norm_l, norm_k, kept_positions, n_sink)
     products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
     if kernels:
         return merge_cuda.nearest(products, norm_l, norm_k, kept_positions, n_sink)
