@@ -103,14 +103,17 @@ _NEAREST_DIRECT = """
   const float* keys_s = kept + (long)r * m * D;
   float best[PER], best_dot[PER], first_dot[PER];
   int best_at[PER];
+  #pragma unroll
   for (int i = 0; i < PER; ++i) {
     best[i] = -INFINITY;
     best_dot[i] = first_dot[i] = 0.0f;
     best_at[i] = 0;
   }
   for (int s0 = 0; s0 < m; s0 += TS) {
-    float acc[PER][PER];
+    float acc[PER][PER];  // in registers: every loop over i and j is unrolled
+    #pragma unroll
     for (int i = 0; i < PER; ++i)
+      #pragma unroll
       for (int j = 0; j < PER; ++j) acc[i][j] = 0.0f;
     for (int d0 = 0; d0 < D; d0 += DC) {
       for (int e = threadIdx.x; e < TL * DC; e += blockDim.x) {
@@ -121,19 +124,25 @@ _NEAREST_DIRECT = """
       __syncthreads();
       for (int d = 0; d < DC; ++d) {
         float a[PER], b[PER];
+        #pragma unroll
         for (int i = 0; i < PER; ++i) a[i] = tile_l[ty + T * i][d];
+        #pragma unroll
         for (int j = 0; j < PER; ++j) b[j] = tile_s[tx + T * j][d];
+        #pragma unroll
         for (int i = 0; i < PER; ++i)
+          #pragma unroll
           for (int j = 0; j < PER; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
       }
       __syncthreads();
     }
     // A thread's survivors rise (j, then tiles), so a strict comparison keeps the first of equals.
+    #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int s = s0 + tx + T * j;
       if (s >= m) break;
       const float norm = norm_k[(long)r * m + s];
       const bool candidate = positions[(long)r * m + s] >= n_sink && norm < INFINITY;
+      #pragma unroll
       for (int i = 0; i < PER; ++i) {
         if (s == 0) first_dot[i] = acc[i][j];
         const float ranked = acc[i][j] / fmaxf(norm, 1e-12f);
@@ -146,6 +155,7 @@ _NEAREST_DIRECT = """
     }
   }
   // The 16 threads of a loser are 16 neighbouring lanes of one warp.
+  #pragma unroll
   for (int i = 0; i < PER; ++i) {
     for (int o = T / 2; o > 0; o /= 2) {
       const float other = __shfl_xor_sync(0xffffffffu, best[i], o);
