@@ -275,6 +275,41 @@ def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_i
     assert "differ" in result["left_out"]["mean/direct"] or "Error" in result["left_out"]["mean/direct"]
 
 
+def test_step_calls_times_each_call_and_leaves_out_what_needs_cuda(tmp_path, capsys):
+    """bench/step_calls.py: every arm that runs here has a build time and a pipelined
+    time; without an NVIDIA GPU the CUDA-only arms are left out with the reason; bad
+    arguments stop with status 2, naming the value."""
+    from camkv.backends import drop
+
+    script = _load_bench_script("step_calls")
+    out = tmp_path / "calls.json"
+    result = script.main(["--rows", "64", "--layers", "3", "--steps", "4", "--out", str(out)])
+    assert json.loads(out.read_text())["arms"] == result["arms"]
+    missing = [] if drop.on_cuda() else list(script.CUDA_ONLY)
+    assert list(result["arms"]) == [arm for arm in script.ARMS if arm not in missing]
+    assert all(t["build_us"] > 0 and t["pipelined_us"] > 0 for t in result["arms"].values())
+    assert sorted(result["left_out"]) == sorted(missing)
+    assert all("CUDA" in why for why in result["left_out"].values())
+    with pytest.raises(SystemExit) as stop:
+        script.main(["--group-size", "128", "--head-dim", "64"])
+    assert stop.value.code == 2 and "--group-size 128" in capsys.readouterr().err
+
+
+def test_step_calls_cuda_arms_run_their_kernels(monkeypatch):
+    """The CUDA-only arms of bench/step_calls.py as on an NVIDIA GPU (there, or their
+    kernels' text emulated): each arm's chain of calls runs and is timed."""
+    import cuda_emulation
+    from camkv.backends import append_cuda, drop, quantized_cuda
+
+    if not cuda_emulation.here():
+        pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
+    script = _load_bench_script("step_calls")
+    monkeypatch.setattr(drop, "on_cuda", lambda: True)
+    with cuda_emulation.kernels_here(append_cuda, quantized_cuda, script):
+        result = script.main(["--rows", "40", "--layers", "2", "--steps", "2", "--arms", *script.CUDA_ONLY])
+    assert list(result["arms"]) == list(script.CUDA_ONLY) and result["left_out"] == {}
+
+
 def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
     script = _load_bench_script("merge_speed")
     with pytest.raises(SystemExit) as exit_info:

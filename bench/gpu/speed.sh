@@ -16,6 +16,11 @@
 #                                     under MLX's CUDA graph settings: as installed, MLX_USE_CUDA_GRAPHS=0,
 #                                     as installed again (then random-1b 8k @ 512 as installed), and
 #                                     MLX_MAX_OPS_PER_BUFFER=1 (about 7 minutes)
+#   bash bench/gpu/speed.sh calls     what each call of a decode step costs the host and a pipelined
+#                                     step: MLX's attention, slice writes, views, a copy, a trivial
+#                                     custom kernel, camkv's quantized write and attention (1B shape:
+#                                     512 rows, 8 KV heads of 64; 8B shape: 2048 rows of 128; about
+#                                     1 minute)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
@@ -80,6 +85,9 @@ run_part() {  # PART: one part's runs, JSON under $OUT
             --steps 64 --rounds 2 $arms --out "$OUT/graphs-random-1b.json"
         fi
       done ;;
+    calls)
+      step 60 python3 bench/step_calls.py --out "$OUT/step-calls-1b-shape.json"
+      step 60 python3 bench/step_calls.py --rows 2048 --head-dim 128 --layers 32 --out "$OUT/step-calls-8b-shape.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
         --chunk 2048 --repeats 5 --stages --ops-arms mean keepkv d2o --out "$OUT/merge-engine-8b-shape.json" ;;
@@ -112,7 +120,7 @@ run_part() {  # PART: one part's runs, JSON under $OUT
     batchstep)
       step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, graphs, engine, decode8b, decodehost, qstep, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, graphs, calls, engine, decode8b, decodehost, qstep, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 }
 if [ -z "${BEFORE:-}" ]; then
