@@ -164,9 +164,9 @@ def main(argv=None) -> dict:
                         "device": str(mx.default_device()), "machine": platform.machine(), "mlx": mx.__version__,
                         "command": " ".join(["python", "bench/step_calls.py", *(argv or sys.argv[1:])])},
               "arms": arms, "left_out": left_out}
-    if opts.out is not None:
-        opts.out.parent.mkdir(parents=True, exist_ok=True)
-        opts.out.write_text(json.dumps(result, indent=1))
+    if opts.out is not None:  # the folder made where it is missing
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
