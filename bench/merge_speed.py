@@ -147,7 +147,8 @@ def arms_of(opts) -> list[str]:
     without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
     without += [rule + FENCED for rule in dict.fromkeys(opts.fenced_arms) if rule != DROP]
     if merge_cuda.available():
-        without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms) if merges.rule(rule).kind == merges.NEAREST]
+        without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
+                    if merges.rule(rule).kind == merges.NEAREST]
     return [ROTATING, DROP] + rules + without
 
 

@@ -48,7 +48,8 @@ def parse_args(argv=None):
     parser.add_argument("--queries-per-kv", type=int, default=4, help="query heads per KV head (default 4)")
     parser.add_argument("--head-dim", type=int, default=64, choices=quantized_cuda.HEAD_DIMS,
                         help="channels a head (default 64)")
-    parser.add_argument("--bits", type=int, default=8, choices=append_cuda.BITS, help="quantized rows' bits (default 8)")
+    parser.add_argument("--bits", type=int, default=8, choices=append_cuda.BITS,
+                        help="quantized rows' bits (default 8)")
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128),
                         help="quantized rows' group size (default 64)")
     parser.add_argument("--layers", type=int, default=16, help="calls chained a step, as layers (default 16)")

@@ -156,7 +156,8 @@ _SOURCE = _SELECT.replace("@KEPT@", """      scores_out[(long)r * budget + slot]
 
 # A merging compression's partition: the losers too (j minus the survivors before it), and
 # every held row's score and position, which the merge engine gathers from.
-_SOURCE_SELECT = _SELECT.replace("@KEPT@\n", "").replace("@EVICTED@", """    if (j < N && !keep) losers[(long)r * (N - budget) + (j - slot)] = j;""") + """
+_SOURCE_SELECT = _SELECT.replace("@KEPT@\n", "").replace(
+    "@EVICTED@", """    if (j < N && !keep) losers[(long)r * (N - budget) + (j - slot)] = j;""") + """
   for (int j = threadIdx.x; j < N; j += blockDim.x) {
     scores_out[(long)r * N + j] = score_at(j);
     positions_out[(long)r * N + j] = position_at(j);

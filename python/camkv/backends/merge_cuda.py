@@ -92,7 +92,8 @@ _NEAREST_DIRECT = """
   // a time). dims: R rows, k losers, m survivors, n_sink, D channels. A work group of
   // 256 threads per (row, tile of losers); thread (ty, tx) of 16 x 16 takes losers ty +
   // 16 i and survivors tx + 16 j (i, j < 4) of each tile.
-  constexpr int TL = 64, TS = 64, DC = 32, T = 16, PER = 4;
+  // TL (losers a work group, the launch's template) = TS = T * PER.
+  constexpr int TS = TL, DC = 32, T = 16, PER = 4;
   const int k = dims[1], m = dims[2], n_sink = dims[3], D = dims[4];
   const int tiles = (k + TL - 1) / TL;
   const int r = blockIdx.x / tiles, l0 = (blockIdx.x % tiles) * TL;
@@ -180,6 +181,10 @@ _NEAREST_DIRECT = """
     }
   }
 """
+
+# Losers a work group of nearest_direct takes: its 16 x 16 threads hold 4 losers x 4
+# survivors each, so 16 * 4 (the kernel's TL, which it reads as a launch template).
+_DIRECT_LOSERS = 64
 
 _SCATTER = """
   // dims: R rows, k losers, w target slots a loser, m survivors, C columns. A warp per (loser, slot).
@@ -512,10 +517,10 @@ def nearest_direct(losers: mx.array, kept: mx.array, norm_l: mx.array, norm_k: m
     near-tie of the matrix product's."""
     rows, k, dim = losers.shape
     m = kept.shape[1]
-    tiles = -(-k // 64)  # the kernel's TL losers a work group
+    tiles = -(-k // _DIRECT_LOSERS)
     return tuple(_kernel("nearest_direct")(
         inputs=[losers, kept, norm_k, positions, norm_l, ints(rows, k, m, n_sink, dim)],
-        grid=(rows * tiles * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        template=[("TL", _DIRECT_LOSERS)], grid=(rows * tiles * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, k), (rows, k), (rows, k)], output_dtypes=[mx.int32, mx.bool_, mx.float32]))
 
 

@@ -271,7 +271,8 @@ def _probe_with_operations(p: dict) -> tuple:
         [(p["own"], p["rows"])], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
     gathered = Rows.split(*_probe_taken(p), key_norm=True)[1]
     joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
-    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0], p["scores"] + blend.extra[0], *_gathered_fields(gathered),
+    return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0],
+            p["scores"] + blend.extra[0], *_gathered_fields(gathered),
             *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
             *_probe_keep(p, False), *_probe_window(p, False))
 
