@@ -23,12 +23,12 @@ runs every merging rule's decode compressions but keepkv's (its registry entry's
 decodes_on_engine), so the arm differs from the rule's own for keepkv only.
 --engine-arms RULE ... adds RULE/engine: the rule with its decode compressions on the
 merge engine's MLX operations, as every rule ran them before that routing.
---fenced-arms RULE ... adds RULE/fenced: the rule with each float32 product of its
-compressions (the nearest search's losers by survivors) evaluated as work of its own
-(mx.async_eval of its inputs before it and of it after), so that MLX's CUDA build
-records that cuBLAS product in a CUDA graph by itself: whether the graphs that hold it
-are what a merging prompt pays for beyond dropping (bench/results/README.md, "Where a
-merging prompt's extra time goes").
+--unfenced-arms RULE ... adds RULE/unfenced: the rule with the nearest search's product
+(losers by survivors) left inside its compression's work, where on CUDA it is otherwise
+evaluated as work of its own (camkv.backends.merge_ops.FENCE_NEAREST_PRODUCT: its inputs
+before it, it after, so that MLX's CUDA build records that cuBLAS product in a CUDA graph
+by itself; bench/results/README.md, "Where a merging prompt's extra time goes"): the
+fence's before and after in one process.
 --direct-arms RULE ... adds RULE/direct: the rule with its nearest search on CUDA by
 camkv.backends.merge_cuda.nearest_direct (the dot products taken in one kernel, no
 matrix product; camkv.backends.merge_ops.NEAREST_WITHOUT_PRODUCT), checked first against
@@ -64,7 +64,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache
 
 import camkv
-from camkv import CaMConfig, mass, merges
+from camkv import CaMConfig, merges
 from camkv.eval import loading
 from camkv import quantized_attention
 from camkv.backends import compress, merge_cuda, merge_ops
@@ -77,7 +77,7 @@ OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels, no
 SDPA = "/sdpa"  # an arm's suffix: the rule without camkv's weighed attention (mlx-lm's, with a mask)
 CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the kernel core
 ENGINE = "/engine"  # an arm's suffix: the rule with its decode compressions on the merge engine
-FENCED = "/fenced"  # an arm's suffix: the rule with each float32 product of a compression evaluated alone
+UNFENCED = "/unfenced"  # an arm's suffix: the rule with its nearest search's product not evaluated alone
 DIRECT = "/direct"  # an arm's suffix: the rule with its nearest search's dot products in one kernel (CUDA)
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
@@ -108,9 +108,9 @@ def parse_args(argv=None):
                         help="also time these rules with their decode compressions on the merge engine's "
                              "operations, as before they moved to the kernel core (arms RULE/engine) "
                              "(default: none)")
-    parser.add_argument("--fenced-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
-                        help="also time these rules with each float32 product of their compressions evaluated "
-                             "as work of its own (arms RULE/fenced) (default: none)")
+    parser.add_argument("--unfenced-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="also time these rules with the nearest search's product left inside their "
+                             "compressions' work, not evaluated alone (arms RULE/unfenced) (default: none)")
     parser.add_argument("--direct-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
                         help="on an NVIDIA GPU, also time these rules with the nearest search's dot products "
                              "taken in one kernel, no matrix product (arms RULE/direct) (default: none)")
@@ -145,7 +145,7 @@ def arms_of(opts) -> list[str]:
     without += [rule + SDPA for rule in rules_before if merges.rule(rule).keeps_votes]  # only votes weigh attention
     without += [rule + CORE for rule in dict.fromkeys(opts.core_arms) if rule != DROP]
     without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
-    without += [rule + FENCED for rule in dict.fromkeys(opts.fenced_arms) if rule != DROP]
+    without += [rule + UNFENCED for rule in dict.fromkeys(opts.unfenced_arms) if rule != DROP]
     if merge_cuda.available():
         without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
                     if merges.rule(rule).kind == merges.NEAREST]
@@ -164,13 +164,13 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
     verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
         compress.OPERATIONS_FROM_TOKENS
-    routing, product, direct = compress.by_operations, mass.float32_product, merge_ops.NEAREST_WITHOUT_PRODUCT
+    routing, fence, direct = compress.by_operations, merge_ops.FENCE_NEAREST_PRODUCT, merge_ops.NEAREST_WITHOUT_PRODUCT
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
         compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
     if arm.endswith(ENGINE):  # the routing before decode compressions moved to the kernel core
         compress.by_operations = compress.gpu_chunk
-    if arm.endswith(FENCED):
-        mass.float32_product = fenced(product)
+    if arm.endswith(UNFENCED):
+        merge_ops.FENCE_NEAREST_PRODUCT = False
     if arm.endswith(DIRECT):
         merge_ops.NEAREST_WITHOUT_PRODUCT = True
     if arm.endswith(OPS):
@@ -192,21 +192,11 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
         quantized_attention.attend_weighed = weighed
         compress.OPERATIONS_FROM_TOKENS = from_tokens
         compress.by_operations = routing
-        mass.float32_product = product
+        merge_ops.FENCE_NEAREST_PRODUCT = fence
         merge_ops.NEAREST_WITHOUT_PRODUCT = direct
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps
-
-
-def fenced(product):
-    """product, its inputs evaluated before it and it after (each an evaluation of its own)."""
-    def evaluated_alone(a: mx.array, b: mx.array, split: bool) -> mx.array:
-        mx.async_eval(a, b)
-        out = product(a, b, split)
-        mx.async_eval(out)
-        return out
-    return evaluated_alone
 
 
 PROFILED_CALLS = 15  # the calls a profile lists, by own time

@@ -114,6 +114,29 @@ def test_nearest_survivor_kernel_matches_the_operations(nearest_search, case):
 
 
 @on_gpu
+@pytest.mark.parametrize("fence", [True, False])
+def test_the_nearest_search_evaluates_its_product_alone_with_the_kernels(fence, monkeypatch):
+    """With the kernels (CUDA), the nearest search's product of losers [R, k, D] by
+    survivors [R, D, m] is evaluated as work of its own: its inputs before it, the product
+    [R, k, m] after (merge_ops.FENCE_NEAREST_PRODUCT), so MLX's CUDA build records it in a
+    graph by itself. Unfenced, or by the MLX operations, the search evaluates nothing.
+    Same survivors either way."""
+    rng = np.random.default_rng(1)
+    losers, kept = (mx.array(rng.standard_normal((2, n, 16)).astype(np.float32)) for n in (9, 12))
+    positions = mx.broadcast_to(mx.arange(12, dtype=mx.int32), (2, 12))
+    want = merge_ops._nearest(losers, kept, positions, 2, False, kernels=False)
+    evaluated, real_eval = [], mx.async_eval
+    monkeypatch.setattr(merge_ops.mx, "async_eval",
+                        lambda *arrays: evaluated.append([a.shape for a in arrays]) or real_eval(*arrays))
+    monkeypatch.setattr(merge_ops, "FENCE_NEAREST_PRODUCT", fence)
+    assert merge_ops._nearest(losers, kept, positions, 2, False, kernels=False) and evaluated == []
+    got = merge_ops._nearest(losers, kept, positions, 2, False, kernels=True)
+    assert evaluated == ([[(2, 9, 16), (2, 16, 12)], [(2, 9, 12)]] if fence else [])
+    for g, w in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(np.array(g), np.array(w))
+
+
+@on_gpu
 def test_nearest_survivor_kernel_excludes_sinks_and_takes_the_first_of_equals(nearest_search):
     """Adversarial by construction: the best survivor is a sink (excluded); the next best
     appears at 1, 33, 65 and 129 (one lane's survivors in the kernel) and at 2 (another

@@ -12,10 +12,16 @@
 #                                     then one prompt of drop, mean and keepkv under cProfile
 #   bash bench/gpu/speed.sh graphs    drop's, window's, mean's and keepkv's prompts (random-8b 16k @
 #                                     2048), mean and keepkv also with their nearest search's product
-#                                     evaluated alone (RULE/fenced) and without a product (RULE/direct),
+#                                     left inside its compression's graph (RULE/unfenced, as before the
+#                                     fence) and without a product (RULE/direct),
 #                                     under MLX's CUDA graph settings: as installed, MLX_USE_CUDA_GRAPHS=0,
 #                                     as installed again (then random-1b 8k @ 512 as installed), and
 #                                     MLX_MAX_OPS_PER_BUFFER=1 (about 7 minutes)
+#   bash bench/gpu/speed.sh fence     every rule's prompt and decode step against drop's and
+#                                     RotatingKVCache's, each rule with a nearest search also with its
+#                                     product left in its compression's graph (RULE/unfenced: before
+#                                     and after the fence in one run; random-8b 16k @ 2048, then
+#                                     random-1b 8k @ 512; about 6 minutes)
 #   bash bench/gpu/speed.sh calls     what each call of a decode step costs the host and a pipelined
 #                                     step: MLX's attention, slice writes, views, a copy, a trivial
 #                                     custom kernel, camkv's quantized write and attention (1B shape:
@@ -59,6 +65,8 @@
 mkdir -p "$OUT"
 # The merge rules the command line lists (camkv.merges' registry), dropping aside.
 RULES=$(python3 -c "from camkv import merges; print(*(r for r in merges.offered() if r != 'drop'))")
+# Those of them with a nearest search (its product fenced on CUDA).
+NEAREST=$(python3 -c "from camkv import merges; print(*(r for r in merges.offered() if merges.rule(r).kind == merges.NEAREST))")
 step() {  # SECONDS COMMAND...: one run, cut at SECONDS, its last lines printed
   local seconds=$1; shift
   timeout "$seconds" "$@" 2>&1 | grep -v "it/s\]\|Warn" | tail -${TAIL:-14}
@@ -74,7 +82,7 @@ run_part() {  # PART: one part's runs, JSON under $OUT
         --budget 2048 --steps 64 --rounds 2 --ops-arms mean keepkv --engine-arms $RULES --core-arms keepkv \
         --profile drop mean keepkv --out "$OUT/merge-speed-random-8b-16k.json" ;;
     graphs)
-      local i=0 setting arms="--rules window mean keepkv --fenced-arms mean keepkv --direct-arms mean keepkv"
+      local i=0 setting arms="--rules window mean keepkv --unfenced-arms mean keepkv --direct-arms mean keepkv"
       for setting in "" MLX_USE_CUDA_GRAPHS=0 "" MLX_MAX_OPS_PER_BUFFER=1; do
         i=$((i + 1))
         echo "-- MLX settings: ${setting:-as installed}"
@@ -85,6 +93,11 @@ run_part() {  # PART: one part's runs, JSON under $OUT
             --steps 64 --rounds 2 $arms --out "$OUT/graphs-random-1b.json"
         fi
       done ;;
+    fence)
+      TAIL=18 step 330 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 --budget 2048 --steps 32 \
+        --rounds 2 --unfenced-arms $NEAREST --out "$OUT/fence-random-8b-16k.json"
+      TAIL=18 step 240 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 --steps 96 \
+        --rounds 2 --unfenced-arms $NEAREST --out "$OUT/fence-random-1b-8k.json" ;;
     calls)
       step 60 python3 bench/step_calls.py --out "$OUT/step-calls-1b-shape.json"
       step 60 python3 bench/step_calls.py --rows 2048 --head-dim 128 --layers 32 --out "$OUT/step-calls-8b-shape.json" ;;

@@ -157,6 +157,13 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
 # a matrix product and merge_cuda.nearest: off, and timed as bench/merge_speed.py's RULE/direct arms.
 NEAREST_WITHOUT_PRODUCT = False
 
+# On CUDA, the nearest search's matrix product evaluated as work of its own (its inputs before
+# it, it after), so that MLX's CUDA build records that cuBLAS product in a graph by itself. Inside
+# a compression's graph it cost every merging prompt about 1 ms a compression (8B shape, 16k
+# tokens: mean's prefill 1.8-2.0x dropping's, 1.2x fenced; bench/results/README.md, "Where a
+# merging prompt's extra time goes"). Timed off as bench/merge_speed.py's RULE/unfenced arms.
+FENCE_NEAREST_PRODUCT = True
+
 _probe: dict[str, str | None] = {}  # "failure": None once the kernels passed, else why they did not
 
 
@@ -420,8 +427,13 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
                       for keys, norm in zip((loser_keys, kept_keys), norms))
     if kernels and NEAREST_WITHOUT_PRODUCT:
         return merge_cuda.nearest_direct(loser_keys, kept_keys, norm_l, norm_k, kept_positions, n_sink)
-    products = mass.float32_product(loser_keys, kept_keys.transpose(0, 2, 1), split)
+    survivors_keys = kept_keys.transpose(0, 2, 1)
+    if kernels and FENCE_NEAREST_PRODUCT:
+        mx.async_eval(loser_keys, survivors_keys)
+    products = mass.float32_product(loser_keys, survivors_keys, split)
     if kernels:
+        if FENCE_NEAREST_PRODUCT:
+            mx.async_eval(products)
         return merge_cuda.nearest(products, norm_l, norm_k, kept_positions, n_sink)
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
