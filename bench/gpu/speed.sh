@@ -89,7 +89,7 @@ run_part() {  # PART: one part's runs, JSON under $OUT
         TAIL=11 step 120 env $setting python3 bench/merge_speed.py --model random-8b --prompt-length 16384 \
           --budget 2048 --steps 16 --rounds 1 $arms --out "$OUT/graphs-random-8b-$i.json"
         if [ $i = 3 ]; then
-          TAIL=11 step 70 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 \
+          TAIL=11 step 150 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 \
             --steps 64 --rounds 2 $arms --out "$OUT/graphs-random-1b.json"
         fi
       done ;;
