@@ -21,7 +21,7 @@
 #                                     RotatingKVCache's, each rule with a nearest search also with its
 #                                     product left in its compression's graph (RULE/unfenced: before
 #                                     and after the fence in one run; random-8b 16k @ 2048, then
-#                                     random-1b 8k @ 512; about 6 minutes)
+#                                     random-1b 8k @ 512; about 3 minutes)
 #   bash bench/gpu/speed.sh calls     what each call of a decode step costs the host and a pipelined
 #                                     step: MLX's attention, slice writes, views, a copy, a trivial
 #                                     custom kernel, camkv's quantized write and attention (1B shape:
@@ -94,9 +94,9 @@ run_part() {  # PART: one part's runs, JSON under $OUT
         fi
       done ;;
     fence)
-      TAIL=18 step 330 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 --budget 2048 --steps 32 \
-        --rounds 2 --unfenced-arms $NEAREST --out "$OUT/fence-random-8b-16k.json"
-      TAIL=18 step 240 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 --steps 96 \
+      TAIL=18 step 240 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 --budget 2048 --steps 16 \
+        --rounds 1 --unfenced-arms $NEAREST --out "$OUT/fence-random-8b-16k.json"
+      TAIL=18 step 150 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 --steps 64 \
         --rounds 2 --unfenced-arms $NEAREST --out "$OUT/fence-random-1b-8k.json" ;;
     calls)
       step 60 python3 bench/step_calls.py --out "$OUT/step-calls-1b-shape.json"
