@@ -284,13 +284,14 @@ def summarize(times: dict) -> dict:
 
 
 def table(summary: dict) -> str:
-    lines = [f"{'arm':14s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s}",
-             "-" * 53]
+    width = max(len("arm"), *map(len, summary))  # the longest arm's name sets the first column
+    header = f"{'arm':{width}s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s}"
+    lines = [header, "-" * len(header)]
     for arm, r in summary.items():
         marks = ("" if arm in (ROTATING, DROP) else
                  f"  prefill {'ok' if r['prefill_goal_met'] else 'over'}, decode "
                  f"{'ok' if r['decode_goal_met'] else 'over'}")
-        lines.append(f"{arm:14s} {r['prefill_ms']:11.1f} {r['prefill_vs_drop']:7.2f} {r['decode_step_ms']:10.2f} "
+        lines.append(f"{arm:{width}s} {r['prefill_ms']:11.1f} {r['prefill_vs_drop']:7.2f} {r['decode_step_ms']:10.2f} "
                      f"{r['decode_vs_drop']:7.3f}{marks}")
     lines.append(f"goals against drop: prefill <= {PREFILL_GOAL}x, decode step <= {DECODE_GOAL}x")
     return "\n".join(lines)

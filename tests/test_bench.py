@@ -457,3 +457,15 @@ def test_reread_mass_refuses_a_budget_below_two(capsys):
     with pytest.raises(SystemExit) as exit_info:
         script.parse_args(["--prompts", "p.jsonl", "--budget", "1"])
     assert exit_info.value.code == 2 and "--budget must be >= 2" in capsys.readouterr().err
+
+
+def test_merge_speed_table_aligns_its_columns_under_the_longest_arm():
+    """Every line of merge_speed's table puts its numbers in the same columns, the first
+    as wide as the longest arm's name (mass_weighted/unfenced is 22 characters)."""
+    script = _load_bench_script("merge_speed")
+    row = dict(prefill_ms=12.5, prefill_vs_drop=1.0, decode_step_ms=2.0, decode_vs_drop=1.0, prefill_goal_met=True,
+               decode_goal_met=True)
+    lines = script.table({"drop": row, "mass_weighted/unfenced": row}).splitlines()
+    header, rows = lines[0], lines[2:4]
+    assert all(line.index("12.5") + len("12.5") == header.index("prefill ms") + len("prefill ms") for line in rows)
+    assert rows[1].startswith("mass_weighted/unfenced ")
