@@ -27,8 +27,8 @@ merge engine's MLX operations, as every rule ran them before that routing.
 (losers by survivors) left inside its compression's work, where on CUDA it is otherwise
 evaluated as work of its own (camkv.backends.merge_ops.FENCE_NEAREST_PRODUCT: its inputs
 before it, it after, so that MLX's CUDA build records that cuBLAS product in a CUDA graph
-by itself; bench/results/README.md, "Where a merging prompt's extra time goes"): the
-fence's before and after in one process.
+by itself; bench/results/README.md, "The nearest search's product in a graph of its
+own"): the fence's before and after in one process.
 --direct-arms RULE ... adds RULE/direct: the rule with its nearest search on CUDA by
 camkv.backends.merge_cuda.nearest_direct (the dot products taken in one kernel, no
 matrix product; camkv.backends.merge_ops.NEAREST_WITHOUT_PRODUCT), checked first against

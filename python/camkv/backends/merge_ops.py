@@ -160,8 +160,9 @@ NEAREST_WITHOUT_PRODUCT = False
 # On CUDA, the nearest search's matrix product evaluated as work of its own (its inputs before
 # it, it after), so that MLX's CUDA build records that cuBLAS product in a graph by itself. Inside
 # a compression's graph it cost every merging prompt about 1 ms a compression (8B shape, 16k
-# tokens: mean's prefill 1.8-2.0x dropping's, 1.2x fenced; bench/results/README.md, "Where a
-# merging prompt's extra time goes"). Timed off as bench/merge_speed.py's RULE/unfenced arms.
+# tokens: mean's prefill 1.8-2.0x dropping's, 1.2x fenced; bench/results/README.md, "The
+# nearest search's product in a graph of its own"). Timed off as bench/merge_speed.py's
+# RULE/unfenced arms.
 FENCE_NEAREST_PRODUCT = True
 
 _probe: dict[str, str | None] = {}  # "failure": None once the kernels passed, else why they did not
@@ -428,12 +429,13 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     if kernels and NEAREST_WITHOUT_PRODUCT:
         return merge_cuda.nearest_direct(loser_keys, kept_keys, norm_l, norm_k, kept_positions, n_sink)
     survivors_keys = kept_keys.transpose(0, 2, 1)
-    if kernels and FENCE_NEAREST_PRODUCT:
+    fenced = kernels and FENCE_NEAREST_PRODUCT  # read once: both evaluations or neither
+    if fenced:
         mx.async_eval(loser_keys, survivors_keys)
     products = mass.float32_product(loser_keys, survivors_keys, split)
+    if fenced:
+        mx.async_eval(products)
     if kernels:
-        if FENCE_NEAREST_PRODUCT:
-            mx.async_eval(products)
         return merge_cuda.nearest(products, norm_l, norm_k, kept_positions, n_sink)
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
     # loser has none. (A norm is finite where it is below infinity: NaN compares false.)
