@@ -15,7 +15,9 @@ stored rows and its attention kernel (camkv.backends.quantized_cuda). The arms:
 - `copy`: a copy of the queries (one MLX operation, the smallest launch);
 - `custom_kernel`: a custom kernel of one input and one output, one thread;
 - `quant_write`: camkv's quantized write of the step (NVIDIA GPU only);
-- `quant_attend`: camkv's attention over the quantized rows as stored (NVIDIA GPU only).
+- `quant_attend`: camkv's attention over the quantized rows as stored (NVIDIA GPU only);
+- `quant_step`: camkv's write of the step and attention over the rows in one launch, as a
+  quantized cache's decode step runs (camkv.backends.step_cuda; NVIDIA GPU only).
 
     python bench/step_calls.py --out bench/results/step-calls.json
 
@@ -35,10 +37,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from camkv import quantized
-from camkv.backends import append_cuda, drop, quantized_cuda
+from camkv.backends import append_cuda, drop, quantized_cuda, step_cuda
 
-ARMS = ("sdpa", "slice_write", "views", "copy", "custom_kernel", "quant_write", "quant_attend")
-CUDA_ONLY = ("custom_kernel", "quant_write", "quant_attend")
+ARMS = ("sdpa", "slice_write", "views", "copy", "custom_kernel", "quant_write", "quant_attend", "quant_step")
+CUDA_ONLY = ("custom_kernel", "quant_write", "quant_attend", "quant_step")
 
 
 def parse_args(argv=None):
@@ -108,6 +110,11 @@ def calls(opts) -> dict:
         held = [tuple(a[:, :, :N] for a in s) for s in stored]
         return quantized_cuda.attend(q, *held, scale, None, opts.bits, opts.group_size)
 
+    def quant_step(q):
+        stored[0], stored[1], out = step_cuda.write_and_attend(q, stored[0], stored[1], step, step, N, scale,
+                                                               opts.bits, opts.group_size)
+        return out
+
     return {
         "sdpa": (lambda q: mx.fast.scaled_dot_product_attention(q, keys[:, :, :N], values[:, :, :N], scale=scale),
                  queries),
@@ -117,6 +124,7 @@ def calls(opts) -> dict:
         "custom_kernel": (_custom_kernel, queries),
         "quant_write": (quant_write, step),
         "quant_attend": (quant_attend, queries),
+        "quant_step": (quant_step, queries),
     }
 
 

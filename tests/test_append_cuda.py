@@ -217,37 +217,49 @@ def test_a_quantized_caches_decode_steps_through_the_launch_store_what_six_write
 @on_gpu
 def test_quantized_decode_steps_take_the_short_way_on_an_nvidia_gpu(monkeypatch):
     """On MLX's CUDA build (pretended here, kernels emulated) a quantized cache's decode
-    steps go the short way (but the first and the one after a compression):
-    update_and_fetch writes the step in one launch and the hook hands the rows as stored
-    straight to camkv's pass (both counted), through compressions; the output equals
-    attention over the dequantized rows."""
+    steps go the short way (but the first and the one after a compression): update_and_fetch
+    holds the step and the hook writes and attends it in one launch (camkv.backends.
+    step_cuda), through compressions. A twin cache whose steps are not fused writes each
+    step in one launch and hands the rows as stored straight to camkv's pass (both
+    counted); the two give the same output, which equals attention over the dequantized
+    rows."""
     from camkv import CaMKVCache, hook, quantized_attention
-    from camkv.backends import quantized_cuda
+    from camkv.backends import quantized_cuda, step_cuda
     from tiny_models import counted, random_steps, tiny_llama
 
     monkeypatch.setattr(quantized_cuda, "here", lambda: True)
     monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
     writes = counted(monkeypatch, append_cuda, "write")
     passes = counted(monkeypatch, quantized_cuda, "attend")
+    fused = counted(monkeypatch, step_cuda, "write_and_attend")
     long_way = counted(monkeypatch, quantized_attention, "attend")  # steps through the hook's checks
     block, query = random_steps(5)
     model = tiny_llama()
     hook.install(model)
     try:
-        with cuda_emulation.emulating(quantized_cuda):
-            cache = CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, bits=8, group_size=32)
-            keys, values = cache.update_and_fetch(block(40), block(40))
-            hook.scaled_dot_product_attention(query(40), keys, values, cache, 0.125, "causal")
+        with cuda_emulation.emulating(quantized_cuda, step_cuda):
+            caches = [CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, bits=8, group_size=32) for _ in range(2)]
+            caches[1]._fuses_steps = lambda queries: False  # the twin: steps written, then attended
+            first, first_queries = (block(40), block(40)), query(40)
+            for cache in caches:
+                keys, values = cache.update_and_fetch(*first)
+                hook.scaled_dot_product_attention(first_queries, keys, values, cache, 0.125, "causal")
             for _ in range(12):
-                keys, values = cache.update_and_fetch(block(1), block(1))
-                assert isinstance(keys, tuple)
-                q = query(1)
-                got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.125, None)
-                plain = [quantized.dequantize(r, 8, 32) for r in (keys, values)]
+                k, v, q = block(1), block(1), query(1)
+                fetched = [cache.update_and_fetch(k, v) for cache in caches]
+                assert isinstance(fetched[1][0], tuple)
+                fused_out, separate = (hook.scaled_dot_product_attention(q, *f, cache, 0.125, None)
+                                       for f, cache in zip(fetched, caches))
+                np.testing.assert_array_equal(np.array(fused_out), np.array(separate))
+                plain = [quantized.dequantize(r, 8, 32) for r in fetched[1]]
                 want = mx.fast.scaled_dot_product_attention(q, *plain, scale=0.125)
-                np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(np.array(separate), np.array(want), rtol=1e-4, atol=1e-5)
     finally:
         hook.uninstall(model)
-    assert cache._plain_step is not None
-    # The long way: the first decode step, and the step after each of the two compressions.
-    assert len(writes) == 12 and len(passes) == 12 and len(long_way) == 3 and cache.stats["evictions"] > 0
+    assert all(cache._plain_step is not None for cache in caches) and caches[0].stats["evictions"] > 0
+    # The twin's long way: the first decode step and the step after each of the two
+    # compressions (12 writes and passes in all). The fused cache's: the first decode
+    # step, then one more written and passed while the short way is found; its other ten
+    # steps in one launch each, a compression's next step too (its rows stay plain).
+    assert len(long_way) == 3 + 1 and len(fused) == 10
+    assert len(writes) == 12 + 2 and len(passes) == 12 + 2

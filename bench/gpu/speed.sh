@@ -24,7 +24,8 @@
 #                                     random-1b 8k @ 512; about 3 minutes)
 #   bash bench/gpu/speed.sh calls     what each call of a decode step costs the host and a pipelined
 #                                     step: MLX's attention, slice writes, views, a copy, a trivial
-#                                     custom kernel, camkv's quantized write and attention (1B shape:
+#                                     custom kernel, camkv's quantized write and attention, and both
+#                                     in the one launch of a quantized decode step (1B shape:
 #                                     512 rows, 8 KV heads of 64; 8B shape: 2048 rows of 128; about
 #                                     1 minute)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
@@ -45,6 +46,8 @@
 #                                     one trial of each camkv arm under cProfile: the host work
 #                                     of a step by function, custom kernels' calls included
 #                                     (about 4 minutes)
+#   bash bench/gpu/speed.sh qfused    qstep's random-1b run without the profile (for BEFORE runs:
+#                                     about 1 minute)
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
 #                                     4k-32k, random-8b 32k; about 5 minutes)
 #   bash bench/gpu/speed.sh qattn     one layer's decode attention over quantized rows: MLX's,
@@ -119,6 +122,9 @@ run_part() {  # PART: one part's runs, JSON under $OUT
       step 150 python3 bench/decode_parts.py --model random-8b --prompt-length 32768 --budget 2048 \
         --arms rotating camkv camkv-q8 camkv-q4 --pipelined 16 --trials 1 --steps 48 \
         --host-profile camkv-q8 --out "$OUT/qstep-random-8b-32768" ;;
+    qfused)
+      step 120 python3 bench/decode_parts.py --model random-1b --prompt-length 4096 --budget 512 \
+        --arms rotating camkv camkv-q8 camkv-q4 --pipelined 16 --trials 2 --steps 64 --out "$OUT/qfused-random-1b-4096" ;;
     quant)
       step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \
         --equal-bytes --out "$OUT" --tag quant-h200-random-1b
@@ -133,7 +139,7 @@ run_part() {  # PART: one part's runs, JSON under $OUT
     batchstep)
       step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, graphs, fence, calls, engine, decode8b, decodehost, qstep, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, graphs, fence, calls, engine, decode8b, decodehost, qstep, qfused, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 }
 if [ -z "${BEFORE:-}" ]; then

@@ -39,6 +39,10 @@ class RowBuffers:
     batch's shared rectangle and only the counts stay here.
     """
 
+    # Whether a decode step's write waits for the attention's launch (quantized rows on an
+    # NVIDIA GPU: camkv.quantized.QuantizedRowBuffers); plain rows write in place.
+    steps_fused = False
+
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.keys: mx.array | None = None

@@ -9,7 +9,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
 from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, policy, quantized, tier
-from .backends import quantized_cuda
+from .backends import quantized_cuda, step_cuda
 from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
@@ -104,6 +104,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         cache_input.check_new_config(value, self._config, self.empty())
         self._use_config(value)
         self._plain_step = None
+        self._rows.steps_fused = False
         self._rows = quantized.row_buffers(value) if self.empty() else self._rows
         self._tier = tier.of_config(value) if self.empty() else self._tier
         self._rows.capacity = capacity_for(value)
@@ -192,6 +193,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             # _queue's work for such a step without its checks (host time, every layer and token).
             if self._plain_step is None and self._short_way_rows(queries):
                 self._plain_step = self._checked_block
+                self._rows.steps_fused = self._fuses_steps(queries)
             self._waiting = 0
             self._query_scored += 1
             self._pending.add_step(queries)
@@ -232,6 +234,13 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             return True
         return (attention_rows.hook_reads_stored(cfg)
                 and quantized_cuda.takes(queries, *rows.quantized_views(), cfg.bits, cfg.group_size))
+
+    def _fuses_steps(self, queries: mx.array) -> bool:
+        """Whether the short way's decode steps write and attend quantized rows in one
+        launch (camkv.backends.step_cuda: MLX's CUDA build, shapes it takes)."""
+        cfg, rows = self._config, self._rows
+        return (cfg.bits is not None and quantized_cuda.here()
+                and step_cuda.takes(queries, rows.keys, rows.values, self._layout[4], cfg.bits, cfg.group_size))
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:

@@ -19,6 +19,8 @@ Quantized rows (CaMConfig.bits): a prompt block attends them dequantized once; a
 step on the CPU or an NVIDIA GPU goes to camkv's attention over the rows as stored
 (camkv.quantized_attention), elsewhere to mlx-lm's quantized attention; rows that
 neither reads (MLX's CUDA build, a step camkv's pass does not take) dequantized once.
+On an NVIDIA GPU the short way's decode step comes as a StepRows: the step's write and
+the attention in one launch (camkv.backends.step_cuda), then the queries to the cache.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
     """mlx-lm's attention, after handing the queries to a camkv cache that waits for them."""
     observe = getattr(cache, "observe_queries", None)  # a camkv cache
     if observe is not None:
+        if type(keys) is quantized.StepRows:  # a quantized decode step its rows hold for one launch
+            if mask is None and not args and not kwargs:
+                out = keys.attend(queries, scale)
+                observe(queries, scale)
+                return out
+            keys, values = keys.written()
         if observe(queries, scale):
             # A decode step of rows as held, no bias: straight to mlx-lm's attention (plain
             # rows) or camkv's pass over quantized ones (MLX's CUDA build, shapes it takes),

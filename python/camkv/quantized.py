@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .backends import append_cuda
+from .backends import append_cuda, quantized_cuda, step_cuda
 from .buffers import RowBuffers, capacity_for, with_room
 
 SCORE_AND_POSITION_BYTES = 8  # float32 score + int32 position per row, quantized or not
@@ -98,10 +98,63 @@ class QuantizedRowBuffers(RowBuffers):
     quantizes the block once; rows() and for_compression() dequantize; compressed()
     stores a compression's survivors, re-quantizing only the rows it changed."""
 
+    # A decode step's key and value [B, H, 1, D] and their row, written by the attention's
+    # launch (attend_step) or, if anything reads the buffers first, by the write alone.
+    _step: tuple | None = None
     def __init__(self, capacity: int, bits: int, group_size: int):
         super().__init__(capacity)
         self.bits, self.group_size = bits, group_size
         self._before = None  # what for_compression dequantized, until compressed
+
+    # The buffers, with a step left to the attention written first: whatever reads them
+    # sees every held row.
+    @property
+    def keys(self):
+        if self._step is not None:
+            self._write_step()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._keys = value
+
+    @property
+    def values(self):
+        if self._step is not None:
+            self._write_step()
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._values = value
+
+    def _write_step(self) -> None:
+        keys, values, at = self._step
+        self._step = None
+        self._keys, self._values = append_cuda.write(self._keys, self._values, keys, values, at, self.bits,
+                                                     self.group_size)
+
+    def write_in_place(self, keys: mx.array, values: mx.array):
+        """append's write of a block that fits; with steps_fused, a decode step is held
+        instead (a StepRows, which camkv's hook hands to attend_step)."""
+        if self.steps_fused and keys.shape[2] == 1:
+            self._step = (keys, values, self.held)
+            self.held += 1
+            step = StepRows(self)
+            return step, step
+        return self.append(keys, values)
+
+    def attend_step(self, queries: mx.array, scale: float) -> mx.array:
+        """Write the held decode step and attend the rows with it in one launch
+        (camkv.backends.step_cuda): softmax(scale q k^T) v over every held row, [B, Hq, 1, D].
+        A step something wrote already (by reading the buffers): the attention alone."""
+        if self._step is None:
+            return quantized_cuda.attend(queries, *self.quantized_views(), scale, None, self.bits, self.group_size)
+        keys, values, at = self._step
+        self._step = None
+        self._keys, self._values, out = step_cuda.write_and_attend(
+            queries, self._keys, self._values, keys, values, at, scale, self.bits, self.group_size)
+        return out
 
     def quantize(self, x: mx.array) -> tuple:
         return quantize(x, self.bits, self.group_size)
@@ -114,7 +167,7 @@ class QuantizedRowBuffers(RowBuffers):
         quantized views (tuples [B, H, held + S, w]) of keys and values. A block that fits
         is written on MLX's CUDA build by one launch into new buffers (camkv.backends.
         append_cuda), elsewhere by mx.quantize and six writes in place."""
-        if self.has_room(keys.shape[2]) and append_cuda.takes(self.keys, self.values, keys, self.bits):
+        if self.has_room(keys.shape[2]) and append_cuda.takes(self.keys, self.values, keys.dtype, self.bits):
             held = self.held
             self.held = end = held + keys.shape[2]
             self.keys, self.values = append_cuda.write(self.keys, self.values, keys, values, held, self.bits,
@@ -122,7 +175,6 @@ class QuantizedRowBuffers(RowBuffers):
             return _first(self.keys, end), _first(self.values, end)
         return self._append_quantized(self.quantize(keys), self.quantize(values))
 
-    write_in_place = append  # a block that fits: append's own work
 
     def has_room(self, rows: int = 1) -> bool:
         return self.keys is not None and self.held + rows <= self.keys[0].shape[2]
@@ -248,11 +300,32 @@ class QuantizedRowBuffers(RowBuffers):
                 if a is not None]
 
     def copy(self) -> "QuantizedRowBuffers":
+        if self._step is not None:
+            self._write_step()
         clone = super().copy()
         for name in ("keys", "values"):
             if getattr(self, name) is not None:
                 setattr(clone, name, tuple(mx.array(a) for a in getattr(self, name)))
         return clone
+
+
+class StepRows:
+    """What update_and_fetch hands attention for a decode step the rows hold for the next
+    launch (QuantizedRowBuffers.write_in_place with steps_fused): camkv's hook writes and
+    attends them in one launch (attend) or, for an attention call that launch does not
+    take, writes the step and reads the rows as stored (written)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: QuantizedRowBuffers):
+        self.rows = rows
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        return self.rows.attend_step(queries, scale)
+
+    def written(self) -> tuple:
+        """The held rows' quantized keys and values, the step written."""
+        return self.rows.quantized_views()
 
 
 def _rows_at(a: mx.array, idx: mx.array, B: int, H: int) -> mx.array:

@@ -26,27 +26,16 @@ BITS = (4, 8)
 COPY_LIMIT_BYTES = 32 << 20  # the six buffers of one layer, in bytes, that a step may copy
 _THREADS = 256
 
-_SOURCE = """
-  // Outputs o*: the inputs k*/v* (codes, scales, biases of keys and values, [B, H, C, w]),
-  // with rows [at, at + S) replaced by keys / values [B, H, S, D] quantized.
-  constexpr int PER_WORD = 32 / BITS;
+# The scale and bias of one group of GS channels of a row (MLX's CUDA affine_quantize: a
+# range from a minimum and a maximum that starts at 0, the edge of larger magnitude made
+# exact), and the code of one value in it; row points at the row, step is its channel
+# stride. Shared by the write below and by camkv.backends.step_cuda's fresh row.
+QUANTIZE = """
   constexpr float N_BINS = (1 << BITS) - 1;
-  const long B = kc_shape[0], H = kc_shape[1], C = kc_shape[2];
-  const int S = keys_shape[2], at = first[0];
-  const long widths[6] = {kc_shape[3], ks_shape[3], kb_shape[3], vc_shape[3], vs_shape[3], vb_shape[3]};
-  long e = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  int a = 0;
-  for (; a < 6 && e >= B * H * C * widths[a]; ++a) e -= B * H * C * widths[a];
-  if (a == 6) return;
-  const long w = e % widths[a], j = (e / widths[a]) % C, h = (e / widths[a] / C) % H, b = e / widths[a] / C / H;
-  const bool fresh = j >= at && j < at + S;
-
-  // The scale and bias of group g of row s of x (MLX's CUDA affine_quantize).
-  auto group_of = [&](const T* x, const Strides& st, long s, long g, float& scale, float& bias) {
-    const T* row = x + b * st[0] + h * st[1] + s * st[2];
+  auto group_of = [&](const T* row, long step, long g, float& scale, float& bias) {
     float lo = 3.40282347e38f, hi = 0.0f;  // MLX's maximum starts at 0, its minimum at FLT_MAX
     for (int i = 0; i < GS; ++i) {
-      const float v = static_cast<float>(row[(g * GS + i) * st[3]]);
+      const float v = static_cast<float>(row[(g * GS + i) * step]);
       lo = fminf(lo, v);
       hi = fmaxf(hi, v);
     }
@@ -59,37 +48,59 @@ _SOURCE = """
     scale = at_zero ? s0 : edge / q0;
     bias = at_zero ? 0.0f : edge;
   };
-  auto word_of = [&](const T* x, const Strides& st, long s) -> uint32_t {
-    float scale, bias;
-    group_of(x, st, s, w * PER_WORD / GS, scale, bias);
+  auto code_of = [&](float v, float scale, float bias) -> uint32_t {
+    return static_cast<uint32_t>(fmaxf(fminf(roundf((v - bias) / scale), N_BINS), 0.0f));
+  };
+"""
+
+# Element e of the six outputs o* (codes, scales, biases of keys and values, [B, H, C, w]):
+# the inputs k*/v*, with rows [at, at + S) replaced by keys / values [B, H, S, D] quantized.
+# Needs e, at and QUANTIZE before it.
+WRITE = """
+  constexpr int PER_WORD = 32 / BITS;
+  const long B = kc_shape[0], H = kc_shape[1], C = kc_shape[2];
+  const int S = keys_shape[2];
+  const long widths[6] = {kc_shape[3], ks_shape[3], kb_shape[3], vc_shape[3], vs_shape[3], vb_shape[3]};
+  int a = 0;
+  for (; a < 6 && e >= B * H * C * widths[a]; ++a) e -= B * H * C * widths[a];
+  if (a == 6) return;
+  const long w = e % widths[a], j = (e / widths[a]) % C, h = (e / widths[a] / C) % H, b = e / widths[a] / C / H;
+  const bool fresh = j >= at && j < at + S;
+  const long s = j - at;
+
+  auto word_of = [&](const T* x, const Strides& st) -> uint32_t {
     const T* row = x + b * st[0] + h * st[1] + s * st[2];
+    float scale, bias;
+    group_of(row, st[3], w * PER_WORD / GS, scale, bias);
     uint32_t word = 0u;
     for (int i = 0; i < PER_WORD; ++i) {
-      const float v = static_cast<float>(row[(w * PER_WORD + i) * st[3]]);
-      const float code = fmaxf(fminf(roundf((v - bias) / scale), N_BINS), 0.0f);
-      word |= static_cast<uint32_t>(code) << (i * BITS);
+      word |= code_of(static_cast<float>(row[(w * PER_WORD + i) * st[3]]), scale, bias) << (i * BITS);
     }
     return word;
   };
-  auto scale_or_bias = [&](const T* x, const Strides& st, long s, bool want_bias) -> T {
+  auto scale_or_bias = [&](const T* x, const Strides& st, bool want_bias) -> T {
     float scale, bias;
-    group_of(x, st, s, w, scale, bias);
+    group_of(x + b * st[0] + h * st[1] + s * st[2], st[3], w, scale, bias);
     return static_cast<T>(want_bias ? bias : scale);
   };
 
   // Outputs are new and contiguous; inputs are read through their strides.
   const long out_at = ((b * H + h) * C + j) * widths[a] + w;
-  const long s = j - at;
   auto held = [&](const auto* x, const Strides& st) { return x[b * st[0] + h * st[1] + j * st[2] + w * st[3]]; };
   switch (a) {
-    case 0: okc[out_at] = fresh ? word_of(keys, keys_strides, s) : held(kc, kc_strides); break;
-    case 1: oks[out_at] = fresh ? scale_or_bias(keys, keys_strides, s, false) : held(ks, ks_strides); break;
-    case 2: okb[out_at] = fresh ? scale_or_bias(keys, keys_strides, s, true) : held(kb, kb_strides); break;
-    case 3: ovc[out_at] = fresh ? word_of(values, values_strides, s) : held(vc, vc_strides); break;
-    case 4: ovs[out_at] = fresh ? scale_or_bias(values, values_strides, s, false) : held(vs, vs_strides); break;
-    default: ovb[out_at] = fresh ? scale_or_bias(values, values_strides, s, true) : held(vb, vb_strides); break;
+    case 0: okc[out_at] = fresh ? word_of(keys, keys_strides) : held(kc, kc_strides); break;
+    case 1: oks[out_at] = fresh ? scale_or_bias(keys, keys_strides, false) : held(ks, ks_strides); break;
+    case 2: okb[out_at] = fresh ? scale_or_bias(keys, keys_strides, true) : held(kb, kb_strides); break;
+    case 3: ovc[out_at] = fresh ? word_of(values, values_strides) : held(vc, vc_strides); break;
+    case 4: ovs[out_at] = fresh ? scale_or_bias(values, values_strides, false) : held(vs, vs_strides); break;
+    default: ovb[out_at] = fresh ? scale_or_bias(values, values_strides, true) : held(vb, vb_strides); break;
   }
 """
+
+_SOURCE = QUANTIZE + """
+  long e = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int at = first[0];
+""" + WRITE
 
 _kernel = None
 
@@ -109,10 +120,11 @@ def buffer_bytes(buffers: tuple) -> int:
     return sum(a.nbytes for a in buffers)
 
 
-def takes(key_buffers: tuple, value_buffers: tuple, keys: mx.array, bits: int) -> bool:
-    """Whether one launch writes this step here: MLX's CUDA build on the default device,
-    bits in BITS, the rows' dtype the scales', buffers of at most COPY_LIMIT_BYTES in all."""
-    return (drop.on_cuda() and bits in BITS and keys.dtype == key_buffers[1].dtype == value_buffers[1].dtype
+def takes(key_buffers: tuple, value_buffers: tuple, dtype, bits: int) -> bool:
+    """Whether one launch writes a step of rows of dtype here: MLX's CUDA build on the
+    default device, bits in BITS, the rows' dtype the scales', buffers of at most
+    COPY_LIMIT_BYTES in all."""
+    return (drop.on_cuda() and bits in BITS and dtype == key_buffers[1].dtype == value_buffers[1].dtype
             and buffer_bytes(key_buffers) + buffer_bytes(value_buffers) <= COPY_LIMIT_BYTES)
 
 

@@ -33,7 +33,9 @@ import mlx.core as mx
 
 from . import constants, drop
 
-WARPS = 4  # warps a work group
+WARPS = 4  # warps a work group of stretches
+MAX_WHOLE_WARPS = 8  # warps a work group that reads all its head's rows (256 threads: any register count launches)
+WARPS_SHARED_BYTES = 32 << 10  # shared memory for those warps' partial outputs
 STEPS = 4  # row slots each warp slot reads in a stretch
 HEAD_DIMS = (64, 128, 256)  # D / 8 lanes a row must divide a warp
 BITS = (4, 8)
@@ -46,7 +48,7 @@ WHOLE_ROWS = 1024
 # (codes, scales, biases) or rows as the model's dtype. The partials' text reads the keys
 # and values through READ_KEYS(j, out) and READ_VALUES(j, out) (after b, h and c0), their
 # count from the shape of the first of them (@ROWS@: kc, or keys).
-_DEQUANTIZE = """
+DEQUANTIZE = """
   constexpr int PER_WORD = 32 / BITS;
   constexpr uint32_t CODE_MASK = (1u << BITS) - 1u;
   auto dequantize = [&](const uint32_t* codes, const Strides& cs, const T* scales, const Strides& ss,
@@ -79,9 +81,8 @@ _READ = """
 _PARTIALS = """
   constexpr int LPR = D / 8;          // lanes a row
   constexpr int RPW = 32 / LPR;       // rows a warp reads at once
-  const int H = @ROWS@_shape[1], N = @ROWS@_shape[2];
-  const int splits = gridDim.x / (@ROWS@_shape[0] * H);
-  const int bh = blockIdx.x / splits, stretch = blockIdx.x % splits;
+  const int H = @ROWS@_shape[1];
+@EXTENT@  const int bh = blockIdx.x / splits, stretch = blockIdx.x % splits;
   const int b = bh / H, h = bh % H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = lane / LPR, c0 = (lane % LPR) * 8;
@@ -206,11 +207,17 @@ _COMBINE = """
   output[e] = static_cast<T>(sum > 0.0f ? out / sum : 0.0f);
 """
 
+# How many rows a head has and how many stretches they are read in: the rows' shape and the
+# grid, or (camkv.backends.step_cuda) a launch's data.
+EXTENT = """  const int N = @ROWS@_shape[2];
+  const int splits = gridDim.x / (@ROWS@_shape[0] * H);
+"""
+
 _kernels: dict[tuple, object] = {}  # (kind, whole) -> its launch
 _ROW_INPUTS = {"quantized": ("kc", "ks", "kb", "vc", "vs", "vb"), "plain": ("keys", "values")}
 
 
-def _no_mask() -> mx.array:
+def no_mask() -> mx.array:
     """The placeholder the kernel reads where there is no mask (has_mask false)."""
     return constants.floats(0.0, shape=(1, 1, 1, 1))
 
@@ -233,9 +240,7 @@ def _kernel(kind: str, whole: bool = False):
                 name=f"camkv_{kind}_attention_{'whole' if whole else 'partials'}",
                 input_names=["queries", *rows, "mask", "params"],
                 output_names=["output"] if whole else ["partial_top", "partial_total", "partial_out"],
-                source=_PARTIALS.replace("@ROWS@", rows[0]).replace(
-                    "@READER@", _DEQUANTIZE if kind == "quantized" else _READ).replace(
-                    "@WRITE@", _WRITE_OUTPUT if whole else _WRITE_PARTIALS),
+                source=partials_source(rows[0], DEQUANTIZE if kind == "quantized" else _READ, EXTENT, whole),
                 ensure_row_contiguous=False)
         else:
             _kernels[key] = mx.fast.cuda_kernel(
@@ -243,6 +248,22 @@ def _kernel(kind: str, whole: bool = False):
                 input_names=["partial_top", "partial_total", "partial_out"], output_names=["output"],
                 source=_COMBINE)
     return _kernels[key]
+
+
+def partials_source(first_rows: str, reader: str, extent: str, whole: bool) -> str:
+    """The text of the attention over rows: first_rows names the input whose shape gives
+    B and H, reader defines READ_KEYS and READ_VALUES, extent N and splits; whole: the
+    work group writes its head's output (one stretch a head), else its partials."""
+    return (_PARTIALS.replace("@EXTENT@", extent).replace("@READER@", reader)
+            .replace("@WRITE@", _WRITE_OUTPUT if whole else _WRITE_PARTIALS).replace("@ROWS@", first_rows))
+
+
+def whole_warps(G: int, D: int) -> int:
+    """Warps of a work group that reads every row of a head (WHOLE_ROWS): as many as keep
+    its partial sums (WARPS_SHARED_BYTES) in shared memory, up to MAX_WHOLE_WARPS. A
+    decode step's heads are few (8 at a 1B model's shape), so each head's rows are split
+    over more warps, not over more work groups (which would need a combine launch)."""
+    return max(1, min(MAX_WHOLE_WARPS, WARPS_SHARED_BYTES // (4 * G * D)))
 
 
 def takes(queries: mx.array, keys: tuple, values: tuple, bits: int, group_size: int) -> bool:
@@ -293,30 +314,51 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
     return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [])
 
 
+def layout(N: int, G: int, D: int) -> tuple[bool, int, int, int]:
+    """How a step over N rows a head is launched: (whole, warps a work group, rows a
+    stretch, stretches a head). Up to WHOLE_ROWS rows one work group of whole_warps a
+    head reads them all and writes the output; more are read in stretches by WARPS-warp
+    groups, whose partials a combine launch merges."""
+    if N <= WHOLE_ROWS:
+        return True, whole_warps(G, D), WHOLE_ROWS, 1
+    per_stretch = rows_per_stretch(D)
+    return False, WARPS, per_stretch, max(1, -(-N // per_stretch))
+
+
+def template(queries: mx.array, G: int, extra, warps: int, rows: int, has_mask: bool) -> list:
+    return [("T", queries.dtype), ("D", queries.shape[3]), ("G", G), *extra, ("WARPS", warps), ("ROWS", rows),
+            ("HAS_MASK", has_mask)]
+
+
+def partial_shapes(heads: int, splits: int, G: int, D: int) -> list:
+    """Shapes of the partials (maximum, sum, unnormalized output) of heads x splits stretches."""
+    return [(heads, splits, G), (heads, splits, G), (heads, splits, G, D)]
+
+
+def combine(top: mx.array, total: mx.array, out: mx.array, queries: mx.array) -> mx.array:
+    """The output [B, Hq, 1, D] of the stretches' partials (the second launch)."""
+    B, Hq, _, D = queries.shape
+    G = top.shape[2]
+    threads = 128
+    count = B * Hq * D
+    return _kernel("combine")(
+        inputs=[top, total, out], template=[("T", queries.dtype), ("D", D), ("G", G)],
+        grid=(-(-count // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
+
+
 def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float, mask, extra) -> mx.array:
     B, Hq, _, D = queries.shape
     H, N = rows_shape[1], rows_shape[2]
     G = Hq // H
     has_mask = mask is not None
     heads = B * H
-    inputs = [queries, *rows, mask if has_mask else _no_mask(), constants.floats(float(scale))]
-    if N <= WHOLE_ROWS:  # one work group a KV head reads all its rows and writes the output: one launch
-        template = [("T", queries.dtype), ("D", D), ("G", G), *extra, ("WARPS", WARPS), ("ROWS", WHOLE_ROWS),
-                    ("HAS_MASK", has_mask)]
-        return _kernel(kind, whole=True)(
-            inputs=inputs, template=template, grid=(heads * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-            output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
-    per_stretch = rows_per_stretch(D)
-    splits = max(1, -(-N // per_stretch))
-    template = [("T", queries.dtype), ("D", D), ("G", G), *extra, ("WARPS", WARPS), ("ROWS", per_stretch),
-                ("HAS_MASK", has_mask)]
-    top, total, out = _kernel(kind)(
-        inputs=inputs, template=template, grid=(heads * splits * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(heads, splits, G), (heads, splits, G), (heads, splits, G, D)],
-        output_dtypes=[mx.float32, mx.float32, mx.float32])
-    threads = 128
-    count = heads * G * D
-    return _kernel("combine")(
-        inputs=[top, total, out], template=[("T", queries.dtype), ("D", D), ("G", G)],
-        grid=(-(-count // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
+    inputs = [queries, *rows, mask if has_mask else no_mask(), constants.floats(float(scale))]
+    whole, warps, per_stretch, splits = layout(N, G, D)
+    launch = dict(inputs=inputs, template=template(queries, G, extra, warps, per_stretch, has_mask),
+                  grid=(heads * splits * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1))
+    if whole:  # one work group a KV head reads all its rows and writes the output: one launch
+        return _kernel(kind, whole=True)(**launch, output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
+    top, total, out = _kernel(kind)(**launch, output_shapes=partial_shapes(heads, splits, G, D),
+                                    output_dtypes=[mx.float32] * 3)
+    return combine(top, total, out, queries)
