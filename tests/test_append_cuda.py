@@ -229,6 +229,7 @@ def test_quantized_decode_steps_take_the_short_way_on_an_nvidia_gpu(monkeypatch)
 
     monkeypatch.setattr(quantized_cuda, "here", lambda: True)
     monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
+    monkeypatch.setattr(step_cuda, "FUSED_STEPS", True)
     writes = counted(monkeypatch, append_cuda, "write")
     passes = counted(monkeypatch, quantized_cuda, "attend")
     fused = counted(monkeypatch, step_cuda, "write_and_attend")

@@ -128,6 +128,7 @@ def test_a_held_step_is_written_before_anything_reads_the_rows(monkeypatch, betw
 
     monkeypatch.setattr(quantized_cuda, "here", lambda: True)
     monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
+    monkeypatch.setattr(step_cuda, "FUSED_STEPS", True)
     block, query = random_steps(7)
     model = tiny_llama()
     hook.install(model)
@@ -157,3 +158,29 @@ def _same_state(one, other) -> None:
     for a, b in zip(one.state, other.state):
         for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
             np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+@on_gpu
+def test_steps_are_written_and_attended_apart_unless_fused_steps_are_on(monkeypatch):
+    """FUSED_STEPS off (the default): a quantized cache's decode steps are written by the
+    write and attended by the pass, never held for one launch."""
+    from camkv import CaMKVCache, hook, quantized
+    from tiny_models import random_steps, tiny_llama
+
+    monkeypatch.setattr(quantized_cuda, "here", lambda: True)
+    monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
+    assert not step_cuda.FUSED_STEPS
+    block, query = random_steps(3)
+    model = tiny_llama()
+    hook.install(model)
+    try:
+        cache = CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, bits=8, group_size=32)
+        hook.scaled_dot_product_attention(query(30), *cache.update_and_fetch(block(30), block(30)), cache, 0.125,
+                                          "causal")
+        for _ in range(4):
+            fetched = cache.update_and_fetch(block(1), block(1))
+            assert not isinstance(fetched[0], quantized.StepRows)
+            hook.scaled_dot_product_attention(query(1), *fetched, cache, 0.125, None)
+    finally:
+        hook.uninstall(model)
+    assert cache._plain_step is not None  # the short way, unfused

@@ -239,7 +239,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         """Whether the short way's decode steps write and attend quantized rows in one
         launch (camkv.backends.step_cuda: MLX's CUDA build, shapes it takes)."""
         cfg, rows = self._config, self._rows
-        return (cfg.bits is not None and quantized_cuda.here()
+        return (step_cuda.FUSED_STEPS and cfg.bits is not None and quantized_cuda.here()
                 and step_cuda.takes(queries, rows.keys, rows.values, self._layout[4], cfg.bits, cfg.group_size))
 
     def attention_bias(self) -> mx.array | None:

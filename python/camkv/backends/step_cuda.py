@@ -65,6 +65,11 @@ _ROLES = """
   }
 """
 
+# Whether a quantized cache's decode steps take this launch (camkv.cache reads it when its
+# steps find the short way). Off by default: the launch is checked against the separate
+# write and attention bit for bit, but its speed has not been measured on a GPU yet.
+FUSED_STEPS = False
+
 _kernels: dict[bool, object] = {}  # whole -> its launch
 _INPUTS = ["queries", "kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "mask", "params", "dims"]
 _BUFFERS = ["okc", "oks", "okb", "ovc", "ovs", "ovb"]
