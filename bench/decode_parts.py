@@ -17,6 +17,9 @@ work to mlx-lm's plain caches.
                  (every step through the hook's bias and quantized-row checks)
   camkv-q8       the same with 8-bit rows (CaMConfig.bits=8, group 32)
   camkv-q4       the same with 4-bit rows (CaMConfig.bits=4, group 32)
+  camkv-q8-fused, camkv-q4-fused
+                 the same with each decode step's write and attention in one launch
+                 (camkv.backends.step_cuda.FUSED_STEPS on for these caches; NVIDIA GPU)
   camkv-keepkv   the same with merge="keepkv" (votes: attention weighs each row by them)
 
 Arms take turns trial by trial (or, with --interleave, step by step within a trial); each
@@ -56,9 +59,11 @@ except ImportError:
 from camkv.models import random_llama  # noqa: E402
 
 QUANTIZED_ARMS = {"camkv-q8": 8, "camkv-q4": 4}  # arm -> CaMConfig.bits (group 32)
+FUSED_ARMS = {"camkv-q8-fused": 8, "camkv-q4-fused": 4}  # the same, steps in one launch
 ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-fullway", "camkv-fullhook",
-        *QUANTIZED_ARMS, "camkv-keepkv")
-ASKED_FOR_ONLY = (*QUANTIZED_ARMS, "camkv-fullway", "camkv-fullhook", "camkv-keepkv")  # arms that run only when named
+        *QUANTIZED_ARMS, *FUSED_ARMS, "camkv-keepkv")
+# arms that run only when named
+ASKED_FOR_ONLY = (*QUANTIZED_ARMS, *FUSED_ARMS, "camkv-fullway", "camkv-fullhook", "camkv-keepkv")
 
 
 class BufferCache(_BaseCache):
@@ -171,6 +176,11 @@ def make_arm(model, arm: str, budget: int) -> list:
         return make_prompt_cache(model, config=cfg.replace(scoring="key"))
     if arm in QUANTIZED_ARMS:
         return make_prompt_cache(model, config=cfg.replace(bits=QUANTIZED_ARMS[arm], group_size=32))
+    if arm in FUSED_ARMS:
+        caches = make_prompt_cache(model, config=cfg.replace(bits=FUSED_ARMS[arm], group_size=32))
+        for cache in caches:  # these caches' steps fuse where the launch takes them, whatever the default
+            cache._fuses_steps = lambda queries, check=cache._fuses_steps: _fused_on(check, queries)
+        return caches
     if arm == "camkv-fullway":
         caches = make_prompt_cache(model, config=cfg)
         for cache in caches:
@@ -188,6 +198,17 @@ def make_arm(model, arm: str, budget: int) -> list:
     if arm == "camkv-keepkv":
         return make_prompt_cache(model, config=cfg.replace(merge="keepkv"))
     return make_prompt_cache(model, config=cfg)
+
+
+def _fused_on(check, queries) -> bool:
+    """A cache's _fuses_steps with camkv.backends.step_cuda.FUSED_STEPS on."""
+    from camkv.backends import step_cuda
+
+    default, step_cuda.FUSED_STEPS = step_cuda.FUSED_STEPS, True
+    try:
+        return check(queries)
+    finally:
+        step_cuda.FUSED_STEPS = default
 
 
 def prefilled(model, arm: str, prompt: mx.array, budget: int) -> tuple[list, mx.array]:

@@ -46,8 +46,10 @@
 #                                     one trial of each camkv arm under cProfile: the host work
 #                                     of a step by function, custom kernels' calls included
 #                                     (about 4 minutes)
-#   bash bench/gpu/speed.sh qfused    qstep's random-1b run without the profile (for BEFORE runs:
-#                                     about 1 minute)
+#   bash bench/gpu/speed.sh qfused    quantized decode steps written and attended apart and in one
+#                                     launch (camkv-q8-fused, camkv-q4-fused), side by side with
+#                                     RotatingKVCache's (random-1b at 4k, random-8b at 32k; about
+#                                     4 minutes)
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
 #                                     4k-32k, random-8b 32k; about 5 minutes)
 #   bash bench/gpu/speed.sh qattn     one layer's decode attention over quantized rows: MLX's,
@@ -123,8 +125,12 @@ run_part() {  # PART: one part's runs, JSON under $OUT
         --arms rotating camkv camkv-q8 camkv-q4 --pipelined 16 --trials 1 --steps 48 \
         --host-profile camkv-q8 --out "$OUT/qstep-random-8b-32768" ;;
     qfused)
-      step 120 python3 bench/decode_parts.py --model random-1b --prompt-length 4096 --budget 512 \
-        --arms rotating camkv camkv-q8 camkv-q4 --pipelined 16 --trials 2 --steps 64 --out "$OUT/qfused-random-1b-4096" ;;
+      step 150 python3 bench/decode_parts.py --model random-1b --prompt-length 4096 --budget 512 \
+        --arms rotating camkv-q8 camkv-q8-fused camkv-q4 camkv-q4-fused --pipelined 16 --trials 2 --steps 64 \
+        --out "$OUT/qfused-random-1b-4096"
+      step 200 python3 bench/decode_parts.py --model random-8b --prompt-length 32768 --budget 2048 \
+        --arms rotating camkv-q8 camkv-q8-fused --pipelined 16 --trials 1 --steps 48 \
+        --out "$OUT/qfused-random-8b-32768" ;;
     quant)
       step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \
         --equal-bytes --out "$OUT" --tag quant-h200-random-1b

@@ -68,7 +68,7 @@ _ROLES = """
 # Whether a quantized cache's decode steps take this launch (camkv.cache reads it when its
 # steps find the short way). Off by default; tests/test_step_cuda.py holds the launch to
 # the separate write and attention bit for bit, and `bash bench/gpu/speed.sh calls` and
-# `BEFORE=... bash bench/gpu/speed.sh qfused` time it against them.
+# `bash bench/gpu/speed.sh qfused` time it against them.
 FUSED_STEPS = False
 
 _kernels: dict[bool, object] = {}  # whole -> its launch
