@@ -97,8 +97,9 @@ def test_writes_as_the_write_and_attends_as_the_attention_over_the_written_rows(
 
 def test_refuses_what_either_part_does_not_take():
     """Rows of another dtype than their scales', bits the write does not take, more query
-    heads a KV head than the attention holds, buffers past the write's copy limit: not
-    taken (the cache then writes and attends as separate calls)."""
+    heads a KV head than the attention holds, buffers past the write's copy limit or of
+    more rows a head than one launch attends: not taken (the cache then writes and
+    attends as separate calls)."""
     def buffers(n, bits=8, dtype=mx.float16):
         return tuple(mx.quantize(mx.zeros((1, 2, n, 64), dtype), group_size=32, bits=bits))
 
@@ -112,6 +113,10 @@ def test_refuses_what_either_part_does_not_take():
         three = buffers(8, bits=3)
         assert not step_cuda.takes(q, three, three, mx.float16, 3, 32)
         patch.setattr(append_cuda, "COPY_LIMIT_BYTES", 10)
+        assert not step_cuda.takes(q, rows, rows, mx.float16, 8, 32)
+        patch.undo()
+        patch.setattr(append_cuda.drop, "on_cuda", lambda: True)
+        patch.setattr(quantized_cuda, "WHOLE_ROWS", 7)  # more rows a head than one launch attends
         assert not step_cuda.takes(q, rows, rows, mx.float16, 8, 32)
     assert step_cuda.takes(q, rows, rows, mx.float16, 8, 32) == append_cuda.drop.on_cuda()
 
@@ -161,15 +166,20 @@ def _same_state(one, other) -> None:
 
 
 @on_gpu
-def test_steps_are_written_and_attended_apart_unless_fused_steps_are_on(monkeypatch):
-    """FUSED_STEPS off (the default): a quantized cache's decode steps are written by the
-    write and attended by the pass, never held for one launch."""
+@pytest.mark.parametrize("why", ["switched off", "rows past one launch"])
+def test_steps_are_written_and_attended_apart_where_the_launch_does_not_take_them(monkeypatch, why):
+    """FUSED_STEPS off, or buffers of more rows a head than one work group attends
+    (WHOLE_ROWS): a quantized cache's decode steps are written by the write and attended
+    by the pass, never held for one launch."""
     from camkv import CaMKVCache, hook, quantized
     from tiny_models import random_steps, tiny_llama
 
     monkeypatch.setattr(quantized_cuda, "here", lambda: True)
     monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
-    assert not step_cuda.FUSED_STEPS
+    if why == "switched off":
+        monkeypatch.setattr(step_cuda, "FUSED_STEPS", False)
+    else:
+        monkeypatch.setattr(quantized_cuda, "WHOLE_ROWS", 20)  # the buffers hold 16 + 4 + 1 rows
     block, query = random_steps(3)
     model = tiny_llama()
     hook.install(model)

@@ -19,9 +19,9 @@ Quantized rows (CaMConfig.bits): a prompt block attends them dequantized once; a
 step on the CPU or an NVIDIA GPU goes to camkv's attention over the rows as stored
 (camkv.quantized_attention), elsewhere to mlx-lm's quantized attention; rows that
 neither reads (MLX's CUDA build, a step camkv's pass does not take) dequantized once.
-With camkv.backends.step_cuda.FUSED_STEPS on, the short way's decode step on an NVIDIA
-GPU comes as a StepRows: the step's write and the attention in one launch, then the
-queries to the cache.
+Where camkv.backends.step_cuda takes them, the short way's decode steps on an NVIDIA GPU
+come as a StepRows: the step's write and the attention in one launch, then the queries
+to the cache.
 """
 
 from __future__ import annotations

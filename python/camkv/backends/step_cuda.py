@@ -66,10 +66,10 @@ _ROLES = """
 """
 
 # Whether a quantized cache's decode steps take this launch (camkv.cache reads it when its
-# steps find the short way). Off by default; tests/test_step_cuda.py holds the launch to
-# the separate write and attention bit for bit, and `bash bench/gpu/speed.sh calls` and
-# `bash bench/gpu/speed.sh qfused` time it against them.
-FUSED_STEPS = False
+# steps find the short way, where takes() accepts them). On an H100 at a 1B model's shape
+# (512 rows) the launch took 8-bit and 4-bit steps from 0.70x RotatingKVCache's speed to
+# 0.85x (bench/results/README.md, "A quantized decode step in one launch").
+FUSED_STEPS = True
 
 _kernels: dict[bool, object] = {}  # whole -> its launch
 _INPUTS = ["queries", "kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "mask", "params", "dims"]
@@ -94,8 +94,12 @@ def _kernel(whole: bool):
 
 def takes(queries: mx.array, key_buffers: tuple, value_buffers: tuple, dtype, bits: int, group_size: int) -> bool:
     """Whether one launch takes decode steps of rows of dtype with these queries: what the
-    write (append_cuda.takes) and the attention (quantized_cuda.takes) each take."""
-    return (append_cuda.takes(key_buffers, value_buffers, dtype, bits)
+    write (append_cuda.takes) and the attention (quantized_cuda.takes) each take, in
+    buffers of at most quantized_cuda.WHOLE_ROWS rows a head, so that the step is one
+    launch whatever it holds. (Beyond, the attention's combine is a second launch anyway,
+    and at llama-3-8B's shape with 2048 rows the fused step measured no faster.)"""
+    return (key_buffers[0].shape[2] <= quantized_cuda.WHOLE_ROWS
+            and append_cuda.takes(key_buffers, value_buffers, dtype, bits)
             and quantized_cuda.takes(queries, key_buffers, value_buffers, bits, group_size))
 
 
