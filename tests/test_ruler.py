@@ -323,6 +323,7 @@ def test_the_smoke_preset_runs_ruler_and_writes_records_and_tables(tmp_path):
     for r in records:
         assert 0 <= r["score"] <= 1 and r["score"] == ruler.ruler_score(r["answer"], r["expected"])
         assert r["prompt_tokens"] + 4 <= r["length"]
+        assert r["active_mib"] > 0 and r["cached_mib"] >= 0  # MLX's memory after the prompt
     table = (out / "table.md").read_text()
     assert "**RULER average" in table and all(f"| {m} |" in table for m in arms)
     summary = json.loads((out / "summary.json").read_text())

@@ -661,7 +661,15 @@ def run_sample(sweep, plan: Planned) -> None:
             sweep.progress.set_postfix_str(f"ruler {sample.task} L={sample.length} {method.name} b={budget}")
             record, seconds = sweep._unit("ruler", lambda: _record(sweep, sample, method, budget,
                                                                    budgets.get(budget, [])))
-            sweep.store.add({**record, "seconds": round(seconds, 3)})
+            sweep.store.add({**record, "seconds": round(seconds, 3), **memory_after()})
+
+
+def memory_after() -> dict:
+    """MLX's memory after a prompt, in MiB: in use, and freed but held in its cache. A
+    sweep's records then show memory that grows from prompt to prompt (a sweep of 8k
+    prompts on an 80 GB GPU ran out of memory after about 250 records)."""
+    return {"active_mib": round(mx.get_active_memory() / 2**20, 1),
+            "cached_mib": round(mx.get_cache_memory() / 2**20, 1)}
 
 
 def _record(sweep, sample: RulerSample, method, budget, labels) -> dict:
