@@ -17,7 +17,9 @@ stored rows and its attention kernel (camkv.backends.quantized_cuda). The arms:
 - `quant_write`: camkv's quantized write of the step (NVIDIA GPU only);
 - `quant_attend`: camkv's attention over the quantized rows as stored (NVIDIA GPU only);
 - `quant_step`: camkv's write of the step and attention over the rows in one launch, as a
-  quantized cache's decode step runs (camkv.backends.step_cuda; NVIDIA GPU only).
+  quantized cache's decode step runs (camkv.backends.step_cuda; NVIDIA GPU only);
+- `quant_attend_w8`, `quant_step_w8`: the same two with 8 warps reading each head's rows
+  (quantized_cuda.MAX_WHOLE_WARPS = 8 for the call) where the default is 4.
 
     python bench/step_calls.py --out bench/results/step-calls.json
 
@@ -39,8 +41,9 @@ import mlx.core as mx
 from camkv import quantized
 from camkv.backends import append_cuda, drop, quantized_cuda, step_cuda
 
-ARMS = ("sdpa", "slice_write", "views", "copy", "custom_kernel", "quant_write", "quant_attend", "quant_step")
-CUDA_ONLY = ("custom_kernel", "quant_write", "quant_attend", "quant_step")
+ARMS = ("sdpa", "slice_write", "views", "copy", "custom_kernel", "quant_write", "quant_attend", "quant_step",
+        "quant_attend_w8", "quant_step_w8")
+CUDA_ONLY = ("custom_kernel", "quant_write", "quant_attend", "quant_step", "quant_attend_w8", "quant_step_w8")
 
 
 def parse_args(argv=None):
@@ -115,6 +118,15 @@ def calls(opts) -> dict:
                                                                opts.bits, opts.group_size)
         return out
 
+    def with_warps(call):
+        def warped(x):
+            default, quantized_cuda.MAX_WHOLE_WARPS = quantized_cuda.MAX_WHOLE_WARPS, 8
+            try:
+                return call(x)
+            finally:
+                quantized_cuda.MAX_WHOLE_WARPS = default
+        return warped
+
     return {
         "sdpa": (lambda q: mx.fast.scaled_dot_product_attention(q, keys[:, :, :N], values[:, :, :N], scale=scale),
                  queries),
@@ -125,6 +137,8 @@ def calls(opts) -> dict:
         "quant_write": (quant_write, step),
         "quant_attend": (quant_attend, queries),
         "quant_step": (quant_step, queries),
+        "quant_attend_w8": (with_warps(quant_attend), queries),
+        "quant_step_w8": (with_warps(quant_step), queries),
     }
 
 

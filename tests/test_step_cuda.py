@@ -37,6 +37,7 @@ def cases(draw):
                 dtype=draw(st.sampled_from(sorted(DTYPES))), strided=draw(st.booleans()),
                 kind=draw(st.sampled_from(["random", "negative", "constant", "edge_tie"])),
                 scale=draw(st.sampled_from([0.125, 1.0, 20.0])), whole=draw(st.booleans()),
+                warps=draw(st.sampled_from([quantized_cuda.MAX_WHOLE_WARPS, 8])),
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
@@ -63,6 +64,7 @@ def _check(c):
         assert step_cuda.takes(queries, held_keys, held_values, dtype, c["bits"], c["group_size"])
     with pytest.MonkeyPatch.context() as patch:  # whole=False: stretches and a combine even for few rows
         patch.setattr(quantized_cuda, "WHOLE_ROWS", quantized_cuda.WHOLE_ROWS if c["whole"] else 0)
+        patch.setattr(quantized_cuda, "MAX_WHOLE_WARPS", c.get("warps", quantized_cuda.MAX_WHOLE_WARPS))
         new_keys, new_values, out = step_cuda.write_and_attend(
             queries, held_keys, held_values, keys, values, c["at"], c["scale"], c["bits"], c["group_size"])
         want_keys, want_values = append_cuda.write(held_keys, held_values, keys, values, c["at"], c["bits"],
@@ -85,7 +87,7 @@ def _check(c):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 @example(dict(B=1, H=2, G=4, C=1, at=0, D=64, bits=8, group_size=64, dtype="bfloat16", strided=True, kind="edge_tie",
-              scale=20.0, whole=True, seed=1))  # the step is the only row
+              scale=20.0, whole=True, warps=8, seed=1))  # the step is the only row
 @example(dict(B=2, H=1, G=8, C=70, at=69, D=128, bits=4, group_size=32, dtype="float16", strided=False,
               kind="negative", scale=1.0, whole=False, seed=2))  # the last row, stretches
 @example(dict(B=1, H=3, G=1, C=40, at=17, D=64, bits=4, group_size=32, dtype="float32", strided=True,
