@@ -1,9 +1,11 @@
 """A quantized decode step in one launch (camkv.backends.step_cuda, docs/algorithm.md
 section 12): its buffers are append_cuda.write's and its output quantized_cuda's
-attention over the written rows, bit for bit, and close to a float64 reference. On an NVIDIA GPU the kernels run there; elsewhere their text runs on
-CPU threads (tests/cuda_emulation.py). Random and adversarial steps (the step's key at
-the edge of a group's range, constant, all negative), the step as the only row, the last
-row of the buffers, one work group a head and stretches with a combine."""
+attention over the written rows, bit for bit, and close to a float64 reference. On an
+NVIDIA GPU the kernels run there; elsewhere their text runs on CPU threads
+(tests/cuda_emulation.py). Random and adversarial steps (the step's key at the edge of a
+group's range, constant, all negative), the step as the only row, the last row of the
+buffers, one work group a head (4 or 8 warps) and stretches with a combine; a held step
+written before anything reads the rows; where the launch does not take a step."""
 
 from __future__ import annotations
 
