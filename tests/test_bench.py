@@ -6,6 +6,7 @@ import json
 import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from camkv.eval import bench
@@ -288,15 +289,26 @@ def test_step_calls_cuda_arms_run_their_kernels(monkeypatch):
     """The CUDA-only arms of bench/step_calls.py as on an NVIDIA GPU (there, or their
     kernels' text emulated): each arm's chain of calls runs and is timed."""
     import cuda_emulation
-    from camkv.backends import append_cuda, drop, quantized_cuda
+    from camkv.backends import append_cuda, drop, quantized_cuda, step_cuda
 
     if not cuda_emulation.here():
         pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
     script = _load_bench_script("step_calls")
     monkeypatch.setattr(drop, "on_cuda", lambda: True)
-    with cuda_emulation.kernels_here(append_cuda, quantized_cuda, script):
+    with cuda_emulation.kernels_here(append_cuda, quantized_cuda, step_cuda, script):
         result = script.main(["--rows", "40", "--layers", "2", "--steps", "2", "--arms", *script.CUDA_ONLY])
+        # The text in a file is the same kernel: the same output as the text given inline.
+        rng = np.random.default_rng(0)
+        queries = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32))
+        rows = [tuple(mx.quantize(mx.array(rng.standard_normal((1, 2, 40, 64)).astype(np.float32)), group_size=32,
+                                  bits=8)) for _ in range(2)]
+        inline = quantized_cuda.attend(queries, *rows, 0.125, None, 8, 32)
+        text = quantized_cuda.partials_source("kc", quantized_cuda.DEQUANTIZE, quantized_cuda.EXTENT, True)
+        monkeypatch.setitem(quantized_cuda._kernels, ("quantized", True), script._kernel_by_file(
+            "attend_check", text, ["queries", "kc", "ks", "kb", "vc", "vs", "vb", "mask", "params"], ["output"]))
+        by_file = quantized_cuda.attend(queries, *rows, 0.125, None, 8, 32)
     assert list(result["arms"]) == list(script.CUDA_ONLY) and result["left_out"] == {}
+    np.testing.assert_array_equal(np.array(by_file), np.array(inline))
 
 
 def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):

@@ -26,7 +26,8 @@
 #                                     step: MLX's attention, slice writes, views, a copy, a trivial
 #                                     custom kernel, camkv's quantized write and attention, and both
 #                                     in the one launch of a quantized decode step, the last two also
-#                                     with 8 warps a head's work group (1B shape:
+#                                     with 8 warps a head's work group and with their text in a file
+#                                     the source includes (1B shape:
 #                                     512 rows, 8 KV heads of 64; 8B shape: 2048 rows of 128; about
 #                                     1 minute)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
