@@ -170,27 +170,34 @@ def _same_state(one, other) -> None:
 
 
 @on_gpu
-@pytest.mark.parametrize("why", ["switched off", "rows past one launch"])
+@pytest.mark.parametrize("why", ["switched off", "rows past one launch", "capacity past one launch"])
 def test_steps_are_written_and_attended_apart_where_the_launch_does_not_take_them(monkeypatch, why):
-    """FUSED_STEPS off, or buffers of more rows a head than one work group attends
-    (WHOLE_ROWS): a quantized cache's decode steps are written by the write and attended
-    by the pass, never held for one launch."""
+    """FUSED_STEPS off, buffers of more rows a head than one work group attends
+    (WHOLE_ROWS), or buffers within it that decoding would grow past it (a short prompt
+    under a large budget): a quantized cache's decode steps are written by the write and
+    attended by the pass, never held for one launch."""
     from camkv import CaMKVCache, hook, quantized
     from tiny_models import random_steps, tiny_llama
 
     monkeypatch.setattr(quantized_cuda, "here", lambda: True)
     monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
+    budget = 16
     if why == "switched off":
         monkeypatch.setattr(step_cuda, "FUSED_STEPS", False)
-    else:
+    elif why == "rows past one launch":
         monkeypatch.setattr(quantized_cuda, "WHOLE_ROWS", 20)  # the buffers hold 16 + 4 + 1 rows
+    else:  # 30 rows held with GROWTH_STEP's room: 286 rows, of a capacity of 300 + 4 + 1
+        budget = 300
+        monkeypatch.setattr(quantized_cuda, "WHOLE_ROWS", 290)
     block, query = random_steps(3)
     model = tiny_llama()
     hook.install(model)
     try:
-        cache = CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, bits=8, group_size=32)
+        cache = CaMKVCache(budget=budget, n_sink=1, recent=2, slack=4, bits=8, group_size=32)
         hook.scaled_dot_product_attention(query(30), *cache.update_and_fetch(block(30), block(30)), cache, 0.125,
                                           "causal")
+        if why == "capacity past one launch":
+            assert cache._rows._keys[0].shape[2] <= quantized_cuda.WHOLE_ROWS < cache._rows.capacity
         for _ in range(4):
             fetched = cache.update_and_fetch(block(1), block(1))
             assert not isinstance(fetched[0], quantized.StepRows)

@@ -237,9 +237,11 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
 
     def _fuses_steps(self, queries: mx.array) -> bool:
         """Whether the short way's decode steps write and attend quantized rows in one
-        launch (camkv.backends.step_cuda: MLX's CUDA build, shapes it takes)."""
+        launch (camkv.backends.step_cuda: MLX's CUDA build, shapes it takes), decided
+        once: for buffers of the capacity, up to which decoding grows them."""
         cfg, rows = self._config, self._rows
         return (step_cuda.FUSED_STEPS and cfg.bits is not None and quantized_cuda.here()
+                and rows.capacity <= quantized_cuda.WHOLE_ROWS
                 and step_cuda.takes(queries, rows.keys, rows.values, self._layout[4], cfg.bits, cfg.group_size))
 
     def attention_bias(self) -> mx.array | None:
