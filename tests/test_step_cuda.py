@@ -63,7 +63,7 @@ def _check(c):
     queries = mx.array(rng.standard_normal((c["B"], c["H"] * c["G"], 1, c["D"])).astype(np.float32)).astype(dtype)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(append_cuda.drop, "on_cuda", lambda: True)  # emulated: as on a GPU
-        assert step_cuda.takes(queries, held_keys, held_values, dtype, c["bits"], c["group_size"])
+        assert step_cuda.takes(queries, held_keys, held_values, dtype, c["bits"], c["group_size"], c["C"])
     with pytest.MonkeyPatch.context() as patch:  # whole=False: stretches and a combine even for few rows
         patch.setattr(quantized_cuda, "WHOLE_ROWS", quantized_cuda.WHOLE_ROWS if c["whole"] else 0)
         patch.setattr(quantized_cuda, "MAX_WHOLE_WARPS", c.get("warps", quantized_cuda.MAX_WHOLE_WARPS))
@@ -110,19 +110,19 @@ def test_refuses_what_either_part_does_not_take():
     rows, q = buffers(8), mx.zeros((1, 4, 1, 64), mx.float16)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(append_cuda.drop, "on_cuda", lambda: True)  # the CPU: as on a GPU
-        assert step_cuda.takes(q, rows, rows, mx.float16, 8, 32)
-        assert not step_cuda.takes(q, rows, rows, mx.bfloat16, 8, 32)
+        assert step_cuda.takes(q, rows, rows, mx.float16, 8, 32, 8)
+        assert not step_cuda.takes(q, rows, rows, mx.bfloat16, 8, 32, 8)
         assert not step_cuda.takes(mx.zeros((1, 2 * (quantized_cuda.MAX_GROUP + 1), 1, 64), mx.float16), rows, rows,
-                                   mx.float16, 8, 32)
+                                   mx.float16, 8, 32, 8)
         three = buffers(8, bits=3)
-        assert not step_cuda.takes(q, three, three, mx.float16, 3, 32)
+        assert not step_cuda.takes(q, three, three, mx.float16, 3, 32, 8)
         patch.setattr(append_cuda, "COPY_LIMIT_BYTES", 10)
-        assert not step_cuda.takes(q, rows, rows, mx.float16, 8, 32)
+        assert not step_cuda.takes(q, rows, rows, mx.float16, 8, 32, 8)
         patch.undo()
         patch.setattr(append_cuda.drop, "on_cuda", lambda: True)
         patch.setattr(quantized_cuda, "WHOLE_ROWS", 7)  # more rows a head than one launch attends
-        assert not step_cuda.takes(q, rows, rows, mx.float16, 8, 32)
-    assert step_cuda.takes(q, rows, rows, mx.float16, 8, 32) == append_cuda.drop.on_cuda()
+        assert not step_cuda.takes(q, rows, rows, mx.float16, 8, 32, 8)
+    assert step_cuda.takes(q, rows, rows, mx.float16, 8, 32, 8) == append_cuda.drop.on_cuda()
 
 
 @on_gpu

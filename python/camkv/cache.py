@@ -241,8 +241,8 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         once: for buffers of the capacity, up to which decoding grows them."""
         cfg, rows = self._config, self._rows
         return (step_cuda.FUSED_STEPS and cfg.bits is not None and quantized_cuda.here()
-                and rows.capacity <= quantized_cuda.WHOLE_ROWS
-                and step_cuda.takes(queries, rows.keys, rows.values, self._layout[4], cfg.bits, cfg.group_size))
+                and step_cuda.takes(queries, rows.keys, rows.values, self._layout[4], cfg.bits, cfg.group_size,
+                                    rows.capacity))
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:

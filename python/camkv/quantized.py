@@ -92,6 +92,22 @@ def dequantize(q: tuple, bits: int, group_size: int) -> mx.array:
     return mx.dequantize(*q, group_size=group_size, bits=bits)
 
 
+def _buffers_with_step_written(name: str) -> property:
+    """QuantizedRowBuffers' keys or values (held as _keys, _values), a step held for the
+    attention's launch written first: whatever reads the buffers sees every held row."""
+    held = "_" + name
+
+    def read(self):
+        if self._step is not None:
+            self._write_step()
+        return getattr(self, held)
+
+    def write(self, value) -> None:
+        setattr(self, held, value)
+
+    return property(read, write)
+
+
 class QuantizedRowBuffers(RowBuffers):
     """RowBuffers whose keys and values are quantized tuples (codes, scales, biases), each
     [B, H, size, w]; scores, positions and a rule's state as in RowBuffers. Appending
@@ -101,32 +117,13 @@ class QuantizedRowBuffers(RowBuffers):
     # A decode step's key and value [B, H, 1, D] and their row, written by the attention's
     # launch (attend_step) or, if anything reads the buffers first, by the write alone.
     _step: tuple | None = None
+    keys = _buffers_with_step_written("keys")
+    values = _buffers_with_step_written("values")
+
     def __init__(self, capacity: int, bits: int, group_size: int):
         super().__init__(capacity)
         self.bits, self.group_size = bits, group_size
         self._before = None  # what for_compression dequantized, until compressed
-
-    # The buffers, with a step left to the attention written first: whatever reads them
-    # sees every held row.
-    @property
-    def keys(self):
-        if self._step is not None:
-            self._write_step()
-        return self._keys
-
-    @keys.setter
-    def keys(self, value) -> None:
-        self._keys = value
-
-    @property
-    def values(self):
-        if self._step is not None:
-            self._write_step()
-        return self._values
-
-    @values.setter
-    def values(self, value) -> None:
-        self._values = value
 
     def _write_step(self) -> None:
         keys, values, at = self._step
@@ -174,7 +171,6 @@ class QuantizedRowBuffers(RowBuffers):
                                                        self.group_size)
             return _first(self.keys, end), _first(self.values, end)
         return self._append_quantized(self.quantize(keys), self.quantize(values))
-
 
     def has_room(self, rows: int = 1) -> bool:
         return self.keys is not None and self.held + rows <= self.keys[0].shape[2]

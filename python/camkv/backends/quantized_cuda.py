@@ -34,7 +34,9 @@ import mlx.core as mx
 from . import constants, drop
 
 WARPS = 4  # warps a work group of stretches
-MAX_WHOLE_WARPS = 4  # warps a work group that reads all its head's rows (at most 8: 256 threads launch at any register count)
+# Warps of a work group that reads all its head's rows: at most 8 (256 threads launch at
+# any register count; 16 did not launch on an H100).
+MAX_WHOLE_WARPS = 4
 WARPS_SHARED_BYTES = 32 << 10  # shared memory for those warps' partial outputs
 STEPS = 4  # row slots each warp slot reads in a stretch
 HEAD_DIMS = (64, 128, 256)  # D / 8 lanes a row must divide a warp

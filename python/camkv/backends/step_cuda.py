@@ -92,13 +92,15 @@ def _kernel(whole: bool):
     return _kernels[whole]
 
 
-def takes(queries: mx.array, key_buffers: tuple, value_buffers: tuple, dtype, bits: int, group_size: int) -> bool:
-    """Whether one launch takes decode steps of rows of dtype with these queries: what the
-    write (append_cuda.takes) and the attention (quantized_cuda.takes) each take, in
-    buffers of at most quantized_cuda.WHOLE_ROWS rows a head, so that the step is one
-    launch whatever it holds. (Beyond, the attention's combine is a second launch anyway,
-    and at llama-3-8B's shape with 2048 rows the fused step measured no faster.)"""
-    return (key_buffers[0].shape[2] <= quantized_cuda.WHOLE_ROWS
+def takes(queries: mx.array, key_buffers: tuple, value_buffers: tuple, dtype, bits: int, group_size: int,
+          rows: int) -> bool:
+    """Whether one launch takes decode steps of rows of dtype with these queries into these
+    buffers, which decoding grows to at most `rows` rows a head (a cache's capacity): what
+    the write (append_cuda.takes) and the attention (quantized_cuda.takes) each take, and
+    rows <= quantized_cuda.WHOLE_ROWS, so that every step is one launch. (Beyond, the
+    attention's combine is a second launch anyway, and at llama-3-8B's shape with 2048
+    rows the fused step measured no faster.)"""
+    return (rows <= quantized_cuda.WHOLE_ROWS
             and append_cuda.takes(key_buffers, value_buffers, dtype, bits)
             and quantized_cuda.takes(queries, key_buffers, value_buffers, bits, group_size))
 
