@@ -343,7 +343,7 @@ def test_cuda_drop_compaction_keeps_a_top_budget_set_in_order(rows, n, s_len, bu
                                  np.int32).reshape(rows, n)
     pending_start = 10 * n + 5
     with cuda_emulation.kernels_here(compact_cuda):
-        out = compact_cuda.drop_compact(keys, values, mx.array(settled), mx.array(settled_positions),
+        out = compact_cuda.drop_compact((keys, values), mx.array(settled), mx.array(settled_positions),
                                         mx.array(mass), mx.array([pending_start], mx.int32), cfg, capacity)
     got_keys, got_values, got_scores, got_positions = (np.array(a.astype(mx.float32)) for a in out)
     assert got_keys.shape == (1, rows, capacity, Dk) and got_scores.shape == (rows, budget)
@@ -378,9 +378,9 @@ def test_cuda_drop_compaction_of_sequences_at_different_positions_equals_each_al
     mass = mx.array(rng.random((B * H, n + s_len)).astype(np.float32))
     starts = [100, 250, 400]
     with cuda_emulation.kernels_here(compact_cuda):
-        together = compact_cuda.drop_compact(keys, keys, settled, positions, mass, mx.array(starts, mx.int32), cfg,
+        together = compact_cuda.drop_compact((keys, keys), settled, positions, mass, mx.array(starts, mx.int32), cfg,
                                              20)
-        alone = [compact_cuda.drop_compact(keys[b : b + 1], keys[b : b + 1], settled[b * H:(b + 1) * H],
+        alone = [compact_cuda.drop_compact((keys[b : b + 1], keys[b : b + 1]), settled[b * H:(b + 1) * H],
                                            positions[b * H:(b + 1) * H], mass[b * H:(b + 1) * H],
                                            mx.array([start], mx.int32), cfg, 20) for b, start in enumerate(starts)]
     for b, alone in enumerate(alone):
@@ -388,6 +388,48 @@ def test_cuda_drop_compaction_of_sequences_at_different_positions_equals_each_al
         assert mx.array_equal(together[0][b : b + 1, :, : cfg.budget], alone[0][:, :, : cfg.budget]).item()
         for got, want in zip(together[2:], alone[2:]):
             assert mx.array_equal(got[rows], want).item()
+
+
+@pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
+@pytest.mark.parametrize("bits, group_size", [(8, 32), (4, 64)])
+def test_a_quantized_caches_one_launch_drop_copies_the_rows_as_stored(monkeypatch, bits, group_size):
+    """Quantized rows' drop compressions in one launch (pretended here; the kernel's text
+    emulated) copy the survivors' codes, scales and biases as stored, without the gathers
+    of survivor_sources: after a prompt and decode steps through several compressions
+    the cache holds what its twin holds, whose compressions go the other way (the
+    survivors' codes gathered), and every row of the six buffers past the budget is
+    written by the steps that follow."""
+    from camkv import CaMKVCache, quantized
+    from camkv.backends import compact_cuda, compress
+    from tiny_models import counted
+
+    def run(one_launch: bool):
+        monkeypatch.undo()
+        if one_launch:
+            monkeypatch.setattr(compress, "one_launch", lambda backend, cfg, end: end > cfg.budget)
+        launches = counted(monkeypatch, compact_cuda, "drop_compact")
+        gathers = counted(monkeypatch, quantized, "survivor_sources")
+        rng = np.random.default_rng(11)
+        cache = CaMKVCache(CaMConfig(budget=16, bits=bits, group_size=group_size, scoring="key", n_sink=2,
+                                     recent=3, slack=4))
+        prompt = mx.array(rng.standard_normal((1, 2, 37, 64)).astype(np.float32)).astype(mx.bfloat16)
+        cache.update_and_fetch(prompt, prompt * 0.5)
+        for _ in range(23):
+            step = mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)).astype(mx.bfloat16)
+            keys, values = cache.update_and_fetch(step, -step)
+        rows = cache._rows
+        stored = [np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a) for q in rows.quantized_views()
+                  for a in q]
+        return stored, np.array(rows.scores), np.array(rows.positions), len(launches), len(gathers)
+
+    with cuda_emulation.kernels_here(compact_cuda):
+        launched, twin = run(True), run(False)
+    assert launched[3] == 5 and launched[4] == 0  # the prompt's compression and four decode ones
+    assert twin[3] == 0 and twin[4] == 5
+    for got, want in zip(launched[0], twin[0]):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(launched[2], twin[2])
+    np.testing.assert_allclose(launched[1], twin[1], rtol=1e-5)
 
 
 def test_a_short_prompt_under_a_large_budget_gets_room_in_steps_not_the_whole_budget():

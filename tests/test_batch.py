@@ -279,9 +279,12 @@ def test_a_layer_mlx_lm_cannot_batch_stops_with_mlx_lms_error(model):
         object.__delattr__(model, "make_cache")
 
 
-def _drop_buffers_on_cpu(keys, values, end, scores, positions, queries, first_pending, scale, cfg, capacity):
+def _drop_buffers_on_cpu(keys, values, end, scores, positions, queries, first_pending, scale, cfg, capacity,
+                         stored=None):
     """drop.compress_drop_buffers' results from drop.compress_drop, sequence by sequence
-    (the one-launch kernel needs an NVIDIA GPU): what a CPU test stands in for it with."""
+    (the one-launch kernel needs an NVIDIA GPU): what a CPU test stands in for it with
+    (plain rows: stored is None)."""
+    assert stored is None
     B, H = keys.shape[:2]
     starts = [first_pending] * B if isinstance(first_pending, int) else first_pending.tolist()
     parts = []

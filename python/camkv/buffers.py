@@ -159,6 +159,12 @@ class RowBuffers:
         keys, values = (with_room([], a.reshape(B, H, n, -1), spare) for a in state[:2])
         self.adopt(keys, values, state.scores, state.positions, next_position, state.votes, state.threshold)
 
+    def stored_for_launch(self) -> tuple | None:
+        """What a one-launch drop compression copies in place of keys and values: None,
+        the rows themselves (quantized rows' compression hands over their codes, scales and
+        biases: camkv.quantized)."""
+        return None
+
     def adopt(self, keys, values, scores, positions, next_position: int, votes=None, threshold=None) -> None:
         """Make buffers keys, values [B, H, size, D], whose first n rows (n = scores' [B*H, n])
         are scored, the held rows, all settled; the next token held will be at next_position."""

@@ -161,14 +161,16 @@ class QuantizedRowBuffers(RowBuffers):
 
     def append(self, keys: mx.array, values: mx.array):
         """Quantize the block [B, H, S, D] and write it after the held rows; return the
-        quantized views (tuples [B, H, held + S, w]) of keys and values. A block that fits
-        is written on MLX's CUDA build by one launch into new buffers (camkv.backends.
-        append_cuda), elsewhere by mx.quantize and six writes in place."""
-        if self.has_room(keys.shape[2]) and append_cuda.takes(self.keys, self.values, keys.dtype, self.bits):
-            held = self.held
-            self.held = end = held + keys.shape[2]
+        quantized views (tuples [B, H, held + S, w]) of keys and values. On MLX's CUDA build
+        one launch writes the block into new buffers (camkv.backends.append_cuda), grown
+        when it does not fit; elsewhere (and for a first block) mx.quantize and six writes
+        in place, or six buffers joined."""
+        held, end = self.held, self.held + keys.shape[2]
+        rows = None if self.has_room(keys.shape[2]) else end + self.room_after(end)
+        if self.keys is not None and append_cuda.takes(self.keys, self.values, keys.dtype, self.bits, rows):
+            self.held = end
             self.keys, self.values = append_cuda.write(self.keys, self.values, keys, values, held, self.bits,
-                                                       self.group_size)
+                                                       self.group_size, rows)
             return _first(self.keys, end), _first(self.values, end)
         return self._append_quantized(self.quantize(keys), self.quantize(values))
 
@@ -217,8 +219,9 @@ class QuantizedRowBuffers(RowBuffers):
 
     def for_compression(self, end: int) -> RowBuffers:
         """Plain RowBuffers of rows [0, end) dequantized, which the shared compression
-        engine compresses in place; compressed(work) then stores what it kept."""
-        work = RowBuffers(self.capacity)
+        engine compresses in place; compressed(work) then stores what it kept. A one-launch
+        drop compression copies the rows as stored instead (DequantizedRows)."""
+        work = DequantizedRows(self.capacity, (self.keys, self.values))
         work.keys, work.values = self.held_arrays(end)
         work.held, work.settled, work.pending_start = end, self.settled, self.pending_start
         work.scores, work.positions, work.votes, work.threshold = self.scores, self.positions, self.votes, self.threshold
@@ -238,6 +241,10 @@ class QuantizedRowBuffers(RowBuffers):
         new values are quantized once. may_change_rows=False (merge="drop"): none changed."""
         positions, (q_keys, q_values), plain_keys, plain_values = self._before
         self._before = None
+        if work.adopted_stored:  # a one-launch drop copied the survivors' codes (buffers of capacity)
+            self.keys, self.values = work.keys, work.values
+            self._hold_state_of(work)
+            return
         B, H = work.keys.shape[:2]
         R, n = work.scores.shape
         sources = survivor_sources(positions, work.positions)
@@ -249,8 +256,12 @@ class QuantizedRowBuffers(RowBuffers):
             kept_values = self._where_changed(out_values, _rows_at(plain_values, sources, B, H), kept_values)
         spare = self.room_after(n)
         self.keys, self.values = self.held_with_room(kept_keys, spare), self.held_with_room(kept_values, spare)
+        self._hold_state_of(work)
+
+    def _hold_state_of(self, work: RowBuffers) -> None:
+        """The scores, positions, rule state and counts of a compression's work (all settled)."""
         self.scores, self.positions, self.votes, self.threshold = work.scores, work.positions, work.votes, work.threshold
-        self.held = self.settled = n
+        self.held = self.settled = work.scores.shape[1]
         self.pending_start = work.pending_start
 
     def _where_changed(self, out: mx.array, source: mx.array, codes: tuple) -> tuple:
@@ -303,6 +314,25 @@ class QuantizedRowBuffers(RowBuffers):
             if getattr(self, name) is not None:
                 setattr(clone, name, tuple(mx.array(a) for a in getattr(self, name)))
         return clone
+
+
+class DequantizedRows(RowBuffers):
+    """A compression's work (QuantizedRowBuffers.for_compression): rows dequantized,
+    which every engine reads and the merge engines change; a one-launch drop reads their
+    keys for the mass and copies the rows as stored (stored_for_launch), whose buffers it
+    hands back to adopt (adopted_stored)."""
+
+    def __init__(self, capacity: int, stored: tuple):
+        super().__init__(capacity)
+        self._stored = stored
+        self.adopted_stored = False
+
+    def stored_for_launch(self) -> tuple:
+        return self._stored
+
+    def adopt(self, keys, values, scores, positions, next_position: int, votes=None, threshold=None) -> None:
+        self.adopted_stored = type(keys) is tuple
+        super().adopt(keys, values, scores, positions, next_position, votes, threshold)
 
 
 class StepRows:

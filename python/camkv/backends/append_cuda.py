@@ -53,12 +53,14 @@ QUANTIZE = """
   };
 """
 
-# Element e of the six outputs o* (codes, scales, biases of keys and values, [B, H, C, w]):
-# the inputs k*/v*, with rows [at, at + S) replaced by keys / values [B, H, S, D] quantized.
-# Needs e, at and QUANTIZE before it.
+# Element e of the six outputs o* (codes, scales, biases of keys and values, [B, H, C, w],
+# C = rows_out): the inputs k*/v* ([B, H, C_in, w], C_in <= C), with rows [at, at + S)
+# replaced by keys / values [B, H, S, D] quantized; output rows past both are left
+# unwritten (rows to grow into, written by later steps). Needs e, at, rows_out and
+# QUANTIZE before it.
 WRITE = """
   constexpr int PER_WORD = 32 / BITS;
-  const long B = kc_shape[0], H = kc_shape[1], C = kc_shape[2];
+  const long B = kc_shape[0], H = kc_shape[1], C = rows_out, C_in = kc_shape[2];
   const int S = keys_shape[2];
   const long widths[6] = {kc_shape[3], ks_shape[3], kb_shape[3], vc_shape[3], vs_shape[3], vb_shape[3]};
   int a = 0;
@@ -66,6 +68,7 @@ WRITE = """
   if (a == 6) return;
   const long w = e % widths[a], j = (e / widths[a]) % C, h = (e / widths[a] / C) % H, b = e / widths[a] / C / H;
   const bool fresh = j >= at && j < at + S;
+  if (!fresh && j >= C_in) return;
   const long s = j - at;
 
   auto word_of = [&](const T* x, const Strides& st) -> uint32_t {
@@ -100,6 +103,7 @@ WRITE = """
 _SOURCE = QUANTIZE + """
   long e = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int at = first[0];
+  const long rows_out = first[1];
 """ + WRITE
 
 _kernel = None
@@ -120,25 +124,29 @@ def buffer_bytes(buffers: tuple) -> int:
     return sum(a.nbytes for a in buffers)
 
 
-def takes(key_buffers: tuple, value_buffers: tuple, dtype, bits: int) -> bool:
+def takes(key_buffers: tuple, value_buffers: tuple, dtype, bits: int, rows: int | None = None) -> bool:
     """Whether one launch writes a step of rows of dtype here: MLX's CUDA build on the
     default device, bits in BITS, the rows' dtype the scales', buffers of at most
-    COPY_LIMIT_BYTES in all."""
+    COPY_LIMIT_BYTES in all (grown to `rows` rows where given)."""
+    grown = 1.0 if rows is None else rows / key_buffers[0].shape[2]
     return (drop.on_cuda() and bits in BITS and dtype == key_buffers[1].dtype == value_buffers[1].dtype
-            and buffer_bytes(key_buffers) + buffer_bytes(value_buffers) <= COPY_LIMIT_BYTES)
+            and (buffer_bytes(key_buffers) + buffer_bytes(value_buffers)) * max(grown, 1.0) <= COPY_LIMIT_BYTES)
 
 
 def write(key_buffers: tuple, value_buffers: tuple, keys: mx.array, values: mx.array, at: int, bits: int,
-          group_size: int) -> tuple[tuple, tuple]:
+          group_size: int, rows: int | None = None) -> tuple[tuple, tuple]:
     """The buffers (codes, scales, biases) [B, H, C, w] of keys and of values with rows
     [at, at + S) holding keys and values [B, H, S, D] quantized as mx.quantize(x,
-    group_size, bits) on MLX's CUDA build; new arrays (the caller rebinds its buffers).
-    The caller checks takes() and at + S <= C."""
+    group_size, bits) on MLX's CUDA build; new arrays (the caller rebinds its buffers) of
+    `rows` rows (C, the buffers' own by default; more: the buffers grown, the rows past
+    at + S unwritten). The caller checks takes() and at + S <= rows."""
     buffers = (*key_buffers, *value_buffers)
-    count = sum(a.size for a in buffers)
+    rows = buffers[0].shape[2] if rows is None else rows
+    shapes = [(*a.shape[:2], rows, a.shape[3]) for a in buffers]
+    count = sum(b * h * c * w for b, h, c, w in shapes)
     out = _append_kernel()(
-        inputs=[*buffers, keys, values, constants.ints(at)],
+        inputs=[*buffers, keys, values, constants.ints(at, rows)],
         template=[("T", keys.dtype), ("BITS", bits), ("GS", group_size)],
         grid=(-(-count // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[a.shape for a in buffers], output_dtypes=[a.dtype for a in buffers])
+        output_shapes=shapes, output_dtypes=[a.dtype for a in buffers])
     return tuple(out[:3]), tuple(out[3:])

@@ -12,9 +12,10 @@ row does all of it:
    with a 4-pass radix select over 8-bit digits;
 2. keeps every row above that key and, of the rows equal to it, the first ones in row
    order until the budget is full (section 8 lets a tie at the boundary go either way);
-3. writes the survivors' scores and positions, and copies their keys and values, in
-   row (= position) order, into new buffers of `capacity` rows whose rows past the
-   budget are left unwritten (the next decode steps write them).
+3. writes the survivors' scores and positions, and copies their rows of every buffer
+   (keys and values; quantized rows' codes, scales and biases, six buffers) in row (=
+   position) order into new buffers of `capacity` rows whose rows past the budget are
+   left unwritten (the next decode steps write them).
 
 A merging compression (camkv.backends.merge_ops) takes steps 1 and 2 alone as
 `partition`: the survivors' and the losers' row indices, and every held row's score and
@@ -75,12 +76,13 @@ __device__ inline void camkv_copy_rows(const T* source, T* dest, const int* kept
 
 _SELECT = """
   // dims: n settled rows, N rows held, budget, sinks, recent, KV heads, rows of the
-  // input buffers, rows of the output buffers, Dk, Dv. starts: each sequence's first
-  // pending position (its pending rows n.. are at starts[b], starts[b] + 1, ...).
+  // input buffers, rows of the output buffers, then each copied buffer's row width.
+  // starts: each sequence's first pending position (its pending rows n.. are at
+  // starts[b], starts[b] + 1, ...).
   const int r = blockIdx.x;
   const int n = dims[0], N = dims[1], budget = dims[2], n_sink = dims[3], recent = dims[4];
   const int pending_start = starts[r / dims[5]], p_last = pending_start + (N - n) - 1;
-  const long cap_in = dims[6], cap_out = dims[7], Dk = dims[8], Dv = dims[9];
+  const long cap_in = dims[6], cap_out = dims[7];
   auto score_at = [&](int j) -> float {
     float m = mass[(long)r * N + j];
     return j < n ? settled_scores[(long)r * n + j] + m : m;
@@ -146,13 +148,18 @@ _SELECT = """
   __syncthreads();
 """
 
-# The drop compression: the survivors' scores and positions, then their keys and values.
+# The drop compression: the survivors' scores and positions, then their rows of each
+# buffer (_copies).
 _SOURCE = _SELECT.replace("@KEPT@", """      scores_out[(long)r * budget + slot] = score_at(j);
-      positions_out[(long)r * budget + slot] = position_at(j);""").replace("@EVICTED@\n", "") + """
-  // 3. Their keys and values.
-  camkv_copy_rows(keys + r * cap_in * Dk, keys_out + r * cap_out * Dk, kept_rows, budget, Dk);
-  camkv_copy_rows(values + r * cap_in * Dv, values_out + r * cap_out * Dv, kept_rows, budget, Dv);
-"""
+      positions_out[(long)r * budget + slot] = position_at(j);""").replace("@EVICTED@\n", "")
+
+
+def _copies(count: int) -> str:
+    """Step 3 for `count` buffers rows0.. into out0.. (row widths dims[8]..)."""
+    return "".join(f"""
+  camkv_copy_rows(rows{i} + r * cap_in * dims[{8 + i}], out{i} + r * cap_out * dims[{8 + i}], kept_rows, budget,
+                  (long)dims[{8 + i}]);""" for i in range(count)) + "\n"
+
 
 # A merging compression's partition: the losers too (j minus the survivors before it), and
 # every held row's score and position, which the merge engine gathers from.
@@ -168,14 +175,17 @@ _THREADS = 512
 _kernels: dict[str, object] = {}
 
 
-def _compact_kernel():
-    if "compact" not in _kernels:
-        _kernels["compact"] = mx.fast.cuda_kernel(
-            name="camkv_drop_compact",
-            input_names=["keys", "values", "settled_scores", "settled_positions", "mass", "dims", "starts"],
-            output_names=["keys_out", "values_out", "scores_out", "positions_out", "kept"],
-            source=_SOURCE, header=_HEADER)
-    return _kernels["compact"]
+def _compact_kernel(count: int):
+    """The drop compression copying `count` buffers (2: keys and values; 6: quantized rows)."""
+    name = f"compact{count}"
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=f"camkv_drop_compact{count}",
+            input_names=[*(f"rows{i}" for i in range(count)), "settled_scores", "settled_positions", "mass", "dims",
+                         "starts"],
+            output_names=[*(f"out{i}" for i in range(count)), "scores_out", "positions_out", "kept"],
+            source=_SOURCE + _copies(count), header=_HEADER)
+    return _kernels[name]
 
 
 def _partition_kernel():
@@ -205,23 +215,23 @@ def partition(settled_scores, settled_positions, mass, first_pending: mx.array, 
     return losers, kept, scores, positions
 
 
-def drop_compact(keys, values, settled_scores, settled_positions, mass, pending_starts, cfg, capacity: int):
-    """Evict rows [0, N) of the buffers keys [B, H, cap, Dk] and values [B, H, cap, Dv] down
-    to cfg.budget. settled_scores / settled_positions [R, n] are the scored rows' (R = B x H),
-    mass [R, N] float32 every held row's new mass; sequence b's rows n.. are pending at
-    positions pending_starts[b].. (an int32 array [B]; the sequences of one call may stand
-    at different positions). Returns (keys, values) buffers [B, H, capacity, D] whose first
-    budget rows are the survivors (the rest unwritten), and their scores [R, budget]
+def drop_compact(buffers: tuple, settled_scores, settled_positions, mass, pending_starts, cfg, capacity: int):
+    """Evict rows [0, N) of the buffers [B, H, cap, w] (keys and values, or a quantized
+    cache's codes, scales and biases of each) down to cfg.budget. settled_scores /
+    settled_positions [R, n] are the scored rows' (R = B x H), mass [R, N] float32 every
+    held row's new mass; sequence b's rows n.. are pending at positions
+    pending_starts[b].. (an int32 array [B]; the sequences of one call may stand at
+    different positions). Returns a buffer [B, H, capacity, w] for each given, whose first
+    budget rows are the survivors (the rest unwritten), then their scores [R, budget]
     float32 and positions [R, budget] int32."""
-    B, H, cap_in, Dk = keys.shape
-    Dv = values.shape[3]
+    B, H, cap_in = buffers[0].shape[:3]
     rows, n = settled_scores.shape
     N, budget = mass.shape[1], cfg.budget
-    dims = constants.ints(n, N, budget, cfg.n_sink, cfg.recent, H, cap_in, capacity, Dk, Dv)
-    outputs = _compact_kernel()(
-        inputs=[keys, values, settled_scores, settled_positions, mass, dims, pending_starts],
-        template=[("T", keys.dtype)],
+    widths = [a.shape[3] for a in buffers]
+    dims = constants.ints(n, N, budget, cfg.n_sink, cfg.recent, H, cap_in, capacity, *widths)
+    outputs = _compact_kernel(len(buffers))(
+        inputs=[*buffers, settled_scores, settled_positions, mass, dims, pending_starts],
         grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(B, H, capacity, Dk), (B, H, capacity, Dv), (rows, budget), (rows, budget), (rows, budget)],
-        output_dtypes=[keys.dtype, values.dtype, mx.float32, mx.int32, mx.int32])
-    return outputs[:4]
+        output_shapes=[*((B, H, capacity, w) for w in widths), (rows, budget), (rows, budget), (rows, budget)],
+        output_dtypes=[*(a.dtype for a in buffers), mx.float32, mx.int32, mx.int32])
+    return outputs[:-1]

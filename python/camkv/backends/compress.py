@@ -7,7 +7,8 @@ backend it has. The settled rows' scores are decayed here (CaMConfig.score_decay
 camkv.policy.decayed), before any engine reads them. The engines:
 
 - on an NVIDIA GPU, merge="drop" with score eviction: one launch chooses, compacts and
-  copies the survivors (camkv.backends.drop.compress_drop_buffers over backends.compact_cuda);
+  copies the survivors (camkv.backends.drop.compress_drop_buffers over backends.compact_cuda;
+  quantized rows' as stored, RowBuffers.stored_for_launch);
   a batch may collect such launches of its rows and run the ones alike together;
 - on a GPU, a chunk of several tokens (a merging rule's: a prompt chunk, longer than
   the slack + 1 tokens of a decode compression): batched MLX operations use the whole device,
@@ -68,7 +69,7 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
     rows.scores = policy.decayed(rows.scores, chunk.cfg)
     if chunk.mass is None and one_launch(backend, chunk.cfg, chunk.end):
         launch = drop.DropLaunch(rows.keys, rows.values, chunk.end, rows.scores, rows.positions, chunk.queries,
-                                 rows.pending_start, chunk.scale, chunk.cfg, rows.capacity)
+                                 rows.pending_start, chunk.scale, chunk.cfg, rows.capacity, rows.stored_for_launch())
         if may_defer:
             return launch
         rows.adopt(*drop.compress_drop_buffers(*launch), next_position)

@@ -140,23 +140,30 @@ class DropLaunch(NamedTuple):
     scale: float
     cfg: object
     capacity: int
+    stored: tuple | None = None
 
     ARRAYS = ("keys", "values", "settled_scores", "settled_positions", "queries")
 
 
 def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positions, queries, first_pending,
-                          scale: float, cfg, capacity: int):
+                          scale: float, cfg, capacity: int, stored: tuple | None = None):
     """compress_drop for rows [0, end) of the buffers keys [B, H, cap, Dk] and values [B, H, cap, Dv]
     on an NVIDIA GPU, evicting in one launch (backends.compact_cuda): (keys, values) buffers
     [B, H, capacity, D] whose first cfg.budget rows are the survivors, their scores and positions.
     first_pending: the first pending position, an int, or an int32 array [B] when the B
     sequences stand at different positions (a batch's rows compressed together). Only for
     end > cfg.budget (there is something to evict) and eviction="score" (the kernel ranks
-    by score)."""
+    by score). stored: quantized rows' (codes, scales, biases) of keys and of values, whose
+    dequantized values keys and values are: the launch copies those (six buffers) instead
+    and returns them as two triples."""
     rows, n = settled_scores.shape
     held = keys[:, :, :end].reshape(rows, end, -1)
     mass = chunk_mass(queries, held, scale, n, cfg, end - n)
     if isinstance(first_pending, int):
         first_pending = constants.ints(*(first_pending,) * keys.shape[0])  # data, not a launch
-    return compact_cuda.drop_compact(keys, values, settled_scores, settled_positions, mass, first_pending, cfg,
-                                     capacity)
+    buffers = (keys, values) if stored is None else (*stored[0], *stored[1])
+    *copied, scores, positions = compact_cuda.drop_compact(buffers, settled_scores, settled_positions, mass,
+                                                           first_pending, cfg, capacity)
+    if stored is None:
+        return (*copied, scores, positions)
+    return tuple(copied[:3]), tuple(copied[3:]), scores, positions

@@ -54,6 +54,7 @@ _ROLES = """
   const long attend_groups = static_cast<long>(kc_shape[0]) * kc_shape[1] * dims[1];
   if (blockIdx.x >= attend_groups) {  // a copying work group
     const int at = dims[0];
+    const long rows_out = kc_shape[2];
     long e = (static_cast<long>(blockIdx.x) - attend_groups) * blockDim.x + threadIdx.x;
 @QUANTIZE@
 @WRITE@
