@@ -34,6 +34,10 @@ camkv.backends.merge_cuda.nearest_direct (the dot products taken in one kernel, 
 matrix product; camkv.backends.merge_ops.NEAREST_WITHOUT_PRODUCT), checked first against
 the product's kernel on a small problem (an arm whose check fails is left out, with the
 reason, under "left_out" in the JSON).
+--masked-arms RULE ... adds RULE/masked for a rule with votes: its prompt chunks attend
+with the votes' log in an additive mask [B, query heads, chunk, rows]
+(camkv.hook.weighed_by_votes), as before camkv.hook.weighed_block weighed the values
+instead on MLX's CUDA build (camkv.hook.WEIGHED_BLOCKS off).
 --profile ARM ... runs, after the timed rounds, one prompt of each arm named (any arm
 of the run) under cProfile: the host's calls by their own time, where a prompt's time
 goes when the device waits for the host or the host for the device (MLX's evaluations
@@ -66,7 +70,7 @@ from mlx_lm.models.cache import RotatingKVCache
 import camkv
 from camkv import CaMConfig, merges
 from camkv.eval import loading
-from camkv import quantized_attention
+from camkv import hook, quantized_attention
 from camkv.backends import compress, merge_cuda, merge_ops
 from camkv.eval.loading import cast_model
 from camkv.models import RANDOM_LLAMAS
@@ -79,6 +83,7 @@ CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the 
 ENGINE = "/engine"  # an arm's suffix: the rule with its decode compressions on the merge engine
 UNFENCED = "/unfenced"  # an arm's suffix: the rule with its nearest search's product not evaluated alone
 DIRECT = "/direct"  # an arm's suffix: the rule with its nearest search's dot products in one kernel (CUDA)
+MASKED = "/masked"  # an arm's suffix: the rule's prompt chunks weighed by votes through a mask (hook.weighed_by_votes)
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -114,6 +119,9 @@ def parse_args(argv=None):
     parser.add_argument("--direct-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
                         help="on an NVIDIA GPU, also time these rules with the nearest search's dot products "
                              "taken in one kernel, no matrix product (arms RULE/direct) (default: none)")
+    parser.add_argument("--masked-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="rules with votes (keepkv) to run also with their prompt chunks weighed by a mask "
+                             "(arms RULE/masked) (default: none)")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ARM",
                         help="after the timed rounds, one prompt of each of these arms under cProfile, its "
                              "calls by own time (default: none)")
@@ -146,6 +154,7 @@ def arms_of(opts) -> list[str]:
     without += [rule + CORE for rule in dict.fromkeys(opts.core_arms) if rule != DROP]
     without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
     without += [rule + UNFENCED for rule in dict.fromkeys(opts.unfenced_arms) if rule != DROP]
+    without += [rule + MASKED for rule in dict.fromkeys(opts.masked_arms) if merges.rule(rule).keeps_votes]
     if merge_cuda.available():
         without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
                     if merges.rule(rule).kind == merges.NEAREST]
@@ -165,6 +174,9 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
         compress.OPERATIONS_FROM_TOKENS
     routing, fence, direct = compress.by_operations, merge_ops.FENCE_NEAREST_PRODUCT, merge_ops.NEAREST_WITHOUT_PRODUCT
+    blocks = hook.WEIGHED_BLOCKS
+    if arm.endswith(MASKED):
+        hook.WEIGHED_BLOCKS = False
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
         compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
     if arm.endswith(ENGINE):  # the routing before decode compressions moved to the kernel core
@@ -194,6 +206,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
         compress.by_operations = routing
         merge_ops.FENCE_NEAREST_PRODUCT = fence
         merge_ops.NEAREST_WITHOUT_PRODUCT = direct
+        hook.WEIGHED_BLOCKS = blocks
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps

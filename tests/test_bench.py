@@ -237,6 +237,21 @@ def test_merge_speed_unfenced_arm_turns_the_nearest_product_fence_off_for_its_ru
     assert seen.count(False) == 2 and seen.count(True) == 6 and merge_ops.FENCE_NEAREST_PRODUCT is True
 
 
+def test_merge_speed_masked_arm_weighs_prompt_chunks_by_a_mask_for_its_run(monkeypatch):
+    """--masked-arms keepkv mean adds keepkv/masked (mean keeps no votes: no arm), during
+    which camkv.hook.WEIGHED_BLOCKS is off, on again after; the other arms run with it on."""
+    from camkv import hook
+
+    script = _load_bench_script("merge_speed")
+    seen = []
+    monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
+                        seen.append(hook.WEIGHED_BLOCKS) or real_step(*a, **k))
+    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
+                          "--steps", "4", "--rounds", "1", "--rules", "keepkv", "--masked-arms", "keepkv", "mean"])
+    assert list(result["arms"]) == ["rotating", "drop", "keepkv", "keepkv/masked"]
+    assert seen.count(False) == 2 and seen.count(True) == 6 and hook.WEIGHED_BLOCKS is True
+
+
 def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
     """Where the merge kernels run (pretended, their text emulated), --direct-arms mean
     adds mean/direct, during which merge_ops.NEAREST_WITHOUT_PRODUCT is on, off again

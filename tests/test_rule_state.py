@@ -128,20 +128,72 @@ def _manual_attention(q, k, v, scale, votes, allowed):
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive"])
-def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind):
+@pytest.mark.parametrize("way, D", [("mask", 8), ("block", 8), ("block", 128)])
+def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind, way, D):
+    """weighed_by_votes' mask, and weighed_block (the votes weighing the values and one
+    more column: one attention where the two fit 128 channels, D = 8, else two, D = 128),
+    each against the float64 attention with log(votes) added to the logits."""
     rng = np.random.default_rng(6)
-    B, Hq, H, S, N, D = 2, 4, 2, 3 if mask_kind != "none" else 1, 7, 8
-    q = mx.array(rng.standard_normal((B, Hq, S, D)).astype(np.float32))
+    B, Hq, H, S, N = 2, 4, 2, 3 if mask_kind != "none" else 1, 7
+    q = mx.array(rng.standard_normal((B, Hq, S, D)).astype(np.float32) * (8 / D) ** 0.5)
     k, v = (mx.array(rng.standard_normal((B, H, N, D)).astype(np.float32)) for _ in range(2))
     votes = mx.array(rng.integers(1, 6, (B, H, N)).astype(np.float32))
     causal = np.arange(N)[None, :] <= (N - S + np.arange(S))[:, None]
     mask = {"none": None, "causal": "causal", "boolean": mx.array(causal),
             "additive": mx.where(mx.array(causal), 0.0, -math.inf)}[mask_kind]
-    weighed = hook.weighed_by_votes(mask, mx.log(votes), q, k)
-    got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=weighed)
+    if way == "mask":
+        weighed = hook.weighed_by_votes(mask, mx.log(votes), q, k)
+        got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=weighed)
+    else:
+        got = hook.weighed_block(q, k, v, 0.3, mask, mx.log(votes))
     allowed = causal if mask_kind != "none" else np.ones((S, N), bool)
     np.testing.assert_allclose(np.array(got), _manual_attention(q, k, v, 0.3, votes, allowed), atol=1e-5)
     assert hook.weighed_by_votes(mask, None, q, k) is mask  # no votes: the mask as it was
+
+
+def test_a_block_weighed_by_many_votes_stays_finite_in_float16():
+    """weighed_block divides the votes by each KV head's largest before they scale the
+    values: rows standing for 10^6 tokens would overflow float16 (65504) otherwise."""
+    rng = np.random.default_rng(8)
+    B, Hq, H, S, N, D = 1, 4, 2, 3, 9, 64
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((B, Hq, S, D), (B, H, N, D), (B, H, N, D)))
+    v *= 50
+    votes = rng.integers(1, 10**6, (B, H, N)).astype(np.float32)
+    half = [mx.array(a).astype(mx.float16) for a in (q, k, v)]
+    got = hook.weighed_block(*half, 0.125, "causal", mx.log(mx.array(votes)))
+    causal = np.arange(N)[None, :] <= (N - S + np.arange(S))[:, None]
+    want = _manual_attention(*(np.array(a.astype(mx.float32)) for a in half), 0.125, votes, causal)
+    assert np.isfinite(np.array(got.astype(mx.float32))).all()
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=0.02, atol=0.1)
+
+
+def test_a_prompt_block_weighed_by_votes_goes_through_weighed_block_on_cuda(monkeypatch):
+    """On MLX's CUDA build (pretended here) the hook attends a keepkv cache's prompt block
+    through weighed_block, not weighed_by_votes' mask; the output is the mask's."""
+    from tiny_models import counted
+
+    rng = np.random.default_rng(13)
+    model = tiny_llama()
+    hook.install(model)
+    cache = CaMKVCache(budget=8, n_sink=1, recent=2, slack=2, merge="keepkv")
+    query = lambda s_len: mx.array(rng.standard_normal((1, 4, s_len, 8)).astype(np.float32))  # noqa: E731
+    try:
+        keys, values = cache.update_and_fetch(*_block(rng, S=12))
+        hook.scaled_dot_product_attention(query(12), keys, values, cache, 0.35, "causal")
+        keys, values = cache.update_and_fetch(*_block(rng, S=5))
+        bias = cache.votes_bias()
+        assert (np.array(bias) > 0).any()
+        q = query(5)
+        want = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=0.35, mask=hook.weighed_by_votes("causal", bias, q, keys))
+        monkeypatch.setattr(hook.drop, "on_cuda", lambda: True)
+        blocks = counted(monkeypatch, hook, "weighed_block")
+        got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.35, "causal")
+        monkeypatch.undo()
+    finally:
+        hook.uninstall(model)
+    assert len(blocks) == 1
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
 
 
 def test_attention_gets_the_votes_of_the_rows_it_was_handed_before_they_compress():
