@@ -20,6 +20,10 @@ work to mlx-lm's plain caches.
   camkv-q8-fused, camkv-q4-fused
                  the same with each decode step's write and attention in one launch
                  (camkv.backends.step_cuda.FUSED_STEPS on for these caches; NVIDIA GPU)
+  camkv-q8-fused-w8, camkv-q8-fused-file, camkv-q8-fused-w8-file
+                 camkv-q8-fused with 8 warps reading each head's rows
+                 (quantized_cuda.MAX_WHOLE_WARPS = 8), with the kernels' text by file
+                 (kernel_text.BY_FILE), or both, in force while the arm runs
   camkv-keepkv   the same with merge="keepkv" (votes: attention weighs each row by them)
 
 Arms take turns trial by trial (or, with --interleave, step by step within a trial); each
@@ -39,6 +43,7 @@ and after a change with the same script. Examples (on the H200):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import statistics
 import sys
@@ -59,7 +64,15 @@ except ImportError:
 from camkv.models import random_llama  # noqa: E402
 
 QUANTIZED_ARMS = {"camkv-q8": 8, "camkv-q4": 4}  # arm -> CaMConfig.bits (group 32)
-FUSED_ARMS = {"camkv-q8-fused": 8, "camkv-q4-fused": 4}  # the same, steps in one launch
+FUSED_ARMS = {"camkv-q8-fused": 8, "camkv-q4-fused": 4,  # the same, steps in one launch
+              "camkv-q8-fused-w8": 8, "camkv-q8-fused-file": 8, "camkv-q8-fused-w8-file": 8}
+# An arm's settings of camkv's CUDA kernels, in force while it prefills and steps:
+# (module name in camkv.backends, attribute) -> value.
+ARM_SETTINGS = {
+    "camkv-q8-fused-w8": {("quantized_cuda", "MAX_WHOLE_WARPS"): 8},
+    "camkv-q8-fused-file": {("kernel_text", "BY_FILE"): True},
+    "camkv-q8-fused-w8-file": {("quantized_cuda", "MAX_WHOLE_WARPS"): 8, ("kernel_text", "BY_FILE"): True},
+}
 ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-fullway", "camkv-fullhook",
         *QUANTIZED_ARMS, *FUSED_ARMS, "camkv-keepkv")
 # arms that run only when named
@@ -200,6 +213,24 @@ def make_arm(model, arm: str, budget: int) -> list:
     return make_prompt_cache(model, config=cfg)
 
 
+@contextlib.contextmanager
+def arm_settings(arm: str):
+    """Within the block, the arm's settings of camkv's kernels (ARM_SETTINGS), the
+    defaults back after."""
+    import importlib
+
+    settings = [(importlib.import_module(f"camkv.backends.{module}"), name, value)
+                for (module, name), value in ARM_SETTINGS.get(arm, {}).items()]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
+    try:
+        for module, name, value in settings:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
 def _fused_on(check, queries) -> bool:
     """A cache's _fuses_steps with camkv.backends.step_cuda.FUSED_STEPS on."""
     from camkv.backends import step_cuda
@@ -243,14 +274,16 @@ def trial(model, arm: str, prompt: mx.array, opts, profiler=None) -> tuple[list[
     calls each step (with --cache-host, else empty)); the steps run under profiler (a
     cProfile.Profile) when one is given."""
     try:
-        cache, token = prefilled(model, arm, prompt, opts.budget)
+        with arm_settings(arm):
+            cache, token = prefilled(model, arm, prompt, opts.budget)
         clock = clocked(cache, opts)
         steps, builds, hosts = [], [], []
         if profiler is not None:
             profiler.enable()
         for _ in range(opts.steps):
             before = clock.seconds if clock else 0.0
-            token, step_s, build_s = timed_step(model, cache, token)
+            with arm_settings(arm):
+                token, step_s, build_s = timed_step(model, cache, token)
             steps.append(step_s)
             builds.append(build_s)
             if clock:
@@ -274,14 +307,18 @@ def interleaved_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[st
     arm -> (seconds of each step, seconds building each step's graph, seconds in the
     caches' calls each step (with --cache-host, else empty))."""
     try:
-        state = {arm: list(prefilled(model, arm, prompt, opts.budget)) for arm in arms}
+        state = {}
+        for arm in arms:
+            with arm_settings(arm):
+                state[arm] = list(prefilled(model, arm, prompt, opts.budget))
         clocks = {arm: clocked(state[arm][0], opts) for arm in arms}
         timed = {arm: ([], [], []) for arm in arms}
         for step in range(opts.steps):
             for arm in in_turn(arms, step):
                 clock = clocks[arm]
                 before = clock.seconds if clock else 0.0
-                state[arm][1], step_s, build_s = timed_step(model, state[arm][0], state[arm][1])
+                with arm_settings(arm):
+                    state[arm][1], step_s, build_s = timed_step(model, state[arm][0], state[arm][1])
                 timed[arm][0].append(step_s)
                 timed[arm][1].append(build_s)
                 if clock:
@@ -300,17 +337,19 @@ def pipelined_trial(model, arms: list[str], prompt: mx.array, opts) -> dict[str,
     streams = {}
     try:
         for arm in arms:
-            cache, token = prefilled(model, arm, prompt, opts.budget)
-            streams[arm] = generate_step(token, model, prompt_cache=cache, max_tokens=-1,
-                                         sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
-            next(streams[arm])  # the prompt's last token: not a decode step
+            with arm_settings(arm):
+                cache, token = prefilled(model, arm, prompt, opts.budget)
+                streams[arm] = generate_step(token, model, prompt_cache=cache, max_tokens=-1,
+                                             sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+                next(streams[arm])  # the prompt's last token: not a decode step
         timed = {arm: ([], [], []) for arm in arms}
         for block in range(max(1, opts.steps // opts.pipelined)):
             for arm in in_turn(arms, block):
-                tick = time.perf_counter()
-                for _ in range(opts.pipelined):
-                    next(streams[arm])
-                timed[arm][0].append((time.perf_counter() - tick) / opts.pipelined)
+                with arm_settings(arm):
+                    tick = time.perf_counter()
+                    for _ in range(opts.pipelined):
+                        next(streams[arm])
+                    timed[arm][0].append((time.perf_counter() - tick) / opts.pipelined)
         return timed
     finally:
         for stream in streams.values():

@@ -21,8 +21,9 @@ stored rows and its attention kernel (camkv.backends.quantized_cuda). The arms:
 - `quant_attend_w8`, `quant_step_w8`: the same two with 8 warps reading each head's rows
   (quantized_cuda.MAX_WHOLE_WARPS = 8 for the call) where the default is 4;
 - `quant_attend_file`, `quant_step_file`: the same two with the kernel's text in a file
-  that the kernel's source includes by its path. MLX copies a custom kernel's whole text
-  into every call and hashes it at every evaluation; these show what that costs.
+  that the kernel's source includes by its path (camkv.backends.kernel_text.BY_FILE on
+  for the call). MLX copies a custom kernel's whole text into every call and hashes it
+  at every evaluation; these show what that costs.
 
     python bench/step_calls.py --out bench/results/step-calls.json
 
@@ -32,19 +33,17 @@ Arms that need MLX's CUDA build are left out elsewhere, with the reason in the J
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
 from camkv import quantized
-from camkv.backends import append_cuda, drop, quantized_cuda, step_cuda
+from camkv.backends import append_cuda, drop, kernel_text, quantized_cuda, step_cuda
 
 ARMS = ("sdpa", "slice_write", "views", "copy", "custom_kernel", "quant_write", "quant_attend", "quant_step",
         "quant_attend_w8", "quant_step_w8", "quant_attend_file", "quant_step_file")
@@ -133,19 +132,14 @@ def calls(opts) -> dict:
                 quantized_cuda.MAX_WHOLE_WARPS = default
         return warped
 
-    def with_text_in_file(call, kernels: dict, key, name: str, source: str, inputs: list, outputs: list):
-        def swapped(x):
-            if ("file", key) not in kernels:
-                kernels[("file", key)] = _kernel_by_file(name, source, inputs, outputs)
-            default, kernels[key] = kernels.get(key), kernels[("file", key)]
+    def with_text_in_file(call):
+        def by_file(x):
+            default, kernel_text.BY_FILE = kernel_text.BY_FILE, True
             try:
                 return call(x)
             finally:
-                kernels[key] = default
-        return swapped
-
-    attend_text = quantized_cuda.partials_source("kc", quantized_cuda.DEQUANTIZE, quantized_cuda.EXTENT, True)
-    attend_inputs = ["queries", "kc", "ks", "kb", "vc", "vs", "vb", "mask", "params"]
+                kernel_text.BY_FILE = default
+        return by_file
 
     return {
         "sdpa": (lambda q: mx.fast.scaled_dot_product_attention(q, keys[:, :, :N], values[:, :, :N], scale=scale),
@@ -159,24 +153,9 @@ def calls(opts) -> dict:
         "quant_step": (quant_step, queries),
         "quant_attend_w8": (with_warps(quant_attend), queries),
         "quant_step_w8": (with_warps(quant_step), queries),
-        "quant_attend_file": (with_text_in_file(quant_attend, quantized_cuda._kernels, ("quantized", True),
-                                                "attend", attend_text, attend_inputs, ["output"]), queries),
-        "quant_step_file": (with_text_in_file(quant_step, step_cuda._kernels, True, "step", step_cuda.source(True),
-                                              step_cuda._INPUTS, [*step_cuda._BUFFERS, "output"]), queries),
+        "quant_attend_file": (with_text_in_file(quant_attend), queries),
+        "quant_step_file": (with_text_in_file(quant_step), queries),
     }
-
-
-def _kernel_by_file(name: str, source: str, inputs: list, outputs: list):
-    """A custom kernel whose source is one #include of a file holding source, and a
-    comment naming the shapes and strides the text reads (MLX passes an input's shape
-    and strides where the source it is given names them)."""
-    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
-    path = Path(tempfile.gettempdir()) / "camkv-step-calls" / f"{name}_{digest}.cuh"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(source)
-    named = " ".join(f"{n}_{part}" for n in inputs for part in ("shape", "strides") if f"{n}_{part}" in source)
-    return mx.fast.cuda_kernel(name=f"camkv_step_calls_{name}_by_file", input_names=inputs, output_names=outputs,
-                               source=f'#include "{path}"\n// {named}\n', ensure_row_contiguous=False)
 
 
 def time_arm(call, first: mx.array, opts) -> dict:

@@ -312,18 +312,7 @@ def test_step_calls_cuda_arms_run_their_kernels(monkeypatch):
     monkeypatch.setattr(drop, "on_cuda", lambda: True)
     with cuda_emulation.kernels_here(append_cuda, quantized_cuda, step_cuda, script):
         result = script.main(["--rows", "40", "--layers", "2", "--steps", "2", "--arms", *script.CUDA_ONLY])
-        # The text in a file is the same kernel: the same output as the text given inline.
-        rng = np.random.default_rng(0)
-        queries = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32))
-        rows = [tuple(mx.quantize(mx.array(rng.standard_normal((1, 2, 40, 64)).astype(np.float32)), group_size=32,
-                                  bits=8)) for _ in range(2)]
-        inline = quantized_cuda.attend(queries, *rows, 0.125, None, 8, 32)
-        text = quantized_cuda.partials_source("kc", quantized_cuda.DEQUANTIZE, quantized_cuda.EXTENT, True)
-        monkeypatch.setitem(quantized_cuda._kernels, ("quantized", True), script._kernel_by_file(
-            "attend_check", text, ["queries", "kc", "ks", "kb", "vc", "vs", "vb", "mask", "params"], ["output"]))
-        by_file = quantized_cuda.attend(queries, *rows, 0.125, None, 8, 32)
     assert list(result["arms"]) == list(script.CUDA_ONLY) and result["left_out"] == {}
-    np.testing.assert_array_equal(np.array(by_file), np.array(inline))
 
 
 def test_merge_speed_refuses_a_budget_the_config_cannot_hold(capsys):
@@ -359,6 +348,31 @@ def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):
     quantized = script.make_arm(model, "camkv-q4", 40)
     camkv.remove(model)  # the attention hook make_prompt_cache installed
     assert {c.config.bits for c in quantized} == {4} and {c.config.group_size for c in quantized} == {32}
+
+
+@pytest.mark.parametrize("interleave", [["--interleave"], ["--pipelined", "2"]])
+def test_decode_parts_arm_settings_hold_while_the_arm_runs(tmp_path, monkeypatch, interleave):
+    """decode_parts' camkv-q8-fused-w8-file arm runs (prefill and every step) with
+    quantized_cuda.MAX_WHOLE_WARPS = 8 and kernel_text.BY_FILE on, the other arms with the
+    defaults, which are back after the run."""
+    from camkv.backends import kernel_text, quantized_cuda
+
+    script = _load_bench_script("decode_parts")
+    seen = {}
+    import camkv
+
+    real = camkv.CaMKVCache.update_and_fetch
+
+    def noting(cache, keys, values):
+        arm = "q8" if cache.config.bits else "plain"
+        seen.setdefault(arm, set()).add((quantized_cuda.MAX_WHOLE_WARPS, kernel_text.BY_FILE))
+        return real(cache, keys, values)
+
+    monkeypatch.setattr(camkv.CaMKVCache, "update_and_fetch", noting)
+    script.main(["--model", "random-demo", "--prompt-length", "80", "--budget", "40", "--steps", "4",
+                 "--trials", "1", "--arms", "camkv", "camkv-q8-fused-w8-file", *interleave, "--out", str(tmp_path)])
+    assert seen == {"q8": {(8, True)}, "plain": {(quantized_cuda.MAX_WHOLE_WARPS, False)}}
+    assert quantized_cuda.MAX_WHOLE_WARPS == 4 and kernel_text.BY_FILE is False
 
 
 def test_quantized_attention_probe_records_every_valid_shape(tmp_path, capsys):

@@ -52,6 +52,17 @@
 #                                     launch (camkv-q8-fused, camkv-q4-fused), side by side with
 #                                     RotatingKVCache's (random-1b at 4k, random-8b at 32k; about
 #                                     4 minutes)
+#   bash bench/gpu/speed.sh qfusedwf  the one-launch 8-bit step as it is, with 8 warps a head, with
+#                                     the kernels' text by file and with both (camkv-q8-fused-w8,
+#                                     -file, -w8-file), beside RotatingKVCache's and the 4-bit step
+#                                     (random-1b at 4k; about 3 minutes)
+#   bash bench/gpu/speed.sh qprefill  prefill and generation of bfloat16, 8-bit and 4-bit rows and
+#                                     RotatingKVCache (random-1b at 4k and 32k, budget 512; about
+#                                     2 minutes; with BEFORE=... once for each checkout)
+#   bash bench/gpu/speed.sh keepkvblock keepkv's prompt with its chunks weighed by the values'
+#                                     votes (the default) and by a mask (keepkv/masked), beside
+#                                     drop's and RotatingKVCache's (random-8b 16k @ 2048, then
+#                                     random-1b 8k @ 512; about 3 minutes)
 #   bash bench/gpu/speed.sh quant     bytes, generation and prefill at 8 and 4 bits (random-1b
 #                                     4k-32k, random-8b 32k; about 5 minutes)
 #   bash bench/gpu/speed.sh qattn     one layer's decode attention over quantized rows: MLX's,
@@ -133,6 +144,18 @@ run_part() {  # PART: one part's runs, JSON under $OUT
       step 200 python3 bench/decode_parts.py --model random-8b --prompt-length 32768 --budget 2048 \
         --arms rotating camkv-q8 camkv-q8-fused --pipelined 16 --trials 1 --steps 48 \
         --out "$OUT/qfused-random-8b-32768" ;;
+    qfusedwf)
+      step 200 python3 bench/decode_parts.py --model random-1b --prompt-length 4096 --budget 512 \
+        --arms rotating camkv-q8-fused camkv-q8-fused-w8 camkv-q8-fused-file camkv-q8-fused-w8-file camkv-q4-fused \
+        --pipelined 16 --trials 2 --steps 64 --out "$OUT/qfusedwf-random-1b-4096" ;;
+    qprefill)
+      step 150 python3 bench/quant.py --model random-1b --prompt-lengths 4096 32768 --budgets 512 --gen-tokens 16 \
+        --trials 3 --out "$OUT" --tag qprefill-random-1b ;;
+    keepkvblock)
+      TAIL=11 step 150 python3 bench/merge_speed.py --model random-8b --prompt-length 16384 --budget 2048 --steps 16 \
+        --rounds 1 --rules keepkv --masked-arms keepkv --out "$OUT/keepkv-block-random-8b-16k.json"
+      TAIL=11 step 120 python3 bench/merge_speed.py --model random-1b --prompt-length 8192 --budget 512 --steps 64 \
+        --rounds 2 --rules keepkv --masked-arms keepkv --out "$OUT/keepkv-block-random-1b-8k.json" ;;
     quant)
       step 200 python3 bench/quant.py --model random-1b --prompt-lengths 4096 8192 16384 32768 --budgets 512 \
         --equal-bytes --out "$OUT" --tag quant-h200-random-1b
@@ -147,7 +170,7 @@ run_part() {  # PART: one part's runs, JSON under $OUT
     batchstep)
       step 300 python3 bench/batch_decode_step.py --model random-1b --context 16384 --rows 4 16 --warm 40 --steps 40 \
         --out "$OUT/batch-decode-step-h200.json" ;;
-    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, graphs, fence, calls, engine, decode8b, decodehost, qstep, qfused, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
+    *) echo "bench/gpu/speed.sh: parts are merges, merges1b, merges8b, graphs, fence, calls, engine, decode8b, decodehost, qstep, qfused, qfusedwf, qprefill, keepkvblock, quant, qattn, capacity, batchstep; got '$part'" >&2; exit 2 ;;
   esac
 }
 if [ -z "${BEFORE:-}" ]; then

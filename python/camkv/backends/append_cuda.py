@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import constants, drop
+from . import constants, drop, kernel_text
 
 BITS = (4, 8)
 COPY_LIMIT_BYTES = 32 << 20  # the six buffers of one layer, in bytes, that a step may copy
@@ -106,18 +106,17 @@ _SOURCE = QUANTIZE + """
   const long rows_out = first[1];
 """ + WRITE
 
-_kernel = None
+_kernels: dict[bool, object] = {}  # kernel_text.BY_FILE -> the launch
 
 
 def _append_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
+    if kernel_text.BY_FILE not in _kernels:
+        _kernels[kernel_text.BY_FILE] = kernel_text.cuda_kernel(
             name="camkv_quantized_append",
             input_names=["kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "first"],
             output_names=["okc", "oks", "okb", "ovc", "ovs", "ovb"],
             source=_SOURCE, ensure_row_contiguous=False)
-    return _kernel
+    return _kernels[kernel_text.BY_FILE]
 
 
 def buffer_bytes(buffers: tuple) -> int:

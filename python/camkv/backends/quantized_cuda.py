@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import constants, drop
+from . import constants, drop, kernel_text
 
 WARPS = 4  # warps a work group of stretches
 # Warps of a work group that reads all its head's rows: at most 8 (256 threads launch at
@@ -234,18 +234,18 @@ def here() -> bool:
 def _kernel(kind: str, whole: bool = False):
     """The launch of kind (a key of _ROW_INPUTS, or "combine"); whole: the one-launch
     variant that attends every row of a head and writes the output."""
-    key = (kind, whole)
+    key = (kind, whole, kernel_text.BY_FILE)
     if key not in _kernels:
         if kind in _ROW_INPUTS:  # the partials over quantized rows, or over rows as the model's dtype
             rows = _ROW_INPUTS[kind]
-            _kernels[key] = mx.fast.cuda_kernel(
+            _kernels[key] = kernel_text.cuda_kernel(
                 name=f"camkv_{kind}_attention_{'whole' if whole else 'partials'}",
                 input_names=["queries", *rows, "mask", "params"],
                 output_names=["output"] if whole else ["partial_top", "partial_total", "partial_out"],
                 source=partials_source(rows[0], DEQUANTIZE if kind == "quantized" else _READ, EXTENT, whole),
                 ensure_row_contiguous=False)
         else:
-            _kernels[key] = mx.fast.cuda_kernel(
+            _kernels[key] = kernel_text.cuda_kernel(
                 name="camkv_quantized_attention_combine",
                 input_names=["partial_top", "partial_total", "partial_out"], output_names=["output"],
                 source=_COMBINE)

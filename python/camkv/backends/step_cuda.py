@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import append_cuda, constants, quantized_cuda
+from . import append_cuda, constants, kernel_text, quantized_cuda
 
 # Row `at` read from the step's key and value (x [B, H, 1, D]): each lane's eight channels
 # lie in one group, whose scale and bias it finds as the write does.
@@ -72,7 +72,7 @@ _ROLES = """
 # 0.85x (bench/results/README.md, "A quantized decode step in one launch").
 FUSED_STEPS = True
 
-_kernels: dict[bool, object] = {}  # whole -> its launch
+_kernels: dict[tuple, object] = {}  # (whole, kernel_text.BY_FILE) -> its launch
 _INPUTS = ["queries", "kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "mask", "params", "dims"]
 _BUFFERS = ["okc", "oks", "okb", "ovc", "ovs", "ovb"]
 
@@ -85,12 +85,13 @@ def source(whole: bool) -> str:
 
 
 def _kernel(whole: bool):
-    if whole not in _kernels:
+    key = (whole, kernel_text.BY_FILE)
+    if key not in _kernels:
         outputs = ["output"] if whole else ["partial_top", "partial_total", "partial_out"]
-        _kernels[whole] = mx.fast.cuda_kernel(
+        _kernels[key] = kernel_text.cuda_kernel(
             name=f"camkv_quantized_step_{'whole' if whole else 'partials'}", input_names=_INPUTS,
             output_names=[*_BUFFERS, *outputs], source=source(whole), ensure_row_contiguous=False)
-    return _kernels[whole]
+    return _kernels[key]
 
 
 def takes(queries: mx.array, key_buffers: tuple, value_buffers: tuple, dtype, bits: int, group_size: int,
