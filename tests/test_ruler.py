@@ -310,11 +310,16 @@ def test_a_constant_score_has_a_zero_width_interval_and_one_prompt_none():
 # ---------------------------------------------------------------------------- the command
 
 
-def test_the_smoke_preset_runs_ruler_and_writes_records_and_tables(tmp_path):
+def test_the_smoke_preset_runs_ruler_and_writes_records_and_tables(tmp_path, monkeypatch):
     out = tmp_path / "ruler"
     args = ["--preset", "smoke", "--tasks", "ruler", "--out", str(out), "--no-progress"]
+    clears = []
+    clear = ruler.mx.clear_cache
+    monkeypatch.setattr(ruler.mx, "clear_cache", lambda: clears.append(1) or clear())
     assert main(args) == 0
+    monkeypatch.undo()
     records = [json.loads(line) for line in (out / "records.jsonl").open()]
+    assert len(clears) >= len(records)  # MLX's cache emptied after every prompt
     values = PRESETS["smoke"]
     tasks, arms = values["ruler_tasks"].split(","), ruler.RULER_METHODS["smoke"].split(",")
     assert len(records) == len(tasks) * (1 + (len(arms) - 1) * 2)  # two budgets each
