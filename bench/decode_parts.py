@@ -20,10 +20,11 @@ work to mlx-lm's plain caches.
   camkv-q8-fused, camkv-q4-fused
                  the same with each decode step's write and attention in one launch
                  (camkv.backends.step_cuda.FUSED_STEPS on for these caches; NVIDIA GPU)
-  camkv-q8-fused-w8, camkv-q8-fused-file, camkv-q8-fused-w8-file
-                 camkv-q8-fused with 8 warps reading each head's rows
-                 (quantized_cuda.MAX_WHOLE_WARPS = 8), with the kernels' text by file
-                 (kernel_text.BY_FILE), or both, in force while the arm runs
+  camkv-q8-fused-inline, camkv-q8-fused-w8, camkv-q8-fused-file, camkv-q8-fused-w8-file
+                 camkv-q8-fused with the kernels' text inline (kernel_text.BY_FILE off;
+                 by file is the default), with 8 warps reading each head's rows
+                 (quantized_cuda.MAX_WHOLE_WARPS = 8) and the text inline, with the text
+                 by file, or with both, in force while the arm runs
   camkv-keepkv   the same with merge="keepkv" (votes: attention weighs each row by them)
 
 Arms take turns trial by trial (or, with --interleave, step by step within a trial); each
@@ -65,11 +66,13 @@ from camkv.models import random_llama  # noqa: E402
 
 QUANTIZED_ARMS = {"camkv-q8": 8, "camkv-q4": 4}  # arm -> CaMConfig.bits (group 32)
 FUSED_ARMS = {"camkv-q8-fused": 8, "camkv-q4-fused": 4,  # the same, steps in one launch
-              "camkv-q8-fused-w8": 8, "camkv-q8-fused-file": 8, "camkv-q8-fused-w8-file": 8}
+              "camkv-q8-fused-inline": 8, "camkv-q8-fused-w8": 8, "camkv-q8-fused-file": 8,
+              "camkv-q8-fused-w8-file": 8}
 # An arm's settings of camkv's CUDA kernels, in force while it prefills and steps:
 # (module name in camkv.backends, attribute) -> value.
 ARM_SETTINGS = {
-    "camkv-q8-fused-w8": {("quantized_cuda", "MAX_WHOLE_WARPS"): 8},
+    "camkv-q8-fused-inline": {("kernel_text", "BY_FILE"): False},
+    "camkv-q8-fused-w8": {("quantized_cuda", "MAX_WHOLE_WARPS"): 8, ("kernel_text", "BY_FILE"): False},
     "camkv-q8-fused-file": {("kernel_text", "BY_FILE"): True},
     "camkv-q8-fused-w8-file": {("quantized_cuda", "MAX_WHOLE_WARPS"): 8, ("kernel_text", "BY_FILE"): True},
 }

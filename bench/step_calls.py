@@ -20,10 +20,10 @@ stored rows and its attention kernel (camkv.backends.quantized_cuda). The arms:
   quantized cache's decode step runs (camkv.backends.step_cuda; NVIDIA GPU only);
 - `quant_attend_w8`, `quant_step_w8`: the same two with 8 warps reading each head's rows
   (quantized_cuda.MAX_WHOLE_WARPS = 8 for the call) where the default is 4;
-- `quant_attend_file`, `quant_step_file`: the same two with the kernel's text in a file
-  that the kernel's source includes by its path (camkv.backends.kernel_text.BY_FILE on
-  for the call). MLX copies a custom kernel's whole text into every call and hashes it
-  at every evaluation; these show what that costs.
+- `quant_attend_inline`, `quant_step_inline`: the same two with the kernel's text given
+  to MLX inline (camkv.backends.kernel_text.BY_FILE off for the call), where by default it
+  is in a file that a one-line source includes by its path. MLX copies a custom kernel's
+  whole text into every call and hashes it at every evaluation; these show what that costs.
 
     python bench/step_calls.py --out bench/results/step-calls.json
 
@@ -46,9 +46,9 @@ from camkv import quantized
 from camkv.backends import append_cuda, drop, kernel_text, quantized_cuda, step_cuda
 
 ARMS = ("sdpa", "slice_write", "views", "copy", "custom_kernel", "quant_write", "quant_attend", "quant_step",
-        "quant_attend_w8", "quant_step_w8", "quant_attend_file", "quant_step_file")
+        "quant_attend_w8", "quant_step_w8", "quant_attend_inline", "quant_step_inline")
 CUDA_ONLY = ("custom_kernel", "quant_write", "quant_attend", "quant_step", "quant_attend_w8", "quant_step_w8",
-             "quant_attend_file", "quant_step_file")
+             "quant_attend_inline", "quant_step_inline")
 
 
 def parse_args(argv=None):
@@ -132,14 +132,14 @@ def calls(opts) -> dict:
                 quantized_cuda.MAX_WHOLE_WARPS = default
         return warped
 
-    def with_text_in_file(call):
-        def by_file(x):
-            default, kernel_text.BY_FILE = kernel_text.BY_FILE, True
+    def with_text_inline(call):
+        def inline(x):
+            default, kernel_text.BY_FILE = kernel_text.BY_FILE, False
             try:
                 return call(x)
             finally:
                 kernel_text.BY_FILE = default
-        return by_file
+        return inline
 
     return {
         "sdpa": (lambda q: mx.fast.scaled_dot_product_attention(q, keys[:, :, :N], values[:, :, :N], scale=scale),
@@ -153,8 +153,8 @@ def calls(opts) -> dict:
         "quant_step": (quant_step, queries),
         "quant_attend_w8": (with_warps(quant_attend), queries),
         "quant_step_w8": (with_warps(quant_step), queries),
-        "quant_attend_file": (with_text_in_file(quant_attend), queries),
-        "quant_step_file": (with_text_in_file(quant_step), queries),
+        "quant_attend_inline": (with_text_inline(quant_attend), queries),
+        "quant_step_inline": (with_text_inline(quant_step), queries),
     }
 
 

@@ -26,6 +26,17 @@ def pytest_configure(config):
             "(unset LD_PRELOAD).")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_files_in_a_temporary_folder(tmp_path_factory):
+    """The CUDA kernels' text files (camkv.backends.kernel_text) that tests make, emulated
+    or on a GPU, go to a folder of the run's, not the user's cache."""
+    from camkv.backends import kernel_text
+
+    kernel_text.CACHE_DIR = tmp_path_factory.mktemp("cuda-kernels")
+    yield
+    kernel_text.CACHE_DIR = None
+
+
 def _backend_params():
     """Every backend; those not usable here are skipped with the reason, except that
     CAMKV_REQUIRE_METAL=1 (the Metal runner's CI) makes a missing Metal backend fail."""

@@ -352,9 +352,9 @@ def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):
 
 @pytest.mark.parametrize("interleave", [["--interleave"], ["--pipelined", "2"]])
 def test_decode_parts_arm_settings_hold_while_the_arm_runs(tmp_path, monkeypatch, interleave):
-    """decode_parts' camkv-q8-fused-w8-file arm runs (prefill and every step) with
-    quantized_cuda.MAX_WHOLE_WARPS = 8 and kernel_text.BY_FILE on, the other arms with the
-    defaults, which are back after the run."""
+    """decode_parts' camkv-q8-fused-w8 arm runs (prefill and every step) with
+    quantized_cuda.MAX_WHOLE_WARPS = 8 and kernel_text.BY_FILE off, the other arms with the
+    defaults (4 warps, text by file), which are back after the run."""
     from camkv.backends import kernel_text, quantized_cuda
 
     script = _load_bench_script("decode_parts")
@@ -369,10 +369,12 @@ def test_decode_parts_arm_settings_hold_while_the_arm_runs(tmp_path, monkeypatch
         return real(cache, keys, values)
 
     monkeypatch.setattr(camkv.CaMKVCache, "update_and_fetch", noting)
+    defaults = (quantized_cuda.MAX_WHOLE_WARPS, kernel_text.BY_FILE)
+    assert defaults == (4, True)
     script.main(["--model", "random-demo", "--prompt-length", "80", "--budget", "40", "--steps", "4",
-                 "--trials", "1", "--arms", "camkv", "camkv-q8-fused-w8-file", *interleave, "--out", str(tmp_path)])
-    assert seen == {"q8": {(8, True)}, "plain": {(quantized_cuda.MAX_WHOLE_WARPS, False)}}
-    assert quantized_cuda.MAX_WHOLE_WARPS == 4 and kernel_text.BY_FILE is False
+                 "--trials", "1", "--arms", "camkv", "camkv-q8-fused-w8", *interleave, "--out", str(tmp_path)])
+    assert seen == {"q8": {(8, False)}, "plain": {defaults}}
+    assert (quantized_cuda.MAX_WHOLE_WARPS, kernel_text.BY_FILE) == defaults
 
 
 def test_quantized_attention_probe_records_every_valid_shape(tmp_path, capsys):

@@ -21,8 +21,11 @@ pytestmark = pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU
 def sources(monkeypatch, tmp_path):
     """The kernels' files in tmp_path; the list of sources handed to mx.fast.cuda_kernel."""
     monkeypatch.setattr(kernel_text, "CACHE_DIR", tmp_path / "kernels")
+    monkeypatch.setattr(kernel_text, "BY_FILE", False)
     monkeypatch.setattr(drop, "on_cuda", lambda: True)
     seen = []
+    for module in (append_cuda, quantized_cuda, step_cuda):  # every kernel made anew in the test
+        monkeypatch.setattr(module, "_kernels", {})
     with cuda_emulation.kernels_here(append_cuda, quantized_cuda, step_cuda):
         made = mx.fast.cuda_kernel
         monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: seen.append(kw["source"]) or made(**kw))

@@ -26,8 +26,8 @@
 #                                     step: MLX's attention, slice writes, views, a copy, a trivial
 #                                     custom kernel, camkv's quantized write and attention, and both
 #                                     in the one launch of a quantized decode step, the last two also
-#                                     with 8 warps a head's work group and with their text in a file
-#                                     the source includes (1B shape:
+#                                     with 8 warps a head's work group and with their text inline
+#                                     (by default in a file the source includes) (1B shape:
 #                                     512 rows, 8 KV heads of 64; 8B shape: 2048 rows of 128; about
 #                                     1 minute)
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
@@ -52,9 +52,10 @@
 #                                     launch (camkv-q8-fused, camkv-q4-fused), side by side with
 #                                     RotatingKVCache's (random-1b at 4k, random-8b at 32k; about
 #                                     4 minutes)
-#   bash bench/gpu/speed.sh qfusedwf  the one-launch 8-bit step as it is, with 8 warps a head, with
-#                                     the kernels' text by file and with both (camkv-q8-fused-w8,
-#                                     -file, -w8-file), beside RotatingKVCache's and the 4-bit step
+#   bash bench/gpu/speed.sh qfusedwf  the one-launch 8-bit step with the kernels' text inline, with
+#                                     8 warps a head (text inline), with the text by file (the
+#                                     default) and with both (camkv-q8-fused-inline, -w8, -file,
+#                                     -w8-file), beside RotatingKVCache's and the 4-bit step
 #                                     (random-1b at 4k; about 3 minutes)
 #   bash bench/gpu/speed.sh qprefill  prefill and generation of bfloat16, 8-bit and 4-bit rows and
 #                                     RotatingKVCache (random-1b at 4k and 32k, budget 512; about
@@ -146,7 +147,7 @@ run_part() {  # PART: one part's runs, JSON under $OUT
         --out "$OUT/qfused-random-8b-32768" ;;
     qfusedwf)
       step 200 python3 bench/decode_parts.py --model random-1b --prompt-length 4096 --budget 512 \
-        --arms rotating camkv-q8-fused camkv-q8-fused-w8 camkv-q8-fused-file camkv-q8-fused-w8-file camkv-q4-fused \
+        --arms rotating camkv-q8-fused-inline camkv-q8-fused-w8 camkv-q8-fused-file camkv-q8-fused-w8-file camkv-q4-fused \
         --pipelined 16 --trials 2 --steps 64 --out "$OUT/qfusedwf-random-1b-4096" ;;
     qprefill)
       step 150 python3 bench/quant.py --model random-1b --prompt-lengths 4096 32768 --budgets 512 --gen-tokens 16 \
