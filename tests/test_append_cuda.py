@@ -268,3 +268,47 @@ def test_quantized_decode_steps_take_the_short_way_on_an_nvidia_gpu(monkeypatch)
     # steps in one launch each, a compression's next step too (its rows stay plain).
     assert len(long_way) == 3 + 1 and len(fused) == 10
     assert len(writes) == 12 + 2 and len(passes) == 12 + 2
+
+
+@on_gpu
+def test_a_prompt_block_on_an_nvidia_gpu_is_dequantized_from_whole_buffers(monkeypatch):
+    """On MLX's CUDA build (pretended here) a quantized cache that camkv's hook has fed
+    hands a prompt block's rows to attention dequantized, and its compression reads them
+    dequantized, both from the whole buffers (MLX's CUDA dequantize copies an input that is
+    not row-contiguous, as a view of the held rows is): every dequantization of the block
+    reads buffers of all their rows, and the hook dequantizes nothing. The rows handed out
+    are the stored rows dequantized; the attention's output is the one over those rows."""
+    from camkv import CaMKVCache, hook
+    from camkv.backends import quantized_cuda
+    from tiny_models import counted, random_steps, tiny_llama
+
+    monkeypatch.setattr(quantized_cuda, "here", lambda: True)
+    monkeypatch.setattr(quantized, "kernels_here", lambda: False)  # MLX's CUDA build: no bits for mlx-lm
+    monkeypatch.setattr(append_cuda, "takes", lambda *a: True)
+    block, query = random_steps(9)
+    model = tiny_llama()
+    hook.install(model)
+    try:
+        cache = CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, bits=8, group_size=32)
+        keys, values = cache.update_and_fetch(block(40), block(40))
+        hook.scaled_dot_product_attention(query(40), keys, values, cache, 0.125, "causal")
+        read, real = [], mx.dequantize
+        monkeypatch.setattr(mx, "dequantize", lambda w, *a, **k: read.append(w.shape[2]) or real(w, *a, **k))
+        by_hook = counted(monkeypatch, hook, "block_rows")
+        for length in (3, 24):  # a block into buffers with room, then one past the budget and slack
+            keys, values = cache.update_and_fetch(block(length), block(length))
+            rows, stored = cache._rows.keys[0].shape[2], cache._rows.quantized_views()
+            out = hook.scaled_dot_product_attention(q := query(length), keys, values, cache, 0.125, "causal")
+            if length == 3:
+                assert set(read) == {rows} and rows > keys.shape[2]  # whole buffers, not the held rows
+                read.clear()
+        monkeypatch.setattr(mx, "dequantize", real)
+    finally:
+        hook.uninstall(model)
+    assert type(keys) is mx.array and type(values) is mx.array
+    assert set(read) == {rows} and len(read) >= 3 and by_hook == []  # attention's two and the compression's
+    want_keys, want_values = (quantized.dequantize(s, 8, 32) for s in stored)
+    np.testing.assert_array_equal(np.array(keys), np.array(want_keys))
+    np.testing.assert_array_equal(np.array(values), np.array(want_values))
+    want = mx.fast.scaled_dot_product_attention(q, want_keys, want_values, scale=0.125, mask="causal")
+    np.testing.assert_allclose(np.array(out), np.array(want), rtol=1e-5, atol=1e-6)

@@ -159,9 +159,16 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
 
     def _for_attention(self, fetched):
         """The rows held (fetched: as stored) as attention reads them (camkv.attention_rows)."""
-        as_stored = hasattr(self, "bits") or (  # or camkv's hook reads them (CUDA), having fed this cache
-            self._query_scored > 0 and attention_rows.hook_reads_stored(self._config) and self._queries_can_come())
-        return attention_rows.for_attention(fetched, self._rows, self._tier, self._layout, as_stored)
+        if hasattr(self, "bits"):  # mlx-lm's attention reads them as stored
+            return fetched
+        hook_reads = (self._query_scored > 0 and attention_rows.hook_reads_stored(self._config)
+                      and self._queries_can_come())  # camkv's hook reads them (CUDA), having fed this cache
+        if hook_reads and self._waiting > 1 and self._rows.held == fetched[0][0].shape[2]:
+            # A prompt block, which MLX's attention reads dequantized: dequantized here from
+            # the whole buffers (the hook would dequantize views of the rows, which MLX's
+            # CUDA dequantize copies first).
+            return self._rows.held_arrays(self._rows.held)
+        return attention_rows.for_attention(fetched, self._rows, self._tier, self._layout, hook_reads)
 
     def _took(self, S: int) -> None:
         """What follows the write of S new tokens after the held rows."""

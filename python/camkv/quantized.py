@@ -198,7 +198,14 @@ class QuantizedRowBuffers(RowBuffers):
         return _first(self.keys, end), _first(self.values, end)
 
     def held_arrays(self, end: int):
-        return self.dequantize(_first(self.keys, end)), self.dequantize(_first(self.values, end))
+        return tuple(a[:, :, :end] for a in self._dequantized_buffers())
+
+    def _dequantized_buffers(self) -> tuple[mx.array, mx.array]:
+        """The whole buffers of keys and of values dequantized ([B, H, size, D]; rows past
+        the held ones are whatever the buffers hold there). Whole buffers, not views of the
+        held rows: MLX's CUDA dequantize copies an input that is not row-contiguous, three
+        copies for each of keys and values a view of some rows would cost."""
+        return self.dequantize(self.keys), self.dequantize(self.values)
 
     def quantized_views(self, end: int | None = None):
         """The held rows' quantized keys and values (tuples [B, H, end, w])."""
@@ -222,7 +229,7 @@ class QuantizedRowBuffers(RowBuffers):
         engine compresses in place; compressed(work) then stores what it kept. A one-launch
         drop compression copies the rows as stored instead (DequantizedRows)."""
         work = DequantizedRows(self.capacity, (self.keys, self.values))
-        work.keys, work.values = self.held_arrays(end)
+        work.keys, work.values = self._dequantized_buffers()  # buffers whose first end rows take part
         work.held, work.settled, work.pending_start = end, self.settled, self.pending_start
         work.scores, work.positions, work.votes, work.threshold = self.scores, self.positions, self.votes, self.threshold
         positions = self.rows_positions(end)
