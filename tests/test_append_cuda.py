@@ -272,8 +272,8 @@ def test_quantized_decode_steps_take_the_short_way_on_an_nvidia_gpu(monkeypatch)
 
 @on_gpu
 def test_a_prompt_block_on_an_nvidia_gpu_is_dequantized_from_whole_buffers(monkeypatch):
-    """On MLX's CUDA build (pretended here) a quantized cache that camkv's hook has fed
-    hands a prompt block's rows to attention dequantized, and its compression reads them
+    """On MLX's CUDA build (pretended here) a quantized cache hands a prompt block's rows
+    to attention dequantized (the first block too), and its compression reads them
     dequantized, both from the whole buffers (MLX's CUDA dequantize copies an input that is
     not row-contiguous, as a view of the held rows is): every dequantization of the block
     reads buffers of all their rows, and the hook dequantizes nothing. The rows handed out
@@ -291,6 +291,7 @@ def test_a_prompt_block_on_an_nvidia_gpu_is_dequantized_from_whole_buffers(monke
     try:
         cache = CaMKVCache(budget=16, n_sink=1, recent=2, slack=4, bits=8, group_size=32)
         keys, values = cache.update_and_fetch(block(40), block(40))
+        assert type(keys) is mx.array and keys.shape[2] == 40
         hook.scaled_dot_product_attention(query(40), keys, values, cache, 0.125, "causal")
         read, real = [], mx.dequantize
         monkeypatch.setattr(mx, "dequantize", lambda w, *a, **k: read.append(w.shape[2]) or real(w, *a, **k))

@@ -161,14 +161,15 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         """The rows held (fetched: as stored) as attention reads them (camkv.attention_rows)."""
         if hasattr(self, "bits"):  # mlx-lm's attention reads them as stored
             return fetched
-        hook_reads = (self._query_scored > 0 and attention_rows.hook_reads_stored(self._config)
+        cfg, rows = self._config, self._rows
+        if self._waiting > 1 and attention_rows.hook_reads_stored(cfg) and rows.held == fetched[0][0].shape[2]:
+            # A prompt block on MLX's CUDA build (its tokens wait for their queries: nothing
+            # compressed since the write), which attention reads dequantized: dequantized
+            # from the whole buffers (MLX's CUDA dequantize copies a view of some rows first).
+            return rows.held_arrays(rows.held)
+        hook_reads = (self._query_scored > 0 and attention_rows.hook_reads_stored(cfg)
                       and self._queries_can_come())  # camkv's hook reads them (CUDA), having fed this cache
-        if hook_reads and self._waiting > 1 and self._rows.held == fetched[0][0].shape[2]:
-            # A prompt block, which MLX's attention reads dequantized: dequantized here from
-            # the whole buffers (the hook would dequantize views of the rows, which MLX's
-            # CUDA dequantize copies first).
-            return self._rows.held_arrays(self._rows.held)
-        return attention_rows.for_attention(fetched, self._rows, self._tier, self._layout, hook_reads)
+        return attention_rows.for_attention(fetched, rows, self._tier, self._layout, hook_reads)
 
     def _took(self, S: int) -> None:
         """What follows the write of S new tokens after the held rows."""
