@@ -222,34 +222,28 @@ def test_merge_speed_engine_arm_runs_decode_compressions_on_the_engine(monkeypat
     assert compress.by_operations is real
 
 
-def test_merge_speed_unfenced_arm_turns_the_nearest_product_fence_off_for_its_run(monkeypatch):
-    """--unfenced-arms mean adds mean/unfenced, during which (warm and timed round)
-    merge_ops.FENCE_NEAREST_PRODUCT is off, on again after; the other arms run with it on."""
-    from camkv.backends import merge_ops
+@pytest.mark.parametrize("flag, rule, other, module, setting", [
+    ("--unfenced-arms", "mean", "drop", "camkv.backends.merge_ops", "FENCE_NEAREST_PRODUCT"),
+    ("--masked-arms", "keepkv", "mean", "camkv.hook", "WEIGHED_BLOCKS"),
+])
+def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatch, flag, rule, other, module,
+                                                                      setting):
+    """--unfenced-arms mean adds mean/unfenced (merge_ops.FENCE_NEAREST_PRODUCT off for its
+    run), --masked-arms keepkv adds keepkv/masked (hook.WEIGHED_BLOCKS off): the setting is
+    off during the arm's warm and timed round and on again after, the other arms run with
+    it on, and a rule it does not apply to gets no arm (drop: no nearest search; mean: no
+    votes)."""
+    import importlib
 
+    switched = importlib.import_module(module)
     script = _load_bench_script("merge_speed")
     seen = []
     monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
-                        seen.append(merge_ops.FENCE_NEAREST_PRODUCT) or real_step(*a, **k))
+                        seen.append(getattr(switched, setting)) or real_step(*a, **k))
     result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
-                          "--steps", "4", "--rounds", "1", "--rules", "mean", "--unfenced-arms", "mean", "drop"])
-    assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/unfenced"]
-    assert seen.count(False) == 2 and seen.count(True) == 6 and merge_ops.FENCE_NEAREST_PRODUCT is True
-
-
-def test_merge_speed_masked_arm_weighs_prompt_chunks_by_a_mask_for_its_run(monkeypatch):
-    """--masked-arms keepkv mean adds keepkv/masked (mean keeps no votes: no arm), during
-    which camkv.hook.WEIGHED_BLOCKS is off, on again after; the other arms run with it on."""
-    from camkv import hook
-
-    script = _load_bench_script("merge_speed")
-    seen = []
-    monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
-                        seen.append(hook.WEIGHED_BLOCKS) or real_step(*a, **k))
-    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
-                          "--steps", "4", "--rounds", "1", "--rules", "keepkv", "--masked-arms", "keepkv", "mean"])
-    assert list(result["arms"]) == ["rotating", "drop", "keepkv", "keepkv/masked"]
-    assert seen.count(False) == 2 and seen.count(True) == 6 and hook.WEIGHED_BLOCKS is True
+                          "--steps", "4", "--rounds", "1", "--rules", rule, flag, rule, other])
+    assert list(result["arms"]) == ["rotating", "drop", rule, rule + "/" + flag[2:].split("-")[0]]
+    assert seen.count(False) == 2 and seen.count(True) == 6 and getattr(switched, setting) is True
 
 
 def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
