@@ -19,7 +19,7 @@ work to mlx-lm's plain caches.
   camkv-q4       the same with 4-bit rows (CaMConfig.bits=4, group 32)
   camkv-q8-fused, camkv-q4-fused
                  the same with each decode step's write and attention in one launch
-                 (camkv.backends.step_cuda.FUSED_STEPS on for these caches; NVIDIA GPU)
+                 (camkv.backends.step_cuda.FUSED_STEPS on while they run; NVIDIA GPU)
   camkv-q8-fused-inline, camkv-q8-fused-w8, camkv-q8-fused-file, camkv-q8-fused-w8-file
                  camkv-q8-fused with the kernels' text inline (kernel_text.BY_FILE off;
                  by file is the default), with 8 warps reading each head's rows
@@ -69,12 +69,17 @@ FUSED_ARMS = {"camkv-q8-fused": 8, "camkv-q4-fused": 4,  # the same, steps in on
               "camkv-q8-fused-inline": 8, "camkv-q8-fused-w8": 8, "camkv-q8-fused-file": 8,
               "camkv-q8-fused-w8-file": 8}
 # An arm's settings of camkv's CUDA kernels, in force while it prefills and steps:
-# (module name in camkv.backends, attribute) -> value.
+# (module name in camkv.backends, attribute) -> value. Every fused arm's steps fuse where
+# the launch takes them, whatever step_cuda.FUSED_STEPS's default.
+_FUSED = {("step_cuda", "FUSED_STEPS"): True}
+_INLINE, _FILE = {("kernel_text", "BY_FILE"): False}, {("kernel_text", "BY_FILE"): True}
+_W8 = {("quantized_cuda", "MAX_WHOLE_WARPS"): 8}
 ARM_SETTINGS = {
-    "camkv-q8-fused-inline": {("kernel_text", "BY_FILE"): False},
-    "camkv-q8-fused-w8": {("quantized_cuda", "MAX_WHOLE_WARPS"): 8, ("kernel_text", "BY_FILE"): False},
-    "camkv-q8-fused-file": {("kernel_text", "BY_FILE"): True},
-    "camkv-q8-fused-w8-file": {("quantized_cuda", "MAX_WHOLE_WARPS"): 8, ("kernel_text", "BY_FILE"): True},
+    "camkv-q8-fused": _FUSED, "camkv-q4-fused": _FUSED,
+    "camkv-q8-fused-inline": {**_FUSED, **_INLINE},
+    "camkv-q8-fused-w8": {**_FUSED, **_W8, **_INLINE},
+    "camkv-q8-fused-file": {**_FUSED, **_FILE},
+    "camkv-q8-fused-w8-file": {**_FUSED, **_W8, **_FILE},
 }
 ARMS = ("full", "rotating", "buffer", "camkv-key", "camkv-nocomp", "camkv", "camkv-fullway", "camkv-fullhook",
         *QUANTIZED_ARMS, *FUSED_ARMS, "camkv-keepkv")
@@ -192,11 +197,8 @@ def make_arm(model, arm: str, budget: int) -> list:
         return make_prompt_cache(model, config=cfg.replace(scoring="key"))
     if arm in QUANTIZED_ARMS:
         return make_prompt_cache(model, config=cfg.replace(bits=QUANTIZED_ARMS[arm], group_size=32))
-    if arm in FUSED_ARMS:
-        caches = make_prompt_cache(model, config=cfg.replace(bits=FUSED_ARMS[arm], group_size=32))
-        for cache in caches:  # these caches' steps fuse where the launch takes them, whatever the default
-            cache._fuses_steps = lambda queries, check=cache._fuses_steps: _fused_on(check, queries)
-        return caches
+    if arm in FUSED_ARMS:  # step_cuda.FUSED_STEPS on while it runs (ARM_SETTINGS)
+        return make_prompt_cache(model, config=cfg.replace(bits=FUSED_ARMS[arm], group_size=32))
     if arm == "camkv-fullway":
         caches = make_prompt_cache(model, config=cfg)
         for cache in caches:
@@ -232,17 +234,6 @@ def arm_settings(arm: str):
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
-
-
-def _fused_on(check, queries) -> bool:
-    """A cache's _fuses_steps with camkv.backends.step_cuda.FUSED_STEPS on."""
-    from camkv.backends import step_cuda
-
-    default, step_cuda.FUSED_STEPS = step_cuda.FUSED_STEPS, True
-    try:
-        return check(queries)
-    finally:
-        step_cuda.FUSED_STEPS = default
 
 
 def prefilled(model, arm: str, prompt: mx.array, budget: int) -> tuple[list, mx.array]:

@@ -123,23 +123,16 @@ def calls(opts) -> dict:
                                                                opts.bits, opts.group_size)
         return out
 
-    def with_warps(call):
-        def warped(x):
-            default, quantized_cuda.MAX_WHOLE_WARPS = quantized_cuda.MAX_WHOLE_WARPS, 8
+    def with_setting(call, module, name: str, value):
+        """call, with module.name set to value while it builds."""
+        def set_for_the_call(x):
+            default = getattr(module, name)
+            setattr(module, name, value)
             try:
                 return call(x)
             finally:
-                quantized_cuda.MAX_WHOLE_WARPS = default
-        return warped
-
-    def with_text_inline(call):
-        def inline(x):
-            default, kernel_text.BY_FILE = kernel_text.BY_FILE, False
-            try:
-                return call(x)
-            finally:
-                kernel_text.BY_FILE = default
-        return inline
+                setattr(module, name, default)
+        return set_for_the_call
 
     return {
         "sdpa": (lambda q: mx.fast.scaled_dot_product_attention(q, keys[:, :, :N], values[:, :, :N], scale=scale),
@@ -151,10 +144,10 @@ def calls(opts) -> dict:
         "quant_write": (quant_write, step),
         "quant_attend": (quant_attend, queries),
         "quant_step": (quant_step, queries),
-        "quant_attend_w8": (with_warps(quant_attend), queries),
-        "quant_step_w8": (with_warps(quant_step), queries),
-        "quant_attend_inline": (with_text_inline(quant_attend), queries),
-        "quant_step_inline": (with_text_inline(quant_step), queries),
+        "quant_attend_w8": (with_setting(quant_attend, quantized_cuda, "MAX_WHOLE_WARPS", 8), queries),
+        "quant_step_w8": (with_setting(quant_step, quantized_cuda, "MAX_WHOLE_WARPS", 8), queries),
+        "quant_attend_inline": (with_setting(quant_attend, kernel_text, "BY_FILE", False), queries),
+        "quant_step_inline": (with_setting(quant_step, kernel_text, "BY_FILE", False), queries),
     }
 
 

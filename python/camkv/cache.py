@@ -161,14 +161,13 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         """The rows held (fetched: as stored) as attention reads them (camkv.attention_rows)."""
         if hasattr(self, "bits"):  # mlx-lm's attention reads them as stored
             return fetched
-        cfg, rows = self._config, self._rows
-        if self._waiting > 1 and attention_rows.hook_reads_stored(cfg) and rows.held == fetched[0][0].shape[2]:
+        rows, quantized_on_cuda = self._rows, attention_rows.hook_reads_stored(self._config)  # no tier
+        if quantized_on_cuda and self._waiting > 1 and rows.held == fetched[0][0].shape[2]:
             # A prompt block on MLX's CUDA build (its tokens wait for their queries: nothing
             # compressed since the write), which attention reads dequantized: dequantized
             # from the whole buffers (MLX's CUDA dequantize copies a view of some rows first).
             return rows.held_arrays(rows.held)
-        hook_reads = (self._query_scored > 0 and attention_rows.hook_reads_stored(cfg)
-                      and self._queries_can_come())  # camkv's hook reads them (CUDA), having fed this cache
+        hook_reads = quantized_on_cuda and self._query_scored > 0 and self._queries_can_come()  # having fed it
         return attention_rows.for_attention(fetched, rows, self._tier, self._layout, hook_reads)
 
     def _took(self, S: int) -> None:
