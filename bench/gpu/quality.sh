@@ -9,6 +9,8 @@
 # Calls back to back on a warm machine resume from the records the last one wrote (kept
 # under /root/kept, as the tree a call brings lacks them); a fresh machine resumes from
 # the tree's, so join the records here before a call that starts one.
+# SPLIT='FLAGS;FLAGS' runs one sweep a group of flags side by side (see below), e.g.
+#   SPLIT='--methods h2o-causal --budgets 10%;--methods snapkv --budgets 10%' bash bench/gpu/quality.sh ...
 set -e
 . bench/gpu/env.sh
 if ls /root/parts/part_* >/dev/null 2>&1; then
@@ -42,6 +44,34 @@ resume_from_kept() {  # OUTFOLDER KEPTFOLDER
 }
 kept=/root/kept/$(basename "$out")
 resume_from_kept "$out" "$kept"
-timeout $(( seconds + 40 )) python3 -m camkv eval --offline "$@" --time-budget "$seconds" --no-progress 2>&1 | tail -3 || true
+sweep() {  # FOLDER [more flags]: one sweep into FOLDER, cut at $seconds
+  local folder=$1; shift
+  timeout $(( seconds + 40 )) python3 -m camkv eval --offline "$@" --out "$folder" --time-budget "$seconds" \
+    --no-progress 2>&1 | tail -3 || true
+}
+if [ -z "${SPLIT:-}" ]; then
+  sweep "$out" "$@"
+else
+  # SPLIT='FLAGS;FLAGS;...': one sweep a group, side by side (a small model leaves the GPU
+  # mostly idle, so one process uses a fraction of it). Each starts from the folder's
+  # records in a copy of its own; their new records are appended after them in group order
+  # (the record store counts an arm recorded twice, such as a full-cache answer two groups
+  # needed, once). Their seconds are those of sweeps sharing the GPU.
+  IFS=';' read -r -a groups <<< "$SPLIT"
+  have=0
+  mkdir -p "$out"
+  if [ -f "$out/records.jsonl" ]; then have=$(wc -l < "$out/records.jsonl"); fi
+  for k in "${!groups[@]}"; do
+    rm -rf "/root/split/$k" && mkdir -p "/root/split/$k" && cp -r "$out" "/root/split/$k/"
+    # shellcheck disable=SC2086  # a group is a list of flags without spaces inside them
+    sweep "/root/split/$k/$(basename "$out")" "$@" ${groups[$k]} > "/root/split/$k.log" &
+  done
+  wait
+  for k in "${!groups[@]}"; do
+    echo "group $k: ${groups[$k]}" && cat "/root/split/$k.log"
+    tail -n +$(( have + 1 )) "/root/split/$k/$(basename "$out")/records.jsonl" >> "$out/records.jsonl"
+  done
+  cp "/root/split/0/$(basename "$out")/run.json" "$out/"
+fi
 mkdir -p "$kept" && cp -r "$out/." "$kept/"
 tar czf "$OUT/$(basename "$out").tgz" "$out"
