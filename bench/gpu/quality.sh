@@ -61,17 +61,18 @@ else
   have=0
   mkdir -p "$out"
   if [ -f "$out/records.jsonl" ]; then have=$(wc -l < "$out/records.jsonl"); fi
+  split=/root/split/$(basename "$out")  # one per folder: two models' sweeps may run side by side
   for k in "${!groups[@]}"; do
-    rm -rf "/root/split/$k" && mkdir -p "/root/split/$k" && cp -r "$out" "/root/split/$k/"
+    rm -rf "${split:?}/$k" && mkdir -p "$split/$k" && cp -r "$out" "$split/$k/"
     # shellcheck disable=SC2086  # a group is a list of flags without spaces inside them
-    sweep "/root/split/$k/$(basename "$out")" "$@" ${groups[$k]} > "/root/split/$k.log" &
+    sweep "$split/$k/$(basename "$out")" "$@" ${groups[$k]} > "$split/$k.log" &
   done
   wait
   for k in "${!groups[@]}"; do
-    echo "group $k: ${groups[$k]}" && cat "/root/split/$k.log"
-    tail -n +$(( have + 1 )) "/root/split/$k/$(basename "$out")/records.jsonl" >> "$out/records.jsonl"
+    echo "group $k: ${groups[$k]}" && cat "$split/$k.log"
+    tail -n +$(( have + 1 )) "$split/$k/$(basename "$out")/records.jsonl" >> "$out/records.jsonl"
   done
-  cp "/root/split/0/$(basename "$out")/run.json" "$out/"
+  cp "$split/0/$(basename "$out")/run.json" "$out/"
 fi
 mkdir -p "$kept" && cp -r "$out/." "$kept/"
 tar czf "$OUT/$(basename "$out").tgz" "$out"
