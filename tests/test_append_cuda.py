@@ -176,12 +176,17 @@ def test_takes_only_what_it_writes():
     COPY_LIMIT_BYTES, and any device but MLX's CUDA build: not taken (six writes instead)."""
     rng = np.random.default_rng(1)
     buffers = _buffers(rng, 1, 2, 8, 64, mx.float16, 8, 32)
-    step = mx.zeros((1, 2, 1, 64), mx.float16)
-    assert append_cuda.takes(buffers, buffers, step, 8) is drop.on_cuda()
-    assert not append_cuda.takes(buffers, buffers, step, 3)
-    assert not append_cuda.takes(buffers, buffers, step.astype(mx.bfloat16), 8)
-    big = tuple(mx.zeros((1, 8, append_cuda.COPY_LIMIT_BYTES // (8 * 64), 16), a.dtype) for a in buffers)
-    assert not append_cuda.takes(big, big, step, 8)
+    assert append_cuda.takes(buffers, buffers, mx.float16, 8) is drop.on_cuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(drop, "on_cuda", lambda: True)  # the CPU: as on a GPU
+        assert append_cuda.takes(buffers, buffers, mx.float16, 8)
+        assert not append_cuda.takes(buffers, buffers, mx.float16, 3)
+        assert not append_cuda.takes(buffers, buffers, mx.bfloat16, 8)
+        big = tuple(mx.zeros((1, 8, append_cuda.COPY_LIMIT_BYTES // (8 * 64), 16), a.dtype) for a in buffers)
+        assert not append_cuda.takes(big, big, mx.float16, 8)
+        limit_rows = append_cuda.COPY_LIMIT_BYTES * 8 // (2 * append_cuda.buffer_bytes(buffers))
+        assert append_cuda.takes(buffers, buffers, mx.float16, 8, rows=limit_rows)
+        assert not append_cuda.takes(buffers, buffers, mx.float16, 8, rows=limit_rows + 1)  # grown past the limit
 
 
 @on_gpu
