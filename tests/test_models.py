@@ -3,8 +3,10 @@ tokenizer from metadata), the cache folder, and a smoke test of the real default
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -141,3 +143,22 @@ def test_default_model_knows_the_capital_of_france():
     text = mlx_lm.generate(model, tokenizer, "The capital of France is", max_tokens=5)
     print(f"default model: download/convert/load + generate in {time.perf_counter() - start:.1f} s")
     assert "Paris" in text
+
+
+def test_processes_resolving_at_once_convert_once(monkeypatch, tmp_path):
+    """Sweeps started side by side on a fresh cache: the first converts, the others wait
+    for it and load its folder (each converting replaced the folder another was loading)."""
+    monkeypatch.setenv("CAMKV_CACHE_DIR", str(tmp_path / "cache"))
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    real, calls = models.convert_gguf, []
+
+    def slow_convert(*args):
+        calls.append(args)
+        time.sleep(0.3)  # the others arrive while it converts
+        return real(*args)
+
+    monkeypatch.setattr(models, "convert_gguf", slow_convert)
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        folders = list(pool.map(lambda _: models.resolve(str(tmp_path / "tiny.gguf")), range(3)))
+    assert len(set(folders)) == 1 and (Path(folders[0]) / "config.json").exists()
+    assert len(calls) == 1

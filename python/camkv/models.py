@@ -536,8 +536,7 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
     name = DEFAULT_MODEL if model == "default" else model
     if name in PACKAGED_MODELS:
         out_dir = cache_dir() / "models" / f"{name}-{dtype}"
-        if not (out_dir / "config.json").exists():
-            convert_gguf(packaged_gguf_path(name), out_dir, dtype)
+        _converted_once(lambda: packaged_gguf_path(name), out_dir, dtype)
         return str(out_dir)
     path = Path(model).expanduser()
     _check_model_name(model, path)
@@ -546,10 +545,25 @@ def resolve(model: str = DEFAULT_MODEL, dtype: str = DEFAULT_DTYPE) -> str:
         # Keyed by size and mtime so a replaced file is converted again.
         key = f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-{dtype}"
         out_dir = cache_dir() / "models" / key
-        if not (out_dir / "config.json").exists():
-            convert_gguf(path, out_dir, dtype)
+        _converted_once(lambda: path, out_dir, dtype)
         return str(out_dir)
     return model
+
+
+def _converted_once(gguf_path: Callable[[], Path], out_dir: Path, dtype: str) -> None:
+    """Convert the GGUF file into out_dir unless it holds a model. Processes starting at
+    once (sweeps side by side, a server and a script) convert it once: the first holds a
+    lock beside the folder while it converts, the others wait and find it done (without
+    the lock, a later conversion replaced the folder while an earlier process loaded it)."""
+    if (out_dir / "config.json").exists():
+        return
+    import fcntl
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out_dir / "config.json").exists():
+            convert_gguf(gguf_path(), out_dir, dtype)
 
 
 PACKAGED_NAMES = " or ".join(f"'{name}'" for name in PACKAGED_MODELS)  # for messages and help
