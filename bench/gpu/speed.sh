@@ -33,8 +33,9 @@
 #   bash bench/gpu/speed.sh engine    one compression of each rule by the MLX engines on
 #                                     llama-3-8B's shape (2048 rows + a 2048-token chunk), in
 #                                     turn with drop's and with the one-launch drop, mean, keepkv
-#                                     and d2o also without the kernels, then part by part (about
-#                                     2 minutes)
+#                                     and d2o also without the kernels, then part by part; then
+#                                     part by part at the 1B shape (512 rows + 2048, head dim 64;
+#                                     about 3 minutes)
 #   bash bench/gpu/speed.sh decode8b  camkv's decode step paired with RotatingKVCache's on
 #                                     llama-3-8B's shape at 64k and 128k tokens, budget 2048,
 #                                     with and without the hook's short way for decode steps
@@ -122,7 +123,9 @@ run_part() {  # PART: one part's runs, JSON under $OUT
       step 60 python3 bench/step_calls.py --rows 2048 --head-dim 128 --layers 32 --out "$OUT/step-calls-8b-shape.json" ;;
     engine)
       step 200 python3 bench/profile_merge_engine.py --rows 8 --head-dim 128 --queries-per-kv 4 --budget 2048 \
-        --chunk 2048 --repeats 5 --stages --ops-arms mean keepkv d2o --out "$OUT/merge-engine-8b-shape.json" ;;
+        --chunk 2048 --repeats 5 --stages --ops-arms mean keepkv d2o --out "$OUT/merge-engine-8b-shape.json"
+      step 120 python3 bench/profile_merge_engine.py --rows 8 --head-dim 64 --queries-per-kv 4 --budget 512 \
+        --chunk 2048 --repeats 5 --stages --out "$OUT/merge-engine-1b-shape.json" ;;
     decode8b)
       for length in 65536 131072; do
         step $((length / 1024 + 100)) python3 bench/decode_parts.py --model random-8b --prompt-length $length --budget 2048 \
