@@ -162,3 +162,15 @@ def test_processes_resolving_at_once_convert_once(monkeypatch, tmp_path):
         folders = list(pool.map(lambda _: models.resolve(str(tmp_path / "tiny.gguf")), range(3)))
     assert len(set(folders)) == 1 and (Path(folders[0]) / "config.json").exists()
     assert len(calls) == 1
+
+
+def test_a_gguf_refused_while_converting_leaves_no_file(monkeypatch, tmp_path):
+    """A file that passes the header checks but is refused by the conversion (here an
+    architecture camkv does not convert) changes nothing in the cache folder."""
+    monkeypatch.setenv("CAMKV_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_gguf_llama()
+    metadata = dict(gguf_metadata(model), **{"general.architecture": "qwen2"})
+    mx.save_gguf(str(tmp_path / "other.gguf"), gguf_tensors(model), metadata)
+    with pytest.raises(ValueError, match="qwen2"):
+        models.resolve(str(tmp_path / "other.gguf"))
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*"))

@@ -466,11 +466,20 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = DEFAULT_DTYPE) -> 
     """Convert a llama or gemma3 GGUF file into an mlx-lm model folder at out_dir."""
     from . import gguf
 
-    types = gguf.check(gguf_path)  # before MLX reads it: a corrupt header can crash mx.load
-    _check_dtype_fits(gguf_path, types, dtype)
+    types = _checked_types(gguf_path, dtype)
     _say(f"converting {Path(gguf_path).name} to an mlx-lm model ({dtype} weights) in {out_dir}")
     weights, metadata = gguf.read(gguf_path, types)
     return write_mlx_model(weights, metadata, out_dir, dtype, source=str(gguf_path))
+
+
+def _checked_types(gguf_path: Path, dtype: str) -> dict:
+    """The file's tensor types, after the checks that refuse it (ValueError) before MLX
+    reads it: a corrupt header can crash mx.load."""
+    from . import gguf
+
+    types = gguf.check(gguf_path)
+    _check_dtype_fits(gguf_path, types, dtype)
+    return types
 
 
 def _check_dtype_fits(path: Path, types: dict, dtype: str) -> None:
@@ -559,11 +568,23 @@ def _converted_once(gguf_path: Callable[[], Path], out_dir: Path, dtype: str) ->
         return
     import fcntl
 
+    path = gguf_path()
+    _checked_types(path, dtype)  # a file refused here leaves nothing behind
+    made_folder = not out_dir.parent.exists()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+    lock_path = out_dir.parent / f".{out_dir.name}.lock"
+    with open(lock_path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out_dir / "config.json").exists():
-            convert_gguf(gguf_path(), out_dir, dtype)
+        try:
+            if not (out_dir / "config.json").exists():
+                convert_gguf(path, out_dir, dtype)
+        except Exception:
+            # Refused while converting (an architecture camkv does not convert): no state
+            # changed, the lock and a folder made for it removed too.
+            lock_path.unlink(missing_ok=True)
+            if made_folder and not any(out_dir.parent.iterdir()):
+                out_dir.parent.rmdir()
+            raise
 
 
 PACKAGED_NAMES = " or ".join(f"'{name}'" for name in PACKAGED_MODELS)  # for messages and help
