@@ -13,10 +13,10 @@
 #   SPLIT='--methods h2o-causal --budgets 10%;--methods snapkv --budgets 10%' bash bench/gpu/quality.sh ...
 set -e
 . bench/gpu/env.sh
-if ls /root/parts/part_* >/dev/null 2>&1; then
-  mkdir -p /root/ckv /tmp/site
-  cat /root/parts/part_* | tar x -C /root/ckv && rm /root/parts/part_*
-  rm -rf /tmp/site/gguf && mv /root/ckv/gguf /tmp/site/
+if ls "$device_root"/parts/part_* >/dev/null 2>&1; then
+  mkdir -p "$device_root/ckv" /tmp/site
+  cat "$device_root"/parts/part_* | tar x -C "$device_root/ckv" && rm "$device_root"/parts/part_*
+  rm -rf /tmp/site/gguf && mv "$device_root/ckv/gguf" /tmp/site/
 fi
 seconds=${1:-420}
 shift || true
@@ -42,7 +42,7 @@ resume_from_kept() {  # OUTFOLDER KEPTFOLDER
   mkdir -p "$out" && cp "$kept/records.jsonl" "$out/records.jsonl"
   echo "quality.sh: resuming after the $more records a previous call on this machine added"
 }
-kept=/root/kept/$(basename "$out")
+kept=$device_root/kept/$(basename "$out")
 resume_from_kept "$out" "$kept"
 sweep() {  # FOLDER [more flags]: one sweep into FOLDER, cut at $seconds
   local folder=$1; shift
@@ -61,7 +61,7 @@ else
   have=0
   mkdir -p "$out"
   if [ -f "$out/records.jsonl" ]; then have=$(wc -l < "$out/records.jsonl"); fi
-  split=/root/split/$(basename "$out")  # one per folder: two models' sweeps may run side by side
+  split=$device_root/split/$(basename "$out")  # one per folder: two models' sweeps may run side by side
   for k in "${!groups[@]}"; do
     rm -rf "${split:?}/$k" && mkdir -p "$split/$k" && cp -r "$out" "$split/$k/"
     # shellcheck disable=SC2086  # a group is a list of flags without spaces inside them
