@@ -466,20 +466,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = DEFAULT_DTYPE) -> 
     """Convert a llama or gemma3 GGUF file into an mlx-lm model folder at out_dir."""
     from . import gguf
 
-    types = _checked_types(gguf_path, dtype)
+    types = gguf.check(gguf_path)  # before MLX reads it: a corrupt header can crash mx.load
+    _check_dtype_fits(gguf_path, types, dtype)
     _say(f"converting {Path(gguf_path).name} to an mlx-lm model ({dtype} weights) in {out_dir}")
     weights, metadata = gguf.read(gguf_path, types)
     return write_mlx_model(weights, metadata, out_dir, dtype, source=str(gguf_path))
-
-
-def _checked_types(gguf_path: Path, dtype: str) -> dict:
-    """The file's tensor types, after the checks that refuse it (ValueError) before MLX
-    reads it: a corrupt header can crash mx.load."""
-    from . import gguf
-
-    types = gguf.check(gguf_path)
-    _check_dtype_fits(gguf_path, types, dtype)
-    return types
 
 
 def _check_dtype_fits(path: Path, types: dict, dtype: str) -> None:
@@ -568,8 +559,6 @@ def _converted_once(gguf_path: Callable[[], Path], out_dir: Path, dtype: str) ->
         return
     import fcntl
 
-    path = gguf_path()
-    _checked_types(path, dtype)  # a file refused here leaves nothing behind
     made_folder = not out_dir.parent.exists()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     lock_path = out_dir.parent / f".{out_dir.name}.lock"
@@ -577,10 +566,10 @@ def _converted_once(gguf_path: Callable[[], Path], out_dir: Path, dtype: str) ->
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if not (out_dir / "config.json").exists():
-                convert_gguf(path, out_dir, dtype)
+                convert_gguf(gguf_path(), out_dir, dtype)
         except Exception:
-            # Refused while converting (an architecture camkv does not convert): no state
-            # changed, the lock and a folder made for it removed too.
+            # A refused file (or an interrupted download): no state changed, the lock and
+            # a folder made for it removed too.
             lock_path.unlink(missing_ok=True)
             if made_folder and not any(out_dir.parent.iterdir()):
                 out_dir.parent.rmdir()
