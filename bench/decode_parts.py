@@ -31,7 +31,9 @@ Arms take turns trial by trial (or, with --interleave, step by step within a tri
 trial prefills the prompt, then times --steps steps: the whole step (built, evaluated,
 the token read) and the time to build its graph alone. With --pipelined TOKENS the steps
 run as mlx_lm.generate runs them (the next step's graph built while the device runs
-this one), the arms taking turns in blocks of TOKENS tokens.
+this one), the arms taking turns in blocks of TOKENS tokens. With either, trial t
+prefills the arms starting from the t-th (an arm prefilled first can read slower
+throughout), so give as many trials as arms where the order may matter.
 With --cache-host each step's calls into the caches are timed too (update_and_fetch,
 observe_queries, attention_bias, make_mask): the cache's own host work per step and layer.
 Run against another checkout of camkv (PYTHONPATH=OTHER/python) to compare code before
@@ -360,10 +362,14 @@ def main(argv=None) -> dict:
     hosts = {arm: [] for arm in opts.arms}
     for arm in opts.arms:  # warm-up: compiles and allocates what each arm runs
         trial(model, arm, prompt, opts)
-    for _ in range(opts.trials):
+    for trial_index in range(opts.trials):
         if opts.interleave or opts.pipelined:
             take_turns = pipelined_trial if opts.pipelined else interleaved_trial
-            for arm, (timed, built, host) in take_turns(model, opts.arms, prompt, opts).items():
+            # Trial t prefills the arms from the t-th on: the arm prefilled first read slower
+            # through its steps (an H100 at llama-3-8B's shape, 32k tokens: 8-bit rows 0.83x
+            # RotatingKVCache's prefilled after it, 0.70x before it).
+            order = in_turn(opts.arms, trial_index)
+            for arm, (timed, built, host) in take_turns(model, order, prompt, opts).items():
                 steps[arm].extend(timed)
                 builds[arm].extend(built)
                 hosts[arm].extend(host)

@@ -506,3 +506,21 @@ def test_merge_speed_table_aligns_its_columns_under_the_longest_arm():
     header, rows = lines[0], lines[2:4]
     assert all(line.index("12.5") + len("12.5") == header.index("prefill ms") + len("prefill ms") for line in rows)
     assert rows[1].startswith("mass_weighted/unfenced ")
+
+
+def test_decode_parts_trials_that_take_turns_prefill_the_arms_in_rotated_order(tmp_path, monkeypatch):
+    """decode_parts --pipelined (and --interleave): trial t prefills the arms from the t-th
+    on, so no arm is always the first prefilled (which read slower on an H100)."""
+    script = _load_bench_script("decode_parts")
+    real, firsts = script.prefilled, []
+
+    def recorded(model, arm, prompt, budget):
+        firsts.append(arm)
+        return real(model, arm, prompt, budget)
+
+    monkeypatch.setattr(script, "prefilled", recorded)
+    monkeypatch.setattr(script, "trial", lambda *a, **k: ([], [], []))  # no warm-up trials
+    script.main(["--model", "random-tiny", "--prompt-length", "40", "--budget", "20", "--steps", "2",
+                 "--trials", "3", "--arms", "rotating", "camkv", "buffer", "--pipelined", "1",
+                 "--out", str(tmp_path)])
+    assert firsts == ["rotating", "camkv", "buffer", "camkv", "buffer", "rotating", "buffer", "rotating", "camkv"]
