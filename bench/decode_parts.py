@@ -52,6 +52,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache
@@ -226,16 +227,10 @@ def arm_settings(arm: str):
     defaults back after."""
     import importlib
 
-    settings = [(importlib.import_module(f"camkv.backends.{module}"), name, value)
-                for (module, name), value in ARM_SETTINGS.get(arm, {}).items()]
-    saved = [(module, name, getattr(module, name)) for module, name, _ in settings]
-    try:
-        for module, name, value in settings:
-            setattr(module, name, value)
+    with contextlib.ExitStack() as held:
+        for (module, name), value in ARM_SETTINGS.get(arm, {}).items():
+            held.enter_context(mock.patch.object(importlib.import_module(f"camkv.backends.{module}"), name, value))
         yield
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 def prefilled(model, arm: str, prompt: mx.array, budget: int) -> tuple[list, mx.array]:

@@ -39,6 +39,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 
@@ -126,12 +127,8 @@ def calls(opts) -> dict:
     def with_setting(call, module, name: str, value):
         """call, with module.name set to value while it builds."""
         def set_for_the_call(x):
-            default = getattr(module, name)
-            setattr(module, name, value)
-            try:
+            with mock.patch.object(module, name, value):
                 return call(x)
-            finally:
-                setattr(module, name, default)
         return set_for_the_call
 
     return {
