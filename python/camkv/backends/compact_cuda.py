@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import constants
+from . import constants, kernel_text
 
 _HEADER = """
 // Larger key = ranks higher. Protected rows outrank every score; a NaN ranks lowest.
@@ -172,28 +172,29 @@ _SOURCE_SELECT = _SELECT.replace("@KEPT@\n", "").replace(
 """
 
 _THREADS = 512
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple, object] = {}  # (name, kernel_text.BY_FILE) -> the launch
 
 
 def _compact_kernel(count: int):
     """The drop compression copying `count` buffers (2: keys and values; 6: quantized rows)."""
-    name = f"compact{count}"
-    if name not in _kernels:
-        _kernels[name] = mx.fast.cuda_kernel(
+    key = (f"compact{count}", kernel_text.BY_FILE)
+    if key not in _kernels:
+        _kernels[key] = kernel_text.cuda_kernel(
             name=f"camkv_drop_compact{count}",
             input_names=[*(f"rows{i}" for i in range(count)), "settled_scores", "settled_positions", "mass", "dims",
                          "starts"],
             output_names=[*(f"out{i}" for i in range(count)), "scores_out", "positions_out", "kept"],
             source=_SOURCE + _copies(count), header=_HEADER)
-    return _kernels[name]
+    return _kernels[key]
 
 
 def _partition_kernel():
-    if "partition" not in _kernels:
-        _kernels["partition"] = mx.fast.cuda_kernel(
+    key = ("partition", kernel_text.BY_FILE)
+    if key not in _kernels:
+        _kernels[key] = kernel_text.cuda_kernel(
             name="camkv_merge_partition", input_names=["settled_scores", "settled_positions", "mass", "dims", "starts"],
             output_names=["scores_out", "positions_out", "kept", "losers"], source=_SOURCE_SELECT, header=_HEADER)
-    return _kernels["partition"]
+    return _kernels[key]
 
 
 def partition(settled_scores, settled_positions, mass, first_pending: mx.array, cfg):

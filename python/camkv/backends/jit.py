@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..config import CaMConfig
 from ..rows import RowState
 from ._common import adopt_dtype, check_kernel_inputs, chunk_mass as prescore_chunk, chunk_votes, rule_state
-from . import selfcheck
+from . import kernel_text, selfcheck
 from .params import MAX_GROUP, pack_params, params_for, scratch_strides
 from .sources import inlined_source
 
@@ -84,7 +84,7 @@ _TARGETS = {
     },
 }
 
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple, object] = {}  # kernel_key(target) -> the kernel
 
 
 def target_source(target: str) -> tuple[str, str]:
@@ -116,16 +116,24 @@ def make_kernel(target: str, header: str | None = None, name: str = "camkv_updat
     """The mx.fast kernel of the target's body over `header` (default: its prelude and
     core; bench/ablate_chunk.py passes altered ones under other names)."""
     default_header, body = target_source(target)
-    make = mx.fast.metal_kernel if target == "metal" else mx.fast.cuda_kernel
+    # On CUDA the text (some 67 kB) reaches MLX by file (kernel_text), not copied and hashed at every call.
+    make = mx.fast.metal_kernel if target == "metal" else kernel_text.cuda_kernel
     return make(name=name, input_names=_INPUTS, output_names=_OUTPUTS, source=body,
                 header=default_header if header is None else header)
 
 
+def kernel_key(target: str) -> tuple:
+    """Where _kernels keeps the target's kernel: CUDA's apart for each kernel_text.BY_FILE."""
+    return target, target == "cuda" and kernel_text.BY_FILE
+
+
 def _kernel(target: str):
-    """The compiled kernel, built once per process and target (MLX caches per template)."""
-    if target not in _kernels:
-        _kernels[target] = make_kernel(target)
-    return _kernels[target]
+    """The compiled kernel, built once per process, target and way of passing its text
+    (MLX caches per template)."""
+    key = kernel_key(target)
+    if key not in _kernels:
+        _kernels[key] = make_kernel(target)
+    return _kernels[key]
 
 
 _placeholders: list[mx.array] = []

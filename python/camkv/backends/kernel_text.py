@@ -29,8 +29,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-# Whether the decode step's kernels (camkv.backends.step_cuda, quantized_cuda, append_cuda)
-# reach MLX by file.
+# Whether camkv's CUDA kernels reach MLX by file: the decode step's (camkv.backends.step_cuda,
+# quantized_cuda, append_cuda), a compression's (compact_cuda, mass_cuda, merge_cuda) and the
+# kernel core's (jit, on CUDA).
 BY_FILE = True
 # The files' folder where set (tests); else folder()'s default.
 CACHE_DIR: Path | None = None

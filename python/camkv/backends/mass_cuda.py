@@ -21,7 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import mass
-from . import constants
+from . import constants, kernel_text
 
 ROWS_PER_GROUP = 16
 
@@ -72,16 +72,16 @@ _SOURCE = """
   }
 """
 
-_kernels: dict[str, object] = {}
+_kernels: dict[bool, object] = {}  # kernel_text.BY_FILE -> the launch
 _THREADS = 256
 
 
 def _kernel():
-    if "mass" not in _kernels:
-        _kernels["mass"] = mx.fast.cuda_kernel(
+    if kernel_text.BY_FILE not in _kernels:
+        _kernels[kernel_text.BY_FILE] = kernel_text.cuda_kernel(
             name="camkv_column_mass", input_names=["logits", "bias", "dims", "params"], output_names=["partial"],
             source=_SOURCE.replace("ROWS", str(ROWS_PER_GROUP)))
-    return _kernels["mass"]
+    return _kernels[kernel_text.BY_FILE]
 
 
 def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int, width: int, weight: float = 1.0,

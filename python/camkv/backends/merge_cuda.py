@@ -39,7 +39,7 @@ import zlib
 
 import mlx.core as mx
 
-from . import drop
+from . import drop, kernel_text
 from .constants import floats, ints
 
 _THREADS = 256
@@ -451,7 +451,7 @@ _KEEP_FINISH = """
   }
 """
 
-_kernels: dict[str, object] = {}
+_kernels: dict[tuple, object] = {}  # (name, kernel_text.BY_FILE) -> the launch
 
 
 def available() -> bool:
@@ -499,12 +499,13 @@ def _specs() -> dict[str, tuple]:
 
 
 def _kernel(name: str):
-    if name not in _kernels:
+    key = (name, kernel_text.BY_FILE)
+    if key not in _kernels:
         kernel_name, source, inputs, outputs, header = _specs()[name]
-        _kernels[name] = mx.fast.cuda_kernel(
+        _kernels[key] = kernel_text.cuda_kernel(
             name=_named(kernel_name, header + source), input_names=inputs, output_names=outputs, source=source,
             header=header)
-    return _kernels[name]
+    return _kernels[key]
 
 
 def nearest_direct(losers: mx.array, kept: mx.array, norm_l: mx.array, norm_k: mx.array, positions: mx.array,
