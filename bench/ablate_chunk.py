@@ -68,19 +68,20 @@ def measure(opts) -> list[dict]:
     cfg = CaMConfig(budget=n, backend=opts.backend, prefill="chunk", merge=opts.merge)
     keys, queries, state, row_ids = chunk_case(8, 4, D, n, opts.chunk)
     variants = variant_headers(opts.backend) + [("(whole kernel)", jit.target_source(opts.backend)[0])]
-    saved = jit._kernels.pop(jit.kernel_key(opts.backend), None)
+    key = jit.kernel_key(opts.backend)
+    saved = jit._kernels.pop(key, None)
     rows = []
     try:
         for i, (phase, header) in enumerate(variants):
-            jit._kernels[jit.kernel_key(opts.backend)] = jit.make_kernel(opts.backend, header, name=f"camkv_ablate_{i}")
+            jit._kernels[key] = jit.make_kernel(opts.backend, header, name=f"camkv_ablate_{i}")
             seconds = median_seconds(
                 lambda: jit.update(state, keys, keys, n, cfg, row_ids, queries, 1.0 / math.sqrt(D),
                                    target=opts.backend), opts.repeats)
             rows.append({"stops_before": phase, "update_ms": 1e3 * seconds})
     finally:
-        jit._kernels.pop(jit.kernel_key(opts.backend), None)
+        jit._kernels.pop(key, None)
         if saved is not None:
-            jit._kernels[jit.kernel_key(opts.backend)] = saved
+            jit._kernels[key] = saved
     return rows
 
 

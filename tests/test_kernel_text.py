@@ -1,8 +1,9 @@
 """Kernel text by file (camkv.backends.kernel_text): camkv's CUDA kernels (the decode
 step's, a compression's and the kernel core's) made with their text in a file that a
-one-line #include names compute what the kernels with the text inline compute, bit for bit (on an NVIDIA GPU, or the text emulated on CPU threads:
-tests/cuda_emulation.py), carry the short text to MLX, and keep the text inline where
-no file can be written."""
+one-line #include names compute what the kernels with the text inline compute, bit for
+bit (sums by atomic adds, whose order varies run to run, within float32 rounding; on an
+NVIDIA GPU, or the text emulated on CPU threads: tests/cuda_emulation.py), carry the
+short text to MLX, and keep the text inline where no file can be written."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 import cuda_emulation
 from camkv import CaMConfig, quantized
-from camkv.backends import (append_cuda, compact_cuda, constants, drop, jit, kernel_text, mass_cuda, merge_cuda,
+from camkv.backends import (append_cuda, compact_cuda, drop, jit, kernel_text, mass_cuda, merge_cuda,
                             merge_ops, quantized_cuda, step_cuda)
 
 pytestmark = pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
