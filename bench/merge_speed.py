@@ -75,6 +75,9 @@ from camkv.backends import compress, merge_cuda, merge_ops
 from camkv.eval.loading import cast_model
 from camkv.models import RANDOM_LLAMAS
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_parts import in_turn  # noqa: E402  (the arms' rotating order, one rule for both scripts)
+
 ROTATING = "rotating"
 DROP = "drop"
 OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels, nor camkv's weighed attention
@@ -232,11 +235,6 @@ def profile_prefill(model, arm: str, prompt: mx.array, opts) -> dict:
         print(f"  {call['own_ms']:9.1f} ms own {call['cumulative_ms']:9.1f} ms cumulative {call['calls']:6d} "
               f"calls  {call['function']}")
     return {"prefill_ms": 1e3 * prefill, "calls": calls}
-
-
-def in_turn(arms: list[str], round_index: int) -> list[str]:
-    first = round_index % len(arms)
-    return arms[first:] + arms[:first]
 
 
 def direct_check() -> str | None:
