@@ -263,5 +263,5 @@ def random_steps(seed: int, kv_heads: int = 2, query_heads: int = 4, dim: int = 
 def counted(monkeypatch, module, name: str) -> list:
     """Replace module.name by itself counting its calls: the list grows by one a call."""
     calls, real = [], getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls

@@ -153,10 +153,16 @@ class RowBuffers:
 
     def settle(self, state: RowState, next_position: int, B: int, H: int) -> None:
         """Make state [B*H, n, ...] the held rows, all scored, in buffers [B, H, ...] with
-        room to decode; the next token held will be at next_position."""
-        n = state.length
-        spare = self.room_after(n)
-        keys, values = (with_room([], a.reshape(B, H, n, -1), spare) for a in state[:2])
+        room to decode; the next token held will be at next_position. Keys and values of
+        more rows than the scores' n are such buffers already (the merge engine's kernels
+        write the survivors into them, camkv.backends.merge_ops.compress) and are adopted
+        as they are; others are copied into new ones."""
+        n = state.scores.shape[1]
+        if state.keys.shape[1] > n:
+            keys, values = (a.reshape(B, H, a.shape[1], -1) for a in state[:2])
+        else:
+            spare = self.room_after(n)
+            keys, values = (with_room([], a.reshape(B, H, n, -1), spare) for a in state[:2])
         self.adopt(keys, values, state.scores, state.positions, next_position, state.votes, state.threshold)
 
     def stored_for_launch(self) -> tuple | None:

@@ -122,7 +122,8 @@ def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
     settled = merge_ops.Settled(rows.scores, rows.positions, rows.votes, rows.threshold)
     # The backend's own reduction of a chunk's logits where it has one (the extension's column sums).
     return merge_ops.compress(keys, values, settled, chunk.queries, rows.pending_start, chunk.scale, cfg,
-                              chunk.row_ids, getattr(backend, "REDUCER", None), given=chunk.mass)
+                              chunk.row_ids, getattr(backend, "REDUCER", None), given=chunk.mass,
+                              capacity=rows.capacity)
 
 
 def _by_update(backend, rows: RowBuffers, chunk: Chunk):

@@ -16,16 +16,20 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
 - **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch
   adds every merging loser's share-weighted value (and key), its share, a count and its
   mass into its target's float32 sums (a warp per loser, atomic additions), and one
-  more writes each survivor's blended row and score from them: two launches where the
-  MLX operations take about twenty.
+  more writes each survivor's blended row and score from them, straight into buffers
+  with room to decode in the rows' storage dtype (as the one-launch drop writes its
+  survivors): two launches where the MLX operations take about twenty, and no casts or
+  copies into buffers after them.
 - **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
   logits for the query and each target's largest incoming one, by atomic maxima; each
   survivor's top and mass; the losers' masses and their weighted rows, votes and
   scores summed into the targets; each survivor's blended value, its key moved to keep
-  the query's attention, and its votes) where the MLX operations take about a hundred.
+  the query's attention, and its votes, into buffers with room to decode as the blend's)
+  where the MLX operations take about a hundred.
 - **The paper's window rule, whole** (section 4.2, no gate): a warp per loser finds the
   survivors after it by a binary search and adds its share of value and mass into each,
-  where the MLX operations compare every loser with every survivor.
+  where the MLX operations compare every loser with every survivor; the blend's second
+  launch then writes every survivor into buffers with room to decode.
 - **A window rule's sums otherwise** (with the gate, or `window_mass`): a warp per
   (loser, target slot) adds the loser's row and scalars into the target's float32 sums,
   every loser at once, where MLX's scatter-add first spreads every row over the slots.
@@ -291,34 +295,46 @@ _SPREAD = """
 """
 
 _FINISH = """
-  // dims: R rows, m survivors, Dv, Dk. A thread per (row, survivor, column): the
-  // survivor's row becomes (A row + sum share source) / (A + sum share) where a loser
-  // gives to it and that denominator is not 0 (else it stays), rounded once to OUT (the
-  // rows' storage dtype); column 0 also writes its
-  // score plus the mass it took in. A: share_t[j] (SHARE_T) or one for every survivor,
-  // constants[1].
+  // dims: R rows, m survivors, Dv value and Dk key columns, cap rows of the output
+  // buffers, Kb key columns in the sums (Dk where keys blend, else 0). A thread per (row,
+  // survivor, column): a value (and a key where keys blend) becomes
+  // (A own + sum share source) / (A + sum share) where a loser gives to the survivor and
+  // that denominator is not 0 (else it stays), rounded once to its buffer's dtype (OUT_V,
+  // OUT_K); a key that does not blend is copied as stored. Survivor jj of row r goes to
+  // row jj of r's buffer of cap rows (rows m.. are left for the decode steps to write).
+  // Column 0 also writes the survivor's score plus the mass it took in. A: share_t[j]
+  // (SHARE_T) or one for every survivor, constants[1].
   const long rows = dims[0], m = dims[1];
-  const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const int Dv = dims[2], Dk = dims[3], Kb = dims[5], C = Dv + Dk, S = Dv + Kb;
+  const long cap = dims[4];
   const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
   if (at >= rows * m * C) return;
   const long j = at / C;
   const int c = (int)(at % C);
-  const float* sum = sums + j * (C + 3);
+  const long slot = (j / m) * cap + j % m;
+  const float* sum = sums + j * (S + 3);
   const float own_share = SHARE_T ? share_t[j] : constants[1];
-  const float total = __fadd_rn(own_share, sum[C]);
-  const bool blending = sum[C + 1] > 0.0f && total > 0.0f;
-  const float own = c < Dv ? own_values[j * Dv + c] : own_keys[j * Dk + c - Dv];
-  const float blended = blending ? __fadd_rn(__fmul_rn(own_share, own), sum[c]) / total : own;
-  if (c < Dv) out_values[j * Dv + c] = static_cast<OUT>(blended);
-  else out_keys[j * Dk + c - Dv] = static_cast<OUT>(blended);
-  if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[C + 2]);
+  const float total = __fadd_rn(own_share, sum[S]);
+  const bool blending = sum[S + 1] > 0.0f && total > 0.0f;
+  auto blended = [&](float own, float into) {
+    return blending ? __fadd_rn(__fmul_rn(own_share, own), into) / total : own;
+  };
+  if (c < Dv) {
+    out_values[slot * Dv + c] = static_cast<OUT_V>(blended(own_values[j * Dv + c], sum[c]));
+  } else if (Kb > 0) {
+    out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(blended(static_cast<float>(own_keys[j * Dk + c - Dv]), sum[c]));
+  } else {
+    out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(own_keys[j * Dk + c - Dv]);
+  }
+  if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[S + 2]);
 """
 
 _WINDOW = """
   // dims: R rows, k losers, m survivors, Dv, window. A warp per (row, loser): the first
-  // survivor after it (survivors ascending: a binary search), then V_e / |W| and
+  // survivor after it (survivors ascending: a binary search), then V_e / |W|, a count and
   // s_e / |W| added into each of the |W| = min(window, survivors after it) survivors
-  // from there (float32 sums [R, m, Dv + 1]), and the row's merge counted.
+  // from there: float32 sums [R, m, Dv + 3] laid out as the blend's (values, a share
+  // that stays 0, the count, the mass), which the blend's finish adds to each survivor.
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dv = dims[3], window = dims[4];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -334,11 +350,13 @@ _WINDOW = """
   if (width <= 0) return;
   const float shared = (float)width;
   for (int slot = 0; slot < width; ++slot) {
-    float* into = sums + (r * m + low + slot) * (Dv + 1);
+    float* into = sums + (r * m + low + slot) * (Dv + 3);
     for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, values[loser * Dv + c] / shared);
-    if (lane == 0) atomicAdd(into + Dv, mass[loser] / shared);
+    if (lane == 0) {
+      atomicAdd(into + Dv + 1, 1.0f);
+      atomicAdd(into + Dv + 2, mass[loser] / shared);
+    }
   }
-  if (lane == 0) atomicAdd(merged + r, 1);
 """
 
 # keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
@@ -406,17 +424,21 @@ _KEEP_SPREAD = """
 """
 
 _KEEP_FINISH = """
-  // dims: R rows, m survivors, Dv, Dk. A warp per (row, survivor). Where a loser gives to
-  // it: its value and mean key (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where
-  // that is 0), the key then moved along q so that the row, standing for all its votes,
-  // gets the group's mass (merges.output_preserving_key), its votes summed; elsewhere
-  // its row and votes as they were. Its score gains the mass s_e of its losers.
+  // dims: R rows, m survivors, Dv, Dk, cap rows of the output buffers. A warp per (row,
+  // survivor). Where a loser gives to it: its value and mean key
+  // (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where that is 0), the key then
+  // moved along q so that the row, standing for all its votes, gets the group's mass
+  // (merges.output_preserving_key), its votes summed; elsewhere its row and votes as they
+  // were. Value and key rounded once to their buffers' dtypes (OUT_V, OUT_K), survivor jj
+  // of row r into row jj of r's buffer of cap rows (rows m.. left unwritten). Its score
+  // gains the mass s_e of its losers.
   const long rows = dims[0], m = dims[1];
   const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const long cap = dims[4];
   const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (j >= rows * m) return;
-  const long r = j / m;
+  const long r = j / m, slot = r * cap + j % m;
   const float* sum = sums + j * (C + 4);
   const float taken = sum[C], in_votes = sum[C + 2];
   const bool receiving = sum[C + 1] > 0.0f;
@@ -425,7 +447,7 @@ _KEEP_FINISH = """
   auto blended = [&](float own, float into) {
     return blending ? __fadd_rn(__fmul_rn(mass_t[j], own), into) / total : own;
   };
-  for (int c = lane; c < Dv; c += 32) out_values[j * Dv + c] = blended(values[j * Dv + c], sum[c]);
+  for (int c = lane; c < Dv; c += 32) out_values[slot * Dv + c] = static_cast<OUT_V>(blended(values[j * Dv + c], sum[c]));
   const float total_votes = __fadd_rn(votes[j], in_votes);
   float along = 0.0f, norm_q = 0.0f;  // mean key . q and q . q
   for (int c = lane; c < Dk; c += 32) {
@@ -442,8 +464,8 @@ _KEEP_FINISH = """
   const bool moved = receiving && finite[j] && isfinite(shift);
   for (int c = lane; c < Dk; c += 32) {
     const float mean = blended(keys[j * Dk + c], sum[Dv + c]);
-    out_keys[j * Dk + c] = !receiving ? keys[j * Dk + c]
-                         : moved ? __fadd_rn(mean, __fmul_rn(shift, query[r * Dk + c])) : mean;
+    out_keys[slot * Dk + c] = static_cast<OUT_K>(!receiving ? keys[j * Dk + c]
+                                               : moved ? __fadd_rn(mean, __fmul_rn(shift, query[r * Dk + c])) : mean);
   }
   if (lane == 0) {
     out_votes[j] = receiving ? total_votes : votes[j];
@@ -480,8 +502,8 @@ def _specs() -> dict[str, tuple]:
         "nearest_direct": ("camkv_nearest_direct", _NEAREST_DIRECT,
                            ["losers", "kept", "norm_k", "positions", "norm_l", "dims"], ["target", "found", "cosine"],
                            ""),
-        "window": ("camkv_window_spread", _WINDOW, ["values", "mass", "loser_idx", "kept_idx", "dims"],
-                   ["sums", "merged"], ""),
+        "window": ("camkv_window_spread", _WINDOW, ["values", "mass", "loser_idx", "kept_idx", "dims"], ["sums"],
+                   ""),
         "gather": ("camkv_merge_gather", _GATHER,
                    ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
                    ["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
@@ -589,11 +611,14 @@ _KEEP = {
 }
 
 
-def keep_merge(losers, kept, target, merging, query, scale: float):
+def keep_merge(losers, kept, target, merging, query, scale: float, value_dtype=mx.float32,
+               capacity: int | None = None):
     """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results):
-    losers and kept are merge_ops.Rows (float32 keys and values, votes, scores), target
-    [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk] float32. Returns the
-    survivors' keys and values float32, votes and scores plus the mass taken in."""
+    losers and kept are merge_ops.Rows (float32 keys and values, the keys as stored,
+    votes, scores), target [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk]
+    float32. Returns the survivors' keys [R, cap, Dk] in the stored keys' dtype and values
+    [R, cap, Dv] in value_dtype (each rounded once; cap = capacity, or m; rows past m
+    unwritten, as blend_nearest's), votes and scores plus the mass taken in [R, m]."""
     rows, k, dk = losers.keys.shape
     m, dv = kept.keys.shape[1], kept.values.shape[2]
     by_loser = _warp_per(rows * k)
@@ -611,27 +636,33 @@ def keep_merge(losers, kept, target, merging, query, scale: float):
         inputs=[losers.values, losers.keys, losers.votes, losers.scores, logits, top, finite, target, merging,
                 ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
         output_shapes=[(rows, m, dv + dk + 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    cap, key_dtype = m if capacity is None else capacity, kept.stored_keys.dtype
     values, keys, votes, scores = _kernel("keep_finish")(
         inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, mass_t, top, finite, scale_,
-                ints(rows, m, dv, dk)], grid=by_survivor, threadgroup=block,
-        output_shapes=[(rows, m, dv), (rows, m, dk), (rows, m), (rows, m)], output_dtypes=[mx.float32] * 4)
+                ints(rows, m, dv, dk, cap)], template=[("OUT_V", value_dtype), ("OUT_K", key_dtype)],
+        grid=by_survivor, threadgroup=block,
+        output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows, m)],
+        output_dtypes=[value_dtype, key_dtype, mx.float32, mx.float32])
     return keys, values, votes, scores
 
 
-def spread_window(values, mass, loser_idx, kept_idx, own_values, scores, window: int):
+def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, scores, window: int,
+                  value_dtype=mx.float32, capacity: int | None = None):
     """The paper's window rule for every loser at once (section 4.2, no gate): losers'
     values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k], survivors at
-    kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32 and scores [R, m].
-    Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every loser e whose window
-    W(e) (the first `window` survivors after it) holds it. Returns the survivors' values,
-    scores and the merges per row [R] int32 (the losers with a survivor after them)."""
+    kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32, own_keys [R, m, Dk] as
+    stored and scores [R, m]. Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every
+    loser e whose window W(e) (the first `window` survivors after it) holds it. Returns the
+    survivors' values rounded once to value_dtype and keys as stored, in buffers of
+    capacity rows as blend_nearest's, and their scores [R, m]."""
     rows, k, dv = values.shape
     m = kept_idx.shape[1]
-    sums, merged = _kernel("window")(
+    sums = _kernel("window")(
         inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, m, dv + 1), (rows,)], output_dtypes=[mx.float32, mx.int32], init_value=0.0)
-    return own_values + sums[:, :, :dv], scores + sums[:, :, dv], merged
+        output_shapes=[(rows, m, dv + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    # Survivor t becomes (1 V_t + sum) / (1 + 0): V_t plus its window's sum, exactly.
+    return _finish(sums, own_values, own_keys, scores, 1.0, 0, value_dtype, capacity)
 
 
 def _shares(share_in, share_t) -> mx.array:
@@ -641,34 +672,47 @@ def _shares(share_in, share_t) -> mx.array:
 
 
 def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, share_in, share_t, mass,
-                  out_dtype=mx.float32):
+                  value_dtype=mx.float32, capacity: int | None = None):
     """Section 4.4's blend for every survivor at once, where each merging loser has one
     target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
-    the survivors' own_values [R, m, Dv] (own_keys) float32 and scores [R, m], each
-    loser's target [R, k] int32 (indices into the survivors), whether it merges [R, k]
-    bool, its share a_e ([R, k] or a number for all) and mass s_e [R, k], the survivors'
-    share A ([R, m] or a number). Returns the survivors' values [R, m, Dv] and keys
-    (own_keys where keys is None) rounded once to out_dtype, and their scores plus the mass taken in
+    the survivors' own_values [R, m, Dv] float32, own_keys [R, m, Dk] as stored (their
+    dtype is the keys' out) and scores [R, m], each loser's target [R, k] int32 (indices
+    into the survivors), whether it merges [R, k] bool, its share a_e ([R, k] or a number
+    for all) and mass s_e [R, k], the survivors' share A ([R, m] or a number). Returns
+    the survivors' values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk]
+    (blended keys rounded once, the others copied), whose first m rows are the survivors
+    (cap = capacity, or m; the rest unwritten: buffers with room to decode, as
+    compact_cuda.drop_compact writes them), and their scores plus the mass taken in
     [R, m]: (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that
     denominator is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums
     in the device's order."""
     rows, k, Dv = values.shape
     m = own_values.shape[1]
-    Dk = 0 if keys is None else keys.shape[2]
-    per_loser, per_survivor = (isinstance(a, mx.array) for a in (share_in, share_t))
+    blended_keys = 0 if keys is None else keys.shape[2]
+    per_loser = isinstance(share_in, mx.array)
     constants = _shares(share_in, share_t)
     sums = _kernel("spread")(
         inputs=[values, values if keys is None else keys, share_in if per_loser else mass, mass, target, merging,
-                constants, ints(rows, k, m, Dv, Dk)],
+                constants, ints(rows, k, m, Dv, blended_keys)],
         template=[("SHARE_IN", per_loser)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, m, Dv + Dk + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+        output_shapes=[(rows, m, Dv + blended_keys + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    return _finish(sums, own_values, own_keys, scores, share_t, blended_keys, value_dtype, capacity, constants)
+
+
+def _finish(sums, own_values, own_keys, scores, share_t, blended_keys: int, value_dtype, capacity: int | None,
+            constants: mx.array | None = None) -> tuple:
+    """The blend's second launch (_FINISH) over sums [R, m, Dv + blended_keys + 3]: the
+    survivors' values and keys in buffers of capacity rows (or m) and their scores."""
+    rows, m, Dv = own_values.shape
+    Dk = own_keys.shape[2]
+    cap = m if capacity is None else capacity
+    per_survivor = isinstance(share_t, mx.array)
     threads = rows * m * (Dv + Dk)
-    out_values, out_keys, out_scores = _kernel("finish")(
-        inputs=[sums, own_values, own_values if keys is None else own_keys, share_t if per_survivor else scores,
-                scores, constants, ints(rows, m, Dv, Dk)],
-        template=[("SHARE_T", per_survivor), ("OUT", out_dtype)],
+    return tuple(_kernel("finish")(
+        inputs=[sums, own_values, own_keys, share_t if per_survivor else scores, scores,
+                _shares(0.0, share_t) if constants is None else constants, ints(rows, m, Dv, Dk, cap, blended_keys)],
+        template=[("SHARE_T", per_survivor), ("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
         grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, m, Dv), (rows, m, max(Dk, 1)), (rows, m)],
-        output_dtypes=[out_dtype, out_dtype, mx.float32])
-    return out_values, own_keys if keys is None else out_keys, out_scores
+        output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m)],
+        output_dtypes=[value_dtype, own_keys.dtype, mx.float32]))

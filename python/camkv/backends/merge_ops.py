@@ -100,14 +100,19 @@ class Settled(NamedTuple):
 
 def compress(keys, values, settled: Settled, queries, first_pending: int, scale: float, cfg, row_ids,
              preferred: mass.Reducer | None = None, kernels: bool | None = None,
-             given: mx.array | None = None) -> tuple[RowState, mx.array]:
+             given: mx.array | None = None, capacity: int | None = None) -> tuple[RowState, mx.array]:
     """Rows held [R, N, D] whose first n are scored (settled): score the rest, at
     positions first_pending.., as one chunk (queries [R, G, T, Dk], its last T), evict
     down to the budget and merge every loser (section 4). Returns the survivors and the
     merges per row. preferred: the backend's reduction of a chunk's logits (see reducer);
     kernels: whether the nearest search and the sums run as camkv.backends.merge_cuda's
     kernels (default: on an NVIDIA GPU); given [R, N]: the chunk's mass handed in, used
-    instead of the queries' (which still give keepkv its query)."""
+    instead of the queries' (which still give keepkv its query). capacity: rows of the
+    buffers a decode writes into after the survivors (camkv.buffers.capacity_for); where
+    the kernels' blend writes the survivors (a nearest rule's, keepkv's), the keys and
+    values come back as such buffers [R, capacity, D], the survivors their first rows
+    (more rows than the scores: camkv.buffers.RowBuffers.settle adopts them as they are,
+    where the other ways' [R, m, D] are copied into new buffers)."""
     rule = merges.rule(cfg.merge)
     rows, n = settled.scores.shape
     s_len = keys.shape[1] - n
@@ -146,7 +151,7 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
     merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels,
-                   values.dtype)
+                   values.dtype, capacity)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
     return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
@@ -247,7 +252,8 @@ def _probe_window(p: dict, kernels: bool) -> tuple:
     """The window rule's merges of the probe's 70 losers into its 90 survivors (the
     survivors' rows ascending, as a partition gives them)."""
     keys = mx.zeros((2, 160, 4), mx.float32)  # the window rule reads no key
-    rows = lambda values, scores: Rows(keys[:, :scores.shape[1]], values, scores, None, None, None)  # noqa: E731
+    rows = lambda values, scores: Rows(keys[:, :scores.shape[1]], values, scores, None, None,  # noqa: E731
+                                       keys[:, :scores.shape[1]])
     merged = merge(rows(p["rows"], mx.abs(p["x"])), p["order"][:, :70], rows(p["own"], mx.abs(p["scores"])),
                    mx.sort(p["order"][:, 70:], axis=1), None, None, 1.0, CaMConfig(budget=90, merge="window"),
                    mx.arange(2).astype(mx.uint32), False, kernels)
@@ -295,8 +301,9 @@ def _as_numpy(a: mx.array) -> np.ndarray:
 
 
 class Merged(NamedTuple):
-    """The survivors after a compression's merges (keys and values float32, or as merge's
-    storage where the kernels' blend rounded them), the rule's state and the merges per row."""
+    """The survivors after a compression's merges (keys and values float32 [R, m, D], or,
+    where the kernels' blend wrote them, buffers [R, capacity, D] in their storage dtypes),
+    the rule's state and the merges per row."""
 
     keys: mx.array
     values: mx.array
@@ -350,18 +357,22 @@ def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
 
 
 def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids,
-          split: bool, kernels: bool = False, storage=mx.float32) -> Merged:
+          split: bool, kernels: bool = False, storage=mx.float32, capacity: int | None = None) -> Merged:
     """Sections 4.1-4.6: every loser's targets among the survivors (as they stand before
     any merge), the gate and d2o's threshold, then every target's merges at once. split:
     whether the nearest search's product needs float32_product's split (float32 keys on
     an NVIDIA GPU); kernels: the nearest search and the sums by camkv.backends.merge_cuda,
-    whose blend of a nearest rule rounds the values to storage (the values' dtype as
-    stored) and blended keys to the keys' own."""
+    whose blend of a nearest rule (and keepkv's merge) rounds the values to storage (the
+    values' dtype as stored) and the keys to their stored dtype, into buffers of
+    capacity rows (compress's)."""
     rule = merges.rule(cfg.merge)
     if kernels and rule.kind == merges.WINDOW and not rule.blends and not cfg.gate:
-        values, scores, count = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
-                                                         kept.values, kept.scores, cfg.window)
-        return Merged(kept.keys, values, scores, kept.votes, threshold, count)
+        values, keys, scores = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
+                                                        kept.values, kept.stored_keys, kept.scores, cfg.window,
+                                                        storage, capacity)
+        # Every loser with a survivor after it merges (counted when asked for: cache stats).
+        count = (loser_idx < kept_idx[:, -1:]).sum(axis=1).astype(mx.int32)
+        return Merged(keys, values, scores, kept.votes, threshold, count)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
     do = targets.any_valid if do is None else do & targets.any_valid  # a loser with no target merges nowhere
@@ -369,15 +380,14 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
         # One target a loser: the whole blend in two launches (merge_cuda.blend_nearest).
-        if cfg.merge_keys and kept.stored_keys.dtype != storage:  # one rounding for both: keys float32 here
-            storage = mx.float32
         values, keys, scores = merge_cuda.blend_nearest(
-            losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.keys, kept.scores,
+            losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores,
             targets.nearest, do, _loser_share(rule, losers, kept, targets), rule.target_share(kept.scores),
-            targets.s_in, storage)
+            targets.s_in, storage, capacity)
         return Merged(keys, values, scores, votes, threshold, count)
     if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
-        keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale)
+        keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale, storage,
+                                                            capacity)
         return Merged(keys, values, scores, votes, threshold, count)
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
     if rule.keeps_votes:
