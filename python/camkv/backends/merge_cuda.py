@@ -43,7 +43,7 @@ import zlib
 
 import mlx.core as mx
 
-from . import drop, kernel_text
+from . import drop, kernel_text, sources
 from .constants import floats, ints
 
 _THREADS = 256
@@ -276,16 +276,20 @@ _GATHER = """
 
 _SPREAD = """
   // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay).
-  // A warp per (row, loser) that merges: share * its value (and key), then the share, 1
-  // and its mass s_e, added into its target's float32 sums [R, m, Dv + Dk + 3]. The share:
-  // share_in[loser] (SHARE_IN) or one for every loser, constants[0].
+  // A warp per (row, loser) that merges: its share a_e, rule MERGE's (camkv_merges.h, as
+  // the kernel core takes it: from its cosine, its mass s_e, its target's score and, where
+  // the rule reads them, its value's norm and its target's), times its value (and key),
+  // then a_e, 1 and s_e, added into its target's float32 sums [R, m, Dv + Dk + 3].
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
-  const float share = SHARE_IN ? share_in[loser] : constants[0];
-  float* into = sums + ((loser / k) * m + target[loser]) * (C + 3);
+  const long t = (loser / k) * m + target[loser];
+  const bool norms = camkv_reads_value_norms(MERGE);
+  const float share = camkv_loser_share(MERGE, cosine[loser], mass[loser], scores[t], norms ? norm_in[loser] : 0.0f,
+                                        norms ? norm_t[t] : 0.0f);
+  float* into = sums + t * (C + 3);
   camkv_add_rows(into, share, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
   if (lane == 0) {
     atomicAdd(into + C, share);
@@ -302,8 +306,9 @@ _FINISH = """
   // that denominator is not 0 (else it stays), rounded once to its buffer's dtype (OUT_V,
   // OUT_K); a key that does not blend is copied as stored. Survivor jj of row r goes to
   // row jj of r's buffer of cap rows (rows m.. are left for the decode steps to write).
-  // Column 0 also writes the survivor's score plus the mass it took in. A: share_t[j]
-  // (SHARE_T) or one for every survivor, constants[1].
+  // Column 0 also writes the survivor's score plus the mass it took in. A: rule MERGE's
+  // target share of the survivor's score (camkv_merges.h), or 1 where ADDS (a window
+  // rule's sums, whose shares stay 0, are added: own + sum).
   const long rows = dims[0], m = dims[1];
   const int Dv = dims[2], Dk = dims[3], Kb = dims[5], C = Dv + Dk, S = Dv + Kb;
   const long cap = dims[4];
@@ -313,7 +318,7 @@ _FINISH = """
   const int c = (int)(at % C);
   const long slot = (j / m) * cap + j % m;
   const float* sum = sums + j * (S + 3);
-  const float own_share = SHARE_T ? share_t[j] : constants[1];
+  const float own_share = ADDS ? 1.0f : camkv_target_share(MERGE, scores[j]);
   const float total = __fadd_rn(own_share, sum[S]);
   const bool blending = sum[S + 1] > 0.0f && total > 0.0f;
   auto blended = [&](float own, float into) {
@@ -509,15 +514,22 @@ def _specs() -> dict[str, tuple]:
                    ["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
                     "out_value_norm", "out_votes"], ""),
         "spread": ("camkv_blend_spread", _SPREAD,
-                   ["values", "keys", "share_in", "mass", "target", "merging", "constants", "dims"], ["sums"], _HEADER),
-        "finish": ("camkv_blend_finish", _FINISH,
-                   ["sums", "own_values", "own_keys", "share_t", "scores", "constants", "dims"],
-                   ["out_values", "out_keys", "out_scores"], ""),
+                   ["values", "keys", "cosine", "mass", "scores", "norm_in", "norm_t", "target", "merging", "dims"],
+                   ["sums"], _HEADER + _rules_header()),
+        "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "dims"],
+                   ["out_values", "out_keys", "out_scores"], _rules_header()),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
     }
     for name, (source, inputs, outputs) in _KEEP.items():
         specs[name] = (f"camkv_{name}", source, [*inputs, "dims"], outputs, _HEADER)
     return specs
+
+
+def _rules_header() -> str:
+    """The merge rules' shares as the kernel core defines them (csrc/camkv_merges.h), for
+    the blend's kernels: one definition of each rule's shares for both."""
+    return ("#ifndef CAMKV_INLINE\n#define CAMKV_INLINE __device__ __forceinline__\n#endif\n"
+            + sources.inlined_source("camkv_merges.h"))
 
 
 def _kernel(name: str):
@@ -662,26 +674,22 @@ def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, score
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, dv + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
     # Survivor t becomes (1 V_t + sum) / (1 + 0): V_t plus its window's sum, exactly.
-    return _finish(sums, own_values, own_keys, scores, 1.0, 0, value_dtype, capacity)
+    return _finish(sums, own_values, own_keys, scores, 0, value_dtype, capacity, None)
 
 
-def _shares(share_in, share_t) -> mx.array:
-    """The constant shares blend_nearest's kernels read where a rule's share is a number
-    (0 where it is an array)."""
-    return floats(*(0.0 if isinstance(a, mx.array) else float(a) for a in (share_in, share_t)))
-
-
-def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, share_in, share_t, mass,
-                  value_dtype=mx.float32, capacity: int | None = None):
+def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, cosine, mass, value_norms,
+                  merge: int, value_dtype=mx.float32, capacity: int | None = None):
     """Section 4.4's blend for every survivor at once, where each merging loser has one
     target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
     the survivors' own_values [R, m, Dv] float32, own_keys [R, m, Dk] as stored (their
     dtype is the keys' out) and scores [R, m], each loser's target [R, k] int32 (indices
-    into the survivors), whether it merges [R, k] bool, its share a_e ([R, k] or a number
-    for all) and mass s_e [R, k], the survivors' share A ([R, m] or a number). Returns
-    the survivors' values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk]
-    (blended keys rounded once, the others copied), whose first m rows are the survivors
-    (cap = capacity, or m; the rest unwritten: buffers with room to decode, as
+    into the survivors), whether it merges [R, k] bool, its cosine with its target and
+    mass s_e [R, k], and the values' norms (losers' [R, k], survivors' [R, m]; None where
+    rule `merge` reads none). Shares are rule merge's (its code: camkv_merges.h's, the
+    kernel core's): a_e of each loser, A of each survivor's score. Returns the survivors'
+    values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk] (blended keys
+    rounded once, the others copied), whose first m rows are the survivors (cap =
+    capacity, or m; the rest unwritten: buffers with room to decode, as
     compact_cuda.drop_compact writes them), and their scores plus the mass taken in
     [R, m]: (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that
     denominator is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums
@@ -689,30 +697,30 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, s
     rows, k, Dv = values.shape
     m = own_values.shape[1]
     blended_keys = 0 if keys is None else keys.shape[2]
-    per_loser = isinstance(share_in, mx.array)
-    constants = _shares(share_in, share_t)
+    norm_in, norm_t = (mass, scores) if value_norms is None else value_norms  # read only where the rule reads them
     sums = _kernel("spread")(
-        inputs=[values, values if keys is None else keys, share_in if per_loser else mass, mass, target, merging,
-                constants, ints(rows, k, m, Dv, blended_keys)],
-        template=[("SHARE_IN", per_loser)],
+        inputs=[values, values if keys is None else keys, cosine, mass, scores, norm_in, norm_t, target, merging,
+                ints(rows, k, m, Dv, blended_keys)],
+        template=[("MERGE", merge)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, Dv + blended_keys + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
-    return _finish(sums, own_values, own_keys, scores, share_t, blended_keys, value_dtype, capacity, constants)
+    return _finish(sums, own_values, own_keys, scores, blended_keys, value_dtype, capacity, merge)
 
 
-def _finish(sums, own_values, own_keys, scores, share_t, blended_keys: int, value_dtype, capacity: int | None,
-            constants: mx.array | None = None) -> tuple:
+def _finish(sums, own_values, own_keys, scores, blended_keys: int, value_dtype, capacity: int | None,
+            merge: int | None) -> tuple:
     """The blend's second launch (_FINISH) over sums [R, m, Dv + blended_keys + 3]: the
-    survivors' values and keys in buffers of capacity rows (or m) and their scores."""
+    survivors' values and keys in buffers of capacity rows (or m) and their scores. merge:
+    the blending rule whose target share each survivor keeps; None: a window rule's sums,
+    added to each survivor."""
     rows, m, Dv = own_values.shape
     Dk = own_keys.shape[2]
     cap = m if capacity is None else capacity
-    per_survivor = isinstance(share_t, mx.array)
     threads = rows * m * (Dv + Dk)
     return tuple(_kernel("finish")(
-        inputs=[sums, own_values, own_keys, share_t if per_survivor else scores, scores,
-                _shares(0.0, share_t) if constants is None else constants, ints(rows, m, Dv, Dk, cap, blended_keys)],
-        template=[("SHARE_T", per_survivor), ("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
+        inputs=[sums, own_values, own_keys, scores, ints(rows, m, Dv, Dk, cap, blended_keys)],
+        template=[("MERGE", 0 if merge is None else merge), ("ADDS", merge is None), ("OUT_V", value_dtype),
+                  ("OUT_K", own_keys.dtype)],
         grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m)],
         output_dtypes=[value_dtype, own_keys.dtype, mx.float32]))

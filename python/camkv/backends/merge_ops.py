@@ -231,6 +231,8 @@ def _probe_problem() -> dict:
              cut=CaMConfig(budget=90, n_sink=2, recent=5, merge="mean"))
     p["x"] = losers[:, :, 0]
     p["query"] = normal(2, 64)
+    p["cosine"] = mx.array(rng.uniform(-1.0, 1.0, (2, 70)).astype(np.float32))
+    p["norms"] = (mx.abs(normal(2, 70)), mx.abs(normal(2, 90)))
     return p
 
 
@@ -270,7 +272,8 @@ def _probe_taken(p: dict) -> tuple:
 def _probe_with_kernels(p: dict) -> tuple:
     edges = _Edges(p["targets"], p["live"], 90, kernels=True)
     blend = merge_cuda.blend_nearest(p["rows"], None, p["own"], p["own"], p["scores"], p["targets"][:, :, 0],
-                                     p["live"][:, :, 0], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
+                                     p["live"][:, :, 0], p["cosine"], mx.abs(p["x"]), p["norms"],
+                                     merges.code("value_norm"))
     gathered = Rows.split(*_probe_taken(p), key_norm=True, kernels=True)[1]
     partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], constants.ints(60),
                                        p["cut"])
@@ -281,8 +284,10 @@ def _probe_with_kernels(p: dict) -> tuple:
 
 def _probe_with_operations(p: dict) -> tuple:
     edges = _Edges(p["targets"], p["live"], 90)
+    rule, t, (norm_e, norm_t) = merges.rule("value_norm"), p["targets"][:, :, 0], p["norms"]
+    share_in = rule.loser_share(p["cosine"], mx.abs(p["x"]), _at(p["scores"], t), norm_e, _at(norm_t, t))
     blend = _Edges(p["targets"][:, :, :1], p["live"][:, :, :1], 90).blend(
-        [(p["own"], p["rows"])], mx.abs(p["x"]), mx.abs(p["scores"]), p["x"])
+        [(p["own"], p["rows"])], share_in, rule.target_share(p["scores"]), mx.abs(p["x"]))
     gathered = Rows.split(*_probe_taken(p), key_norm=True)[1]
     joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0],
@@ -379,11 +384,12 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     count = do.sum(axis=1).astype(mx.int32)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
-        # One target a loser: the whole blend in two launches (merge_cuda.blend_nearest).
+        # One target a loser: the whole blend, the rule's shares with it, in two launches
+        # (merge_cuda.blend_nearest; the value norms Rows.split took).
         values, keys, scores = merge_cuda.blend_nearest(
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores,
-            targets.nearest, do, _loser_share(rule, losers, kept, targets), rule.target_share(kept.scores),
-            targets.s_in, storage, capacity)
+            targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
+            storage, capacity)
         return Merged(keys, values, scores, votes, threshold, count)
     if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
         keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale, storage,
