@@ -44,7 +44,7 @@ def step_counts(model, cache, prompt: mx.array, steps: int) -> list[dict]:
     token, counts = prompt[:, -1:], []
     for _ in range(steps):
         logits = model(token, cache=cache)
-        ops = graph_operations(logits)
+        ops, _ = graph_operations(logits)
         counts.append({"operations": sum(ops.values()), "launching": sum(n for op, n in ops.items() if op not in VIEWS)})
         token = mx.argmax(logits[:, -1], axis=-1)[None]
         mx.eval(token)

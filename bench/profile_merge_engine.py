@@ -14,7 +14,14 @@ it against another checkout (PYTHONPATH=OTHER/python) for the counts before a ch
 With --graph --kernel-graph, the merge engine is counted as it runs on an NVIDIA GPU,
 anywhere: its CUDA kernels (camkv.backends.merge_cuda) each count as one operation (a
 stand-in hangs their outputs on their inputs' graph, one Depends node a call, without
-running them).
+running them), and a kernel's outputs that start from a value (init_value) one Full
+each (MLX fills each before the launch). The nearest search's fence is off while
+counting (its evaluations would cut the graph; it launches nothing).
+--through-cache counts each rule's compression as a cache runs it instead
+(camkv.backends.compress.compress on buffers with room to decode, the survivors settled
+into the cache's buffers): the launches a prompt's compression makes, copies included.
+
+    python bench/profile_merge_engine.py --rows 8 --head-dim 64 --queries-per-kv 4 --budget 512 --chunk 2048 --graph --kernel-graph --through-cache
 
 With --stages, each call's parts are timed too (mass, ranks, partition, gathers, targets,
 gate, blends, sums; each part's inputs evaluated before it starts and its outputs after,
@@ -45,7 +52,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from camkv import CaMConfig, mass, merges, policy
-from camkv.backends import drop, ext, merge_cuda, merge_ops
+from camkv.backends import compact_cuda, drop, ext, mass_cuda, merge_cuda, merge_ops
 
 # The parts of a compression --stages times: (owner, attribute, label). Parts nest (the
 # targets hold the nearest search; a blend holds its sums): each is timed inclusive.
@@ -77,6 +84,9 @@ def parse_args(argv=None):
     parser.add_argument("--kernel-graph", action="store_true",
                         help="with --graph: the merge engine with its CUDA kernels, each counted as one operation "
                              "(default off: as this device runs it)")
+    parser.add_argument("--through-cache", action="store_true",
+                        help="with --graph --kernel-graph: count each compression as a cache runs it, its "
+                             "survivors settled into buffers with room to decode (default off: the engines' calls)")
     parser.add_argument("--ops-arms", nargs="*", default=[], metavar="RULE",
                         help="on an NVIDIA GPU, also run these rules without camkv.backends.merge_cuda's kernels, "
                              "as arms RULE/ops: before and after in one process (default: none)")
@@ -88,37 +98,47 @@ def parse_args(argv=None):
 VIEWS = frozenset({"Broadcast", "ExpandDims", "Squeeze", "Reshape", "Slice", "Transpose", "AsStrided"})
 
 
-def graph_operations(outputs) -> dict[str, int]:
+def graph_operations(outputs) -> tuple[dict[str, int], int]:
     """The operations of the graph that computes outputs (not evaluated), by primitive
-    name: the nodes of MLX's own DOT export of it."""
+    name: the nodes of MLX's own DOT export of it; and the launches they make on a GPU:
+    one an operation that is no view, a concatenation one copy a part (MLX's GPU
+    backends copy each part into place)."""
     dot = io.StringIO()
     mx.export_to_dot(dot, *_arrays(outputs))
+    text = dot.getvalue()
     counts: dict[str, int] = {}
-    for name in re.findall(r'\[label ="([^"]+)", shape=rectangle\]', dot.getvalue()):
+    nodes = re.findall(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]', text)
+    for _, name in nodes:
         counts[name] = counts.get(name, 0) + 1
-    return counts
+    launches = sum(n for op, n in counts.items() if op not in VIEWS and op != "Concatenate")
+    launches += sum(len(re.findall(rf"-> {node}\n", text)) for node, name in nodes if name == "Concatenate")
+    return counts, launches
 
 
 def stand_in_kernel(**_spec):
     """mx.fast.cuda_kernel for --kernel-graph: a call's outputs are constants tied to its
     inputs by one Depends node, so each kernel call counts once and what feeds it stays in
     the graph."""
-    def call(inputs, output_shapes, output_dtypes, **_launch):
+    def call(inputs, output_shapes, output_dtypes, init_value=None, **_launch):
         outputs = [mx.array(np.zeros(shape, np.float32)).astype(dtype) for shape, dtype in zip(output_shapes,
                                                                                             output_dtypes)]
         mx.eval(outputs)
-        return mx.depends(outputs, [a for a in inputs if isinstance(a, mx.array)])
+        fills = [] if init_value is None else [mx.full(shape, init_value, dtype)
+                                               for shape, dtype in zip(output_shapes, output_dtypes)]
+        return mx.depends(outputs, [a for a in inputs if isinstance(a, mx.array)] + fills)
     return call
 
 
 def _graphs(engines: dict) -> dict[str, dict[str, int]]:
-    """Each engine's call counted: operations in all, and those that are views."""
+    """Each engine's call counted: operations in all, those that are views, and launches."""
     out = {}
     for name, fn in engines.items():
-        counts = graph_operations(fn())
+        counts, launches = graph_operations(fn())
         out[name] = {"operations": sum(counts.values()),
-                     "views": sum(n for op, n in counts.items() if op in VIEWS), "by_primitive": counts}
-        print(f"{name:14s} {out[name]['operations']:4d} operations, {out[name]['views']:4d} of them views")
+                     "views": sum(n for op, n in counts.items() if op in VIEWS), "launches": launches,
+                     "by_primitive": counts}
+        print(f"{name:14s} {out[name]['operations']:4d} operations, {out[name]['views']:4d} of them views, "
+              f"{launches:4d} launches")
     return out
 
 
@@ -195,13 +215,41 @@ def _in_turn(engines: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
+def through_cache(keys, values, scores, positions, queries, scale: float, cfg, row_ids):
+    """One compression of rule cfg.merge as a cache on an NVIDIA GPU runs it: the rows
+    [R, N, D] held in buffers with room to decode (one sequence, R heads), the first n
+    scored, the rest the chunk (camkv.backends.compress.compress: merge="drop" its one
+    launch, a merging rule the merge engine), the survivors settled into the buffers.
+    Returns a call giving the arrays the cache then holds."""
+    from types import SimpleNamespace
+
+    from camkv.backends import compress
+    from camkv.buffers import RowBuffers, capacity_for
+
+    rows, held, _ = keys.shape
+    settled = scores.shape[1]
+    votes = mx.ones((rows, settled), mx.float32) if merges.rule(cfg.merge).keeps_votes else None
+
+    def call():
+        buffers = RowBuffers(capacity_for(cfg))
+        buffers.keys, buffers.values = keys[None], values[None]
+        buffers.held, buffers.settled, buffers.pending_start = held, settled, settled
+        buffers.scores, buffers.positions, buffers.votes = scores, positions, votes
+        chunk = compress.Chunk(held, queries, scale, False, cfg, row_ids)
+        compress.compress(SimpleNamespace(target="cuda"), buffers, chunk)
+        return buffers.arrays()
+    return call
+
+
 def main(argv=None) -> dict:
     opts = parse_args(argv)
     if opts.kernel_graph:  # every engine as on an NVIDIA GPU, its kernels stood in for
         mx.fast.cuda_kernel = stand_in_kernel
         drop.on_cuda = merge_cuda.available = lambda: True
-        merge_cuda._kernels.clear()
+        for module in (merge_cuda, compact_cuda, mass_cuda):
+            module._kernels.clear()
         merge_ops._probe["failure"] = None  # the first-use check is the real kernels' (none run here)
+        merge_ops.FENCE_NEAREST_PRODUCT = False  # its evaluations would cut the graph counted
     rows, dim, n, s_len = opts.rows, opts.head_dim, opts.budget, opts.chunk
     rng = np.random.default_rng(0)
     keys = mx.array(rng.standard_normal((rows, n + s_len, dim)).astype(np.float32)).astype(mx.bfloat16)
@@ -232,6 +280,9 @@ def main(argv=None) -> dict:
         buffers = keys[None], values[None]
         engines["drop/launch"] = lambda: drop.compress_drop_buffers(*buffers, n + s_len, scores, positions, queries,
                                                                     n, scale, cfg("drop"), n + 64)
+    if opts.through_cache:
+        engines = {rule: through_cache(keys, values, scores, positions, queries, scale, cfg(rule), row_ids)
+                   for rule in merges.names() if merges.rule(rule).kind != merges.DROP or rule == "drop"}
     if opts.graph:
         result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "graph": _graphs(engines)}
         _write(opts.out, result)

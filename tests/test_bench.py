@@ -327,6 +327,36 @@ def test_profile_merge_engine_pairs_every_rule_with_the_drop_engine(capsys):
     assert "x drop's (paired)" in capsys.readouterr().out
 
 
+def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_them(tmp_path):
+    """profile_merge_engine --graph --kernel-graph --through-cache (in a process of its
+    own: it stands in for MLX's CUDA kernels) counts each rule's compression as a cache on
+    an NVIDIA GPU runs it. A nearest rule's blend and the window rule's write the
+    survivors into the cache's buffers and take the rule's shares themselves: beyond
+    dropping's launches, only the merge kernels, the nearest search's product and the
+    sums' one fill; value_norm's shares add nothing to mean's; no concatenation (the
+    copies into buffers with room to decode) follows any rule with a kernel blend."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    views = _load_bench_script("profile_merge_engine").VIEWS
+    out = tmp_path / "graph.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "profile_merge_engine.py"), "--rows", "2", "--head-dim", "8",
+                    "--budget", "16", "--chunk", "40", "--graph", "--kernel-graph", "--through-cache", "--out",
+                    str(out)], check=True, capture_output=True, text=True)
+    graph = json.loads(out.read_text())["graph"]
+    drop = graph["drop"]["by_primitive"]
+    for rule in ("mean", "mass_weighted", "value_norm", "window", "keepkv"):
+        ops = graph[rule]["by_primitive"]
+        assert "Concatenate" not in ops or rule == "keepkv" and ops["Concatenate"] == 1, (rule, ops)  # keepkv: votes
+    for rule in ("mean", "mass_weighted", "value_norm"):
+        ops = graph[rule]["by_primitive"]
+        extra = {op: n - drop.get(op, 0) for op, n in ops.items() if op not in views and n != drop.get(op, 0)}
+        # partition, gather, nearest, spread, finish for drop's one launch; the product; the sums' fill
+        assert extra == {"Depends": 4, "Matmul": 1, "Full": 1}, (rule, extra)
+    assert graph["value_norm"]["launches"] == graph["mean"]["launches"]
+
+
 def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):
     """decode_parts' camkv-q8 / camkv-q4 arms decode with 8- and 4-bit rows (group 32)."""
     script = _load_bench_script("decode_parts")
