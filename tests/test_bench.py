@@ -333,8 +333,9 @@ def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_
     an NVIDIA GPU runs it. A nearest rule's blend and the window rule's write the
     survivors into the cache's buffers and take the rule's shares themselves: beyond
     dropping's launches, only the merge kernels, the nearest search's product and the
-    sums' one fill; value_norm's shares add nothing to mean's; no concatenation (the
-    copies into buffers with room to decode) follows any rule with a kernel blend."""
+    sums' one fill; value_norm's shares add nothing to mean's, d2o's threshold one launch
+    (and its NaN start); no concatenation (the copies into buffers with room to decode)
+    follows any rule with a kernel blend."""
     import subprocess
     import sys
     from pathlib import Path
@@ -355,6 +356,8 @@ def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_
         # partition, gather, nearest, spread, finish for drop's one launch; the product; the sums' fill
         assert extra == {"Depends": 4, "Matmul": 1, "Full": 1}, (rule, extra)
     assert graph["value_norm"]["launches"] == graph["mean"]["launches"]
+    # d2o: its threshold's one launch, and its NaN start at a row's first compression
+    assert graph["d2o"]["launches"] == graph["mean"]["launches"] + 2
 
 
 def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):

@@ -323,6 +323,41 @@ def test_scatter_kernel_sums_as_the_scatter_add(case):
         np.testing.assert_allclose(np.array(g), np.array(e), rtol=1e-5, atol=1e-4)
 
 
+@st.composite
+def threshold_cases(draw):
+    return dict(R=draw(st.integers(1, 3)), k=draw(st.one_of(st.integers(1, 40), st.integers(250, 700))),
+                poison=draw(st.sampled_from(["none", "some", "all"])), eligible=draw(st.floats(0.0, 1.0)),
+                first=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@on_gpu
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(threshold_cases())
+def test_moved_threshold_kernel_gates_as_the_operations(case):
+    """d2o's gate in one launch (merge_cuda.moved_threshold) against merges.moved_threshold
+    and the comparison after it: a row's first compression (NaN before) and a later one,
+    NaN and infinite cosines among the finite ones or in place of all (the threshold then
+    stays), rows longer than the work group. The thresholds agree to float32 rounding of
+    a sum in another order; which losers merge agree except where a cosine lies within
+    that rounding of the threshold (section 8's near-tie)."""
+    note(f"case={case}")
+    c = case
+    rng = np.random.default_rng(c["seed"])
+    cosine = rng.uniform(-1.0, 1.0, (c["R"], c["k"])).astype(np.float32)
+    if c["poison"] != "none":
+        poisoned = rng.random(cosine.shape) < (1.0 if c["poison"] == "all" else 0.2)
+        cosine[poisoned] = rng.choice([np.nan, np.inf, -np.inf], poisoned.sum())
+    before = np.full(c["R"], np.nan if c["first"] else 0.25, np.float32)
+    eligible = mx.array(rng.random(cosine.shape) < c["eligible"])
+    got_merging, got = merge_cuda.moved_threshold(mx.array(cosine), eligible, mx.array(before))
+    want = merges.moved_threshold(mx.array(before), mx.array(cosine))
+    want_merging = eligible & (mx.array(cosine) >= want[:, None])
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-6, equal_nan=True)
+    near = np.abs(cosine - np.array(want)[:, None]) <= 1e-5
+    differ = np.array(got_merging) != np.array(want_merging)
+    assert not (differ & ~near).any(), np.argwhere(differ & ~near)[:5]
+
+
 # ---------------------------------------------------------------- the engine with its kernels
 
 

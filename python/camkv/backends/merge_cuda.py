@@ -20,6 +20,9 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
   with room to decode in the rows' storage dtype (as the one-launch drop writes its
   survivors): two launches where the MLX operations take about twenty, and no casts or
   copies into buffers after them.
+- **d2o's moving threshold** (section 4.5): a work group a row sums its losers' finite
+  cosines, moves the threshold and marks the losers that reach it, one launch where the
+  MLX operations take about twenty.
 - **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
   logits for the query and each target's largest incoming one, by atomic maxima; each
   survivor's top and mass; the losers' masses and their weighted rows, votes and
@@ -364,6 +367,43 @@ _WINDOW = """
   }
 """
 
+_THRESHOLD = """
+  // dims: R rows, k losers. A work group per row (section 4.5): the sum and count of its
+  // losers' finite nearest cosines (each thread's, then the group's), its threshold moved
+  // by camkv_moved_threshold (camkv_merges.h, the kernel core's), then each loser merges
+  // where it may (eligible: a target, the gate passed) and its cosine reaches the moved
+  // threshold (never where that is NaN: a row that has seen no finite cosine).
+  const long k = dims[1];
+  const long r = blockIdx.x;
+  __shared__ float sums[32];
+  __shared__ int counts[32];
+  __shared__ float moved;
+  float sum = 0.0f;
+  int count = 0;
+  for (long e = threadIdx.x; e < k; e += blockDim.x) {
+    const float c = cosine[r * k + e];
+    if (isfinite(c)) { sum = __fadd_rn(sum, c); ++count; }
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+    count += __shfl_xor_sync(0xffffffffu, count, o);
+  }
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (threadIdx.x % 32 == 0) { sums[warp] = sum; counts[warp] = count; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    int all = 0;
+    for (int w = 0; w < warps; ++w) { total = __fadd_rn(total, sums[w]); all += counts[w]; }
+    moved = camkv_moved_threshold(threshold[r], total, all);
+    threshold_out[r] = moved;
+  }
+  __syncthreads();
+  for (long e = threadIdx.x; e < k; e += blockDim.x) {
+    merging[r * k + e] = eligible[r * k + e] && cosine[r * k + e] >= moved;
+  }
+"""
+
 # keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
 # comes in are atomic maxima into arrays that start at -inf (one init_value a launch).
 _KEEP_LOGITS = """
@@ -519,6 +559,8 @@ def _specs() -> dict[str, tuple]:
         "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "dims"],
                    ["out_values", "out_keys", "out_scores"], _rules_header()),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
+        "threshold": ("camkv_moved_threshold", _THRESHOLD, ["cosine", "eligible", "threshold", "dims"],
+                      ["merging", "threshold_out"], _rules_header()),
     }
     for name, (source, inputs, outputs) in _KEEP.items():
         specs[name] = (f"camkv_{name}", source, [*inputs, "dims"], outputs, _HEADER)
@@ -588,6 +630,22 @@ def scatter_rows(rows_in: mx.array, targets: mx.array, live: mx.array, m: int) -
         inputs=[rows_in, targets.astype(mx.int32), live, dims],
         grid=_warp_per(edges), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, columns)], output_dtypes=[mx.float32], init_value=0.0)[0]
+
+
+def moved_threshold(cosine: mx.array, eligible: mx.array, threshold: mx.array) -> tuple[mx.array, mx.array]:
+    """d2o's gate of a compression (section 4.5) in one launch: which losers merge [R, k]
+    (eligible [R, k]: a target, the gate passed; and a cosine [R, k] that reaches the
+    moved threshold) and each row's threshold [R] (NaN before its first compression)
+    moved by the mean of its losers' finite nearest cosines: merges.moved_threshold's
+    result, its sum in the device's order."""
+    rows, k = cosine.shape
+    return tuple(_kernel("threshold")(
+        inputs=[cosine, eligible, threshold, ints(rows, k)], grid=(rows * _THRESHOLD_THREADS, 1, 1),
+        threadgroup=(_THRESHOLD_THREADS, 1, 1), output_shapes=[(rows, k), (rows,)],
+        output_dtypes=[mx.bool_, mx.float32]))
+
+
+_THRESHOLD_THREADS = 256
 
 
 def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):

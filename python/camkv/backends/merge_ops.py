@@ -209,7 +209,8 @@ _PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores",
                                                 "key norms", "value norms")),
            "losers", "survivors", "joined scores", "joined positions",
            *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")),
-           *(f"window's merged {field}" for field in ("values", "scores", "counts")))
+           *(f"window's merged {field}" for field in ("values", "scores", "counts")), "d2o's merging",
+           "d2o's thresholds")
 
 
 def _probe_problem() -> dict:
@@ -233,6 +234,7 @@ def _probe_problem() -> dict:
     p["query"] = normal(2, 64)
     p["cosine"] = mx.array(rng.uniform(-1.0, 1.0, (2, 70)).astype(np.float32))
     p["norms"] = (mx.abs(normal(2, 70)), mx.abs(normal(2, 90)))
+    p["threshold"] = mx.array([float("nan"), 0.1], mx.float32)
     return p
 
 
@@ -279,7 +281,7 @@ def _probe_with_kernels(p: dict) -> tuple:
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
             blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
-            *_probe_window(p, True))
+            *_probe_window(p, True), *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]))
 
 
 def _probe_with_operations(p: dict) -> tuple:
@@ -293,7 +295,14 @@ def _probe_with_operations(p: dict) -> tuple:
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0],
             p["scores"] + blend.extra[0], *_gathered_fields(gathered),
             *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
-            *_probe_keep(p, False), *_probe_window(p, False))
+            *_probe_keep(p, False), *_probe_window(p, False), *_probe_threshold(p))
+
+
+def _probe_threshold(p: dict) -> tuple:
+    """d2o's merging losers and moved thresholds of the probe's cosines (one row's first
+    compression, one row's later), by the MLX operations."""
+    threshold = merges.moved_threshold(p["threshold"], p["cosine"])
+    return p["live"][:, :, 0] & (p["cosine"] >= threshold[:, None]), threshold
 
 
 def _gathered_fields(rows: "Rows") -> tuple:
@@ -347,17 +356,19 @@ def _targets(losers: Rows, loser_idx, kept: Rows, kept_idx, cfg, split: bool, ke
     return _Targets(t[:, :, None], found[:, :, None], found, _at(kept.scores, t), losers.scores, t, cosine)
 
 
-def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids):
-    """Section 4.3 and 4.5: which losers merge [R, k] bool (None: every loser that has a
-    target), and d2o's moved threshold."""
-    do = None
+def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids, kernels: bool = False):
+    """Section 4.3 and 4.5: which losers merge [R, k] bool (those with a target that pass
+    the gate and d2o's threshold), and d2o's moved threshold (kernels: both in one launch,
+    merge_cuda.moved_threshold)."""
+    do = targets.any_valid  # a loser with no target merges nowhere
     if cfg.gate:
         draws = gate.uniform(cfg.seed, row_ids[:, None], losers.positions)
-        do = draws < gate.probability(losers.scores, targets.s_target)
+        do = do & (draws < gate.probability(losers.scores, targets.s_target))
     if merges.rule(cfg.merge).moving_threshold:
+        if kernels:
+            return merge_cuda.moved_threshold(targets.cosine, do, threshold)
         threshold = merges.moved_threshold(threshold, targets.cosine)
-        above = targets.cosine >= threshold[:, None]
-        do = above if do is None else do & above
+        do = do & (targets.cosine >= threshold[:, None])
     return do, threshold
 
 
@@ -379,8 +390,7 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
         count = (loser_idx < kept_idx[:, -1:]).sum(axis=1).astype(mx.int32)
         return Merged(keys, values, scores, kept.votes, threshold, count)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
-    do, threshold = _merging(targets, losers, threshold, cfg, row_ids)
-    do = targets.any_valid if do is None else do & targets.any_valid  # a loser with no target merges nowhere
+    do, threshold = _merging(targets, losers, threshold, cfg, row_ids, kernels)
     count = do.sum(axis=1).astype(mx.int32)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
