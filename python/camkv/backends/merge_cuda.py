@@ -405,11 +405,13 @@ _THRESHOLD = """
 """
 
 # keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
-# comes in are atomic maxima into arrays that start at -inf (one init_value a launch).
+# comes in are atomic maxima into one array [R, m, 2] that starts at -inf (MLX fills every
+# output a kernel starts from a value, a launch each: hence one output).
 _KEEP_LOGITS = """
   // dims: R rows, k losers, m survivors, Dk. A warp per (row, loser): its logit
-  // l_e = scale q.K_e; a merging loser's finite logit raises its target's top_in, a
-  // non-finite one sets its target's poisoned to 1.
+  // l_e = scale q.K_e; a merging loser's finite logit raises its target's top_in[t][0], a
+  // non-finite one sets its target's top_in[t][1] (poisoned) to 1. Its one output starts
+  // at -inf (one fill: keep_spread takes the logit again instead of reading an output).
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dk = dims[3];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -417,20 +419,18 @@ _KEEP_LOGITS = """
   if (loser >= rows * k) return;
   const long r = loser / k;
   const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
-  if (lane == 0) {
-    logits[loser] = l;
-    if (merging[loser]) {
-      const long to = r * m + target[loser];
-      if (isfinite(l)) camkv_atomic_max(top_in + to, l);
-      else camkv_atomic_max(poisoned + to, 1.0f);
-    }
+  if (lane == 0 && merging[loser]) {
+    const long to = r * m + target[loser];
+    if (isfinite(l)) camkv_atomic_max(top_in + 2 * to, l);
+    else camkv_atomic_max(top_in + 2 * to + 1, 1.0f);
   }
 """
 
 _KEEP_TOPS = """
   // dims: R rows, m survivors, Dk. A warp per (row, survivor): l_t = scale q.K_t; its
-  // mass is finite where l_t is and no merging loser's logit is not; top: the larger of
-  // l_t and top_in there (0 elsewhere); m_t = votes exp(l_t - top) there (votes elsewhere).
+  // mass is finite where l_t is and no merging loser's logit is not (top_in[j][1]); top:
+  // the larger of l_t and top_in[j][0] there (0 elsewhere); m_t = votes exp(l_t - top)
+  // there (votes elsewhere).
   const long rows = dims[0], m = dims[1];
   const int Dk = dims[2];
   const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -438,8 +438,8 @@ _KEEP_TOPS = """
   if (j >= rows * m) return;
   const float l = camkv_keep_logit(keys + j * Dk, query + j / m * Dk, scale, Dk, lane);
   if (lane == 0) {
-    const bool fin = isfinite(l) && !(poisoned[j] > 0.0f);
-    const float best = fin ? fmaxf(l, top_in[j]) : 0.0f;
+    const bool fin = isfinite(l) && !(top_in[2 * j + 1] > 0.0f);
+    const float best = fin ? fmaxf(l, top_in[2 * j]) : 0.0f;
     top[j] = best;
     finite[j] = fin;
     mass_t[j] = __fmul_rn(votes[j], fin ? expf(l - best) : 1.0f);
@@ -455,9 +455,11 @@ _KEEP_SPREAD = """
   const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
-  if (loser >= rows * k || !merging[loser]) return;
-  const long to = (loser / k) * m + target[loser];
-  const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(logits[loser] - top[to]) : 1.0f);
+  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
+  const long r = loser / k, to = r * m + target[loser];
+  // keep_logits' logit, the same warp sum again
+  const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
+  const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(l - top[to]) : 1.0f);
   float* into = sums + to * (C + 4);
   camkv_add_rows(into, mass_e, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
   if (lane == 0) {
@@ -672,9 +674,10 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
 
 # keepkv's launches: name -> (text, inputs before dims, outputs).
 _KEEP = {
-    "keep_logits": (_KEEP_LOGITS, ["keys", "query", "target", "merging", "scale"], ["logits", "top_in", "poisoned"]),
-    "keep_tops": (_KEEP_TOPS, ["keys", "query", "votes", "top_in", "poisoned", "scale"], ["top", "finite", "mass_t"]),
-    "keep_spread": (_KEEP_SPREAD, ["values", "keys", "votes", "mass", "logits", "top", "finite", "target", "merging"],
+    "keep_logits": (_KEEP_LOGITS, ["keys", "query", "target", "merging", "scale"], ["top_in"]),
+    "keep_tops": (_KEEP_TOPS, ["keys", "query", "votes", "top_in", "scale"], ["top", "finite", "mass_t"]),
+    "keep_spread": (_KEEP_SPREAD, ["values", "keys", "votes", "mass", "query", "scale", "top", "finite", "target",
+                                   "merging"],
                ["sums"]),
     "keep_finish": (_KEEP_FINISH, ["values", "keys", "votes", "scores", "query", "sums", "mass_t", "top", "finite",
                               "scale"], ["out_values", "out_keys", "out_votes", "out_scores"]),
@@ -695,16 +698,15 @@ def keep_merge(losers, kept, target, merging, query, scale: float, value_dtype=m
     by_survivor = _warp_per(rows * m)
     block = (_THREADS, 1, 1)
     scale_ = floats(scale)
-    logits, top_in, poisoned = _kernel("keep_logits")(
+    top_in = _kernel("keep_logits")(
         inputs=[losers.keys, query, target, merging, scale_, ints(rows, k, m, dk)], grid=by_loser,
-        threadgroup=block, output_shapes=[(rows, k), (rows, m), (rows, m)], output_dtypes=[mx.float32] * 3,
-        init_value=-float("inf"))
+        threadgroup=block, output_shapes=[(rows, m, 2)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
     top, finite, mass_t = _kernel("keep_tops")(
-        inputs=[kept.keys, query, kept.votes, top_in, poisoned, scale_, ints(rows, m, dk)], grid=by_survivor,
+        inputs=[kept.keys, query, kept.votes, top_in, scale_, ints(rows, m, dk)], grid=by_survivor,
         threadgroup=block, output_shapes=[(rows, m)] * 3, output_dtypes=[mx.float32, mx.bool_, mx.float32])
     sums = _kernel("keep_spread")(
-        inputs=[losers.values, losers.keys, losers.votes, losers.scores, logits, top, finite, target, merging,
-                ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
+        inputs=[losers.values, losers.keys, losers.votes, losers.scores, query, scale_, top, finite, target,
+                merging, ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
         output_shapes=[(rows, m, dv + dk + 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
     cap, key_dtype = m if capacity is None else capacity, kept.stored_keys.dtype
     values, keys, votes, scores = _kernel("keep_finish")(
