@@ -109,10 +109,10 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     kernels (default: on an NVIDIA GPU); given [R, N]: the chunk's mass handed in, used
     instead of the queries' (which still give keepkv its query). capacity: rows of the
     buffers a decode writes into after the survivors (camkv.buffers.capacity_for); where
-    the kernels' blend writes the survivors (a nearest rule's, keepkv's), the keys and
-    values come back as such buffers [R, capacity, D], the survivors their first rows
-    (more rows than the scores: camkv.buffers.RowBuffers.settle adopts them as they are,
-    where the other ways' [R, m, D] are copied into new buffers)."""
+    the kernels write the survivors (a nearest rule's blend, keepkv's merge, the window
+    rule's sums), the keys and values come back as such buffers [R, capacity, D], the
+    survivors their first rows (more rows than the scores: camkv.buffers.RowBuffers.settle
+    adopts them as they are, where the other ways' [R, m, D] are copied into new buffers)."""
     rule = merges.rule(cfg.merge)
     rows, n = settled.scores.shape
     s_len = keys.shape[1] - n
