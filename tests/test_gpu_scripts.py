@@ -50,3 +50,34 @@ def test_split_sweeps_append_each_groups_new_records_after_the_folders(tmp_path)
     assert {m for _, m, _ in added} == {"streamingllm", "camkv"}  # the full cache's answers were there
     assert not set(added) & set(_keys(before)) and len(added) == len(set(added))
     assert (tmp_path / "tarred" / "ruler-smoke.tgz").exists()
+
+
+def test_each_sweep_names_its_folder_once(tmp_path):
+    """quality.sh hands each sweep the caller's flags without the caller's --out and its
+    own folder once (a split sweep's copy, or the folder itself): a stand-in python3
+    records every camkv eval it is asked to run."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    stand_in = bin_dir / "python3"
+    stand_in.write_text(f"""#!/usr/bin/env bash
+echo "$*" >> {calls}
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--out" ]; then mkdir -p "$2" && touch "$2/records.jsonl" && echo {{}} > "$2/run.json"; fi
+  shift
+done
+""")
+    stand_in.chmod(0o755)
+    for split in ["", "--methods snapkv;--methods camkv"]:
+        calls.unlink(missing_ok=True)
+        out = tmp_path / f"folder{len(split)}"
+        env = {**os.environ, "DEVICE_ROOT": str(tmp_path / "device"), "OUT": str(tmp_path), "SPLIT": split,
+               "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+        done = subprocess.run(["bash", "bench/gpu/quality.sh", "5", "--preset", "smoke", "--out", str(out),
+                               "--budgets", "10%"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        runs = calls.read_text().splitlines()
+        assert len(runs) == (2 if split else 1), runs
+        for run in runs:
+            words = run.split()
+            assert words.count("--out") == 1 and "--budgets" in words and "--preset" in words, run
+            assert words[words.index("--out") + 1].endswith(out.name), run

@@ -483,3 +483,19 @@ def test_a_pipeline_send_attaches_to_the_quantized_keys():
     assert all(mx.array_equal(a, b) for a, b in zip(cache.keys, before))
     with pytest.raises(ValueError, match=r"\(1, 2, 5, 16\), \(1, 2, 5, 1\), \(1, 2, 5, 1\)"):
         cache.keys = keys
+
+
+@pytest.mark.parametrize("merge", ["drop", "keepkv"])
+def test_reading_a_quantized_caches_state_dequantizes_nothing(merge, monkeypatch):
+    """A quantized cache's state hands its rows out as stored (codes, scales, biases) with
+    the scores, positions and a rule's votes: reading it (mlx-lm does after every prompt
+    chunk, and a save does) builds no dequantization of the rows, which it would not use."""
+    cache = CaMKVCache(CaMConfig(budget=16, bits=8, group_size=32, scoring="key", merge=merge))
+    keys, values = _blocks(37, 3)
+    cache.update_and_fetch(keys, values)
+    calls = []
+    real = quantized.QuantizedRowBuffers.dequantize
+    monkeypatch.setattr(quantized.QuantizedRowBuffers, "dequantize", lambda self, x: calls.append(1) or real(self, x))
+    state = cache.state
+    assert not calls
+    assert isinstance(state[0], tuple) and state[2].shape == (B, H, cache._rows.held)

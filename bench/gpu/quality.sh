@@ -21,13 +21,13 @@ fi
 seconds=${1:-420}
 shift || true
 if [ $# -eq 0 ]; then set -- --preset gpu; fi
-out=""
-prev=""
-for arg in "$@"; do
-  if [ "$prev" = "--out" ]; then out=$arg; fi
-  prev=$arg
+# The sweep's flags without --out (each sweep below names its own folder once).
+out=bench/results/quality-gpu
+flags=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--out" ] && [ $# -gt 1 ]; then out=$2; shift 2; else flags+=("$1"); shift; fi
 done
-if [ -z "$out" ]; then out=bench/results/quality-gpu; set -- "$@" --out "$out"; fi
+set -- "${flags[@]}"
 # Each call brings the working tree again, without what the last call on this (still
 # warm) machine added: resume from that call's records where the tree's are their start.
 resume_from_kept() {  # OUTFOLDER KEPTFOLDER

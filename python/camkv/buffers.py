@@ -107,19 +107,21 @@ class RowBuffers:
         """Rows [0, end) held as a RowState [B*H, end, ...]; pending rows score 0 (and
         stand for one token each)."""
         end = self.held if end is None else end
+        R = self.scores.shape[0]
+        keys, values = self.held_arrays(end)
+        return RowState(keys.reshape(R, end, -1), values.reshape(R, end, -1), *self._scored(end), self.threshold)
+
+    def _scored(self, end: int) -> tuple:
+        """Scores, positions and votes (None where the rule keeps none) [B*H, end] of rows
+        [0, end): a pending row scores 0, sits at its position after pending_start and
+        stands for one token. Without the rows' keys and values (for quantized rows a
+        dequantization)."""
         R, pending = self.scores.shape[0], end - self.settled
         positions = self.pending_start + mx.arange(pending, dtype=mx.int32)
         votes = None if self.votes is None else mx.concatenate([self.votes, mx.ones((R, pending), mx.float32)],
                                                                 axis=1)
-        keys, values = self.held_arrays(end)
-        return RowState(
-            keys.reshape(R, end, -1),
-            values.reshape(R, end, -1),
-            mx.concatenate([self.scores, mx.zeros((R, pending), mx.float32)], axis=1),
-            mx.concatenate([self.positions, mx.broadcast_to(positions, (R, pending))], axis=1),
-            votes,
-            self.threshold,
-        )
+        return (mx.concatenate([self.scores, mx.zeros((R, pending), mx.float32)], axis=1),
+                mx.concatenate([self.positions, mx.broadcast_to(positions, (R, pending))], axis=1), votes)
 
     def held_arrays(self, end: int) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, end, D] of rows [0, end), in the model's dtype."""
@@ -200,14 +202,14 @@ class RowBuffers:
     def held_rows(self, B: int, H: int) -> tuple:
         """(keys, values, scores, positions) of the rows held [B, H, held, ...], the pending
         rows' score 0 (nothing changes)."""
-        rows = self.rows()
+        scores, positions, _ = self._scored(self.held)
         keys, values = self.held_arrays(self.held)
-        return keys, values, rows.scores.reshape(B, H, -1), rows.positions.reshape(B, H, -1)
+        return keys, values, scores.reshape(B, H, -1), positions.reshape(B, H, -1)
 
     def rule_state(self, B: int, H: int) -> tuple:
         """(votes [B, H, held], threshold [B, H]) of a rule that keeps them (None where not);
         a pending row's vote is 1 (it stands for its own token)."""
-        votes = None if self.votes is None else self.rows().votes
+        votes = None if self.votes is None else self._scored(self.held)[2]
         return (None if votes is None else votes.reshape(B, H, -1),
                 None if self.threshold is None else self.threshold.reshape(B, H))
 

@@ -305,9 +305,9 @@ class QuantizedRowBuffers(RowBuffers):
     def held_rows(self, B: int, H: int) -> tuple:
         """(keys, values, scores, positions) of the rows held, keys and values as stored
         (quantized triples: what a saved cache holds), the pending rows' score 0."""
-        rows = RowBuffers.rows(self)
+        scores, positions, _ = self._scored(self.held)
         keys, values = self.quantized_views()
-        return keys, values, rows.scores.reshape(B, H, -1), rows.positions.reshape(B, H, -1)
+        return keys, values, scores.reshape(B, H, -1), positions.reshape(B, H, -1)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (*(self.keys or ()), *(self.values or ()), self.scores, self.positions, self.votes)
