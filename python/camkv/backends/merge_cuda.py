@@ -278,19 +278,20 @@ _GATHER = """
 """
 
 _SPREAD = """
-  // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay).
-  // A warp per (row, loser) that merges: its share a_e, rule MERGE's (camkv_merges.h, as
+  // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay),
+  // the rule's code (a value, not a template: one build serves every rule).
+  // A warp per (row, loser) that merges: its share a_e, the rule's (camkv_merges.h, as
   // the kernel core takes it: from its cosine, its mass s_e, its target's score and, where
   // the rule reads them, its value's norm and its target's), times its value (and key),
   // then a_e, 1 and s_e, added into its target's float32 sums [R, m, Dv + Dk + 3].
   const long rows = dims[0], k = dims[1], m = dims[2];
-  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
+  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk, merge = dims[5];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
   const long t = (loser / k) * m + target[loser];
-  const bool norms = camkv_reads_value_norms(MERGE);
-  const float share = camkv_loser_share(MERGE, cosine[loser], mass[loser], scores[t], norms ? norm_in[loser] : 0.0f,
+  const bool norms = camkv_reads_value_norms(merge);
+  const float share = camkv_loser_share(merge, cosine[loser], mass[loser], scores[t], norms ? norm_in[loser] : 0.0f,
                                         norms ? norm_t[t] : 0.0f);
   float* into = sums + t * (C + 3);
   camkv_add_rows(into, share, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
@@ -303,17 +304,18 @@ _SPREAD = """
 
 _FINISH = """
   // dims: R rows, m survivors, Dv value and Dk key columns, cap rows of the output
-  // buffers, Kb key columns in the sums (Dk where keys blend, else 0). A thread per (row,
-  // survivor, column): a value (and a key where keys blend) becomes
+  // buffers, Kb key columns in the sums (Dk where keys blend, else 0), the blending rule's
+  // code (-1: a window rule's sums, added; a value: one build serves every rule). A
+  // thread per (row, survivor, column): a value (and a key where keys blend) becomes
   // (A own + sum share source) / (A + sum share) where a loser gives to the survivor and
   // that denominator is not 0 (else it stays), rounded once to its buffer's dtype (OUT_V,
   // OUT_K); a key that does not blend is copied as stored. Survivor jj of row r goes to
   // row jj of r's buffer of cap rows (rows m.. are left for the decode steps to write).
-  // Column 0 also writes the survivor's score plus the mass it took in. A: rule MERGE's
-  // target share of the survivor's score (camkv_merges.h), or 1 where ADDS (a window
-  // rule's sums, whose shares stay 0, are added: own + sum).
+  // Column 0 also writes the survivor's score plus the mass it took in. A: the rule's
+  // target share of the survivor's score (camkv_merges.h), or 1 for a window rule's sums
+  // (whose shares stay 0: own + sum).
   const long rows = dims[0], m = dims[1];
-  const int Dv = dims[2], Dk = dims[3], Kb = dims[5], C = Dv + Dk, S = Dv + Kb;
+  const int Dv = dims[2], Dk = dims[3], Kb = dims[5], C = Dv + Dk, S = Dv + Kb, merge = dims[6];
   const long cap = dims[4];
   const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
   if (at >= rows * m * C) return;
@@ -321,7 +323,7 @@ _FINISH = """
   const int c = (int)(at % C);
   const long slot = (j / m) * cap + j % m;
   const float* sum = sums + j * (S + 3);
-  const float own_share = ADDS ? 1.0f : camkv_target_share(MERGE, scores[j]);
+  const float own_share = merge < 0 ? 1.0f : camkv_target_share(merge, scores[j]);
   const float total = __fadd_rn(own_share, sum[S]);
   const bool blending = sum[S + 1] > 0.0f && total > 0.0f;
   auto blended = [&](float own, float into) {
@@ -760,8 +762,7 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
     norm_in, norm_t = (mass, scores) if value_norms is None else value_norms  # read only where the rule reads them
     sums = _kernel("spread")(
         inputs=[values, values if keys is None else keys, cosine, mass, scores, norm_in, norm_t, target, merging,
-                ints(rows, k, m, Dv, blended_keys)],
-        template=[("MERGE", merge)],
+                ints(rows, k, m, Dv, blended_keys, merge)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, m, Dv + blended_keys + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
     return _finish(sums, own_values, own_keys, scores, blended_keys, value_dtype, capacity, merge)
@@ -778,9 +779,9 @@ def _finish(sums, own_values, own_keys, scores, blended_keys: int, value_dtype, 
     cap = m if capacity is None else capacity
     threads = rows * m * (Dv + Dk)
     return tuple(_kernel("finish")(
-        inputs=[sums, own_values, own_keys, scores, ints(rows, m, Dv, Dk, cap, blended_keys)],
-        template=[("MERGE", 0 if merge is None else merge), ("ADDS", merge is None), ("OUT_V", value_dtype),
-                  ("OUT_K", own_keys.dtype)],
+        inputs=[sums, own_values, own_keys, scores,
+                ints(rows, m, Dv, Dk, cap, blended_keys, -1 if merge is None else merge)],
+        template=[("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
         grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m)],
         output_dtypes=[value_dtype, own_keys.dtype, mx.float32]))
