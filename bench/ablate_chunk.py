@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_prefill import chunk_case, median_seconds, save_result  # noqa: E402
 
 from camkv import CaMConfig  # noqa: E402
-from camkv.backends import jit  # noqa: E402
+from camkv.backends import jit, kernel_text  # noqa: E402
 
 # (phase that the cut leaves out, function it sits in, the line it goes before)
 CUTS = [
@@ -68,7 +68,7 @@ def measure(opts) -> list[dict]:
     cfg = CaMConfig(budget=n, backend=opts.backend, prefill="chunk", merge=opts.merge)
     keys, queries, state, row_ids = chunk_case(8, 4, D, n, opts.chunk)
     variants = variant_headers(opts.backend) + [("(whole kernel)", jit.target_source(opts.backend)[0])]
-    key = jit.kernel_key(opts.backend)
+    key = kernel_text.key(opts.backend)  # where jit keeps the backend's kernel
     saved = jit._kernels.pop(key, None)
     rows = []
     try:

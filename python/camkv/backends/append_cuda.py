@@ -106,17 +106,15 @@ _SOURCE = QUANTIZE + """
   const long rows_out = first[1];
 """ + WRITE
 
-_kernels: dict[bool, object] = {}  # kernel_text.BY_FILE -> the launch
+_kernels: dict[tuple, object] = {}  # kernel_text.key("append") -> the launch
 
 
 def _append_kernel():
-    if kernel_text.BY_FILE not in _kernels:
-        _kernels[kernel_text.BY_FILE] = kernel_text.cuda_kernel(
-            name="camkv_quantized_append",
-            input_names=["kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "first"],
-            output_names=["okc", "oks", "okb", "ovc", "ovs", "ovb"],
-            source=_SOURCE, ensure_row_contiguous=False)
-    return _kernels[kernel_text.BY_FILE]
+    return kernel_text.built(_kernels, "append", lambda: kernel_text.cuda_kernel(
+        name="camkv_quantized_append",
+        input_names=["kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "first"],
+        output_names=["okc", "oks", "okb", "ovc", "ovs", "ovb"],
+        source=_SOURCE, ensure_row_contiguous=False))
 
 
 def buffer_bytes(buffers: tuple) -> int:

@@ -172,29 +172,23 @@ _SOURCE_SELECT = _SELECT.replace("@KEPT@\n", "").replace(
 """
 
 _THREADS = 512
-_kernels: dict[tuple, object] = {}  # (name, kernel_text.BY_FILE) -> the launch
+_kernels: dict[tuple, object] = {}  # kernel_text.key(name) -> the launch
 
 
 def _compact_kernel(count: int):
     """The drop compression copying `count` buffers (2: keys and values; 6: quantized rows)."""
-    key = (f"compact{count}", kernel_text.BY_FILE)
-    if key not in _kernels:
-        _kernels[key] = kernel_text.cuda_kernel(
-            name=f"camkv_drop_compact{count}",
-            input_names=[*(f"rows{i}" for i in range(count)), "settled_scores", "settled_positions", "mass", "dims",
-                         "starts"],
-            output_names=[*(f"out{i}" for i in range(count)), "scores_out", "positions_out", "kept"],
-            source=_SOURCE + _copies(count), header=_HEADER)
-    return _kernels[key]
+    return kernel_text.built(_kernels, f"compact{count}", lambda: kernel_text.cuda_kernel(
+        name=f"camkv_drop_compact{count}",
+        input_names=[*(f"rows{i}" for i in range(count)), "settled_scores", "settled_positions", "mass", "dims",
+                     "starts"],
+        output_names=[*(f"out{i}" for i in range(count)), "scores_out", "positions_out", "kept"],
+        source=_SOURCE + _copies(count), header=_HEADER))
 
 
 def _partition_kernel():
-    key = ("partition", kernel_text.BY_FILE)
-    if key not in _kernels:
-        _kernels[key] = kernel_text.cuda_kernel(
-            name="camkv_merge_partition", input_names=["settled_scores", "settled_positions", "mass", "dims", "starts"],
-            output_names=["scores_out", "positions_out", "kept", "losers"], source=_SOURCE_SELECT, header=_HEADER)
-    return _kernels[key]
+    return kernel_text.built(_kernels, "partition", lambda: kernel_text.cuda_kernel(
+        name="camkv_merge_partition", input_names=["settled_scores", "settled_positions", "mass", "dims", "starts"],
+        output_names=["scores_out", "positions_out", "kept", "losers"], source=_SOURCE_SELECT, header=_HEADER))
 
 
 def partition(settled_scores, settled_positions, mass, first_pending: mx.array, cfg):

@@ -84,7 +84,7 @@ _TARGETS = {
     },
 }
 
-_kernels: dict[tuple, object] = {}  # kernel_key(target) -> the kernel
+_kernels: dict[tuple, object] = {}  # kernel_text.key(target) -> the kernel
 
 
 def target_source(target: str) -> tuple[str, str]:
@@ -122,18 +122,10 @@ def make_kernel(target: str, header: str | None = None, name: str = "camkv_updat
                 header=default_header if header is None else header)
 
 
-def kernel_key(target: str) -> tuple:
-    """Where _kernels keeps the target's kernel: CUDA's apart for each kernel_text.BY_FILE."""
-    return target, target == "cuda" and kernel_text.BY_FILE
-
-
 def _kernel(target: str):
     """The compiled kernel, built once per process, target and way of passing its text
-    (MLX caches per template)."""
-    key = kernel_key(target)
-    if key not in _kernels:
-        _kernels[key] = make_kernel(target)
-    return _kernels[key]
+    (kernel_text.built; MLX caches per template)."""
+    return kernel_text.built(_kernels, target, lambda: make_kernel(target))
 
 
 _placeholders: list[mx.array] = []

@@ -44,6 +44,22 @@ def folder() -> Path:
     return CACHE_DIR if CACHE_DIR is not None else cache_dir() / "cuda-kernels"
 
 
+def key(name) -> tuple:
+    """Where a module keeps its kernel `name` (any hashable): one for each BY_FILE, which
+    a benchmark's arm may switch within a process."""
+    return name, BY_FILE
+
+
+def built(made: dict, name, make):
+    """The module's kernel `name` from its dict `made`, made by make() the first time
+    under the current BY_FILE (each module keeps its own dict, which tests replace to
+    build its kernels anew)."""
+    at = key(name)
+    if at not in made:
+        made[at] = make()
+    return made[at]
+
+
 def cuda_kernel(name: str, input_names: list, output_names: list, source: str, header: str = "", **kwargs):
     """mx.fast.cuda_kernel(name, input_names, output_names, source, header, **kwargs), the
     text by file where BY_FILE and the file can be written."""

@@ -72,16 +72,14 @@ _SOURCE = """
   }
 """
 
-_kernels: dict[bool, object] = {}  # kernel_text.BY_FILE -> the launch
+_kernels: dict[tuple, object] = {}  # kernel_text.key("mass") -> the launch
 _THREADS = 256
 
 
 def _kernel():
-    if kernel_text.BY_FILE not in _kernels:
-        _kernels[kernel_text.BY_FILE] = kernel_text.cuda_kernel(
-            name="camkv_column_mass", input_names=["logits", "bias", "dims", "params"], output_names=["partial"],
-            source=_SOURCE.replace("ROWS", str(ROWS_PER_GROUP)))
-    return _kernels[kernel_text.BY_FILE]
+    return kernel_text.built(_kernels, "mass", lambda: kernel_text.cuda_kernel(
+        name="camkv_column_mass", input_names=["logits", "bias", "dims", "params"], output_names=["partial"],
+        source=_SOURCE.replace("ROWS", str(ROWS_PER_GROUP))))
 
 
 def column_mass(logits: mx.array, scale: float, n_before: int, s_len: int, width: int, weight: float = 1.0,

@@ -522,7 +522,7 @@ _KEEP_FINISH = """
   }
 """
 
-_kernels: dict[tuple, object] = {}  # (name, kernel_text.BY_FILE) -> the launch
+_kernels: dict[tuple, object] = {}  # kernel_text.key(name) -> the launch
 
 
 def available() -> bool:
@@ -545,6 +545,7 @@ def _named(name: str, source: str) -> str:
 def _specs() -> dict[str, tuple]:
     """Each kernel's (name, text, inputs, outputs, header), read from the module when a
     kernel is built, so a test's patched text is the one compiled."""
+    rules = _rules_header()  # read once for the three kernels that take it
     specs = {
         "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
                     ["target", "found", "cosine"], ""),
@@ -559,12 +560,12 @@ def _specs() -> dict[str, tuple]:
                     "out_value_norm", "out_votes"], ""),
         "spread": ("camkv_blend_spread", _SPREAD,
                    ["values", "keys", "cosine", "mass", "scores", "norm_in", "norm_t", "target", "merging", "dims"],
-                   ["sums"], _HEADER + _rules_header()),
+                   ["sums"], _HEADER + rules),
         "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "dims"],
-                   ["out_values", "out_keys", "out_scores"], _rules_header()),
+                   ["out_values", "out_keys", "out_scores"], rules),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
         "threshold": ("camkv_moved_threshold", _THRESHOLD, ["cosine", "eligible", "threshold", "dims"],
-                      ["merging", "threshold_out"], _rules_header()),
+                      ["merging", "threshold_out"], rules),
     }
     for name, (source, inputs, outputs) in _KEEP.items():
         specs[name] = (f"camkv_{name}", source, [*inputs, "dims"], outputs, _HEADER)
@@ -579,13 +580,11 @@ def _rules_header() -> str:
 
 
 def _kernel(name: str):
-    key = (name, kernel_text.BY_FILE)
-    if key not in _kernels:
+    def make():
         kernel_name, source, inputs, outputs, header = _specs()[name]
-        _kernels[key] = kernel_text.cuda_kernel(
-            name=_named(kernel_name, header + source), input_names=inputs, output_names=outputs, source=source,
-            header=header)
-    return _kernels[key]
+        return kernel_text.cuda_kernel(name=_named(kernel_name, header + source), input_names=inputs,
+                                       output_names=outputs, source=source, header=header)
+    return kernel_text.built(_kernels, name, make)
 
 
 def nearest_direct(losers: mx.array, kept: mx.array, norm_l: mx.array, norm_k: mx.array, positions: mx.array,

@@ -215,7 +215,7 @@ EXTENT = """  const int N = @ROWS@_shape[2];
   const int splits = gridDim.x / (@ROWS@_shape[0] * H);
 """
 
-_kernels: dict[tuple, object] = {}  # (kind, whole) -> its launch
+_kernels: dict[tuple, object] = {}  # kernel_text.key((kind, whole)) -> its launch
 _ROW_INPUTS = {"quantized": ("kc", "ks", "kb", "vc", "vs", "vb"), "plain": ("keys", "values")}
 
 
@@ -234,22 +234,20 @@ def here() -> bool:
 def _kernel(kind: str, whole: bool = False):
     """The launch of kind (a key of _ROW_INPUTS, or "combine"); whole: the one-launch
     variant that attends every row of a head and writes the output."""
-    key = (kind, whole, kernel_text.BY_FILE)
-    if key not in _kernels:
+    def make():
         if kind in _ROW_INPUTS:  # the partials over quantized rows, or over rows as the model's dtype
             rows = _ROW_INPUTS[kind]
-            _kernels[key] = kernel_text.cuda_kernel(
+            return kernel_text.cuda_kernel(
                 name=f"camkv_{kind}_attention_{'whole' if whole else 'partials'}",
                 input_names=["queries", *rows, "mask", "params"],
                 output_names=["output"] if whole else ["partial_top", "partial_total", "partial_out"],
                 source=partials_source(rows[0], DEQUANTIZE if kind == "quantized" else _READ, EXTENT, whole),
                 ensure_row_contiguous=False)
-        else:
-            _kernels[key] = kernel_text.cuda_kernel(
-                name="camkv_quantized_attention_combine",
-                input_names=["partial_top", "partial_total", "partial_out"], output_names=["output"],
-                source=_COMBINE)
-    return _kernels[key]
+        return kernel_text.cuda_kernel(
+            name="camkv_quantized_attention_combine",
+            input_names=["partial_top", "partial_total", "partial_out"], output_names=["output"],
+            source=_COMBINE)
+    return kernel_text.built(_kernels, (kind, whole), make)
 
 
 def partials_source(first_rows: str, reader: str, extent: str, whole: bool) -> str:

@@ -72,7 +72,7 @@ _ROLES = """
 # 0.85x (bench/results/README.md, "A quantized decode step in one launch").
 FUSED_STEPS = True
 
-_kernels: dict[tuple, object] = {}  # (whole, kernel_text.BY_FILE) -> its launch
+_kernels: dict[tuple, object] = {}  # kernel_text.key(whole) -> its launch
 _INPUTS = ["queries", "kc", "ks", "kb", "vc", "vs", "vb", "keys", "values", "mask", "params", "dims"]
 _BUFFERS = ["okc", "oks", "okb", "ovc", "ovs", "ovb"]
 
@@ -85,13 +85,10 @@ def source(whole: bool) -> str:
 
 
 def _kernel(whole: bool):
-    key = (whole, kernel_text.BY_FILE)
-    if key not in _kernels:
-        outputs = ["output"] if whole else ["partial_top", "partial_total", "partial_out"]
-        _kernels[key] = kernel_text.cuda_kernel(
-            name=f"camkv_quantized_step_{'whole' if whole else 'partials'}", input_names=_INPUTS,
-            output_names=[*_BUFFERS, *outputs], source=source(whole), ensure_row_contiguous=False)
-    return _kernels[key]
+    outputs = ["output"] if whole else ["partial_top", "partial_total", "partial_out"]
+    return kernel_text.built(_kernels, whole, lambda: kernel_text.cuda_kernel(
+        name=f"camkv_quantized_step_{'whole' if whole else 'partials'}", input_names=_INPUTS,
+        output_names=[*_BUFFERS, *outputs], source=source(whole), ensure_row_contiguous=False))
 
 
 def takes(queries: mx.array, key_buffers: tuple, value_buffers: tuple, dtype, bits: int, group_size: int,
