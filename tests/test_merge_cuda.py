@@ -266,7 +266,7 @@ def test_partition_kernel_chooses_as_the_operations(case):
 @on_gpu
 @pytest.mark.parametrize("overflow", [False, True])
 def test_keepkv_kernels_match_the_operations_where_logits_overflow(overflow):
-    """keepkv's four launches (merge_cuda.keep_merge) against merge_ops._keep_output's
+    """keepkv's one launch (merge_cuda.keep_merge) against merge_ops._keep_output's
     operations, through merge_ops.merge: with overflow, a third of the losers have keys
     of finite norm whose logits for a large query overflow, so their targets' mass is not
     finite (section 4.6: such a target blends by votes and its key stays the mean)."""
@@ -294,6 +294,68 @@ def test_keepkv_kernels_match_the_operations_where_logits_overflow(overflow):
     for field in ("keys", "values", "votes", "scores"):
         np.testing.assert_allclose(np.array(getattr(got, field)), np.array(getattr(want, field)), rtol=1e-4,
                                    atol=1e-5, err_msg=field)
+
+
+@st.composite
+def blend_cases(draw, merge):
+    return dict(merge=merge, R=draw(st.integers(1, 2)), k=draw(st.one_of(st.integers(1, 40), st.integers(120, 420))),
+                m=draw(st.one_of(st.integers(1, 6), st.integers(20, 90))), Dk=draw(st.sampled_from([8, 33, 64])),
+                Dv=draw(st.sampled_from([8, 31, 96])), window=draw(st.integers(2, 5)),
+                merge_keys=merges.rule(merge).keys_allowed and draw(st.booleans()),
+                gate=merge != "window" and draw(st.booleans()), hub=draw(st.booleans()),
+                stored=draw(st.sampled_from(["float32", "bfloat16"])), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@on_gpu
+@pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
+@pytest.mark.parametrize("merge", ["mean", "mass_weighted", "value_norm", "d2o", "keepkv", "window"])
+def test_the_blends_one_launch_merges_as_the_operations(merge):
+    """A compression's merges with the kernels (a nearest rule's blend, keepkv's merge, the
+    window rule's sums: one launch each, a work group per survivor) against the MLX
+    operations, through merge_ops.merge: more losers than a work group's warps read at
+    once, few survivors (targets that take a hundred losers) or many, a hub (most keys near
+    one survivor's), value and key widths off and on a lane's 32 columns, blended keys,
+    the gate, keys stored in bfloat16; to float32 rounding of sums in another order."""
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+    @given(blend_cases(merge))
+    def run(case):
+        note(f"case={case}")
+        _check_blend(case)
+
+    run()
+
+
+def _check_blend(c: dict):
+    rng = np.random.default_rng(c["seed"])
+    R, k, m, Dk, Dv = c["R"], c["k"], c["m"], c["Dk"], c["Dv"]
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    keys = normal(R, k + m, Dk)
+    if c["hub"]:  # most rows near the first survivor's key: one target takes most losers
+        keys[:, :-1] = keys[:, -1:] + 0.3 * keys[:, :-1]
+    order = np.stack([rng.permutation(k + m) for _ in range(R)])
+    kept_idx = np.sort(order[:, :m], axis=1).astype(np.int32)
+    loser_idx = order[:, m:].astype(np.int32)  # in any order, as a compression's
+    stored = mx.array(keys).astype(getattr(mx, c["stored"]))
+    values, scores = mx.array(normal(R, k + m, Dv)), mx.array(rng.random((R, k + m)).astype(np.float32))
+    positions = mx.broadcast_to(mx.arange(k + m, dtype=mx.int32) + 3, (R, k + m))
+    votes = mx.array(rng.integers(1, 4, (R, k + m)).astype(np.float32)) if c["merge"] == "keepkv" else None
+    losers, kept = merge_ops.Rows.split(stored, values, scores, positions, votes, mx.array(loser_idx),
+                                        mx.array(kept_idx), key_norm=True)
+    cfg = CaMConfig(budget=m + 3, n_sink=1, recent=1, merge=c["merge"], window=c["window"], gate=c["gate"], seed=7,
+                    scoring="query", merge_keys=c["merge_keys"])
+    threshold = mx.full((R,), float("nan"), mx.float32) if c["merge"] == "d2o" else None
+    args = (losers, mx.array(loser_idx), kept, mx.array(kept_idx), threshold, mx.array(normal(R, Dk)), 0.3, cfg,
+            mx.arange(R).astype(mx.uint32), False)
+    got, want = merge_ops.merge(*args, kernels=True), merge_ops.merge(*args, kernels=False)
+    np.testing.assert_array_equal(np.array(got.count), np.array(want.count))
+    for field in ("keys", "values", "votes", "scores"):
+        g, w = getattr(got, field), getattr(want, field)
+        if w is None:
+            assert g is None, field
+            continue
+        np.testing.assert_allclose(np.array(g.astype(mx.float32)), np.array(w.astype(g.dtype).astype(mx.float32)),
+                                   rtol=2e-2 if g.dtype == mx.bfloat16 else 1e-4, atol=1e-4, err_msg=field)
 
 
 @st.composite
@@ -453,7 +515,7 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
     elif defect == "no compile":
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
     elif defect == "wrong blend":
-        monkeypatch.setattr(merge_cuda, "_FINISH", merge_cuda._FINISH.replace(" / total : own;", " / total * 1.001f : own;"))
+        monkeypatch.setattr(merge_cuda, "_BLEND", merge_cuda._BLEND.replace(" / total : own;", " / total * 1.001f : own;"))
     elif defect == "wrong gather":
         monkeypatch.setattr(merge_cuda, "_GATHER", merge_cuda._GATHER.replace(
             "out_norm[item] = sqrtf(squares);", "out_norm[item] = sqrtf(squares) * 1.001f;"))
@@ -462,14 +524,13 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
             "positions_out[(long)r * N + j] = position_at(j);", "positions_out[(long)r * N + j] = position_at(j) + 1;"))
         monkeypatch.setattr(compact_cuda, "_kernels", {})
     elif defect == "wrong keepkv key":
-        monkeypatch.setattr(merge_cuda, "_KEEP", {**merge_cuda._KEEP, "keep_finish": (
-            merge_cuda._KEEP_FINISH.replace("__fmul_rn(shift, query[r * Dk + c])", "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
-            *merge_cuda._KEEP["keep_finish"][1:])})
+        monkeypatch.setattr(merge_cuda, "_KEEP_BLEND", merge_cuda._KEEP_BLEND.replace(
+            "__fmul_rn(shift, q[c])", "__fmul_rn(1.01f * shift, q[c])"))
     elif defect == "wrong window":
-        monkeypatch.setattr(merge_cuda, "_WINDOW", merge_cuda._WINDOW.replace(
-            "atomicAdd(into + Dv + 2, mass[loser] / shared);", "atomicAdd(into + Dv + 2, mass[loser] / shared * 1.01f);"))
+        monkeypatch.setattr(merge_cuda, "_BLEND", merge_cuda._BLEND.replace(
+            "adds ? mass[at] / width : mass[at]", "adds ? mass[at] / width * 1.01f : mass[at]"))
     elif defect == "blend does not compile":
-        monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
+        monkeypatch.setattr(merge_cuda, "_BLEND", merge_cuda._BLEND + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})
     monkeypatch.setattr(merge_cuda, "_kernels", {})  # built again from the (patched) text
     if defect == "none":
