@@ -229,6 +229,7 @@ def through_cache(keys, values, scores, positions, queries, scale: float, cfg, r
     rows, held, _ = keys.shape
     settled = scores.shape[1]
     votes = mx.ones((rows, settled), mx.float32) if merges.rule(cfg.merge).keeps_votes else None
+    mx.eval([a for a in (keys, values, scores, positions, votes, queries, row_ids) if a is not None])  # held, as in a cache
 
     def call():
         buffers = RowBuffers(capacity_for(cfg))

@@ -502,12 +502,14 @@ def test_the_kernels_blend_writes_the_buffers_a_cache_decodes_into(merge, bits, 
 
 @on_gpu
 @pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
-                                    "wrong gather", "wrong partition", "wrong keepkv key", "wrong window"])
+                                    "wrong gather", "wrong partition", "wrong keepkv key", "wrong window",
+                                    "wrong keepkv query"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
-    or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or a window's
-    mass 1% too large, or whose text does not compile, is switched off for the process with one
-    warning, and compressions then run the MLX operations (kernels=None asks the probe)."""
+    or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or its query
+    0.1% off, a window's mass 1% too large, or whose text does not compile, is switched
+    off for the process with one warning, and compressions then run the MLX operations
+    (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
             "const float dot = dots[best > -INFINITY ? best_at : 0];",
@@ -529,6 +531,9 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
     elif defect == "wrong window":
         monkeypatch.setattr(merge_cuda, "_BLEND", merge_cuda._BLEND.replace(
             "adds ? mass[at] / width : mass[at]", "adds ? mass[at] / width * 1.01f : mass[at]"))
+    elif defect == "wrong keepkv query":
+        monkeypatch.setattr(merge_cuda, "_KEEP_INPUTS", merge_cuda._KEEP_INPUTS.replace(
+            "__fmul_rn(sum, 1.0f / (float)G)", "__fmul_rn(sum, 1.001f / (float)G)"))
     elif defect == "blend does not compile":
         monkeypatch.setattr(merge_cuda, "_BLEND", merge_cuda._BLEND + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})

@@ -262,6 +262,30 @@ _GATHER = """
   }
 """
 
+_KEEP_INPUTS = """
+  // dims: R rows, n settled, S new, G queries a row, T of them each, Dk. keepkv's inputs
+  // of a compression, a thread per item: for each (row, column) of the n + S joined, the
+  // votes (a settled row's, where SETTLED; 1 for a new row, and for every row where none
+  // are settled yet) and their log, the bias its chunk mass adds to each logit; for each
+  // (row, channel), the query: the mean of the row's G last queries (their sum in order,
+  // times 1 / G, as MLX's mean), as float32.
+  const long rows = dims[0], n = dims[1], N = n + dims[2];
+  const int G = dims[3], T = dims[4], Dk = dims[5];
+  const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at < rows * N) {
+    const long j = at % N;
+    const float v = SETTLED && j < n ? settled[at / N * n + j] : 1.0f;
+    votes[at] = v;
+    log_votes[at] = logf(v);
+  }
+  if (at < rows * Dk) {
+    const long r = at / Dk, c = at % Dk;
+    float sum = 0.0f;
+    for (int g = 0; g < G; ++g) sum = __fadd_rn(sum, static_cast<float>(queries[((r * G + g) * T + T - 1) * Dk + c]));
+    query[at] = __fmul_rn(sum, 1.0f / (float)G);
+  }
+"""
+
 # The blends' kernels take a work group per survivor: its warps read which losers give to
 # it and add their terms in the losers' order, so no sums array is filled first (MLX fills
 # an output it starts from a value in a launch of its own) and no second launch reads one.
@@ -581,6 +605,8 @@ def _specs() -> dict[str, tuple]:
                  ["values", "keys", "votes", "mass", "target", "merging", "query", "scale", "own_values", "own_keys",
                   "own_votes", "scores", "dims"],
                  ["out_values", "out_keys", "out_votes", "out_scores"], _HEADER),
+        "keep_inputs": ("camkv_keep_inputs", _KEEP_INPUTS, ["settled", "queries", "dims"],
+                        ["votes", "log_votes", "query"], ""),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
         "threshold": ("camkv_moved_threshold", _THRESHOLD, ["cosine", "eligible", "threshold", "dims"],
                       ["merging", "threshold_out"], rules),
@@ -664,6 +690,21 @@ def moved_threshold(cosine: mx.array, eligible: mx.array, threshold: mx.array) -
 
 
 _THRESHOLD_THREADS = 256
+
+
+def keep_inputs(settled: mx.array | None, n: int, new: int, queries: mx.array) -> tuple[mx.array, ...]:
+    """keepkv's inputs of a compression in one launch (as operations: a fill or two, a
+    concatenation's two copies, a log, a cast, a sum and a product): the votes of the n
+    settled rows [R, n] (None before a row's first compression: 1 each) joined with 1 for
+    each of `new` rows, and their log, [R, n + new] float32 each; and its query, the mean
+    of the last of queries [R, G, T, Dk] over G, [R, Dk] float32."""
+    rows, groups, length, dk = queries.shape
+    total = rows * max(n + new, dk)
+    return tuple(_kernel("keep_inputs")(
+        inputs=[floats(1.0) if settled is None else settled, queries, ints(rows, n, new, groups, length, dk)],
+        template=[("SETTLED", settled is not None)], grid=(-(-total // _THREADS) * _THREADS, 1, 1),
+        threadgroup=(_THREADS, 1, 1), output_shapes=[(rows, n + new), (rows, n + new), (rows, dk)],
+        output_dtypes=[mx.float32] * 3))
 
 
 def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):

@@ -119,14 +119,12 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     merging = n + s_len > cfg.budget and rule.kind != merges.DROP
     if merging:
         kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
-    votes = settled.votes
-    if rule.keeps_votes:
-        votes = mx.concatenate([mx.ones((rows, n), mx.float32) if votes is None else votes,
-                                mx.ones((rows, s_len), mx.float32)], axis=1)
+    votes, bias, query = settled.votes, None, None
+    if rule.keeps_votes:  # with kernels, one launch (merge_cuda.keep_inputs)
+        votes, bias, query = (merge_cuda.keep_inputs if merging and kernels else keep_inputs)(votes, n, s_len, queries)
     threshold = settled.threshold
     if rule.moving_threshold and threshold is None:
         threshold = mx.full((rows,), float("nan"), mx.float32)
-    bias = None if votes is None else mx.log(votes)
     chunk = given if given is not None else mass.chunk_mass(queries, keys, scale, n, cfg, s_len,
                                                             reducer(bias is not None, preferred), bias=bias)
     if merging and kernels and cfg.eviction == "score":  # the partition and the joined rows in one launch
@@ -147,7 +145,6 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
                     mx.zeros((rows,), mx.int32))
     losers, kept = Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx,
                               key_norm=rule.kind == merges.NEAREST, kernels=kernels)
-    query = queries[:, :, -1].astype(mx.float32).mean(axis=1) if rule.keeps_votes else None
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
     merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels,
@@ -156,6 +153,17 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
     return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
                     merged.threshold), merged.count
+
+
+def keep_inputs(settled, n: int, new: int, queries) -> tuple[mx.array, mx.array, mx.array]:
+    """keepkv's inputs of a compression (section 4.6): the votes of the n settled rows
+    [R, n] (None before a row's first compression: 1 each) joined with 1 for each of `new`
+    rows, their log (the bias its chunk mass adds to each logit), [R, n + new] each, and its
+    query, the mean of the last of queries [R, G, T, Dk] over G, [R, Dk] float32."""
+    rows = queries.shape[0]
+    votes = mx.concatenate([mx.ones((rows, n), mx.float32) if settled is None else settled,
+                            mx.ones((rows, new), mx.float32)], axis=1)
+    return votes, mx.log(votes), queries[:, :, -1].astype(mx.float32).mean(axis=1)
 
 
 # On CUDA, the nearest search by merge_cuda.nearest_direct (dot products in one kernel) instead of
@@ -210,7 +218,7 @@ _PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores",
            "losers", "survivors", "joined scores", "joined positions",
            *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")),
            *(f"window's merged {field}" for field in ("values", "scores", "counts")), "d2o's merging",
-           "d2o's thresholds")
+           "d2o's thresholds", *(f"keepkv's {field}" for field in ("joined votes", "log votes", "query")))
 
 
 def _probe_problem() -> dict:
@@ -235,6 +243,7 @@ def _probe_problem() -> dict:
     p["cosine"] = mx.array(rng.uniform(-1.0, 1.0, (2, 70)).astype(np.float32))
     p["norms"] = (mx.abs(normal(2, 70)), mx.abs(normal(2, 90)))
     p["threshold"] = mx.array([float("nan"), 0.1], mx.float32)
+    p["votes"], p["queries"] = mx.abs(p["settled"]) * 3.0 + 1.0, normal(2, 3, 5, 64).astype(mx.bfloat16)
     return p
 
 
@@ -281,7 +290,8 @@ def _probe_with_kernels(p: dict) -> tuple:
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
             blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
-            *_probe_window(p, True), *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]))
+            *_probe_window(p, True), *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]),
+            *merge_cuda.keep_inputs(p["votes"], 60, 100, p["queries"]))
 
 
 def _probe_with_operations(p: dict) -> tuple:
@@ -295,7 +305,8 @@ def _probe_with_operations(p: dict) -> tuple:
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0],
             p["scores"] + blend.extra[0], *_gathered_fields(gathered),
             *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
-            *_probe_keep(p, False), *_probe_window(p, False), *_probe_threshold(p))
+            *_probe_keep(p, False), *_probe_window(p, False), *_probe_threshold(p),
+            *keep_inputs(p["votes"], 60, 100, p["queries"]))
 
 
 def _probe_threshold(p: dict) -> tuple:
