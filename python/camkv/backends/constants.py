@@ -26,11 +26,6 @@ def floats(*values: float, shape: tuple | None = None) -> mx.array:
     return _once(values, mx.float32, shape)
 
 
-def bools(*values: bool) -> mx.array:
-    """A bool array [len(values)] of these values."""
-    return _once(values, mx.bool_)
-
-
 def _once(values: tuple, dtype, shape: tuple | None = None) -> mx.array:
     key = (values, dtype, shape)
     if key not in _made:

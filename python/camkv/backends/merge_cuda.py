@@ -13,32 +13,34 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
   the target, whether there is one and the cosine. As MLX operations the ranking is a
   division, a mask and an argmax, three more passes over an array of R x k x m floats
   (134 MB for eight rows of 2048 losers and 2048 survivors), and the rest eight more.
-- **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch,
-  a work group per survivor, whose warps find the merging losers that chose it and add
-  each one's share-weighted value (and key), share, count and mass in the losers' order,
-  then write the survivor's blended row and score straight into buffers with room to
-  decode in the rows' storage dtype (as the one-launch drop writes its survivors): one
-  launch where the MLX operations take about twenty, with no sums array to fill first
-  (MLX fills an output it starts from a value in a launch of its own) and no casts or
-  copies into buffers after it.
+- **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch
+  adds every merging loser's share-weighted value (and key), its share, a count and its
+  mass into its target's float32 sums (a warp per loser, atomic additions), and one
+  more writes each survivor's blended row and score from them, straight into buffers
+  with room to decode in the rows' storage dtype (as the one-launch drop writes its
+  survivors): two launches where the MLX operations take about twenty, and no casts or
+  copies into buffers after them.
 - **d2o's moving threshold** (section 4.5): a work group a row sums its losers' finite
   cosines, moves the threshold and marks the losers that reach it, one launch where the
   MLX operations take about twenty.
-- **keepkv's output-preserving merge, whole** (section 4.6): one launch, a work group
-  per survivor as the blend's, reading its losers twice (their logits for the query and
-  the largest; then their masses and weighted rows, votes and scores), then writing its
-  blended value, its key moved to keep the query's attention and its votes into buffers
-  with room to decode, where the MLX operations take about a hundred.
-- **The paper's window rule, whole** (section 4.2, no gate): the blend's launch with the
-  window's test (a loser gives to the `window` survivors after it) and share (V_e / |W|,
-  added), where the MLX operations compare every loser with every survivor.
+- **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
+  logits for the query and each target's largest incoming one, by atomic maxima; each
+  survivor's top and mass; the losers' masses and their weighted rows, votes and
+  scores summed into the targets; each survivor's blended value, its key moved to keep
+  the query's attention, and its votes, into buffers with room to decode as the blend's)
+  where the MLX operations take about a hundred.
+- **keepkv's inputs of a compression**: its votes joined with the chunk's, their log (the
+  bias its chunk mass adds to each logit) and its query (the mean of the last queries),
+  one launch where the MLX operations take seven.
+- **The paper's window rule, whole** (section 4.2, no gate): a warp per loser finds the
+  survivors after it by a binary search and adds its share of value and mass into each,
+  where the MLX operations compare every loser with every survivor; the blend's second
+  launch then writes every survivor into buffers with room to decode.
 - **A window rule's sums otherwise** (with the gate, or `window_mass`): a warp per
   (loser, target slot) adds the loser's row and scalars into the target's float32 sums,
   every loser at once, where MLX's scatter-add first spreads every row over the slots.
 
-The blends' sums run in the losers' order (each warp's losers ascending, the warps' sums
-joined in warp order: the same on every run); the window rule's other sums in the
-device's order (section 8's tolerances), as MLX's scatter-add's do.
+The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import zlib
 import mlx.core as mx
 
 from . import drop, kernel_text, sources
-from .constants import bools, floats, ints
+from .constants import floats, ints
 
 _THREADS = 256
 _WARPS = _THREADS // 32
@@ -208,6 +210,14 @@ _SCATTER = """
 """
 
 _HEADER = """
+// An atomic maximum of floats (no NaN among them): a float of sign bit 0 orders as its
+// int bits, one of sign bit 1 (-0.0 too, which >= 0 would let through) reversed as its
+// unsigned bits.
+__device__ inline void camkv_atomic_max(float* at, float value) {
+  if ((__float_as_uint(value) >> 31) == 0u) atomicMax(reinterpret_cast<int*>(at), __float_as_int(value));
+  else atomicMin(reinterpret_cast<unsigned*>(at), __float_as_uint(value));
+}
+
 // a . b over n floats, summed by a warp: each lane's strided products, then the lanes'.
 __device__ inline float camkv_warp_dot(const float* a, const float* b, int n, int lane) {
   float dot = 0.0f;
@@ -220,6 +230,14 @@ __device__ inline float camkv_warp_dot(const float* a, const float* b, int n, in
 __device__ inline float camkv_keep_logit(const float* key, const float* query, const float* scale, int Dk,
                                          int lane) {
   return __fmul_rn(scale[0], camkv_warp_dot(key, query, Dk, lane));
+}
+
+// weight x a loser's value row [Dv] and key row [Dk] added into its target's sums
+// (columns [0, Dv) and [Dv, Dv + Dk)), a warp's lanes over the columns.
+__device__ inline void camkv_add_rows(float* into, float weight, const float* value, int Dv, const float* key,
+                                      int Dk, int lane) {
+  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(weight, value[c]));
+  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(weight, key[c]));
 }
 """
 
@@ -262,145 +280,96 @@ _GATHER = """
   }
 """
 
-_KEEP_INPUTS = """
-  // dims: R rows, n settled, S new, G queries a row, T of them each, Dk. keepkv's inputs
-  // of a compression, a thread per item: for each (row, column) of the n + S joined, the
-  // votes (a settled row's, where SETTLED; 1 for a new row, and for every row where none
-  // are settled yet) and their log, the bias its chunk mass adds to each logit; for each
-  // (row, channel), the query: the mean of the row's G last queries (their sum in order,
-  // times 1 / G, as MLX's mean), as float32.
-  const long rows = dims[0], n = dims[1], N = n + dims[2];
-  const int G = dims[3], T = dims[4], Dk = dims[5];
-  const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (at < rows * N) {
-    const long j = at % N;
-    const float v = SETTLED && j < n ? settled[at / N * n + j] : 1.0f;
-    votes[at] = v;
-    log_votes[at] = logf(v);
-  }
-  if (at < rows * Dk) {
-    const long r = at / Dk, c = at % Dk;
-    float sum = 0.0f;
-    for (int g = 0; g < G; ++g) sum = __fadd_rn(sum, static_cast<float>(queries[((r * G + g) * T + T - 1) * Dk + c]));
-    query[at] = __fmul_rn(sum, 1.0f / (float)G);
+_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay),
+  // the rule's code (a value, not a template: one build serves every rule).
+  // A warp per (row, loser) that merges: its share a_e, the rule's (camkv_merges.h, as
+  // the kernel core takes it: from its cosine, its mass s_e, its target's score and, where
+  // the rule reads them, its value's norm and its target's), times its value (and key),
+  // then a_e, 1 and s_e, added into its target's float32 sums [R, m, Dv + Dk + 3].
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk, merge = dims[5];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
+  const long t = (loser / k) * m + target[loser];
+  const bool norms = camkv_reads_value_norms(merge);
+  const float share = camkv_loser_share(merge, cosine[loser], mass[loser], scores[t], norms ? norm_in[loser] : 0.0f,
+                                        norms ? norm_t[t] : 0.0f);
+  float* into = sums + t * (C + 3);
+  camkv_add_rows(into, share, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
+  if (lane == 0) {
+    atomicAdd(into + C, share);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, mass[loser]);
   }
 """
 
-# The blends' kernels take a work group per survivor: its warps read which losers give to
-# it and add their terms in the losers' order, so no sums array is filled first (MLX fills
-# an output it starts from a value in a launch of its own) and no second launch reads one.
-_BLEND_WARPS = 4
+_FINISH = """
+  // dims: R rows, m survivors, Dv value and Dk key columns, cap rows of the output
+  // buffers, Kb key columns in the sums (Dk where keys blend, else 0), the blending rule's
+  // code (-1: a window rule's sums, added; a value: one build serves every rule). A
+  // thread per (row, survivor, column): a value (and a key where keys blend) becomes
+  // (A own + sum share source) / (A + sum share) where a loser gives to the survivor and
+  // that denominator is not 0 (else it stays), rounded once to its buffer's dtype (OUT_V,
+  // OUT_K); a key that does not blend is copied as stored. Survivor jj of row r goes to
+  // row jj of r's buffer of cap rows (rows m.. are left for the decode steps to write).
+  // Column 0 also writes the survivor's score plus the mass it took in. A: the rule's
+  // target share of the survivor's score (camkv_merges.h), or 1 for a window rule's sums
+  // (whose shares stay 0: own + sum).
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], Kb = dims[5], C = Dv + Dk, S = Dv + Kb, merge = dims[6];
+  const long cap = dims[4];
+  const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at >= rows * m * C) return;
+  const long j = at / C;
+  const int c = (int)(at % C);
+  const long slot = (j / m) * cap + j % m;
+  const float* sum = sums + j * (S + 3);
+  const float own_share = merge < 0 ? 1.0f : camkv_target_share(merge, scores[j]);
+  const float total = __fadd_rn(own_share, sum[S]);
+  const bool blending = sum[S + 1] > 0.0f && total > 0.0f;
+  auto blended = [&](float own, float into) {
+    return blending ? __fadd_rn(__fmul_rn(own_share, own), into) / total : own;
+  };
+  if (c < Dv) {
+    out_values[slot * Dv + c] = static_cast<OUT_V>(blended(own_values[j * Dv + c], sum[c]));
+  } else if (Kb > 0) {
+    out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(blended(static_cast<float>(own_keys[j * Dk + c - Dv]), sum[c]));
+  } else {
+    out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(own_keys[j * Dk + c - Dv]);
+  }
+  if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[S + 2]);
+"""
 
-_BLEND = """
-  // dims: R rows, k losers, m survivors, Dv value and Dk key columns, cap rows of the
-  // output buffers, Kb key columns that blend (Dk, or 0: keys are copied), the rule's
-  // code (a blending rule's, a value: one build serves every rule; -1: the paper's window
-  // rule, which adds), the window's width.
-  // A work group per (row r, survivor jj). Warp w reads losers w * 32 + lane, then every
-  // WARPS * 32 on, and finds those that give to jj (a nearest rule: merging, and jj their
-  // target; the window rule: jj among the first `window` survivors after them); for each
-  // in turn every lane adds the loser's term to its COLS columns (lane + 32 i) of the
-  // Dv + Kb blended: a_e V_e (a_e: the rule's share, camkv_merges.h, from its cosine, its
-  // mass s_e, jj's score and, where the rule reads them, the values' norms) or, in a
-  // window, V_e / |W(e)|; with a_e, 1 and s_e (s_e / |W(e)|). The warps' sums are joined
-  // in warp order (the same sums on every run). Then jj's value (and blended key) becomes
-  // (A own + sum) / (A + sum a_e) where a loser gives to it and that denominator is not 0
-  // (else it stays), rounded once to its buffer's dtype (OUT_V, OUT_K), a key that does
-  // not blend copied as stored; row jj of r's buffer of cap rows (rows m.. are left for
-  // the decode steps to write). Its score gains the mass taken in. A: the rule's target
-  // share of jj's score, or 1 in a window (whose shares are 0: own + sum).
-  constexpr int WARPS = BLEND_WARPS, SUMS = COLS * 32;
-  const long k = dims[1], m = dims[2];
-  const int Dv = dims[3], Dk = dims[4], Kb = dims[6], S = Dv + Kb, merge = dims[7], window = dims[8];
-  const long cap = dims[5];
-  const long j = blockIdx.x, r = j / m, jj = j % m;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const bool adds = merge < 0;
-  // In a window, loser e gives to jj when kept_idx[jj - window] < its row < kept_idx[jj].
-  const int above = adds && jj >= window ? kept_idx[j - window] : -1;
-  const int below = adds ? kept_idx[j] : 0;
-  const float score_t = scores[j];
-  const bool norms = !adds && camkv_reads_value_norms(merge);
-  float acc[COLS];
-  #pragma unroll
-  for (int i = 0; i < COLS; ++i) acc[i] = 0.0f;
-  float taken = 0.0f, givers = 0.0f, mass_in = 0.0f;
-  for (long base = (long)warp * 32; base < k; base += WARPS * 32) {
-    const long e = base + lane;
-    bool gives = false;
-    if (e < k) {
-      if (adds) {
-        const int row = loser_idx[r * k + e];
-        gives = row > above && row < below;
-      } else {
-        gives = merging[r * k + e] && target[r * k + e] == jj;
-      }
-    }
-    unsigned pending = __ballot_sync(0xffffffffu, gives);
-    while (pending) {  // the same loser for every lane: the warp's lowest pending
-      const long at = r * k + base + __ffs(pending) - 1;
-      pending &= pending - 1;
-      float share = 0.0f, width = 1.0f;
-      if (adds) {
-        // |W(e)| = min(window, survivors after e): window unless jj is among the last ones.
-        int first = (int)m - window;
-        if (jj > first) {
-          long low = 0, high = m;
-          while (low < high) {
-            const long middle = (low + high) / 2;
-            if (kept_idx[r * m + middle] < loser_idx[at]) low = middle + 1; else high = middle;
-          }
-          first = (int)low;
-        }
-        width = (float)(m - first < window ? m - first : window);
-      } else {
-        share = camkv_loser_share(merge, cosine[at], mass[at], score_t, norms ? norm_in[at] : 0.0f,
-                                  norms ? norm_t[j] : 0.0f);
-      }
-      #pragma unroll
-      for (int i = 0; i < COLS; ++i) {
-        const int c = lane + 32 * i;
-        if (c < S) {
-          const float x = c < Dv ? values[at * Dv + c] : keys[at * Dk + c - Dv];
-          acc[i] = __fadd_rn(acc[i], adds ? x / width : __fmul_rn(share, x));
-        }
-      }
-      taken = __fadd_rn(taken, share);
-      givers += 1.0f;
-      mass_in = __fadd_rn(mass_in, adds ? mass[at] / width : mass[at]);
+_WINDOW = """
+  // dims: R rows, k losers, m survivors, Dv, window. A warp per (row, loser): the first
+  // survivor after it (survivors ascending: a binary search), then V_e / |W|, a count and
+  // s_e / |W| added into each of the |W| = min(window, survivors after it) survivors
+  // from there: float32 sums [R, m, Dv + 3] laid out as the blend's (values, a share
+  // that stays 0, the count, the mass), which the blend's finish adds to each survivor.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], window = dims[4];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;
+  const long r = loser / k, at = (long)loser_idx[loser];
+  long low = 0, high = m;
+  while (low < high) {
+    const long middle = (low + high) / 2;
+    if ((long)kept_idx[r * m + middle] < at) low = middle + 1; else high = middle;
+  }
+  const int width = m - low < window ? (int)(m - low) : window;
+  if (width <= 0) return;
+  const float shared = (float)width;
+  for (int slot = 0; slot < width; ++slot) {
+    float* into = sums + (r * m + low + slot) * (Dv + 3);
+    for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, values[loser * Dv + c] / shared);
+    if (lane == 0) {
+      atomicAdd(into + Dv + 1, 1.0f);
+      atomicAdd(into + Dv + 2, mass[loser] / shared);
     }
   }
-  __shared__ float partial[WARPS][SUMS + 3];
-  #pragma unroll
-  for (int i = 0; i < COLS; ++i) partial[warp][lane + 32 * i] = acc[i];
-  if (lane == 0) {
-    partial[warp][SUMS] = taken;
-    partial[warp][SUMS + 1] = givers;
-    partial[warp][SUMS + 2] = mass_in;
-  }
-  __syncthreads();
-  auto summed = [&](int c) {
-    float sum = partial[0][c];
-    for (int w = 1; w < WARPS; ++w) sum = __fadd_rn(sum, partial[w][c]);
-    return sum;
-  };
-  const float own_share = adds ? 1.0f : camkv_target_share(merge, score_t);
-  const float total = __fadd_rn(own_share, summed(SUMS));
-  const bool blending = summed(SUMS + 1) > 0.0f && total > 0.0f;
-  auto blended = [&](float own, int c) {
-    return blending ? __fadd_rn(__fmul_rn(own_share, own), summed(c)) / total : own;
-  };
-  const long slot = r * cap + jj;
-  for (int c = threadIdx.x; c < Dv + Dk; c += blockDim.x) {
-    if (c < Dv) {
-      out_values[slot * Dv + c] = static_cast<OUT_V>(blended(own_values[j * Dv + c], c));
-    } else if (c < S) {
-      out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(blended(static_cast<float>(own_keys[j * Dk + c - Dv]), c));
-    } else {
-      out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(own_keys[j * Dk + c - Dv]);
-    }
-  }
-  if (threadIdx.x == 0) out_scores[j] = __fadd_rn(score_t, summed(SUMS + 2));
 """
 
 _THRESHOLD = """
@@ -440,126 +409,143 @@ _THRESHOLD = """
   }
 """
 
-_KEEP_BLEND = """
-  // dims: R rows, k losers, m survivors, Dv, Dk, cap rows of the output buffers.
-  // keepkv's merge (section 4.6), a work group per (row r, survivor jj), whose warps find
-  // the merging losers with target jj as the blend's kernel does, twice:
-  // 1. each one's logit l_e = scale q.K_e (a warp's dot product): the largest finite one
-  //    and whether a non-finite one comes in, over the group (maxima: any order);
-  // 2. jj's own logit l_t: its mass is finite where l_t is and no incoming one is not;
-  //    top: the larger of l_t and the incoming largest there (0 elsewhere);
-  //    m_t = votes_t exp(l_t - top) there (votes_t elsewhere);
-  // 3. each one's m_e = votes_e exp(l_e - top) (votes_e where jj's mass is not finite),
-  //    and m_e V_e, m_e K_e, m_e, 1, votes_e and s_e summed, a lane over COLS columns,
-  //    the losers in order, the warps' sums joined in warp order;
-  // 4. where a loser gives to jj: its value and mean key (m_t row + sum m_e source) /
-  //    (m_t + sum m_e) (unchanged where that is 0), the key then moved along q so that
-  //    the row, standing for all its votes, gets the group's mass
-  //    (merges.output_preserving_key), its votes summed; elsewhere its row and votes as
-  //    they were. Value and key rounded once to their buffers' dtypes (OUT_V, OUT_K), row
-  //    jj of r's buffer of cap rows (rows m.. left unwritten). Its score gains the mass
-  //    s_e of its losers.
-  constexpr int WARPS = BLEND_WARPS, SUMS = COLS * 32;
-  const long k = dims[1], m = dims[2];
+# keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
+# comes in are atomic maxima into one array [R, m, 2] that starts at -inf (MLX fills every
+# output a kernel starts from a value, a launch each: hence one output).
+_KEEP_LOGITS = """
+  // dims: R rows, k losers, m survivors, Dk. A warp per (row, loser): its logit
+  // l_e = scale q.K_e; a merging loser's finite logit raises its target's top_in[t][0], a
+  // non-finite one sets its target's top_in[t][1] (poisoned) to 1. Its one output starts
+  // at -inf (one fill: keep_spread takes the logit again instead of reading an output).
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dk = dims[3];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;
+  const long r = loser / k;
+  const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
+  if (lane == 0 && merging[loser]) {
+    const long to = r * m + target[loser];
+    if (isfinite(l)) camkv_atomic_max(top_in + 2 * to, l);
+    else camkv_atomic_max(top_in + 2 * to + 1, 1.0f);
+  }
+"""
+
+_KEEP_TOPS = """
+  // dims: R rows, m survivors, Dk. A warp per (row, survivor): l_t = scale q.K_t; its
+  // mass is finite where l_t is and no merging loser's logit is not (top_in[j][1]); top:
+  // the larger of l_t and top_in[j][0] there (0 elsewhere); m_t = votes exp(l_t - top)
+  // there (votes elsewhere).
+  const long rows = dims[0], m = dims[1];
+  const int Dk = dims[2];
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (j >= rows * m) return;
+  const float l = camkv_keep_logit(keys + j * Dk, query + j / m * Dk, scale, Dk, lane);
+  if (lane == 0) {
+    const bool fin = isfinite(l) && !(top_in[2 * j + 1] > 0.0f);
+    const float best = fin ? fmaxf(l, top_in[2 * j]) : 0.0f;
+    top[j] = best;
+    finite[j] = fin;
+    mass_t[j] = __fmul_rn(votes[j], fin ? expf(l - best) : 1.0f);
+  }
+"""
+
+_KEEP_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv, Dk. A warp per (row, loser) that merges:
+  // m_e = votes_e exp(l_e - top_t) (votes_e where the target's mass is not finite), then
+  // m_e V_e, m_e K_e, m_e, 1, votes_e and s_e added into its target's float32 sums
+  // [R, m, Dv + Dk + 4].
+  const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
-  const long cap = dims[5];
-  const long j = blockIdx.x, r = j / m, jj = j % m;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  const float* q = query + r * Dk;
-  __shared__ float partial[WARPS][SUMS + 4];
-  __shared__ float incoming[WARPS][2];
-  float top_in = -INFINITY, poisoned = 0.0f, top = 0.0f;
-  bool finite = false;
-  float acc[COLS];
-  #pragma unroll
-  for (int i = 0; i < COLS; ++i) acc[i] = 0.0f;
-  float taken = 0.0f, givers = 0.0f, in_votes = 0.0f, mass_in = 0.0f;
-  // The givers of the first pass (their logits), then of the second (their masses and rows).
-  auto each_giver = [&](bool second) {
-    for (long base = (long)warp * 32; base < k; base += WARPS * 32) {
-      const long e = base + lane;
-      unsigned pending = __ballot_sync(0xffffffffu, e < k && merging[r * k + e] && target[r * k + e] == jj);
-      while (pending) {  // the same loser for every lane: the warp's lowest pending
-        const long at = r * k + base + __ffs(pending) - 1;
-        pending &= pending - 1;
-        const float l = camkv_keep_logit(keys + at * Dk, q, scale, Dk, lane);
-        if (!second) {
-          if (isfinite(l)) top_in = fmaxf(top_in, l); else poisoned = 1.0f;
-          continue;
-        }
-        const float mass_e = __fmul_rn(votes[at], finite ? expf(l - top) : 1.0f);
-        #pragma unroll
-        for (int i = 0; i < COLS; ++i) {
-          const int c = lane + 32 * i;
-          if (c < C) acc[i] = __fadd_rn(acc[i], __fmul_rn(mass_e, c < Dv ? values[at * Dv + c] : keys[at * Dk + c - Dv]));
-        }
-        taken = __fadd_rn(taken, mass_e);
-        givers += 1.0f;
-        in_votes = __fadd_rn(in_votes, votes[at]);
-        mass_in = __fadd_rn(mass_in, mass[at]);
-      }
-    }
-  };
-  each_giver(false);
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
+  const long r = loser / k, to = r * m + target[loser];
+  // keep_logits' logit, the same warp sum again
+  const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
+  const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(l - top[to]) : 1.0f);
+  float* into = sums + to * (C + 4);
+  camkv_add_rows(into, mass_e, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
   if (lane == 0) {
-    incoming[warp][0] = top_in;
-    incoming[warp][1] = poisoned;
+    atomicAdd(into + C, mass_e);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, votes[loser]);
+    atomicAdd(into + C + 3, mass[loser]);
   }
-  __syncthreads();
-  for (int w = 0; w < WARPS; ++w) {
-    top_in = fmaxf(top_in, incoming[w][0]);
-    poisoned = fmaxf(poisoned, incoming[w][1]);
-  }
-  const float l_t = camkv_keep_logit(own_keys + j * Dk, q, scale, Dk, lane);
-  finite = isfinite(l_t) && !(poisoned > 0.0f);
-  top = finite ? fmaxf(l_t, top_in) : 0.0f;
-  const float mass_t = __fmul_rn(own_votes[j], finite ? expf(l_t - top) : 1.0f);
-  each_giver(true);
-  #pragma unroll
-  for (int i = 0; i < COLS; ++i) partial[warp][lane + 32 * i] = acc[i];
-  if (lane == 0) {
-    partial[warp][SUMS] = taken;
-    partial[warp][SUMS + 1] = givers;
-    partial[warp][SUMS + 2] = in_votes;
-    partial[warp][SUMS + 3] = mass_in;
-  }
-  __syncthreads();
-  auto summed = [&](int c) {
-    float sum = partial[0][c];
-    for (int w = 1; w < WARPS; ++w) sum = __fadd_rn(sum, partial[w][c]);
-    return sum;
-  };
-  const float total = __fadd_rn(mass_t, summed(SUMS));
-  const bool receiving = summed(SUMS + 1) > 0.0f;
+"""
+
+_KEEP_FINISH = """
+  // dims: R rows, m survivors, Dv, Dk, cap rows of the output buffers. A warp per (row,
+  // survivor). Where a loser gives to it: its value and mean key
+  // (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where that is 0), the key then
+  // moved along q so that the row, standing for all its votes, gets the group's mass
+  // (merges.output_preserving_key), its votes summed; elsewhere its row and votes as they
+  // were. Value and key rounded once to their buffers' dtypes (OUT_V, OUT_K), survivor jj
+  // of row r into row jj of r's buffer of cap rows (rows m.. left unwritten). Its score
+  // gains the mass s_e of its losers.
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const long cap = dims[4];
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (j >= rows * m) return;
+  const long r = j / m, slot = r * cap + j % m;
+  const float* sum = sums + j * (C + 4);
+  const float taken = sum[C], in_votes = sum[C + 2];
+  const bool receiving = sum[C + 1] > 0.0f;
+  const float total = __fadd_rn(mass_t[j], taken);
   const bool blending = receiving && total > 0.0f;
-  auto blended = [&](float own, int c) {
-    return blending ? __fadd_rn(__fmul_rn(mass_t, own), summed(c)) / total : own;
+  auto blended = [&](float own, float into) {
+    return blending ? __fadd_rn(__fmul_rn(mass_t[j], own), into) / total : own;
   };
-  const long slot = r * cap + jj;
-  for (int c = threadIdx.x; c < Dv; c += blockDim.x) {
-    out_values[slot * Dv + c] = static_cast<OUT_V>(blended(own_values[j * Dv + c], c));
-  }
-  if (warp != 0) return;  // the key, its votes and score: one warp
-  const float total_votes = __fadd_rn(own_votes[j], summed(SUMS + 2));
+  for (int c = lane; c < Dv; c += 32) out_values[slot * Dv + c] = static_cast<OUT_V>(blended(values[j * Dv + c], sum[c]));
+  const float total_votes = __fadd_rn(votes[j], in_votes);
   float along = 0.0f, norm_q = 0.0f;  // mean key . q and q . q
   for (int c = lane; c < Dk; c += 32) {
-    along = __fadd_rn(along, __fmul_rn(blended(own_keys[j * Dk + c], Dv + c), q[c]));
-    norm_q = __fadd_rn(norm_q, __fmul_rn(q[c], q[c]));
+    const float q = query[r * Dk + c];
+    along = __fadd_rn(along, __fmul_rn(blended(keys[j * Dk + c], sum[Dv + c]), q));
+    norm_q = __fadd_rn(norm_q, __fmul_rn(q, q));
   }
   for (int o = 16; o > 0; o /= 2) {
     along = __fadd_rn(along, __shfl_xor_sync(0xffffffffu, along, o));
     norm_q = __fadd_rn(norm_q, __shfl_xor_sync(0xffffffffu, norm_q, o));
   }
-  const float want = __fadd_rn(top, logf(total)) - logf(total_votes);
+  const float want = __fadd_rn(top[j], logf(total)) - logf(total_votes);
   const float shift = (want - __fmul_rn(scale[0], along)) / __fmul_rn(scale[0], norm_q);
-  const bool moved = receiving && finite && isfinite(shift);
+  const bool moved = receiving && finite[j] && isfinite(shift);
   for (int c = lane; c < Dk; c += 32) {
-    const float own = own_keys[j * Dk + c], mean = blended(own, Dv + c);
-    out_keys[slot * Dk + c] = static_cast<OUT_K>(!receiving ? own : moved ? __fadd_rn(mean, __fmul_rn(shift, q[c])) : mean);
+    const float mean = blended(keys[j * Dk + c], sum[Dv + c]);
+    out_keys[slot * Dk + c] = static_cast<OUT_K>(!receiving ? keys[j * Dk + c]
+                                               : moved ? __fadd_rn(mean, __fmul_rn(shift, query[r * Dk + c])) : mean);
   }
   if (lane == 0) {
-    out_votes[j] = receiving ? total_votes : own_votes[j];
-    out_scores[j] = __fadd_rn(scores[j], summed(SUMS + 3));
+    out_votes[j] = receiving ? total_votes : votes[j];
+    out_scores[j] = __fadd_rn(scores[j], sum[C + 3]);
+  }
+"""
+
+_KEEP_INPUTS = """
+  // dims: R rows, n settled, S new, G queries a row, T of them each, Dk. keepkv's inputs
+  // of a compression, a thread per item: for each (row, column) of the n + S joined, the
+  // votes (a settled row's, where SETTLED; 1 for a new row, and for every row where none
+  // are settled yet) and their log, the bias its chunk mass adds to each logit; for each
+  // (row, channel), the query: the mean of the row's G last queries (their sum in order,
+  // times 1 / G, as MLX's mean), as float32.
+  const long rows = dims[0], n = dims[1], N = n + dims[2];
+  const int G = dims[3], T = dims[4], Dk = dims[5];
+  const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at < rows * N) {
+    const long j = at % N;
+    const float v = SETTLED && j < n ? settled[at / N * n + j] : 1.0f;
+    votes[at] = v;
+    log_votes[at] = logf(v);
+  }
+  if (at < rows * Dk) {
+    const long r = at / Dk, c = at % Dk;
+    float sum = 0.0f;
+    for (int g = 0; g < G; ++g) sum = __fadd_rn(sum, static_cast<float>(queries[((r * G + g) * T + T - 1) * Dk + c]));
+    query[at] = __fmul_rn(sum, 1.0f / (float)G);
   }
 """
 
@@ -586,31 +572,33 @@ def _named(name: str, source: str) -> str:
 def _specs() -> dict[str, tuple]:
     """Each kernel's (name, text, inputs, outputs, header), read from the module when a
     kernel is built, so a test's patched text is the one compiled."""
-    rules = _rules_header()  # read once for the two kernels that take it
-    return {
-        "gather": ("camkv_merge_gather", _GATHER,
-                   ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
-                   ["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
-                    "out_value_norm", "out_votes"], ""),
+    rules = _rules_header()  # read once for the three kernels that take it
+    specs = {
         "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
                     ["target", "found", "cosine"], ""),
         "nearest_direct": ("camkv_nearest_direct", _NEAREST_DIRECT,
                            ["losers", "kept", "norm_k", "positions", "norm_l", "dims"], ["target", "found", "cosine"],
                            ""),
-        "blend": ("camkv_blend", _BLEND,
-                  ["values", "keys", "cosine", "mass", "norm_in", "norm_t", "target", "merging", "loser_idx",
-                   "kept_idx", "own_values", "own_keys", "scores", "dims"],
-                  ["out_values", "out_keys", "out_scores"], rules),
-        "keep": ("camkv_keep_blend", _KEEP_BLEND,
-                 ["values", "keys", "votes", "mass", "target", "merging", "query", "scale", "own_values", "own_keys",
-                  "own_votes", "scores", "dims"],
-                 ["out_values", "out_keys", "out_votes", "out_scores"], _HEADER),
+        "window": ("camkv_window_spread", _WINDOW, ["values", "mass", "loser_idx", "kept_idx", "dims"], ["sums"],
+                   ""),
+        "gather": ("camkv_merge_gather", _GATHER,
+                   ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
+                   ["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
+                    "out_value_norm", "out_votes"], ""),
+        "spread": ("camkv_blend_spread", _SPREAD,
+                   ["values", "keys", "cosine", "mass", "scores", "norm_in", "norm_t", "target", "merging", "dims"],
+                   ["sums"], _HEADER + rules),
+        "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "dims"],
+                   ["out_values", "out_keys", "out_scores"], rules),
         "keep_inputs": ("camkv_keep_inputs", _KEEP_INPUTS, ["settled", "queries", "dims"],
                         ["votes", "log_votes", "query"], ""),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
         "threshold": ("camkv_moved_threshold", _THRESHOLD, ["cosine", "eligible", "threshold", "dims"],
                       ["merging", "threshold_out"], rules),
     }
+    for name, (source, inputs, outputs) in _KEEP.items():
+        specs[name] = (f"camkv_{name}", source, [*inputs, "dims"], outputs, _HEADER)
+    return specs
 
 
 def _rules_header() -> str:
@@ -729,29 +717,47 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
     return (*out[:7], None if votes is None else out[7])
 
 
-def _by_survivor(rows: int, m: int, columns: int) -> dict:
-    """A blend's launch arguments: a work group of _BLEND_WARPS warps per (row, survivor),
-    each lane summing ceil(columns / 32) columns (the texts' COLS)."""
-    return dict(grid=(rows * m * _BLEND_WARPS * 32, 1, 1), threadgroup=(_BLEND_WARPS * 32, 1, 1),
-                template=[("BLEND_WARPS", _BLEND_WARPS), ("COLS", max(1, -(-columns // 32)))])
+# keepkv's launches: name -> (text, inputs before dims, outputs).
+_KEEP = {
+    "keep_logits": (_KEEP_LOGITS, ["keys", "query", "target", "merging", "scale"], ["top_in"]),
+    "keep_tops": (_KEEP_TOPS, ["keys", "query", "votes", "top_in", "scale"], ["top", "finite", "mass_t"]),
+    "keep_spread": (_KEEP_SPREAD, ["values", "keys", "votes", "mass", "query", "scale", "top", "finite", "target",
+                                   "merging"],
+               ["sums"]),
+    "keep_finish": (_KEEP_FINISH, ["values", "keys", "votes", "scores", "query", "sums", "mass_t", "top", "finite",
+                              "scale"], ["out_values", "out_keys", "out_votes", "out_scores"]),
+}
 
 
 def keep_merge(losers, kept, target, merging, query, scale: float, value_dtype=mx.float32,
                capacity: int | None = None):
-    """keepkv's merges of a compression in one launch (section 4.6, merge_ops._keep_output's
-    results): losers and kept are merge_ops.Rows (float32 keys and values, the keys as
-    stored, votes, scores), target [R, k] each loser's survivor, merging [R, k] bool, query
-    [R, Dk] float32. Returns the survivors' keys [R, cap, Dk] in the stored keys' dtype and
-    values [R, cap, Dv] in value_dtype (each rounded once; cap = capacity, or m; rows past
-    m unwritten, as blend_nearest's), votes and scores plus the mass taken in [R, m]."""
+    """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results):
+    losers and kept are merge_ops.Rows (float32 keys and values, the keys as stored,
+    votes, scores), target [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk]
+    float32. Returns the survivors' keys [R, cap, Dk] in the stored keys' dtype and values
+    [R, cap, Dv] in value_dtype (each rounded once; cap = capacity, or m; rows past m
+    unwritten, as blend_nearest's), votes and scores plus the mass taken in [R, m]."""
     rows, k, dk = losers.keys.shape
     m, dv = kept.keys.shape[1], kept.values.shape[2]
+    by_loser = _warp_per(rows * k)
+    by_survivor = _warp_per(rows * m)
+    block = (_THREADS, 1, 1)
+    scale_ = floats(scale)
+    top_in = _kernel("keep_logits")(
+        inputs=[losers.keys, query, target, merging, scale_, ints(rows, k, m, dk)], grid=by_loser,
+        threadgroup=block, output_shapes=[(rows, m, 2)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
+    top, finite, mass_t = _kernel("keep_tops")(
+        inputs=[kept.keys, query, kept.votes, top_in, scale_, ints(rows, m, dk)], grid=by_survivor,
+        threadgroup=block, output_shapes=[(rows, m)] * 3, output_dtypes=[mx.float32, mx.bool_, mx.float32])
+    sums = _kernel("keep_spread")(
+        inputs=[losers.values, losers.keys, losers.votes, losers.scores, query, scale_, top, finite, target,
+                merging, ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
+        output_shapes=[(rows, m, dv + dk + 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
     cap, key_dtype = m if capacity is None else capacity, kept.stored_keys.dtype
-    launch = _by_survivor(rows, m, dv + dk)
-    values, keys, votes, scores = _kernel("keep")(
-        inputs=[losers.values, losers.keys, losers.votes, losers.scores, target, merging, query, floats(scale),
-                kept.values, kept.keys, kept.votes, kept.scores, ints(rows, k, m, dv, dk, cap)],
-        template=launch.pop("template") + [("OUT_V", value_dtype), ("OUT_K", key_dtype)], **launch,
+    values, keys, votes, scores = _kernel("keep_finish")(
+        inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, mass_t, top, finite, scale_,
+                ints(rows, m, dv, dk, cap)], template=[("OUT_V", value_dtype), ("OUT_K", key_dtype)],
+        grid=by_survivor, threadgroup=block,
         output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows, m)],
         output_dtypes=[value_dtype, key_dtype, mx.float32, mx.float32])
     return keys, values, votes, scores
@@ -759,54 +765,66 @@ def keep_merge(losers, kept, target, merging, query, scale: float, value_dtype=m
 
 def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, scores, window: int,
                   value_dtype=mx.float32, capacity: int | None = None):
-    """The paper's window rule for every loser at once (section 4.2, no gate), in one
-    launch: losers' values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k],
-    survivors at kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32, own_keys
-    [R, m, Dk] as stored and scores [R, m]. Each survivor gains V_e / |W(e)| and
-    s_e / |W(e)| from every loser e whose window W(e) (the first `window` survivors after
-    it) holds it. Returns the survivors' values rounded once to value_dtype and keys as
-    stored, in buffers of capacity rows as blend_nearest's, and their scores [R, m]."""
-    # The nearest rules' inputs, which a window does not read, as arrays of their dtypes (one
-    # build of the text serves both).
-    unread = mass
-    return _blend(values, values, unread, mass, unread, unread, loser_idx, bools(False), loser_idx, kept_idx,
-                  own_values, own_keys, scores, 0, -1, window, value_dtype, capacity)
+    """The paper's window rule for every loser at once (section 4.2, no gate): losers'
+    values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k], survivors at
+    kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32, own_keys [R, m, Dk] as
+    stored and scores [R, m]. Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every
+    loser e whose window W(e) (the first `window` survivors after it) holds it. Returns the
+    survivors' values rounded once to value_dtype and keys as stored, in buffers of
+    capacity rows as blend_nearest's, and their scores [R, m]."""
+    rows, k, dv = values.shape
+    m = kept_idx.shape[1]
+    sums = _kernel("window")(
+        inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, dv + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    # Survivor t becomes (1 V_t + sum) / (1 + 0): V_t plus its window's sum, exactly.
+    return _finish(sums, own_values, own_keys, scores, 0, value_dtype, capacity, None)
 
 
 def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, cosine, mass, value_norms,
                   merge: int, value_dtype=mx.float32, capacity: int | None = None):
-    """Section 4.4's blend for every survivor at once, in one launch, where each merging
-    loser has one target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys
-    stay) float32, the survivors' own_values [R, m, Dv] float32, own_keys [R, m, Dk] as
-    stored (their dtype is the keys' out) and scores [R, m], each loser's target [R, k]
-    int32 (indices into the survivors), whether it merges [R, k] bool, its cosine with its
-    target and mass s_e [R, k], and the values' norms (losers' [R, k], survivors' [R, m];
-    None where rule `merge` reads none). Shares are rule merge's (its code: camkv_merges.h's,
-    the kernel core's): a_e of each loser, A of each survivor's score. Returns the
-    survivors' values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk]
-    (blended keys rounded once, the others copied), whose first m rows are the survivors
-    (cap = capacity, or m; the rest unwritten: buffers with room to decode, as
+    """Section 4.4's blend for every survivor at once, where each merging loser has one
+    target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
+    the survivors' own_values [R, m, Dv] float32, own_keys [R, m, Dk] as stored (their
+    dtype is the keys' out) and scores [R, m], each loser's target [R, k] int32 (indices
+    into the survivors), whether it merges [R, k] bool, its cosine with its target and
+    mass s_e [R, k], and the values' norms (losers' [R, k], survivors' [R, m]; None where
+    rule `merge` reads none). Shares are rule merge's (its code: camkv_merges.h's, the
+    kernel core's): a_e of each loser, A of each survivor's score. Returns the survivors'
+    values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk] (blended keys
+    rounded once, the others copied), whose first m rows are the survivors (cap =
+    capacity, or m; the rest unwritten: buffers with room to decode, as
     compact_cuda.drop_compact writes them), and their scores plus the mass taken in
     [R, m]: (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that
     denominator is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums
-    in the losers' order."""
+    in the device's order."""
+    rows, k, Dv = values.shape
+    m = own_values.shape[1]
     blended_keys = 0 if keys is None else keys.shape[2]
     norm_in, norm_t = (mass, scores) if value_norms is None else value_norms  # read only where the rule reads them
-    return _blend(values, values if keys is None else keys, cosine, mass, norm_in, norm_t, target, merging,
-                  target, target, own_values, own_keys, scores, blended_keys, merge, 0, value_dtype, capacity)
+    sums = _kernel("spread")(
+        inputs=[values, values if keys is None else keys, cosine, mass, scores, norm_in, norm_t, target, merging,
+                ints(rows, k, m, Dv, blended_keys, merge)],
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, m, Dv + blended_keys + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    return _finish(sums, own_values, own_keys, scores, blended_keys, value_dtype, capacity, merge)
 
 
-def _blend(values, keys, cosine, mass, norm_in, norm_t, target, merging, loser_idx, kept_idx, own_values, own_keys,
-           scores, blended_keys: int, merge: int, window: int, value_dtype, capacity: int | None) -> tuple:
-    """The blend's one launch (_BLEND): a nearest rule's (merge its code: target and
-    merging read) or the window rule's (merge -1: loser_idx and kept_idx read)."""
-    rows, k, dv = values.shape
-    m, dk = own_values.shape[1], own_keys.shape[2]
+def _finish(sums, own_values, own_keys, scores, blended_keys: int, value_dtype, capacity: int | None,
+            merge: int | None) -> tuple:
+    """The blend's second launch (_FINISH) over sums [R, m, Dv + blended_keys + 3]: the
+    survivors' values and keys in buffers of capacity rows (or m) and their scores. merge:
+    the blending rule whose target share each survivor keeps; None: a window rule's sums,
+    added to each survivor."""
+    rows, m, Dv = own_values.shape
+    Dk = own_keys.shape[2]
     cap = m if capacity is None else capacity
-    launch = _by_survivor(rows, m, dv + blended_keys)
-    return tuple(_kernel("blend")(
-        inputs=[values, keys, cosine, mass, norm_in, norm_t, target, merging, loser_idx, kept_idx, own_values,
-                own_keys, scores, ints(rows, k, m, dv, dk, cap, blended_keys, merge, window)],
-        template=launch.pop("template") + [("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)], **launch,
-        output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m)],
+    threads = rows * m * (Dv + Dk)
+    return tuple(_kernel("finish")(
+        inputs=[sums, own_values, own_keys, scores,
+                ints(rows, m, Dv, Dk, cap, blended_keys, -1 if merge is None else merge)],
+        template=[("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
+        grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m)],
         output_dtypes=[value_dtype, own_keys.dtype, mx.float32]))

@@ -405,14 +405,14 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     count = do.sum(axis=1).astype(mx.int32)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
-        # One target a loser: the whole blend, the rule's shares with it, in one launch
+        # One target a loser: the whole blend, the rule's shares with it, in two launches
         # (merge_cuda.blend_nearest; the value norms Rows.split took).
         values, keys, scores = merge_cuda.blend_nearest(
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores,
             targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
             storage, capacity)
         return Merged(keys, values, scores, votes, threshold, count)
-    if rule.keeps_votes and kernels:  # keepkv's whole merge in one launch (merge_cuda.keep_merge)
+    if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
         keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale, storage,
                                                             capacity)
         return Merged(keys, values, scores, votes, threshold, count)
