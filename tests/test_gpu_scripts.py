@@ -81,3 +81,43 @@ done
             words = run.split()
             assert words.count("--out") == 1 and "--budgets" in words and "--preset" in words, run
             assert words[words.index("--out") + 1].endswith(out.name), run
+
+
+def test_sweeps_side_by_side_unpack_the_staged_parts_once(tmp_path):
+    """Two quality.sh calls started together (two models' sweeps in one device call) find
+    the staged parts of one bundle: one unpacks them (texts into the device's ckv folder,
+    the gguf package into the site folder) while the other waits, then finds none; both
+    sweeps run. A stand-in tar that takes a second makes the two overlap; a stand-in
+    python3 stands in for the sweeps."""
+    device, site, bin_dir = tmp_path / "device", tmp_path / "site", tmp_path / "bin"
+    bundle = tmp_path / "bundle"
+    (bundle / "texts").mkdir(parents=True)
+    (bundle / "gguf").mkdir()
+    (bundle / "texts" / "a.txt").write_text("a text " * 5000)
+    (bundle / "gguf" / "__init__.py").write_text("VERSION = 1\n")
+    (device / "parts").mkdir(parents=True)
+    subprocess.run(f"tar cf - texts gguf | split -b 20000 -d -a 2 - {device / 'parts' / 'part_'}", shell=True,
+                   cwd=bundle, check=True)
+    assert len(list((device / "parts").iterdir())) >= 2
+    bin_dir.mkdir()
+    real_tar = shutil.which("tar")
+    (bin_dir / "tar").write_text(f"#!/usr/bin/env bash\nsleep 1\nexec {real_tar} \"$@\"\n")
+    (bin_dir / "python3").write_text("""#!/usr/bin/env bash
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--out" ]; then mkdir -p "$2" && touch "$2/records.jsonl" && echo {} > "$2/run.json"; fi
+  shift
+done
+""")
+    for tool in ("tar", "python3"):
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "DEVICE_ROOT": str(device), "DEVICE_SITE": str(site), "OUT": str(tmp_path), "SPLIT": "",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    runs = [subprocess.Popen(["bash", "bench/gpu/quality.sh", "5", "--preset", "smoke", "--out",
+                              str(tmp_path / f"sweep{i}")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [run.communicate(timeout=120)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    assert (device / "ckv" / "texts" / "a.txt").read_text() == "a text " * 5000
+    assert (site / "gguf" / "__init__.py").read_text() == "VERSION = 1\n"
+    assert not list((device / "parts").iterdir()) and not (device / "unpacking").exists()
+    assert all((tmp_path / f"sweep{i}.tgz").exists() for i in range(2))

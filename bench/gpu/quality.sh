@@ -1,8 +1,8 @@
 # On the H200 (device tool), after install.sh and after the parts of stage-models.sh were
 # copied to /root/parts by earlier calls: unpack them once (models and texts into
-# /root/ckv, llama.cpp's gguf package into /tmp/site), resume a quality sweep for at
-# most $1 seconds (default 420) with the `camkv eval` flags that follow (default: the gpu
-# preset), and tar the output folder (the value of --out, default
+# /root/ckv, llama.cpp's gguf package into /tmp/site; once also where calls run side by
+# side), resume a quality sweep for at most $1 seconds (default 420) with the `camkv eval`
+# flags that follow (default: the gpu preset), and tar the output folder (the value of --out, default
 # bench/results/quality-gpu) into $OUT to join its records here:
 #   tar xzf quality-gpu.tgz -C /tmp/q && cat /tmp/q/OUTFOLDER/records.jsonl >> OUTFOLDER/records.jsonl
 #   camkv eval ... --out OUTFOLDER --report-only
@@ -13,11 +13,20 @@
 #   SPLIT='--methods h2o-causal --budgets 10%;--methods snapkv --budgets 10%' bash bench/gpu/quality.sh ...
 set -e
 . bench/gpu/env.sh
-if ls "$device_root"/parts/part_* >/dev/null 2>&1; then
-  mkdir -p "$device_root/ckv" /tmp/site
-  cat "$device_root"/parts/part_* | tar x -C "$device_root/ckv" && rm "$device_root"/parts/part_*
-  rm -rf /tmp/site/gguf && mv "$device_root/ckv/gguf" /tmp/site/
-fi
+unpack_parts() {  # the staged parts, once: models and texts into ckv, gguf into the site folder
+  ls "$device_root"/parts/part_* >/dev/null 2>&1 || return 0
+  mkdir -p "$device_root/ckv" "$device_site"
+  cat "$device_root"/parts/part_* | tar x -C "$device_root/ckv"
+  rm "$device_root"/parts/part_*
+  rm -rf "$device_site/gguf" && mv "$device_root/ckv/gguf" "$device_site/"
+}
+# Calls side by side (two models' sweeps in one device call) unpack once: the first takes
+# the lock (a folder: mkdir is atomic), the others wait and then find no parts.
+mkdir -p "$device_root"
+until mkdir "$device_root/unpacking" 2>/dev/null; do sleep 1; done
+trap 'rmdir "$device_root/unpacking" 2>/dev/null || true' EXIT
+unpack_parts
+rmdir "$device_root/unpacking" && trap - EXIT
 seconds=${1:-420}
 shift || true
 if [ $# -eq 0 ]; then set -- --preset gpu; fi
