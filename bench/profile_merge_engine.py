@@ -87,6 +87,10 @@ def parse_args(argv=None):
     parser.add_argument("--through-cache", action="store_true",
                         help="with --graph --kernel-graph: count each compression as a cache runs it, its "
                              "survivors settled into buffers with room to decode (default off: the engines' calls)")
+    parser.add_argument("--host-build", action="store_true",
+                        help="with --kernel-graph: time only building each call's graph (camkv's Python and MLX's "
+                             "operations made, nothing evaluated: the host's share of a compression before MLX "
+                             "encodes its launches), in turn, median of --repeats (default off)")
     parser.add_argument("--ops-arms", nargs="*", default=[], metavar="RULE",
                         help="on an NVIDIA GPU, also run these rules without camkv.backends.merge_cuda's kernels, "
                              "as arms RULE/ops: before and after in one process (default: none)")
@@ -115,17 +119,23 @@ def graph_operations(outputs) -> tuple[dict[str, int], int]:
     return counts, launches
 
 
+_STAND_IN_SECONDS = [0.0]  # time spent inside the stand-in kernels' calls
+
+
 def stand_in_kernel(**_spec):
     """mx.fast.cuda_kernel for --kernel-graph: a call's outputs are constants tied to its
     inputs by one Depends node, so each kernel call counts once and what feeds it stays in
     the graph."""
     def call(inputs, output_shapes, output_dtypes, init_value=None, **_launch):
+        tick = time.perf_counter()
         outputs = [mx.array(np.zeros(shape, np.float32)).astype(dtype) for shape, dtype in zip(output_shapes,
                                                                                             output_dtypes)]
         mx.eval(outputs)
         fills = [] if init_value is None else [mx.full(shape, init_value, dtype)
                                                for shape, dtype in zip(output_shapes, output_dtypes)]
-        return mx.depends(outputs, [a for a in inputs if isinstance(a, mx.array)] + fills)
+        out = mx.depends(outputs, [a for a in inputs if isinstance(a, mx.array)] + fills)
+        _STAND_IN_SECONDS[0] += time.perf_counter() - tick  # not the package's: --host-build leaves it out
+        return out
     return call
 
 
@@ -199,6 +209,30 @@ def _stages(engines: dict, repeats: int) -> dict[str, dict[str, float]]:
             runs.append(spent)
         labels = sorted({label for run in runs for label in run})
         out[name] = {label: 1e3 * statistics.median(run.get(label, 0.0) for run in runs) for label in labels}
+    return out
+
+
+def _host_build(engines: dict, repeats: int) -> dict[str, dict[str, float]]:
+    """Microseconds to build each engine's call (nothing evaluated; the stand-in kernels'
+    own time left out), the engines in turn after one warm call each; median, and paired
+    against drop's."""
+    def built(fn) -> float:
+        _STAND_IN_SECONDS[0] = 0.0
+        tick = time.perf_counter()
+        fn()
+        return time.perf_counter() - tick - _STAND_IN_SECONDS[0]
+
+    for fn in engines.values():
+        built(fn)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(repeats):
+        for name, fn in engines.items():
+            times[name].append(built(fn))
+    out = {}
+    for name, own in times.items():
+        ratio = statistics.median(a / b for a, b in zip(own, times["drop"]))
+        out[name] = {"median_us": 1e6 * statistics.median(own), "vs_drop": ratio}
+        print(f"{name:14s} {out[name]['median_us']:8.0f} us to build  {ratio:5.2f}x drop's (paired)")
     return out
 
 
@@ -286,6 +320,13 @@ def main(argv=None) -> dict:
                    for rule in merges.names() if merges.rule(rule).kind != merges.DROP or rule == "drop"}
     if opts.graph:
         result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "graph": _graphs(engines)}
+        _write(opts.out, result)
+        return result
+    if opts.host_build:
+        if not opts.kernel_graph:
+            raise SystemExit("profile_merge_engine: --host-build times graphs the stand-in kernels build; "
+                             "add --kernel-graph")
+        result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "host_build_us": _host_build(engines, opts.repeats)}
         _write(opts.out, result)
         return result
     seconds = _in_turn(engines, opts.repeats)

@@ -327,6 +327,32 @@ def test_profile_merge_engine_pairs_every_rule_with_the_drop_engine(capsys):
     assert "x drop's (paired)" in capsys.readouterr().out
 
 
+def test_profile_merge_engine_times_building_a_compression_on_cuda(tmp_path):
+    """--host-build (with the stand-in kernels, in a process of its own) times building
+    each rule's compression through the cache, nothing evaluated, paired with drop's; it
+    refuses to run without --kernel-graph (the real kernels would run on the CPU's
+    device, or not at all)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "profile_merge_engine.py"
+    flags = ["--rows", "2", "--head-dim", "8", "--budget", "16", "--chunk", "40", "--through-cache", "--host-build",
+             "--repeats", "3"]
+    out = tmp_path / "build.json"
+    done = subprocess.run([sys.executable, str(script), *flags, "--kernel-graph", "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    built = json.loads(out.read_text())["host_build_us"]
+    from camkv import merges
+
+    assert set(built) == {"drop"} | {r for r in merges.names() if merges.rule(r).kind != merges.DROP}
+    assert built["drop"]["vs_drop"] == 1.0 and all(r["median_us"] > 0 for r in built.values())
+    assert "us to build" in done.stdout
+    refused = subprocess.run([sys.executable, str(script), *flags], capture_output=True, text=True)
+    assert refused.returncode != 0 and "add --kernel-graph" in refused.stderr
+
+
 def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_them(tmp_path):
     """profile_merge_engine --graph --kernel-graph --through-cache (in a process of its
     own: it stands in for MLX's CUDA kernels) counts each rule's compression as a cache on
