@@ -212,40 +212,34 @@ def _stages(engines: dict, repeats: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _host_build(engines: dict, repeats: int) -> dict[str, dict[str, float]]:
-    """Microseconds to build each engine's call (nothing evaluated; the stand-in kernels'
-    own time left out), the engines in turn after one warm call each; median, and paired
-    against drop's."""
-    def built(fn) -> float:
-        _STAND_IN_SECONDS[0] = 0.0
-        tick = time.perf_counter()
-        fn()
-        return time.perf_counter() - tick - _STAND_IN_SECONDS[0]
+def _built(fn) -> float:
+    """Seconds to build fn's call, nothing evaluated, the stand-in kernels' own time left out."""
+    _STAND_IN_SECONDS[0] = 0.0
+    tick = time.perf_counter()
+    fn()
+    return time.perf_counter() - tick - _STAND_IN_SECONDS[0]
 
-    for fn in engines.values():
-        built(fn)
-    times: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(repeats):
-        for name, fn in engines.items():
-            times[name].append(built(fn))
+
+def _against_drop(seconds: dict[str, list[float]], unit: str, per_second: float, what: str) -> dict:
+    """Each engine's median (in unit) and its calls paired one by one with drop's, printed."""
     out = {}
-    for name, own in times.items():
-        ratio = statistics.median(a / b for a, b in zip(own, times["drop"]))
-        out[name] = {"median_us": 1e6 * statistics.median(own), "vs_drop": ratio}
-        print(f"{name:14s} {out[name]['median_us']:8.0f} us to build  {ratio:5.2f}x drop's (paired)")
+    for name, own in seconds.items():
+        ratio = statistics.median(a / b for a, b in zip(own, seconds["drop"]))  # paired call by call
+        out[name] = {f"median_{unit}": per_second * statistics.median(own), "vs_drop": ratio}
+        print(f"{name:14s} {out[name][f'median_{unit}']:8.1f} {unit}{what}  {ratio:5.2f}x drop's (paired)")
     return out
 
 
-def _in_turn(engines: dict, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each engine's call, the engines taking turns call by call after one warm
-    call each (allocations, and a GPU's kernels compiled), so a drift of the host's speed
-    touches all alike."""
+def _in_turn(engines: dict, repeats: int, timed=_timed) -> dict[str, list[float]]:
+    """Seconds of each engine's call (by timed: evaluated, or _built), the engines taking
+    turns call by call after one warm call each (allocations, and a GPU's kernels
+    compiled), so a drift of the host's speed touches all alike."""
     for fn in engines.values():
-        _timed(fn)
+        timed(fn)
     times = {name: [] for name in engines}
     for _ in range(repeats):
         for name, fn in engines.items():
-            times[name].append(_timed(fn))
+            times[name].append(timed(fn))
     return times
 
 
@@ -326,15 +320,11 @@ def main(argv=None) -> dict:
         if not opts.kernel_graph:
             raise SystemExit("profile_merge_engine: --host-build times graphs the stand-in kernels build; "
                              "add --kernel-graph")
-        result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "host_build_us": _host_build(engines, opts.repeats)}
+        built = _against_drop(_in_turn(engines, opts.repeats, _built), "us", 1e6, " to build")
+        result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "host_build_us": built}
         _write(opts.out, result)
         return result
-    seconds = _in_turn(engines, opts.repeats)
-    times = {}
-    for rule, own in seconds.items():
-        ratio = statistics.median(a / b for a, b in zip(own, seconds["drop"]))  # paired call by call
-        times[rule] = {"median_ms": 1e3 * statistics.median(own), "vs_drop": ratio}
-        print(f"{rule:14s} {times[rule]['median_ms']:8.1f} ms  {ratio:5.2f}x drop's (paired)")
+    times = _against_drop(_in_turn(engines, opts.repeats), "ms", 1e3, "")
     result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "device": str(mx.default_device()), "ms": times}
     if opts.stages:
         result["stages_ms"] = _stages(engines, opts.repeats)

@@ -35,6 +35,21 @@ def _keys(lines: list[str]) -> list[tuple]:
     return [(r["sample"], r["method"], r["budget"]) for r in map(json.loads, lines)]
 
 
+def _stand_in_python(bin_dir: Path, calls: Path | None = None) -> None:
+    """A python3 in bin_dir standing in for the sweeps: it makes the folder its --out names
+    (empty records, a run.json) and, given calls, appends its arguments there."""
+    bin_dir.mkdir(exist_ok=True)
+    record = "" if calls is None else f'echo "$*" >> {calls}\n'
+    stand_in = bin_dir / "python3"
+    stand_in.write_text(f"""#!/usr/bin/env bash
+{record}while [ $# -gt 0 ]; do
+  if [ "$1" = "--out" ]; then mkdir -p "$2" && touch "$2/records.jsonl" && echo {{}} > "$2/run.json"; fi
+  shift
+done
+""")
+    stand_in.chmod(0o755)
+
+
 def test_split_sweeps_append_each_groups_new_records_after_the_folders(tmp_path):
     out = tmp_path / "ruler-smoke"
     first = _split_sweep(tmp_path, out, ["--methods h2o-causal", "--methods snapkv"])
@@ -57,16 +72,7 @@ def test_each_sweep_names_its_folder_once(tmp_path):
     own folder once (a split sweep's copy, or the folder itself): a stand-in python3
     records every camkv eval it is asked to run."""
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
-    bin_dir.mkdir()
-    stand_in = bin_dir / "python3"
-    stand_in.write_text(f"""#!/usr/bin/env bash
-echo "$*" >> {calls}
-while [ $# -gt 0 ]; do
-  if [ "$1" = "--out" ]; then mkdir -p "$2" && touch "$2/records.jsonl" && echo {{}} > "$2/run.json"; fi
-  shift
-done
-""")
-    stand_in.chmod(0o755)
+    _stand_in_python(bin_dir, calls)
     for split in ["", "--methods snapkv;--methods camkv"]:
         calls.unlink(missing_ok=True)
         out = tmp_path / f"folder{len(split)}"
@@ -99,17 +105,10 @@ def test_sweeps_side_by_side_unpack_the_staged_parts_once(tmp_path):
     subprocess.run(f"tar cf - texts gguf | split -b 20000 -d -a 2 - {device / 'parts' / 'part_'}", shell=True,
                    cwd=bundle, check=True)
     assert len(list((device / "parts").iterdir())) >= 2
-    bin_dir.mkdir()
+    _stand_in_python(bin_dir)
     real_tar = shutil.which("tar")
     (bin_dir / "tar").write_text(f"#!/usr/bin/env bash\nsleep 1\nexec {real_tar} \"$@\"\n")
-    (bin_dir / "python3").write_text("""#!/usr/bin/env bash
-while [ $# -gt 0 ]; do
-  if [ "$1" = "--out" ]; then mkdir -p "$2" && touch "$2/records.jsonl" && echo {} > "$2/run.json"; fi
-  shift
-done
-""")
-    for tool in ("tar", "python3"):
-        (bin_dir / tool).chmod(0o755)
+    (bin_dir / "tar").chmod(0o755)
     env = {**os.environ, "DEVICE_ROOT": str(device), "DEVICE_SITE": str(site), "OUT": str(tmp_path), "SPLIT": "",
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     runs = [subprocess.Popen(["bash", "bench/gpu/quality.sh", "5", "--preset", "smoke", "--out",
