@@ -38,6 +38,10 @@ reason, under "left_out" in the JSON).
 with the votes' log in an additive mask [B, query heads, chunk, rows]
 (camkv.hook.weighed_by_votes), as before camkv.hook.weighed_block weighed the values
 instead on MLX's CUDA build (camkv.hook.WEIGHED_BLOCKS off).
+--ungrouped-arms RULE ... adds RULE/ungrouped (drop too): the rule with each layer's
+compression of a prompt chunk run by itself when due, as before the layer group held
+them to run all layers' together (camkv.layer_group.GROUPED off): before and after in one
+process.
 --profile ARM ... runs, after the timed rounds, one prompt of each arm named (any arm
 of the run) under cProfile: the host's calls by their own time, where a prompt's time
 goes when the device waits for the host or the host for the device (MLX's evaluations
@@ -68,7 +72,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache
 
 import camkv
-from camkv import CaMConfig, merges
+from camkv import CaMConfig, layer_group, merges
 from camkv.eval import loading
 from camkv import hook, quantized_attention
 from camkv.backends import compress, merge_cuda, merge_ops
@@ -86,6 +90,7 @@ CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the 
 ENGINE = "/engine"  # an arm's suffix: the rule with its decode compressions on the merge engine
 UNFENCED = "/unfenced"  # an arm's suffix: the rule with its nearest search's product not evaluated alone
 DIRECT = "/direct"  # an arm's suffix: the rule with its nearest search's dot products in one kernel (CUDA)
+UNGROUPED = "/ungrouped"  # an arm's suffix: each layer's prompt compressions run alone (layer_group.GROUPED off)
 MASKED = "/masked"  # an arm's suffix: the rule's prompt chunks weighed by votes through a mask (hook.weighed_by_votes)
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
@@ -125,6 +130,9 @@ def parse_args(argv=None):
     parser.add_argument("--masked-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
                         help="rules with votes (keepkv) to run also with their prompt chunks weighed by a mask "
                              "(arms RULE/masked) (default: none)")
+    parser.add_argument("--ungrouped-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="rules (drop too) to run also with each layer's prompt compressions alone, not "
+                             "with the other layers' (arms RULE/ungrouped) (default: none)")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ARM",
                         help="after the timed rounds, one prompt of each of these arms under cProfile, its "
                              "calls by own time (default: none)")
@@ -158,6 +166,7 @@ def arms_of(opts) -> list[str]:
     without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
     without += [rule + UNFENCED for rule in dict.fromkeys(opts.unfenced_arms) if rule != DROP]
     without += [rule + MASKED for rule in dict.fromkeys(opts.masked_arms) if merges.rule(rule).keeps_votes]
+    without += [rule + UNGROUPED for rule in dict.fromkeys(opts.ungrouped_arms)]
     if merge_cuda.available():
         without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
                     if merges.rule(rule).kind == merges.NEAREST]
@@ -170,14 +179,17 @@ def make_cache(model, arm: str, budget: int) -> list:
     return camkv.make_prompt_cache(model, budget=budget, merge=arm.split("/")[0])
 
 
-def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
-    """(seconds to the first token, mean seconds of each decode step after it)."""
+def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float, int]:
+    """(seconds to the first token, mean seconds of each decode step after it, the most
+    bytes MLX held meanwhile: the model's, the caches' and the work's)."""
     cache = make_cache(model, arm, opts.budget)
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
     verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
         compress.OPERATIONS_FROM_TOKENS
     routing, fence, direct = compress.by_operations, merge_ops.FENCE_NEAREST_PRODUCT, merge_ops.NEAREST_WITHOUT_PRODUCT
-    blocks = hook.WEIGHED_BLOCKS
+    blocks, grouped = hook.WEIGHED_BLOCKS, layer_group.GROUPED
+    if arm.endswith(UNGROUPED):
+        layer_group.GROUPED = False
     if arm.endswith(MASKED):
         hook.WEIGHED_BLOCKS = False
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
@@ -193,6 +205,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
     if arm.endswith((OPS, SDPA)):
         quantized_attention.attend_weighed = lambda *args: None
     try:
+        mx.reset_peak_memory()
         tick = time.perf_counter()
         tokens = generate_step(prompt, model, prompt_cache=cache, max_tokens=opts.steps + 1,
                                sampler=lambda logprobs: mx.argmax(logprobs, axis=-1), prefill_step_size=opts.chunk)
@@ -210,9 +223,10 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float]:
         merge_ops.FENCE_NEAREST_PRODUCT = fence
         merge_ops.NEAREST_WITHOUT_PRODUCT = direct
         hook.WEIGHED_BLOCKS = blocks
+        layer_group.GROUPED = grouped
         if arm != ROTATING:
             camkv.remove(model)
-    return prefilled - tick, (done - prefilled) / opts.steps
+    return prefilled - tick, (done - prefilled) / opts.steps, mx.get_peak_memory()
 
 
 PROFILED_CALLS = 15  # the calls a profile lists, by own time
@@ -224,7 +238,7 @@ def profile_prefill(model, arm: str, prompt: mx.array, opts) -> dict:
     profiler = cProfile.Profile()
     one_step = argparse.Namespace(**{**vars(opts), "steps": 1})
     profiler.enable()
-    prefill, _ = run_arm(model, arm, prompt, one_step)
+    prefill, _, _ = run_arm(model, arm, prompt, one_step)
     profiler.disable()
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
     top = sorted(stats.items(), key=lambda item: -item[1][2])[:PROFILED_CALLS]
@@ -264,18 +278,19 @@ def runnable_arms(opts) -> tuple[list[str], dict[str, str]]:
 
 
 def measure(model, prompt: mx.array, opts, arms: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
-    """arm -> {"prefill_s": [...], "decode_step_s": [...]}, one entry a timed round (arms:
-    arms_of(opts) by default)."""
+    """arm -> {"prefill_s": [...], "decode_step_s": [...], "peak_bytes": [...]}, one entry a
+    timed round (arms: arms_of(opts) by default)."""
     arms = arms_of(opts) if arms is None else arms
-    times = {arm: {"prefill_s": [], "decode_step_s": []} for arm in arms}
+    times = {arm: {"prefill_s": [], "decode_step_s": [], "peak_bytes": []} for arm in arms}
     for round_index in range(opts.rounds + 1):
         for arm in in_turn(arms, round_index):
-            prefill, step = run_arm(model, arm, prompt, opts)
+            prefill, step, peak = run_arm(model, arm, prompt, opts)
             print(f"round {round_index}{' (warm)' if round_index == 0 else ''} {arm}: prefill "
                   f"{1e3 * prefill:.1f} ms, decode step {1e3 * step:.2f} ms", flush=True)
             if round_index:
                 times[arm]["prefill_s"].append(prefill)
                 times[arm]["decode_step_s"].append(step)
+                times[arm]["peak_bytes"].append(peak)
     return times
 
 
@@ -288,6 +303,7 @@ def summarize(times: dict) -> dict:
         decode = statistics.median(a / b for a, b in zip(t["decode_step_s"], drop["decode_step_s"]))
         out[arm] = {"prefill_ms": 1e3 * statistics.median(t["prefill_s"]),
                     "decode_step_ms": 1e3 * statistics.median(t["decode_step_s"]),
+                    "peak_mb": statistics.median(t["peak_bytes"]) / 2**20,
                     "prefill_vs_drop": prefill, "decode_vs_drop": decode,
                     "prefill_goal_met": prefill <= PREFILL_GOAL, "decode_goal_met": decode <= DECODE_GOAL,
                     "rounds": t}
@@ -296,14 +312,14 @@ def summarize(times: dict) -> dict:
 
 def table(summary: dict) -> str:
     width = max(len("arm"), *map(len, summary))  # the longest arm's name sets the first column
-    header = f"{'arm':{width}s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s}"
+    header = f"{'arm':{width}s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s} {'peak MB':>9s}"
     lines = [header, "-" * len(header)]
     for arm, r in summary.items():
         marks = ("" if arm in (ROTATING, DROP) else
                  f"  prefill {'ok' if r['prefill_goal_met'] else 'over'}, decode "
                  f"{'ok' if r['decode_goal_met'] else 'over'}")
         lines.append(f"{arm:{width}s} {r['prefill_ms']:11.1f} {r['prefill_vs_drop']:7.2f} {r['decode_step_ms']:10.2f} "
-                     f"{r['decode_vs_drop']:7.3f}{marks}")
+                     f"{r['decode_vs_drop']:7.3f} {r['peak_mb']:9.1f}{marks}")
     lines.append(f"goals against drop: prefill <= {PREFILL_GOAL}x, decode step <= {DECODE_GOAL}x")
     return "\n".join(lines)
 

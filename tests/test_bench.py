@@ -154,7 +154,7 @@ def test_merge_speed_times_every_arm_in_turn_against_dropping(tmp_path, capsys):
     assert arms["drop"]["prefill_vs_drop"] == arms["drop"]["decode_vs_drop"] == 1.0
     for arm in arms.values():
         assert len(arm["rounds"]["prefill_s"]) == len(arm["rounds"]["decode_step_s"]) == 2
-        assert arm["prefill_ms"] > 0 and arm["decode_step_ms"] > 0
+        assert arm["prefill_ms"] > 0 and arm["decode_step_ms"] > 0 and arm["peak_mb"] > 0
     printed = capsys.readouterr().out
     assert "round 0 (warm)" in printed and "goals against drop" in printed
     assert json.loads(out.read_text())["setup"]["rounds"] == 2
@@ -244,6 +244,22 @@ def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatc
                           "--steps", "4", "--rounds", "1", "--rules", rule, flag, rule, other])
     assert list(result["arms"]) == ["rotating", "drop", rule, rule + "/" + flag[2:].split("-")[0]]
     assert seen.count(False) == 2 and seen.count(True) == 6 and getattr(switched, setting) is True
+
+
+def test_merge_speed_ungrouped_arms_run_each_layers_prompt_compressions_alone(monkeypatch):
+    """--ungrouped-arms drop mean adds drop/ungrouped and mean/ungrouped (drop too: its
+    prompt compressions are held for the layer group as well), with layer_group.GROUPED
+    off during their warm and timed rounds and on for every other arm's and after."""
+    from camkv import layer_group
+
+    script = _load_bench_script("merge_speed")
+    seen = []
+    monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
+                        seen.append(layer_group.GROUPED) or real_step(*a, **k))
+    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
+                          "--steps", "4", "--rounds", "1", "--rules", "mean", "--ungrouped-arms", "drop", "mean"])
+    assert list(result["arms"]) == ["rotating", "drop", "mean", "drop/ungrouped", "mean/ungrouped"]
+    assert seen.count(False) == 4 and seen.count(True) == 6 and layer_group.GROUPED is True
 
 
 def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
@@ -566,8 +582,8 @@ def test_merge_speed_table_aligns_its_columns_under_the_longest_arm():
     """Every line of merge_speed's table puts its numbers in the same columns, the first
     as wide as the longest arm's name (mass_weighted/unfenced is 22 characters)."""
     script = _load_bench_script("merge_speed")
-    row = dict(prefill_ms=12.5, prefill_vs_drop=1.0, decode_step_ms=2.0, decode_vs_drop=1.0, prefill_goal_met=True,
-               decode_goal_met=True)
+    row = dict(prefill_ms=12.5, prefill_vs_drop=1.0, decode_step_ms=2.0, decode_vs_drop=1.0, peak_mb=3.5,
+               prefill_goal_met=True, decode_goal_met=True)
     lines = script.table({"drop": row, "mass_weighted/unfenced": row}).splitlines()
     header, rows = lines[0], lines[2:4]
     assert all(line.index("12.5") + len("12.5") == header.index("prefill ms") + len("prefill ms") for line in rows)

@@ -167,3 +167,45 @@ def compress_drop_buffers(keys, values, end: int, settled_scores, settled_positi
     if stored is None:
         return (*copied, scores, positions)
     return tuple(copied[:3]), tuple(copied[3:]), scores, positions
+
+
+def launches_alike(a: DropLaunch, b: DropLaunch) -> bool:
+    """Whether two deferred compressions can share a launch: the same array shapes and
+    dtypes, end, scale, config and capacity (first_pending may differ). Dropping makes no
+    gate draws: compressions of layers seeded apart share a launch (CaMConfig.alike)."""
+    same_arrays = all(getattr(a, n).shape == getattr(b, n).shape and getattr(a, n).dtype == getattr(b, n).dtype
+                      for n in DropLaunch.ARRAYS)
+    return (same_arrays and a.stored is None and b.stored is None
+            and (a.end, a.scale, a.capacity) == (b.end, b.scale, b.capacity) and a.cfg.alike(b.cfg, draws=False))
+
+
+def compress_alike(launches: list[DropLaunch]) -> list[tuple]:
+    """compress_drop_buffers' outputs of each launch, in their order, with the launches
+    alike (launches_alike) joined along the sequence axis into one: a batch's rows due at
+    one step, or a prompt chunk's compressions of every layer (camkv.layer_group)."""
+    outputs: list = [None] * len(launches)
+    left = list(range(len(launches)))
+    while left:
+        first = launches[left[0]]
+        group = [i for i in left if launches[i] is first or launches_alike(launches[i], first)]
+        left = [i for i in left if i not in group]
+        if len(group) == 1 or first.stored is not None:
+            for i in group:
+                outputs[i] = compress_drop_buffers(*launches[i])
+            continue
+        joined = first._replace(
+            first_pending=mx.array([p for i in group for p in _first_pending(launches[i])], mx.int32),
+            **{name: mx.concatenate([getattr(launches[i], name) for i in group], axis=0)
+               for name in DropLaunch.ARRAYS})
+        keys, values, scores, positions = compress_drop_buffers(*joined)
+        B, H = first.keys.shape[:2]
+        for g, i in enumerate(group):
+            sequences, heads = slice(g * B, (g + 1) * B), slice(g * B * H, (g + 1) * B * H)
+            outputs[i] = (keys[sequences], values[sequences], scores[heads], positions[heads])
+    return outputs
+
+
+def _first_pending(launch: DropLaunch) -> list[int]:
+    """The first pending position of each of a launch's sequences."""
+    first = launch.first_pending
+    return [first] * launch.keys.shape[0] if isinstance(first, int) else first.tolist()
