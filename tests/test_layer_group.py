@@ -139,3 +139,35 @@ def test_on_this_gpu_a_chunks_compressions_run_together_as_each_alone(merge, mod
     assert got[2] == want[2]
     for (g, _), (w, _) in zip(got[1], want[1]):
         assert_state_as_alone(g, w, cfg)
+
+
+@pytest.mark.parametrize("merge", ["drop", "mean"])
+def test_a_chunks_compressions_join_no_more_layers_than_one_block_of_logits_holds(merge, model, on_the_gpu_engines,
+                                                                                   monkeypatch):
+    """Where only two layers' logits fit one block of camkv.mass (compress.joinable), the
+    three layers' compressions run as two (two layers, then one), still as each alone."""
+    monkeypatch.setattr(compress, "joinable", lambda backend, rows, chunk: 2)
+    cfg = CaMConfig(budget=24, recent=4, n_sink=2, merge=merge)
+    got = _run(model, cfg, True, monkeypatch)
+    assert max(on_the_gpu_engines) == 2 * 2 and 2 in on_the_gpu_engines, on_the_gpu_engines
+    want = _run(model, cfg, False, monkeypatch)
+    for (g, _), (w, _) in zip(got[1], want[1]):
+        assert_state_as_alone(g, w, cfg)
+
+
+def test_joined_logits_stay_within_one_block_of_the_mass():
+    """compress.joinable: the joined chunk's logits (rows x query groups x observed queries
+    x rows held, at the reducer's bytes a logit) fit mass.MASS_BYTES, and one more would not."""
+    from types import SimpleNamespace
+
+    from camkv import mass, policy
+    from camkv.buffers import RowBuffers
+
+    cfg = CaMConfig(budget=512)
+    rows = RowBuffers(cfg.budget + 1)
+    rows.keys, rows.settled = mx.zeros((1, 8, 2560, 64), mx.bfloat16), 512
+    chunk = compress.Chunk(2560, mx.zeros((8, 4, 32, 64)), 0.125, False, cfg, mx.zeros((8,), mx.uint32))
+    joined = compress.joinable(SimpleNamespace(target="cuda"), rows, chunk)
+    per_logit = drop.reducer().logit_bytes(mx.float32 if not drop.on_cuda() else mx.bfloat16)
+    one = 8 * 4 * policy.observed(cfg, 2048) * 2560 * per_logit
+    assert joined * one <= mass.MASS_BYTES < (joined + 1) * one

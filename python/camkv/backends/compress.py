@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .. import merges, policy
+from .. import mass, merges, policy
 from ..buffers import RowBuffers
 from ..pending import every_query
 from ..rows import RowState
@@ -177,7 +177,8 @@ def compress_alike(backend, work: list) -> list:
     launches = [i for i, (rows, chunk) in enumerate(work) if one_launch(backend, chunk.cfg, chunk.end)]
     for i in launches:
         work[i][0].scores = policy.decayed(work[i][0].scores, work[i][1].cfg)
-    outputs = drop.compress_alike([_launch_of(*work[i]) for i in launches])
+    limit = min((joinable(backend, *work[i]) for i in launches), default=1)
+    outputs = drop.compress_alike([_launch_of(*work[i]) for i in launches], limit)
     for i, adopted in zip(launches, outputs):
         rows, chunk = work[i]
         rows.adopt(*adopted, rows.pending_start + chunk.end - rows.settled)
@@ -185,9 +186,26 @@ def compress_alike(backend, work: list) -> list:
     while left:
         group = [i for i in left if _engine_alike(work[i], work[left[0]])]
         left = [i for i in left if i not in group]
-        for i, count in zip(group, _engine_together(backend, [work[i] for i in group])):
-            merged[i] = count
+        joined = joinable(backend, *work[group[0]])
+        for start in range(0, len(group), joined):
+            part = group[start : start + joined]
+            for i, count in zip(part, _engine_together(backend, [work[i] for i in part])):
+                merged[i] = count
     return merged
+
+
+def joinable(backend, rows: RowBuffers, chunk: Chunk) -> int:
+    """How many compressions like this one may run as one: as many as keep the joined
+    chunk's logits within one block of camkv.mass.chunk_mass (mass.MASS_BYTES), so a
+    joined compression evaluates nothing midway and holds no more logits at once than
+    one compression may."""
+    rule = merges.rule(chunk.cfg.merge)
+    reducer = (drop.reducer() if rule.kind == merges.DROP
+               else merge_ops.reducer(rule.keeps_votes, getattr(backend, "REDUCER", None)))
+    per_logit = reducer.logit_bytes(reducer.prepare(mx.zeros((1,), rows.keys.dtype)).dtype)
+    R, groups = chunk.queries.shape[:2]
+    logits = R * groups * policy.observed(chunk.cfg, chunk.end - rows.settled) * chunk.end * per_logit
+    return max(1, mass.MASS_BYTES // logits) if logits else 1 << 30
 
 
 def _launch_of(rows: RowBuffers, chunk: Chunk) -> drop.DropLaunch:

@@ -179,15 +179,16 @@ def launches_alike(a: DropLaunch, b: DropLaunch) -> bool:
             and (a.end, a.scale, a.capacity) == (b.end, b.scale, b.capacity) and a.cfg.alike(b.cfg, draws=False))
 
 
-def compress_alike(launches: list[DropLaunch]) -> list[tuple]:
+def compress_alike(launches: list[DropLaunch], most: int | None = None) -> list[tuple]:
     """compress_drop_buffers' outputs of each launch, in their order, with the launches
-    alike (launches_alike) joined along the sequence axis into one: a batch's rows due at
-    one step, or a prompt chunk's compressions of every layer (camkv.layer_group)."""
+    alike (launches_alike) joined along the sequence axis into one, at most `most` a
+    launch (all by default): a batch's rows due at one step, or a prompt chunk's
+    compressions of every layer (camkv.layer_group)."""
     outputs: list = [None] * len(launches)
     left = list(range(len(launches)))
     while left:
         first = launches[left[0]]
-        group = [i for i in left if launches[i] is first or launches_alike(launches[i], first)]
+        group = [i for i in left if launches[i] is first or launches_alike(launches[i], first)][:most]
         left = [i for i in left if i not in group]
         if len(group) == 1 or first.stored is not None:
             for i in group:
