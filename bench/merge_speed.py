@@ -38,10 +38,6 @@ reason, under "left_out" in the JSON).
 with the votes' log in an additive mask [B, query heads, chunk, rows]
 (camkv.hook.weighed_by_votes), as before camkv.hook.weighed_block weighed the values
 instead on MLX's CUDA build (camkv.hook.WEIGHED_BLOCKS off).
---ungrouped-arms RULE ... adds RULE/ungrouped (drop too): the rule with each layer's
-compression of a prompt chunk run by itself when due, as before the layer group held
-them to run all layers' together (camkv.layer_group.GROUPED off): before and after in one
-process.
 --profile ARM ... runs, after the timed rounds, one prompt of each arm named (any arm
 of the run) under cProfile: the host's calls by their own time, where a prompt's time
 goes when the device waits for the host or the host for the device (MLX's evaluations
@@ -72,7 +68,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache
 
 import camkv
-from camkv import CaMConfig, layer_group, merges
+from camkv import CaMConfig, merges
 from camkv.eval import loading
 from camkv import hook, quantized_attention
 from camkv.backends import compress, merge_cuda, merge_ops
@@ -90,7 +86,6 @@ CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the 
 ENGINE = "/engine"  # an arm's suffix: the rule with its decode compressions on the merge engine
 UNFENCED = "/unfenced"  # an arm's suffix: the rule with its nearest search's product not evaluated alone
 DIRECT = "/direct"  # an arm's suffix: the rule with its nearest search's dot products in one kernel (CUDA)
-UNGROUPED = "/ungrouped"  # an arm's suffix: each layer's prompt compressions run alone (layer_group.GROUPED off)
 MASKED = "/masked"  # an arm's suffix: the rule's prompt chunks weighed by votes through a mask (hook.weighed_by_votes)
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
@@ -130,9 +125,6 @@ def parse_args(argv=None):
     parser.add_argument("--masked-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
                         help="rules with votes (keepkv) to run also with their prompt chunks weighed by a mask "
                              "(arms RULE/masked) (default: none)")
-    parser.add_argument("--ungrouped-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
-                        help="rules (drop too) to run also with each layer's prompt compressions alone, not "
-                             "with the other layers' (arms RULE/ungrouped) (default: none)")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ARM",
                         help="after the timed rounds, one prompt of each of these arms under cProfile, its "
                              "calls by own time (default: none)")
@@ -166,7 +158,6 @@ def arms_of(opts) -> list[str]:
     without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
     without += [rule + UNFENCED for rule in dict.fromkeys(opts.unfenced_arms) if rule != DROP]
     without += [rule + MASKED for rule in dict.fromkeys(opts.masked_arms) if merges.rule(rule).keeps_votes]
-    without += [rule + UNGROUPED for rule in dict.fromkeys(opts.ungrouped_arms)]
     if merge_cuda.available():
         without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
                     if merges.rule(rule).kind == merges.NEAREST]
@@ -187,9 +178,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float, int]
     verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
         compress.OPERATIONS_FROM_TOKENS
     routing, fence, direct = compress.by_operations, merge_ops.FENCE_NEAREST_PRODUCT, merge_ops.NEAREST_WITHOUT_PRODUCT
-    blocks, grouped = hook.WEIGHED_BLOCKS, layer_group.GROUPED
-    if arm.endswith(UNGROUPED):
-        layer_group.GROUPED = False
+    blocks = hook.WEIGHED_BLOCKS
     if arm.endswith(MASKED):
         hook.WEIGHED_BLOCKS = False
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
@@ -223,7 +212,6 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float, int]
         merge_ops.FENCE_NEAREST_PRODUCT = fence
         merge_ops.NEAREST_WITHOUT_PRODUCT = direct
         hook.WEIGHED_BLOCKS = blocks
-        layer_group.GROUPED = grouped
         if arm != ROTATING:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps, mx.get_peak_memory()

@@ -20,9 +20,6 @@ counting (its evaluations would cut the graph; it launches nothing).
 --through-cache counts each rule's compression as a cache runs it instead
 (camkv.backends.compress.compress on buffers with room to decode, the survivors settled
 into the cache's buffers): the launches a prompt's compression makes, copies included.
-With --layers L each call is a prompt chunk's compressions of L layers alike, run
-together as the layer group runs them (camkv.backends.compress.compress_alike: one
-compression over all their rows) and, as the arms RULE/ungrouped, each alone.
 
     python bench/profile_merge_engine.py --rows 8 --head-dim 64 --queries-per-kv 4 --budget 512 --chunk 2048 --graph --kernel-graph --through-cache
 
@@ -90,9 +87,6 @@ def parse_args(argv=None):
     parser.add_argument("--through-cache", action="store_true",
                         help="with --graph --kernel-graph: count each compression as a cache runs it, its "
                              "survivors settled into buffers with room to decode (default off: the engines' calls)")
-    parser.add_argument("--layers", type=int, default=1,
-                        help="with --through-cache: a chunk's compressions of this many layers a call, together "
-                             "(the layer group's way) and alone (arms RULE/ungrouped) (default 1)")
     parser.add_argument("--host-build", action="store_true",
                         help="with --kernel-graph: time only building each call's graph (camkv's Python and MLX's "
                              "operations made, nothing evaluated: the host's share of a compression before MLX "
@@ -249,15 +243,12 @@ def _in_turn(engines: dict, repeats: int, timed=_timed) -> dict[str, list[float]
     return times
 
 
-def through_cache(keys, values, scores, positions, queries, scale: float, cfg, row_ids, layers: int = 1,
-                  grouped: bool = True):
+def through_cache(keys, values, scores, positions, queries, scale: float, cfg, row_ids):
     """One compression of rule cfg.merge as a cache on an NVIDIA GPU runs it: the rows
     [R, N, D] held in buffers with room to decode (one sequence, R heads), the first n
     scored, the rest the chunk (camkv.backends.compress.compress: merge="drop" its one
-    launch, a merging rule the merge engine), the survivors settled into the buffers;
-    layers such compressions (each layer's rows the same arrays), together
-    (compress.compress_alike) where grouped, else one by one. Returns a call giving the
-    arrays the caches then hold."""
+    launch, a merging rule the merge engine), the survivors settled into the buffers.
+    Returns a call giving the arrays the cache then holds."""
     from types import SimpleNamespace
 
     from camkv.backends import compress
@@ -268,23 +259,14 @@ def through_cache(keys, values, scores, positions, queries, scale: float, cfg, r
     votes = mx.ones((rows, settled), mx.float32) if merges.rule(cfg.merge).keeps_votes else None
     mx.eval([a for a in (keys, values, scores, positions, votes, queries, row_ids) if a is not None])  # held, as in a cache
 
-    backend = SimpleNamespace(target="cuda")
-
-    def one_layer():
+    def call():
         buffers = RowBuffers(capacity_for(cfg))
         buffers.keys, buffers.values = keys[None], values[None]
         buffers.held, buffers.settled, buffers.pending_start = held, settled, settled
         buffers.scores, buffers.positions, buffers.votes = scores, positions, votes
-        return buffers, compress.Chunk(held, queries, scale, False, cfg, row_ids)
-
-    def call():
-        work = [one_layer() for _ in range(layers)]
-        if grouped:
-            compress.compress_alike(backend, work)
-        else:
-            for buffers, chunk in work:
-                compress.compress(backend, buffers, chunk)
-        return [a for buffers, _ in work for a in buffers.arrays()]
+        chunk = compress.Chunk(held, queries, scale, False, cfg, row_ids)
+        compress.compress(SimpleNamespace(target="cuda"), buffers, chunk)
+        return buffers.arrays()
     return call
 
 
@@ -328,13 +310,8 @@ def main(argv=None) -> dict:
         engines["drop/launch"] = lambda: drop.compress_drop_buffers(*buffers, n + s_len, scores, positions, queries,
                                                                     n, scale, cfg("drop"), n + 64)
     if opts.through_cache:
-        rules = [rule for rule in merges.names() if merges.rule(rule).kind != merges.DROP or rule == "drop"]
-        engines = {rule: through_cache(keys, values, scores, positions, queries, scale, cfg(rule), row_ids,
-                                       opts.layers) for rule in rules}
-        if opts.layers > 1:
-            engines.update({f"{rule}/ungrouped": through_cache(keys, values, scores, positions, queries, scale,
-                                                               cfg(rule), row_ids, opts.layers, grouped=False)
-                            for rule in rules})
+        engines = {rule: through_cache(keys, values, scores, positions, queries, scale, cfg(rule), row_ids)
+                   for rule in merges.names() if merges.rule(rule).kind != merges.DROP or rule == "drop"}
     if opts.graph:
         result = {"setup": {k: str(v) for k, v in vars(opts).items()}, "graph": _graphs(engines)}
         _write(opts.out, result)

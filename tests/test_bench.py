@@ -246,22 +246,6 @@ def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatc
     assert seen.count(False) == 2 and seen.count(True) == 6 and getattr(switched, setting) is True
 
 
-def test_merge_speed_ungrouped_arms_run_each_layers_prompt_compressions_alone(monkeypatch):
-    """--ungrouped-arms drop mean adds drop/ungrouped and mean/ungrouped (drop too: its
-    prompt compressions are held for the layer group as well), with layer_group.GROUPED
-    off during their warm and timed rounds and on for every other arm's and after."""
-    from camkv import layer_group
-
-    script = _load_bench_script("merge_speed")
-    seen = []
-    monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
-                        seen.append(layer_group.GROUPED) or real_step(*a, **k))
-    result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
-                          "--steps", "4", "--rounds", "1", "--rules", "mean", "--ungrouped-arms", "drop", "mean"])
-    assert list(result["arms"]) == ["rotating", "drop", "mean", "drop/ungrouped", "mean/ungrouped"]
-    assert seen.count(False) == 4 and seen.count(True) == 6 and layer_group.GROUPED is True
-
-
 def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
     """Where the merge kernels run (pretended, their text emulated), --direct-arms mean
     adds mean/direct, during which merge_ops.NEAREST_WITHOUT_PRODUCT is on, off again

@@ -581,13 +581,36 @@ def _zeros(shape: tuple, n: int, dtype) -> mx.array:
 
 def _compress_together(rows: list[CaMKVCache]) -> None:
     """Run the one-launch compressions these rows deferred at this step, one launch for
-    each set of rows alike (backends.drop.compress_alike). Rows of a batch whose prompts
+    each set of rows alike in shapes, config and scale. Rows of a batch whose prompts
     outgrew the budget hold the same count afterwards and reach budget + slack at the same
     step; each row's survivors are those of its own call (rows are evicted independently,
     each at its own positions)."""
-    outputs = drop.compress_alike([row.deferred_launch for row in rows])
-    for row, adopted in zip(rows, outputs):
-        row.finish_deferred(adopted)
+    while rows:
+        first = rows[0].deferred_launch
+        group = [row for row in rows if _launches_alike(row.deferred_launch, first)]
+        rows = [row for row in rows if all(row is not other for other in group)]
+        launches = [row.deferred_launch for row in group]
+        if len(group) == 1:
+            group[0].finish_deferred(drop.compress_drop_buffers(*first))
+            continue
+        joined = first._replace(
+            first_pending=mx.array([launch.first_pending for launch in launches], mx.int32),
+            **{name: mx.concatenate([getattr(launch, name) for launch in launches], axis=0)
+               for name in drop.DropLaunch.ARRAYS})
+        keys, values, scores, positions = drop.compress_drop_buffers(*joined)
+        H = first.keys.shape[1]
+        for g, row in enumerate(group):
+            heads = slice(g * H, (g + 1) * H)
+            row.finish_deferred((keys[g : g + 1], values[g : g + 1], scores[heads], positions[heads]))
+
+
+def _launches_alike(a: drop.DropLaunch, b: drop.DropLaunch) -> bool:
+    """Whether two deferred compressions can share a launch: the same array shapes and
+    dtypes, end, scale, config and capacity (first_pending may differ)."""
+    arrays = drop.DropLaunch.ARRAYS
+    same_arrays = all(getattr(a, n).shape == getattr(b, n).shape and getattr(a, n).dtype == getattr(b, n).dtype
+                      for n in arrays)
+    return same_arrays and (a.end, a.scale, a.cfg, a.capacity) == (b.end, b.scale, b.cfg, b.capacity)
 
 
 def _check_row(row) -> None:

@@ -8,9 +8,9 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache
 
-from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, layer_group, merges, policy, quantized, tier
+from . import attention_rows, backends, cache_bytes, cache_input, gate, hook, merges, policy, quantized, tier
 from .backends import quantized_cuda, step_cuda
-from .backends.compress import Chunk, compress, may_wait
+from .backends.compress import Chunk, compress
 from .backends.drop import DropLaunch
 from .batch_row import BatchRow
 from .buffers import capacity_for
@@ -56,9 +56,6 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     # camkv.batch.BatchCaMKVCache, set by that module (which imports this one; the
     # package imports it), so merge needs no import back into camkv.batch.
     batch_class = None
-    # The camkv.layer_group.LayerGroup of the model's other layers' caches (set by
-    # make_prompt_cache): a prompt chunk's compressions of every layer run together.
-    layer_group = None
 
     def __init__(self, config: CaMConfig | None = None, *, head_offset: int = 0, n_heads_global: int | None = None,
                  **fields):
@@ -70,7 +67,6 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._reset()
 
     def _reset(self) -> None:
-        self._owed = None  # a compression due that waits for the layer group (layer_group)
         self._rows = quantized.row_buffers(self._config)
         self._tier = tier.of_config(self._config)
         self._pending = PendingChunk()
@@ -97,31 +93,6 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._backend_for: tuple | None = None  # ((name, device), backend) of _backend
         self._deferred = None  # a one-launch compression held for the batch (deferred_launch)
         self._holding = False  # prompt blocks stay pending past budget + slack (hold_prompt)
-
-    # The rows held and what scores the pending ones. A compression the layer group holds
-    # runs (with the other layers') before either is read: every reader sees them as if it
-    # had run when it was due.
-    def _settle_owed(self) -> None:
-        if self._owed is not None:
-            self.layer_group.settle()
-
-    @property
-    def _rows(self):
-        self._settle_owed()
-        return self._row_buffers
-
-    @_rows.setter
-    def _rows(self, value) -> None:
-        self._row_buffers = value
-
-    @property
-    def _pending(self) -> PendingChunk:
-        self._settle_owed()
-        return self._pending_chunk
-
-    @_pending.setter
-    def _pending(self, value: PendingChunk) -> None:
-        self._pending_chunk = value
 
     # ------------------------------------------------------------------ config
     @property
@@ -317,7 +288,6 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         """An independent copy: mlx-lm copies caches (the server's prompt cache, splitting a
         prompt batch). Slice assignment rebinds an mx.array object in place, so every array
         gets a new object; the backend (which cannot be copied) is resolved again."""
-        self._settle_owed()  # a compression held for the layer group is this cache's, not the copy's
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
         for name, value in self.__dict__.items():
@@ -454,25 +424,10 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         rest = rows.after(end) if end < rows.held else None
         request = Chunk(end, queries, scale, self._pending.key_scored, self._pending.config(self._config),
                         self._row_ids(B, H), mass)
-        backend = self._backend()
-        if (self.layer_group is not None and layer_group.GROUPED and work is rows and before is None
-                and not defer_launch and may_wait(backend, rows, request)):
-            self._owed = (backend, rows, request)  # runs with the other layers' (layer_group)
-            self.layer_group.owe(self)
-            return
-        merged = compress(backend, work, request, may_defer=defer_launch and end == rows.held and work is rows)
+        merged = compress(self._backend(), work, request, may_defer=defer_launch and end == rows.held and work is rows)
         if isinstance(merged, DropLaunch):
             self._deferred = merged  # camkv.batch runs it with the other rows due at this step
             return
-        self._compressed(work, merged, before, rest, start=chunk > self._config.slack + 1)
-
-    def _compressed(self, work, merged, before=None, rest=None, start: bool = True) -> None:
-        """What follows a compression of work (the rows, or quantized rows' dequantized
-        ones) that merged `merged` [R] (None: dropped in one launch): the rows take it back,
-        the tier the evicted ones (before: the rows as they were), the rows after it
-        (rest) are appended again; start: start computing the new rows now (a prompt
-        block's; a decode step's waits for the step)."""
-        rows = self._rows
         rows.compressed(work, may_change_rows=merges.rule(self._config.merge).kind != merges.DROP)
         if before is not None:
             self._tier.absorb_evicted(before, rows.positions)
@@ -484,20 +439,8 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._pending.release()
         if rest is not None:
             rows.reappend(rest)
-        if start:
+        if chunk > self._config.slack + 1:  # a prompt block's (a decode step's waits for the step)
             rows.start_computing()
-
-    def owed_compression(self) -> tuple | None:
-        """(backend, rows, chunk) of the compression this cache's layer group holds, taken
-        from the cache (the group runs it and hands back its merges: finish_owed), or None."""
-        owed, self._owed = self._owed, None
-        return owed
-
-    def finish_owed(self, merged) -> None:
-        """The held compression ran (the layer group: backends.compress.compress_alike) and
-        merged `merged` [R] (None: dropped in one launch); the group starts computing the
-        rows of all its layers at once."""
-        self._compressed(self._row_buffers, merged, start=False)
 
     def _row_ids(self, B: int, H: int) -> mx.array:
         # Made once per shape: on a GPU every small array op of a decode step costs a
@@ -516,7 +459,6 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
 
     def _merges_so_far(self) -> mx.array:
         """Merges so far (a scalar), the per-call counts added, nothing folded."""
-        self._settle_owed()
         if not self._merge_counts:
             return self._merges
         return self._merges + mx.concatenate(self._merge_counts).sum()

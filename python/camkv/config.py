@@ -300,15 +300,6 @@ class CaMConfig:
             changes = {**changes, "prefill_scoring": None}
         return dataclasses.replace(self, **changes)
 
-    def alike(self, other: "CaMConfig", draws: bool = True) -> bool:
-        """Whether other compresses as this config does: equal, or, where no merge gate
-        draws (draws=False, or the gate off), equal but for the seed, which keys only the
-        gate's draws (make_prompt_cache seeds each layer apart)."""
-        if self == other:
-            return True
-        return (not (draws and self.gate) and self.seed != other.seed
-                and dataclasses.replace(self, seed=other.seed) == other)
-
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 

@@ -10,7 +10,6 @@ from . import backends, byte_budget, hook, merges
 from .cache import CaMKVCache
 from .config import UINT32_MAX, CaMConfig, resolve_config
 from .distributed import ShardInfo, kv_bytes, local_kv_heads, shard_info  # kv_bytes: cli.py's name for it
-from .layer_group import LayerGroup
 
 _ORIGINAL = "_camkv_original_make_cache"
 
@@ -49,12 +48,10 @@ def make_prompt_cache(model, config: CaMConfig | None = None, *, kv_bytes: int |
     layer_configs = _layer_configs(model, caches, base, kv_bytes, shards)  # refused here, before the hook
     hooked = hook.install(model) if needs_hook(base) else None
     model_type = getattr(getattr(model, "args", None), "model_type", None)
-    group = LayerGroup()  # a prompt chunk's compressions of every layer run together
     for i, layer_config in layer_configs.items():
         caches[i] = _camkv_cache(model, i, layer_config, shards)
         caches[i].model_type = model_type
         caches[i].hook_modules = hooked
-        caches[i].layer_group = group
     return caches
 
 

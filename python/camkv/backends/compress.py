@@ -30,10 +30,9 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from .. import mass, merges, policy
+from .. import merges, policy
 from ..buffers import RowBuffers
 from ..pending import every_query
-from ..rows import RowState
 from . import drop, merge_ops
 
 
@@ -111,142 +110,20 @@ def by_operations(backend, cfg, end: int, settled: int) -> bool:
 def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
     """The compression as batched MLX operations where by_operations says so, and wherever
     its mass is handed in (the kernel core scores a chunk itself); None elsewhere."""
-    if chunk.mass is None and not by_operations(backend, chunk.cfg, chunk.end, rows.settled):
+    cfg, end = chunk.cfg, chunk.end
+    if chunk.mass is None and not by_operations(backend, cfg, end, rows.settled):
         return None
-    return _engine(backend, _EngineInputs.of(rows, chunk), rows.pending_start, chunk, rows.capacity)
-
-
-class _EngineInputs(NamedTuple):
-    """What the engines read of a compression's rows: keys and values [R, end, D], the
-    settled rows' scores, positions and rule state, the chunk's queries and the rows' ids."""
-
-    keys: mx.array
-    values: mx.array
-    settled: merge_ops.Settled
-    queries: mx.array
-    row_ids: mx.array
-
-    @classmethod
-    def of(cls, rows: RowBuffers, chunk: Chunk) -> "_EngineInputs":
-        R, end = rows.scores.shape[0], chunk.end
-        keys, values = rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1)
-        settled = merge_ops.Settled(rows.scores, rows.positions, rows.votes, rows.threshold)
-        return cls(keys, values, settled, chunk.queries, chunk.row_ids)
-
-    @classmethod
-    def joined(cls, parts: list) -> "_EngineInputs":
-        """The rows of every part, one after another (each part's rows stay independent)."""
-        def join(arrays):
-            return None if arrays[0] is None else mx.concatenate(arrays, axis=0)
-        settled = merge_ops.Settled(*(join([p.settled[i] for p in parts]) for i in range(4)))
-        return cls(join([p.keys for p in parts]), join([p.values for p in parts]), settled,
-                   join([p.queries for p in parts]), join([p.row_ids for p in parts]))
-
-
-def _engine(backend, inputs: _EngineInputs, first_pending: int, chunk: Chunk, capacity: int):
-    """The drop engine or the merge engine over inputs: (the survivors' RowState, merges per row)."""
-    cfg = chunk.cfg
-    R = inputs.settled.scores.shape[0]
+    R = rows.scores.shape[0]
+    keys, values = rows.keys[:, :, :end].reshape(R, end, -1), rows.values[:, :, :end].reshape(R, end, -1)
     if merges.rule(cfg.merge).kind == merges.DROP:
-        kept = drop.compress_drop(inputs.keys, inputs.values, inputs.settled.scores, inputs.settled.positions,
-                                  inputs.queries, first_pending, chunk.scale, cfg, given=chunk.mass)
+        kept = drop.compress_drop(keys, values, rows.scores, rows.positions, chunk.queries, rows.pending_start,
+                                  chunk.scale, cfg, given=chunk.mass)
         return kept, mx.zeros((R,), mx.int32)
+    settled = merge_ops.Settled(rows.scores, rows.positions, rows.votes, rows.threshold)
     # The backend's own reduction of a chunk's logits where it has one (the extension's column sums).
-    return merge_ops.compress(inputs.keys, inputs.values, inputs.settled, inputs.queries, first_pending,
-                              chunk.scale, cfg, inputs.row_ids, getattr(backend, "REDUCER", None),
-                              given=chunk.mass, capacity=capacity)
-
-
-# ---------------------------------------------------------------- compressions alike, together
-def may_wait(backend, rows: RowBuffers, chunk: Chunk) -> bool:
-    """Whether this compression may wait to run with others alike (compress_alike): a
-    prompt chunk (more than the slack + 1 tokens of a decode compression) of every row
-    held, its mass not handed in, for drop's one launch or a GPU engine."""
-    cfg = chunk.cfg
-    if chunk.mass is not None or chunk.end != rows.held or chunk.end - rows.settled <= cfg.slack + 1:
-        return False
-    return one_launch(backend, cfg, chunk.end) or by_operations(backend, cfg, chunk.end, rows.settled)
-
-
-def compress_alike(backend, work: list) -> list:
-    """compress for each (rows, chunk) of work (each may_wait), those alike run as one: a
-    prompt chunk's compressions of every layer (camkv.layer_group), whose rows the
-    engines take as more rows of one compression (rows are compressed independently, so
-    each comes out as it would alone). Returns each one's merges per row, as compress."""
-    merged: list = [None] * len(work)
-    launches = [i for i, (rows, chunk) in enumerate(work) if one_launch(backend, chunk.cfg, chunk.end)]
-    for i in launches:
-        work[i][0].scores = policy.decayed(work[i][0].scores, work[i][1].cfg)
-    limit = min((joinable(backend, *work[i]) for i in launches), default=1)
-    outputs = drop.compress_alike([_launch_of(*work[i]) for i in launches], limit)
-    for i, adopted in zip(launches, outputs):
-        rows, chunk = work[i]
-        rows.adopt(*adopted, rows.pending_start + chunk.end - rows.settled)
-    left = [i for i in range(len(work)) if i not in launches]
-    while left:
-        group = [i for i in left if _engine_alike(work[i], work[left[0]])]
-        left = [i for i in left if i not in group]
-        joined = joinable(backend, *work[group[0]])
-        for start in range(0, len(group), joined):
-            part = group[start : start + joined]
-            for i, count in zip(part, _engine_together(backend, [work[i] for i in part])):
-                merged[i] = count
-    return merged
-
-
-def joinable(backend, rows: RowBuffers, chunk: Chunk) -> int:
-    """How many compressions like this one may run as one: as many as keep the joined
-    chunk's logits within one block of camkv.mass.chunk_mass (mass.MASS_BYTES), so a
-    joined compression evaluates nothing midway and holds no more logits at once than
-    one compression may."""
-    rule = merges.rule(chunk.cfg.merge)
-    reducer = (drop.reducer() if rule.kind == merges.DROP
-               else merge_ops.reducer(rule.keeps_votes, getattr(backend, "REDUCER", None)))
-    per_logit = reducer.logit_bytes(reducer.prepare(mx.zeros((1,), rows.keys.dtype)).dtype)
-    R, groups = chunk.queries.shape[:2]
-    logits = R * groups * policy.observed(chunk.cfg, chunk.end - rows.settled) * chunk.end * per_logit
-    return max(1, mass.MASS_BYTES // logits) if logits else 1 << 30
-
-
-def _launch_of(rows: RowBuffers, chunk: Chunk) -> drop.DropLaunch:
-    return drop.DropLaunch(rows.keys, rows.values, chunk.end, rows.scores, rows.positions, chunk.queries,
-                           rows.pending_start, chunk.scale, chunk.cfg, rows.capacity, rows.stored_for_launch())
-
-
-def _engine_alike(a: tuple, b: tuple) -> bool:
-    """Whether two engine compressions (rows, chunk) can run as one: the same config (but
-    the seed where no gate draws), chunk, positions, capacity and array shapes."""
-    (rows_a, a), (rows_b, b) = a, b
-
-    def shapes(rows, chunk):
-        arrays = (rows.keys, rows.values, rows.scores, rows.votes, rows.threshold, chunk.queries)
-        return tuple(None if x is None else (x.shape, x.dtype) for x in arrays)
-
-    return ((a.end, a.scale, a.key_scored, rows_a.settled, rows_a.pending_start, rows_a.capacity)
-            == (b.end, b.scale, b.key_scored, rows_b.settled, rows_b.pending_start, rows_b.capacity)
-            and shapes(rows_a, a) == shapes(rows_b, b) and a.cfg.alike(b.cfg))
-
-
-def _engine_together(backend, work: list) -> list:
-    """Engine compressions alike as one over their rows joined; each settles its share."""
-    if len(work) == 1:
-        return [compress(backend, *work[0])]
-    parts = []
-    for rows, chunk in work:
-        rows.scores = policy.decayed(rows.scores, chunk.cfg)
-        parts.append(_EngineInputs.of(rows, chunk))
-    first_rows, first = work[0]
-    state, merged = _engine(backend, _EngineInputs.joined(parts), first_rows.pending_start, first,
-                            first_rows.capacity)
-    counts, start = [], 0
-    for rows, chunk in work:
-        B, H = rows.keys.shape[:2]
-        share = slice(start, start + B * H)
-        start += B * H
-        rows.settle(RowState(*(None if a is None else a[share] for a in state)),
-                    rows.pending_start + chunk.end - rows.settled, B, H)
-        counts.append(merged[share])
-    return counts
+    return merge_ops.compress(keys, values, settled, chunk.queries, rows.pending_start, chunk.scale, cfg,
+                              chunk.row_ids, getattr(backend, "REDUCER", None), given=chunk.mass,
+                              capacity=rows.capacity)
 
 
 def _by_update(backend, rows: RowBuffers, chunk: Chunk):
