@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -120,3 +121,70 @@ def test_sweeps_side_by_side_unpack_the_staged_parts_once(tmp_path):
     assert (site / "gguf" / "__init__.py").read_text() == "VERSION = 1\n"
     assert not list((device / "parts").iterdir()) and not (device / "unpacking").exists()
     assert all((tmp_path / f"sweep{i}.tgz").exists() for i in range(2))
+
+
+def test_a_lock_left_by_a_killed_call_stops_the_sweep_naming_it(tmp_path):
+    """An unpacking lock no call releases (left by a call killed while unpacking) is
+    waited for UNPACK_WAIT_S seconds, then the call stops with status 1, naming the
+    folder to remove, and runs no sweep."""
+    device, bin_dir, calls = tmp_path / "device", tmp_path / "bin", tmp_path / "calls.txt"
+    (device / "unpacking").mkdir(parents=True)
+    _stand_in_python(bin_dir, calls)
+    env = {**os.environ, "DEVICE_ROOT": str(device), "OUT": str(tmp_path), "UNPACK_WAIT_S": "2",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", "bench/gpu/quality.sh", "5", "--preset", "smoke", "--out", str(tmp_path / "s")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"{device / 'unpacking'}" in done.stderr and "remove it" in done.stderr
+    assert not calls.exists()
+
+
+def _staging_repo(tmp_path: Path, tree_mib: int) -> tuple[Path, dict]:
+    """A git checkout holding stage-models.sh and a tracked file of tree_mib MiB, a cache
+    folder with both models' files (12 MiB each, random) and texts, and a python3 that
+    names a folder holding a `gguf` package: stage-models.sh's inputs."""
+    import numpy as np
+
+    repo = tmp_path / "repo"
+    (repo / "bench" / "gpu").mkdir(parents=True)
+    shutil.copy(ROOT / "bench" / "gpu" / "stage-models.sh", repo / "bench" / "gpu")
+    (repo / "big.bin").write_bytes(b"\0" * (tree_mib << 20))
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
+    cache = tmp_path / "cache"
+    rng = np.random.default_rng(0)
+    for name in ("SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"):
+        (cache / "downloads").mkdir(parents=True, exist_ok=True)
+        (cache / "downloads" / name).write_bytes(rng.bytes(12 << 20))
+    (cache / "texts").mkdir()
+    (cache / "texts" / "austen.txt").write_text("It is a truth universally acknowledged.\n")
+    (tmp_path / "site" / "gguf").mkdir(parents=True)
+    (tmp_path / "site" / "gguf" / "__init__.py").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/usr/bin/env bash\necho {tmp_path / 'site'}\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "CAMKV_CACHE_DIR": str(cache), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    return repo, env
+
+
+def test_staged_parts_each_fit_one_call_beside_the_working_tree(tmp_path):
+    """stage-models.sh sizes its parts so that each, beside the working tree, stays within
+    a call's 64 MiB (with 2 MiB to spare), and the parts joined in order are the whole
+    tar; a tree that leaves no room for a part of 8 MiB is refused, naming its size."""
+    repo, env = _staging_repo(tmp_path, tree_mib=40)
+    done = subprocess.run(["bash", "bench/gpu/stage-models.sh"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    parts = sorted((repo / ".gpu-stage").glob("m*/part_*"), key=lambda p: int(p.parent.name[1:]))
+    tree = 40 << 20
+    assert len(parts) >= 2 and all(p.stat().st_size + tree <= (62 << 20) for p in parts)
+    joined = tmp_path / "joined.tar"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    listed = subprocess.run(["tar", "tf", str(joined)], capture_output=True, text=True, check=True).stdout.split()
+    assert {"downloads/gemma-3-270m-q4_k_m.gguf", "texts/austen.txt", "gguf/__init__.py"} <= set(listed)
+    (repo / "big.bin").write_bytes(b"\0" * (60 << 20))
+    refused = subprocess.run(["bash", "bench/gpu/stage-models.sh"], cwd=repo, env=env, capture_output=True,
+                             text=True, timeout=120)
+    named = re.search(r"the working tree is (\d+) bytes", refused.stderr)
+    assert refused.returncode == 1 and "less than 8 MiB" in refused.stderr and named, refused.stderr
+    assert int(named.group(1)) >= 60 << 20

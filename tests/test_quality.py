@@ -202,7 +202,7 @@ class _ThreeUnitClock(sweep.Clock):
             raise OutOfTime()
 
 
-def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path, monkeypatch):
+def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path, monkeypatch, capsys):
     out = tmp_path / "smoke"
     # A first run cut short by the time budget, then the same command finishing the rest.
     with monkeypatch.context() as patch:
@@ -242,6 +242,13 @@ def test_smoke_preset_completes_resumes_and_reports_sane_values(tmp_path, monkey
     assert all(f"| {m.name} |" in table for m in methods)
     for png in ("stream_vs_budget.png", "passkey_heatmap.png", "passkey_bars.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"  # matplotlib is in the test extra
+    # Redrawn from the records alone (a folder brought back from another machine): nothing
+    # says whether the sweep was cut, so the report claims neither.
+    (out / "summary.json").unlink()
+    capsys.readouterr()
+    assert main(["--preset", "smoke", "--out", str(out), "--tasks", "stream,passkey", "--report-only"]) == 0
+    assert "partial" not in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["complete"] is None
 
 
 def test_a_folder_takes_more_arms_but_refuses_records_of_another_setup(tmp_path):

@@ -22,8 +22,19 @@ unpack_parts() {  # the staged parts, once: models and texts into ckv, gguf into
 }
 # Calls side by side (two models' sweeps in one device call) unpack once: the first takes
 # the lock (a folder: mkdir is atomic), the others wait and then find no parts.
+# A lock left by a call killed while unpacking is not waited for past UNPACK_WAIT_S
+# seconds (default 600): the call stops, naming the folder to remove.
 mkdir -p "$device_root"
-until mkdir "$device_root/unpacking" 2>/dev/null; do sleep 1; done
+waited=0
+until mkdir "$device_root/unpacking" 2>/dev/null; do
+  if [ "$waited" -ge "${UNPACK_WAIT_S:-600}" ]; then
+    echo "quality.sh: $device_root/unpacking (the unpacking lock) is still held after $waited s; if no call is" \
+         "unpacking, a killed one left it: remove it and run again" >&2
+    exit 1
+  fi
+  sleep 1
+  waited=$((waited + 1))
+done
 trap 'rmdir "$device_root/unpacking" 2>/dev/null || true' EXIT
 unpack_parts
 rmdir "$device_root/unpacking" && trap - EXIT

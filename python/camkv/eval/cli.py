@@ -216,7 +216,7 @@ def main(argv=None, default_out: str = "camkv-eval-{preset}") -> int:
         drawn = summary.get("plots", [])
         print(f"camkv eval: wrote {opts.out.resolve()}/: summary.json, table.md"
               + (f", {', '.join(drawn)}" if drawn else " (no plots)")
-              + ("" if summary.get("complete", True) else " (partial: rerun to continue)"))
+              + (" (partial: rerun to continue)" if summary.get("complete") is False else ""))
     return 0
 
 
