@@ -521,7 +521,8 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
         monkeypatch.setattr(merge_cuda, "_FINISH", merge_cuda._FINISH.replace(" / total : own;", " / total * 1.001f : own;"))
     elif defect == "wrong gather":
         monkeypatch.setattr(merge_cuda, "_GATHER", merge_cuda._GATHER.replace(
-            "out_norm[item] = sqrtf(squares);", "out_norm[item] = sqrtf(squares) * 1.001f;"))
+            "(lost ? l_norm : s_norm)[at] = sqrtf(squares);",
+            "(lost ? l_norm : s_norm)[at] = sqrtf(squares) * 1.001f;"))
     elif defect == "wrong partition":
         monkeypatch.setattr(compact_cuda, "_SOURCE_SELECT", compact_cuda._SOURCE_SELECT.replace(
             "positions_out[(long)r * N + j] = position_at(j);", "positions_out[(long)r * N + j] = position_at(j) + 1;"))

@@ -245,26 +245,34 @@ _GATHER = """
   // dims: R rows, N rows held, k losers, m survivors, Dk, Dv. A warp per (row, j) of the
   // k + m rows taken (the losers, then the survivors): its key and value as float32, its
   // key as stored, its score and position (and votes: VOTES), and its key's and its
-  // value's L2 norms (each lane's sum of squares, then the warp's).
+  // value's L2 norms (each lane's sum of squares, then the warp's), written to the
+  // losers' outputs (l_*, [R, k, ...]) or the survivors' (s_*, [R, m, ...]): each its own
+  // contiguous array, so a later kernel takes it without a copy (MLX copies a strided
+  // input, such as a slice of joined rows, into a contiguous one first).
   const long rows = dims[0], N = dims[1], k = dims[2], m = dims[3];
   const int Dk = dims[4], Dv = dims[5];
   const long item = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (item >= rows * (k + m)) return;  // the whole warp
   const long r = item / (k + m), j = item % (k + m);
-  const long from = r * N + (long)(j < k ? loser_idx[r * k + j] : kept_idx[r * m + j - k]);
+  const bool lost = j < k;
+  const long at = lost ? r * k + j : r * m + (j - k);
+  const long from = r * N + (long)(lost ? loser_idx[r * k + j] : kept_idx[r * m + j - k]);
+  float* to_keys = lost ? l_keys : s_keys;
+  float* to_values = lost ? l_values : s_values;
+  auto* to_stored = lost ? l_stored : s_stored;
   float squares = 0.0f;
   for (int c = lane; c < Dk; c += 32) {
     const auto key = keys[from * Dk + c];
     const float x = static_cast<float>(key);
-    out_keys[item * Dk + c] = x;
-    out_stored[item * Dk + c] = key;
+    to_keys[at * Dk + c] = x;
+    to_stored[at * Dk + c] = key;
     squares = __fadd_rn(squares, __fmul_rn(x, x));
   }
   float value_squares = 0.0f;
   for (int c = lane; c < Dv; c += 32) {
     const float x = static_cast<float>(values[from * Dv + c]);
-    out_values[item * Dv + c] = x;
+    to_values[at * Dv + c] = x;
     value_squares = __fadd_rn(value_squares, __fmul_rn(x, x));
   }
   for (int o = 16; o > 0; o /= 2) {
@@ -272,11 +280,11 @@ _GATHER = """
     value_squares = __fadd_rn(value_squares, __shfl_xor_sync(0xffffffffu, value_squares, o));
   }
   if (lane == 0) {
-    out_scores[item] = scores[from];
-    out_positions[item] = positions[from];
-    out_norm[item] = sqrtf(squares);
-    out_value_norm[item] = sqrtf(value_squares);
-    if (VOTES) out_votes[item] = votes[from];
+    (lost ? l_scores : s_scores)[at] = scores[from];
+    (lost ? l_positions : s_positions)[at] = positions[from];
+    (lost ? l_norm : s_norm)[at] = sqrtf(squares);
+    (lost ? l_value_norm : s_value_norm)[at] = sqrtf(value_squares);
+    if (VOTES) (lost ? l_votes : s_votes)[at] = votes[from];
   }
 """
 
@@ -583,8 +591,7 @@ def _specs() -> dict[str, tuple]:
                    ""),
         "gather": ("camkv_merge_gather", _GATHER,
                    ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
-                   ["out_keys", "out_values", "out_stored", "out_scores", "out_positions", "out_norm",
-                    "out_value_norm", "out_votes"], ""),
+                   [f"{side}_{field}" for side in "ls" for field in _GATHERED], ""),
         "spread": ("camkv_blend_spread", _SPREAD,
                    ["values", "keys", "cosine", "mass", "scores", "norm_in", "norm_t", "target", "merging", "dims"],
                    ["sums"], _HEADER + rules),
@@ -695,26 +702,33 @@ def keep_inputs(settled: mx.array | None, n: int, new: int, queries: mx.array) -
         output_dtypes=[mx.float32] * 3))
 
 
+# What gather_rows writes of each row taken, for the losers and again for the survivors.
+_GATHERED = ("keys", "values", "stored", "scores", "positions", "norm", "value_norm", "votes")
+
+
 def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
-    """Rows k losers then m survivors of every row r, from keys [R, N, Dk] and values
+    """Rows k losers and m survivors of every row r, from keys [R, N, Dk] and values
     [R, N, Dv] (their storage dtype), scores [R, N] float32, positions [R, N] int32 and
-    votes [R, N] float32 (or None) at loser_idx [R, k] and kept_idx [R, m]: keys and
-    values [R, k + m, D] float32, the keys as stored, scores, positions, the keys' and
-    the values' L2 norms [R, k + m] (sums of squares in the device's order) and votes
-    (or None)."""
+    votes [R, N] float32 (or None) at loser_idx [R, k] and kept_idx [R, m]: for the losers
+    and then for the survivors, keys and values [R, j, D] float32, the keys as stored,
+    scores, positions, the keys' and the values' L2 norms [R, j] (sums of squares in the
+    device's order) and votes (or None), j = k or m; each a contiguous array of its own."""
     rows, n, dk = keys.shape
     dv, k, m = values.shape[2], loser_idx.shape[1], kept_idx.shape[1]
-    taken = k + m
+
+    def shapes(j):
+        return [(rows, j, dk), (rows, j, dv), (rows, j, dk), (rows, j), (rows, j), (rows, j), (rows, j),
+                (rows, j if votes is not None else 1)]
+
+    dtypes = [mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32, mx.float32]
     out = _kernel("gather")(
         inputs=[keys, values, scores, positions, scores if votes is None else votes, loser_idx, kept_idx,
                 ints(rows, n, k, m, dk, dv)],
         template=[("VOTES", votes is not None)],
-        grid=_warp_per(rows * taken), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, taken, dk), (rows, taken, dv), (rows, taken, dk), (rows, taken), (rows, taken),
-                       (rows, taken), (rows, taken), (rows, taken if votes is not None else 1)],
-        output_dtypes=[mx.float32, mx.float32, keys.dtype, scores.dtype, positions.dtype, mx.float32, mx.float32,
-                       mx.float32])
-    return (*out[:7], None if votes is None else out[7])
+        grid=_warp_per(rows * (k + m)), threadgroup=(_THREADS, 1, 1),
+        output_shapes=shapes(k) + shapes(m), output_dtypes=dtypes * 2)
+    per_side = len(_GATHERED)
+    return tuple((*side[:7], None if votes is None else side[7]) for side in (out[:per_side], out[per_side:]))
 
 
 # keepkv's launches: name -> (text, inputs before dims, outputs).

@@ -71,17 +71,17 @@ class Rows(NamedTuple):
               kernels: bool = False) -> tuple["Rows", "Rows"]:
         """The losers' rows and the survivors': one gather and one cast of each array for
         both (on a GPU each is a launch), and with key_norm one norm of their keys and one
-        of their values, then views of its two parts. kernels: all of it in one launch (merge_cuda.gather_rows)."""
+        of their values, then views of its two parts. kernels: all of it in one launch
+        (merge_cuda.gather_rows), each part's arrays contiguous (no views: MLX copies a
+        strided input of a kernel first, about sixteen copies a compression)."""
         if kernels:
-            f_keys, f_values, stored, taken_scores, taken_positions, k_norm, v_norm, taken_votes = \
-                merge_cuda.gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx)
-            both = cls(f_keys, f_values, taken_scores, taken_positions, taken_votes, stored,
-                       *((k_norm, v_norm) if key_norm else (None, None)))
-        else:
-            both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
-            if key_norm:
-                both = both._replace(key_norm=merges.feature_norm(both.keys),
-                                     value_norm=merges.feature_norm(both.values))
+            return tuple(cls(f_keys, f_values, taken_scores, taken_positions, taken_votes, stored,
+                             *((k_norm, v_norm) if key_norm else (None, None)))
+                         for f_keys, f_values, stored, taken_scores, taken_positions, k_norm, v_norm, taken_votes
+                         in merge_cuda.gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx))
+        both = cls.of(keys, values, scores, positions, votes, mx.concatenate([loser_idx, kept_idx], axis=1))
+        if key_norm:
+            both = both._replace(key_norm=merges.feature_norm(both.keys), value_norm=merges.feature_norm(both.values))
         k = loser_idx.shape[1]
         part = lambda first, last: cls(*(None if a is None else a[:, first:last] for a in both))  # noqa: E731
         return part(0, k), part(k, None)
