@@ -441,3 +441,53 @@ def test_a_poisoned_key_or_query_spreads_no_nan_and_both_agree(merge, update):
         assert (a is None) == (b is None)
         if a is not None:
             np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, equal_nan=True)
+
+
+def _producer(a: mx.array) -> str:
+    """The primitive that makes a (the last node of its graph as MLX draws it), or "input"."""
+    import io
+    import re
+
+    text = io.StringIO()
+    mx.export_to_dot(text, a)
+    labels = re.findall(r'label ="([A-Za-z]+)"', text.getvalue())
+    return labels[-1] if labels else "input"
+
+
+@pytest.mark.parametrize("rule", ["mean", "value_norm", "d2o", "keepkv", "window"])
+def test_the_merge_kernels_take_no_sliced_rows(rule, monkeypatch):
+    """On CUDA, MLX copies a strided input of a custom kernel into a contiguous one before
+    the launch: the losers' and survivors' rows a compression's kernels read are arrays of
+    their own (merge_cuda.gather_rows), not slices of joined rows (twelve copies a
+    compression of mean, counted on an H100, before). The kernels stood in for: each call
+    records what makes each of its inputs."""
+    from camkv.backends import compact_cuda, mass_cuda, merge_cuda
+
+    made: list[tuple[str, int, str]] = []
+
+    def recording_kernel(name, **_spec):
+        def call(inputs, output_shapes, output_dtypes, **_launch):
+            made.extend((name, i, _producer(a)) for i, a in enumerate(inputs) if isinstance(a, mx.array) and a.size > 1)
+            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return call
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recording_kernel)
+    monkeypatch.setattr(drop, "on_cuda", lambda: True)
+    monkeypatch.setattr(merge_cuda, "available", lambda: True)
+    for module in (merge_cuda, compact_cuda, mass_cuda):
+        monkeypatch.setattr(module, "_kernels", {})
+    monkeypatch.setattr(merge_ops, "_probe", {"failure": None})
+    monkeypatch.setattr(merge_ops, "FENCE_NEAREST_PRODUCT", False)
+    rng = np.random.default_rng(0)
+    R, n, s_len, D = 2, 48, 80, 16
+    keys, values = (mx.array(rng.standard_normal((R, n + s_len, D)).astype(np.float32)).astype(mx.bfloat16)
+                    for _ in range(2))
+    cfg = CaMConfig(budget=n, merge=rule, scoring="query")
+    votes = mx.ones((R, n), mx.float32) if merges.rule(rule).keeps_votes else None
+    settled = merge_ops.Settled(mx.array(rng.random((R, n)).astype(np.float32)),
+                                mx.broadcast_to(mx.arange(n, dtype=mx.int32), (R, n)), votes)
+    queries = mx.array(rng.standard_normal((R, 2, cfg.observation_window, D)).astype(np.float32))
+    merge_ops.compress(keys, values, settled, queries, n, D ** -0.5, cfg, mx.arange(R).astype(mx.uint32),
+                       kernels=True)
+    assert any("gather" in name for name, _, _ in made), made  # the kernels' way ran
+    assert not [entry for entry in made if entry[2] == "Slice"], made
