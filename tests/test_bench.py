@@ -222,6 +222,25 @@ def test_merge_speed_engine_arm_runs_decode_compressions_on_the_engine(monkeypat
     assert compress.by_operations is real
 
 
+def test_merge_speed_runs_the_kernels_first_use_check_once_and_before_any_timed_prompt(monkeypatch):
+    """Where the merge kernels are available, their first-use check runs once in the
+    process, before the first arm's prompt, not inside every merging arm's timed prompt
+    (here the check fails, so the merges run as MLX operations on this CPU)."""
+    from camkv.backends import merge_cuda, merge_ops
+
+    script = _load_bench_script("merge_speed")
+    checks, prompts = [], []
+    monkeypatch.setattr(merge_cuda, "available", lambda: True)
+    monkeypatch.setattr(merge_ops, "_probe", {})
+    monkeypatch.setattr(merge_ops, "_probe_failure", lambda: checks.append(len(prompts)) or "a stand-in failure")
+    monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
+                        prompts.append(1) or real_step(*a, **k))
+    with pytest.warns(RuntimeWarning, match="switched off"):
+        script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
+                     "--steps", "2", "--rounds", "2", "--rules", "mean", "keepkv"])
+    assert checks == [0]
+
+
 @pytest.mark.parametrize("flag, rule, other, module, setting", [
     ("--unfenced-arms", "mean", "drop", "camkv.backends.merge_ops", "FENCE_NEAREST_PRODUCT"),
     ("--masked-arms", "keepkv", "mean", "camkv.hook", "WEIGHED_BLOCKS"),
