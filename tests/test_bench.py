@@ -609,3 +609,27 @@ def test_decode_parts_trials_that_take_turns_prefill_the_arms_in_rotated_order(t
                  "--trials", "3", "--arms", "rotating", "camkv", "buffer", "--pipelined", "1",
                  "--out", str(tmp_path)])
     assert firsts == ["rotating", "camkv", "buffer", "camkv", "buffer", "rotating", "buffer", "rotating", "camkv"]
+
+
+def test_prompt_kernels_sums_ncu_logs_by_kernel_and_lists_extra_launches(tmp_path, capsys):
+    """prompt_kernels sum: each log's kernels counted and their durations summed by name
+    (ncu's own lines before the CSV header skipped, other metrics ignored), and the second
+    log's kernels listed by the launches they add to the first's."""
+    script = _load_bench_script("prompt_kernels")
+    header = '"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit","Metric Value"'
+
+    def log(name, rows):
+        lines = ["==PROF== Connected to process 1", header]
+        lines += [f'"{i}","{kernel}(float*)","(256,1,1)","(8,1,1)","{metric}","ns","{ns:,}"'
+                  for i, (kernel, metric, ns) in enumerate(rows)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+        return tmp_path / name
+
+    time = script.METRIC
+    base = log("drop.csv", [("gemm", time, 1000), ("compact", time, 3000), ("gemm", "other", 99)])
+    other = log("mean.csv", [("gemm", time, 1000), ("copy", time, 2000), ("copy", time, 2500)])
+    script.main(["sum", str(base), str(other)])
+    out = capsys.readouterr().out
+    assert "drop.csv: 2 kernels, 0.00 ms" in out and "mean.csv: 3 kernels" in out
+    assert "   +2   +0.004 ms  copy" in out and "   -1   -0.003 ms  compact" in out
+    assert "gemm" not in out.split("more launches")[1]
