@@ -51,7 +51,8 @@ def kernel_times(log: Path) -> tuple[collections.Counter, collections.Counter]:
     from an ncu CSV log (lines before its header are ncu's own messages)."""
     rows = [r for r in csv.reader(log.read_text().splitlines()) if len(r) > 5]
     if not rows or "Kernel Name" not in rows[0]:
-        raise SystemExit(f"prompt_kernels: {log} has no ncu CSV header (run ncu with --csv --log-file)")
+        print(f"prompt_kernels: {log} has no ncu CSV header (run ncu with --csv --log-file)", file=sys.stderr)
+        raise SystemExit(2)
     head = rows[0]
     name_at, metric_at, value_at = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
     launches, nanoseconds = collections.Counter(), collections.Counter()
@@ -110,4 +111,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from camkv._blas import reexec_with_openblas
+
+    reexec_with_openblas()  # as merge_speed: the CPU's float32 matrix products by the system's OpenBLAS
     main()
