@@ -322,11 +322,17 @@ def load_model(name: str):
     return cast_model(loading.load_model(name)[0], "auto")
 
 
+def random_prompt(model, length: int) -> mx.array:
+    """The prompt every arm runs: length tokens drawn with a fixed key from the model's
+    first 1000 (or its whole vocabulary where smaller)."""
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 1000)
+    return mx.random.randint(0, min(vocab, 1000), (length,), key=mx.random.key(0))
+
+
 def main(argv=None) -> dict:
     opts = parse_args(argv)
     model = load_model(opts.model)
-    vocab = getattr(getattr(model, "args", None), "vocab_size", 1000)
-    prompt = mx.random.randint(0, min(vocab, 1000), (opts.prompt_length,), key=mx.random.key(0))
+    prompt = random_prompt(model, opts.prompt_length)
     arms, left_out = runnable_arms(opts)
     summary = summarize(measure(model, prompt, opts, arms))
     print(table(summary))

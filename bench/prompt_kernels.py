@@ -88,8 +88,7 @@ def run(opts) -> None:
     import merge_speed
 
     model = merge_speed.load_model(opts.model)
-    vocab = getattr(getattr(model, "args", None), "vocab_size", 1000)
-    prompt = mx.random.randint(0, min(vocab, 1000), (opts.prompt_length,), key=mx.random.key(0))
+    prompt = merge_speed.random_prompt(model, opts.prompt_length)
     one = argparse.Namespace(budget=opts.budget, chunk=opts.chunk, steps=1)
     merge_speed.run_arm(model, opts.arm, prompt, one)  # warm: kernels compiled, first-use check done
     cuda = ctypes.CDLL("libcuda.so.1")
