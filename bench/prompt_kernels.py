@@ -1,5 +1,5 @@
 """The GPU kernels of one prompt of one arm, as Nsight Compute (ncu) times them, and
-their sums by kernel name: where a merging prompt's device time goes beside dropping's.
+their sums by kernel name: where a merging prompt's GPU time goes beside dropping's.
 
 The run: one warm prompt of the arm (its kernels compiled, the merge kernels' first-use
 check done), then one prompt between cuProfilerStart and cuProfilerStop, so that ncu
@@ -68,7 +68,7 @@ def summarize(logs: list[Path]) -> str:
     lines, base = [], None
     for log in logs:
         launches, ns = kernel_times(log)
-        lines.append(f"{log.name}: {sum(launches.values())} kernels, {sum(ns.values()) / 1e6:.2f} ms of device time")
+        lines.append(f"{log.name}: {sum(launches.values())} kernels, {sum(ns.values()) / 1e6:.2f} ms of kernel time")
         lines += [f"  {ns[k] / 1e6:8.3f} ms {launches[k]:6d}x  {k[:100]}" for k, _ in ns.most_common(SHOWN)]
         if base is None:
             base = (log.name, launches, ns)
