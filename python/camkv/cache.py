@@ -457,15 +457,14 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             self._backend_for = (key, backends.resolve(self._config.backend))
         return self._backend_for[1]
 
-    def _merges_so_far(self) -> mx.array:
-        """Merges so far (a scalar), the per-call counts added, nothing folded."""
-        if not self._merge_counts:
-            return self._merges
-        return self._merges + mx.concatenate(self._merge_counts).sum()
-
     def _total_merges(self) -> mx.array:
-        """Merges so far (a scalar), folding in the per-call counts."""
-        self._merges, self._merge_counts = self._merges_so_far(), []
+        """Merges so far (a scalar), folding in the per-call counts. Folded at every read:
+        mlx-lm reads the state after each prompt chunk, and a sum of all counts since the
+        last fold grew by one copy a chunk (on a GPU a launch, a layer at a time)."""
+        if self._merge_counts:
+            pending = self._merge_counts
+            counts = pending[0] if len(pending) == 1 else mx.concatenate(pending)
+            self._merges, self._merge_counts = self._merges + counts.sum(), []
         return self._merges
 
     # ------------------------------------------------------------------ warnings

@@ -294,7 +294,8 @@ _SPREAD = """
   // A warp per (row, loser) that merges: its share a_e, the rule's (camkv_merges.h, as
   // the kernel core takes it: from its cosine, its mass s_e, its target's score and, where
   // the rule reads them, its value's norm and its target's), times its value (and key),
-  // then a_e, 1 and s_e, added into its target's float32 sums [R, m, Dv + Dk + 3].
+  // then a_e, 1 and s_e, added into its target's float32 sums [R, m, Dv + Dk + 3], and 1
+  // into its row's count after them (R more; the finish writes the merges a row).
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dv = dims[3], Dk = dims[4], C = Dv + Dk, merge = dims[5];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -310,6 +311,7 @@ _SPREAD = """
     atomicAdd(into + C, share);
     atomicAdd(into + C + 1, 1.0f);
     atomicAdd(into + C + 2, mass[loser]);
+    atomicAdd(sums + rows * m * (C + 3) + loser / k, 1.0f);
   }
 """
 
@@ -322,7 +324,8 @@ _FINISH = """
   // that denominator is not 0 (else it stays), rounded once to its buffer's dtype (OUT_V,
   // OUT_K); a key that does not blend is copied as stored. Survivor jj of row r goes to
   // row jj of r's buffer of cap rows (rows m.. are left for the decode steps to write).
-  // Column 0 also writes the survivor's score plus the mass it took in. A: the rule's
+  // Column 0 also writes the survivor's score plus the mass it took in, and a row's first
+  // survivor's column 0 the row's merges (the count after the sums). A: the rule's
   // target share of the survivor's score (camkv_merges.h), or 1 for a window rule's sums
   // (whose shares stay 0: own + sum).
   const long rows = dims[0], m = dims[1];
@@ -348,6 +351,7 @@ _FINISH = """
     out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(own_keys[j * Dk + c - Dv]);
   }
   if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[S + 2]);
+  if (c == 0 && j % m == 0) out_count[j / m] = (int)sums[rows * m * (S + 3) + j / m];
 """
 
 _WINDOW = """
@@ -355,7 +359,8 @@ _WINDOW = """
   // survivor after it (survivors ascending: a binary search), then V_e / |W|, a count and
   // s_e / |W| added into each of the |W| = min(window, survivors after it) survivors
   // from there: float32 sums [R, m, Dv + 3] laid out as the blend's (values, a share
-  // that stays 0, the count, the mass), which the blend's finish adds to each survivor.
+  // that stays 0, the count, the mass), which the blend's finish adds to each survivor,
+  // and 1 into its row's count after them (R more) for a loser that merges.
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dv = dims[3], window = dims[4];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -369,6 +374,7 @@ _WINDOW = """
   }
   const int width = m - low < window ? (int)(m - low) : window;
   if (width <= 0) return;
+  if (lane == 0) atomicAdd(sums + rows * m * (Dv + 3) + r, 1.0f);
   const float shared = (float)width;
   for (int slot = 0; slot < width; ++slot) {
     float* into = sums + (r * m + low + slot) * (Dv + 3);
@@ -596,7 +602,7 @@ def _specs() -> dict[str, tuple]:
                    ["values", "keys", "cosine", "mass", "scores", "norm_in", "norm_t", "target", "merging", "dims"],
                    ["sums"], _HEADER + rules),
         "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "dims"],
-                   ["out_values", "out_keys", "out_scores"], rules),
+                   ["out_values", "out_keys", "out_scores", "out_count"], rules),
         "keep_inputs": ("camkv_keep_inputs", _KEEP_INPUTS, ["settled", "queries", "dims"],
                         ["votes", "log_votes", "query"], ""),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
@@ -785,13 +791,14 @@ def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, score
     stored and scores [R, m]. Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every
     loser e whose window W(e) (the first `window` survivors after it) holds it. Returns the
     survivors' values rounded once to value_dtype and keys as stored, in buffers of
-    capacity rows as blend_nearest's, and their scores [R, m]."""
+    capacity rows as blend_nearest's, their scores [R, m] and the merges of each row [R]
+    int32 (the losers with a survivor after them)."""
     rows, k, dv = values.shape
     m = kept_idx.shape[1]
     sums = _kernel("window")(
         inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, m, dv + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+        output_shapes=[(rows * m * (dv + 3) + rows,)], output_dtypes=[mx.float32], init_value=0.0)[0]
     # Survivor t becomes (1 V_t + sum) / (1 + 0): V_t plus its window's sum, exactly.
     return _finish(sums, own_values, own_keys, scores, 0, value_dtype, capacity, None)
 
@@ -809,10 +816,11 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
     values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk] (blended keys
     rounded once, the others copied), whose first m rows are the survivors (cap =
     capacity, or m; the rest unwritten: buffers with room to decode, as
-    compact_cuda.drop_compact writes them), and their scores plus the mass taken in
-    [R, m]: (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that
-    denominator is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums
-    in the device's order."""
+    compact_cuda.drop_compact writes them), their scores plus the mass taken in [R, m]
+    and the merging losers of each row [R] int32 (a count no launch of its own makes):
+    (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that denominator
+    is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums in the
+    device's order."""
     rows, k, Dv = values.shape
     m = own_values.shape[1]
     blended_keys = 0 if keys is None else keys.shape[2]
@@ -821,14 +829,16 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
         inputs=[values, values if keys is None else keys, cosine, mass, scores, norm_in, norm_t, target, merging,
                 ints(rows, k, m, Dv, blended_keys, merge)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, m, Dv + blended_keys + 3)], output_dtypes=[mx.float32], init_value=0.0)[0]
+        output_shapes=[(rows * m * (Dv + blended_keys + 3) + rows,)], output_dtypes=[mx.float32],
+        init_value=0.0)[0]
     return _finish(sums, own_values, own_keys, scores, blended_keys, value_dtype, capacity, merge)
 
 
 def _finish(sums, own_values, own_keys, scores, blended_keys: int, value_dtype, capacity: int | None,
             merge: int | None) -> tuple:
-    """The blend's second launch (_FINISH) over sums [R, m, Dv + blended_keys + 3]: the
-    survivors' values and keys in buffers of capacity rows (or m) and their scores. merge:
+    """The blend's second launch (_FINISH) over sums [R, m, Dv + blended_keys + 3] and
+    each row's count after them [R] (flat): the survivors' values and keys in buffers of
+    capacity rows (or m), their scores and the merges of each row [R] int32. merge:
     the blending rule whose target share each survivor keeps; None: a window rule's sums,
     added to each survivor."""
     rows, m, Dv = own_values.shape
@@ -840,5 +850,5 @@ def _finish(sums, own_values, own_keys, scores, blended_keys: int, value_dtype, 
                 ints(rows, m, Dv, Dk, cap, blended_keys, -1 if merge is None else merge)],
         template=[("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
         grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m)],
-        output_dtypes=[value_dtype, own_keys.dtype, mx.float32]))
+        output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m), (rows,)],
+        output_dtypes=[value_dtype, own_keys.dtype, mx.float32, mx.int32]))

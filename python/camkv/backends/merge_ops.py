@@ -212,7 +212,7 @@ def _probe_failure() -> str | None:
 
 
 # What the first-use check compares, in the order _probe_with_kernels gives it.
-_PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores",
+_PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores", "blend's merge counts",
            *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
                                                 "key norms", "value norms")),
            "losers", "survivors", "joined scores", "joined positions",
@@ -289,7 +289,7 @@ def _probe_with_kernels(p: dict) -> tuple:
     partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], constants.ints(60),
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
-            blend[0], blend[2], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
+            blend[0], blend[2], blend[3], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
             *_probe_window(p, True), *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]),
             *merge_cuda.keep_inputs(p["votes"], 60, 100, p["queries"]))
 
@@ -303,7 +303,7 @@ def _probe_with_operations(p: dict) -> tuple:
     gathered = Rows.split(*_probe_taken(p), key_norm=True)[1]
     joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0],
-            p["scores"] + blend.extra[0], *_gathered_fields(gathered),
+            p["scores"] + blend.extra[0], p["live"][:, :, 0].sum(axis=1), *_gathered_fields(gathered),
             *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
             *_probe_keep(p, False), *_probe_window(p, False), *_probe_threshold(p),
             *keep_inputs(p["votes"], 60, 100, p["queries"]))
@@ -394,20 +394,20 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     capacity rows (compress's)."""
     rule = merges.rule(cfg.merge)
     if kernels and rule.kind == merges.WINDOW and not rule.blends and not cfg.gate:
-        values, keys, scores = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
-                                                        kept.values, kept.stored_keys, kept.scores, cfg.window,
-                                                        storage, capacity)
-        # Every loser with a survivor after it merges (counted when asked for: cache stats).
-        count = (loser_idx < kept_idx[:, -1:]).sum(axis=1).astype(mx.int32)
+        # Every loser with a survivor after it merges, counted by the same launches.
+        values, keys, scores, count = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
+                                                               kept.values, kept.stored_keys, kept.scores,
+                                                               cfg.window, storage, capacity)
         return Merged(keys, values, scores, kept.votes, threshold, count)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids, kernels)
     count = do.sum(axis=1).astype(mx.int32)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
-        # One target a loser: the whole blend, the rule's shares with it, in two launches
-        # (merge_cuda.blend_nearest; the value norms Rows.split took).
-        values, keys, scores = merge_cuda.blend_nearest(
+        # One target a loser: the whole blend, the rule's shares with it and the count, in two
+        # launches (merge_cuda.blend_nearest; the value norms Rows.split took). The count
+        # above is then never evaluated, so it launches nothing.
+        values, keys, scores, count = merge_cuda.blend_nearest(
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores,
             targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
             storage, capacity)
