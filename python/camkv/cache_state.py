@@ -31,10 +31,9 @@ class CacheState:
 
         Reading it changes nothing but how the merge count is held (mlx-lm evaluates
         every cache's state after each prompt chunk; docs/algorithm.md section 7): the
-        rows held since the last compression are
-        in it unscored (score 0; meta "settled" counts the scored ones, "pending" says how
-        the rest will be scored, "waiting" how many wait for their queries), so a cache
-        loaded from it goes on exactly as this one. camkv.save_prompt_cache compresses
+        rows held since the last compression are in it unscored (score 0; meta "settled"
+        counts the scored ones, "pending" says how the rest will be scored, "waiting" how
+        many wait for their queries), so a cache loaded from it goes on exactly as this one. camkv.save_prompt_cache compresses
         first (compress_pending), so its files hold only scored rows."""
         meta = {"offset": self.offset, "config": self._config_fields,
                 "head_offset": self._head_offset, "n_heads_global": self._n_heads_global,

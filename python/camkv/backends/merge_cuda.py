@@ -798,7 +798,7 @@ def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, score
     sums = _kernel("window")(
         inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows * m * (dv + 3) + rows,)], output_dtypes=[mx.float32], init_value=0.0)[0]
+        output_shapes=[_sums_and_counts(rows, m, dv)], output_dtypes=[mx.float32], init_value=0.0)[0]
     # Survivor t becomes (1 V_t + sum) / (1 + 0): V_t plus its window's sum, exactly.
     return _finish(sums, own_values, own_keys, scores, 0, value_dtype, capacity, None)
 
@@ -829,9 +829,15 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
         inputs=[values, values if keys is None else keys, cosine, mass, scores, norm_in, norm_t, target, merging,
                 ints(rows, k, m, Dv, blended_keys, merge)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows * m * (Dv + blended_keys + 3) + rows,)], output_dtypes=[mx.float32],
-        init_value=0.0)[0]
+        output_shapes=[_sums_and_counts(rows, m, Dv + blended_keys)], output_dtypes=[mx.float32], init_value=0.0)[0]
     return _finish(sums, own_values, own_keys, scores, blended_keys, value_dtype, capacity, merge)
+
+
+def _sums_and_counts(rows: int, m: int, columns: int) -> tuple[int]:
+    """The shape of a blend's sums (flat): each survivor's columns then its share, count
+    and mass, [R, m, columns + 3], then each row's count of merging losers [R]; the
+    finish reads the counts after R m (columns + 3)."""
+    return (rows * m * (columns + 3) + rows,)
 
 
 def _finish(sums, own_values, own_keys, scores, blended_keys: int, value_dtype, capacity: int | None,

@@ -401,17 +401,16 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
         return Merged(keys, values, scores, kept.votes, threshold, count)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids, kernels)
-    count = do.sum(axis=1).astype(mx.int32)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
         # One target a loser: the whole blend, the rule's shares with it and the count, in two
-        # launches (merge_cuda.blend_nearest; the value norms Rows.split took). The count
-        # above is then never evaluated, so it launches nothing.
+        # launches (merge_cuda.blend_nearest; the value norms Rows.split took).
         values, keys, scores, count = merge_cuda.blend_nearest(
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores,
             targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
             storage, capacity)
         return Merged(keys, values, scores, votes, threshold, count)
+    count = do.sum(axis=1).astype(mx.int32)  # merging losers a row (the blend's launches count their own)
     if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
         keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale, storage,
                                                             capacity)
