@@ -378,8 +378,10 @@ def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_
     an NVIDIA GPU runs it. A nearest rule's blend and the window rule's write the
     survivors into the cache's buffers and take the rule's shares themselves: beyond
     dropping's launches, only the merge kernels, the nearest search's product and the
-    sums' one fill; value_norm's shares add nothing to mean's, d2o's threshold one launch
-    (and its NaN start); keepkv's inputs (votes joined, their log, its query) one launch;
+    sums' one fill; an ungated nearest rule's search and spread share one launch;
+    value_norm's shares add nothing to mean's, d2o's threshold one launch and its search
+    one of its own (and its NaN start); keepkv's inputs (votes joined, their log, its
+    query) one launch;
     no concatenation (the copies into buffers with room to decode) follows any rule with
     a kernel blend."""
     import subprocess
@@ -399,17 +401,17 @@ def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_
     for rule in ("mean", "mass_weighted", "value_norm"):
         ops = graph[rule]["by_primitive"]
         extra = {op: n - drop.get(op, 0) for op, n in ops.items() if op not in views and n != drop.get(op, 0)}
-        # partition, gather, nearest, spread, finish for drop's one launch; the product; the sums' fill
-        assert extra == {"Depends": 4, "Matmul": 1, "Full": 1}, (rule, extra)
+        # partition, gather, nearest and spread, finish for drop's one launch; the product; the sums' fill
+        assert extra == {"Depends": 3, "Matmul": 1, "Full": 1}, (rule, extra)
     # the window rule: partition, gather, its spread and the finish; its sums' fill; no product
     window = {op: n - drop.get(op, 0) for op, n in graph["window"]["by_primitive"].items()
               if op not in views and n != drop.get(op, 0)}
     assert window == {"Depends": 3, "Full": 1}, window
     assert graph["value_norm"]["launches"] == graph["mean"]["launches"]
-    # keepkv: its inputs in one launch, its merge in four and two fills (the blend's two and one)
-    assert graph["keepkv"]["launches"] == graph["mean"]["launches"] + 4
-    # d2o: its threshold's one launch, and its NaN start at a row's first compression
-    assert graph["d2o"]["launches"] == graph["mean"]["launches"] + 2
+    # keepkv: its inputs in one launch, its search, its merge in four and two fills (the blend's two and one)
+    assert graph["keepkv"]["launches"] == graph["mean"]["launches"] + 5
+    # d2o: its search, its threshold's one launch, and its NaN start at a row's first compression
+    assert graph["d2o"]["launches"] == graph["mean"]["launches"] + 3
 
 
 def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):

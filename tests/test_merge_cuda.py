@@ -288,6 +288,8 @@ def test_keepkv_kernels_match_the_operations_where_logits_overflow(overflow):
             mx.arange(R).astype(mx.uint32), False)
     got, want = merge_ops.merge(*args, kernels=True), merge_ops.merge(*args, kernels=False)
     assert np.array(want.count).sum() > 0
+    np.testing.assert_array_equal(np.array(got.count), np.array(want.count))
+    assert got.so_far.item() == want.so_far.item() == np.array(want.count).sum()
     if overflow:  # the case this test is for: some target's mass is not finite
         l_e = 0.25 * np.einsum("rkd,rd->rk", loser_keys.astype(np.float64), query)
         assert (np.abs(l_e) > np.finfo(np.float32).max).any()
@@ -348,8 +350,11 @@ def _check_blend(c: dict):
     split = drop.on_cuda() and c["stored"] == "float32"  # as compress asks: float32 keys exact on a GPU's product
     args = (losers, mx.array(loser_idx), kept, mx.array(kept_idx), threshold, mx.array(normal(R, Dk)), 0.3, cfg,
             mx.arange(R).astype(mx.uint32), split)
-    got, want = merge_ops.merge(*args, kernels=True), merge_ops.merge(*args, kernels=False)
+    so_far = mx.array(c["seed"] % 1000, mx.int32)  # a cache's running count, which the merges add to
+    got = merge_ops.merge(*args, kernels=True, merges_so_far=so_far)
+    want = merge_ops.merge(*args, kernels=False, merges_so_far=so_far)
     np.testing.assert_array_equal(np.array(got.count), np.array(want.count))
+    assert got.so_far.shape == () and got.so_far.item() == want.so_far.item() == so_far.item() + np.array(want.count).sum()
     for field in ("keys", "values", "votes", "scores"):
         g, w = getattr(got, field), getattr(want, field)
         if w is None:
@@ -502,19 +507,57 @@ def test_the_kernels_blend_writes_the_buffers_a_cache_decodes_into(merge, bits, 
 
 
 @on_gpu
+@pytest.mark.filterwarnings("ignore::camkv.VotesWarning")
+@pytest.mark.parametrize("merge", ["mean", "keepkv", "window"])
+def test_a_caches_merge_count_is_the_kernels_own_output(merge, monkeypatch):
+    """mlx-lm evaluates every cache's state after each prompt chunk. Where the kernels
+    merge a chunk, the state's merge count is their last launch's output: once the rows
+    are evaluated it needs no operation of its own (the MLX operations' count takes a sum
+    and an addition a chunk, on a GPU a launch each, a layer at a time), and it is the
+    operations' count (counted as bench/profile_merge_engine.py counts a compression's)."""
+    from camkv import CaMKVCache
+    from camkv.backends import compress
+    from test_bench import _load_bench_script
+
+    graph_operations = _load_bench_script("profile_merge_engine").graph_operations
+
+    def run(kernels: bool):
+        monkeypatch.setattr(merge_cuda, "available", lambda: kernels)
+        monkeypatch.setattr(compress, "gpu_chunk", lambda backend, cfg, end, settled: end - settled >= 2)
+        rng = np.random.default_rng(3)
+        cache = CaMKVCache(CaMConfig(budget=16, n_sink=2, recent=3, slack=4, merge=merge, scoring="key", gate=False))
+        launches, counts = [], []
+        for _ in range(3):
+            keys = mx.array(rng.standard_normal((1, 2, 24, 32)).astype(np.float32)).astype(mx.bfloat16)
+            cache.update_and_fetch(keys, keys * 0.5 + 1.0)
+            state = cache.state
+            mx.eval(state[:4])  # the rows, as attention reads them
+            launches.append(graph_operations(state[4])[1])
+            counts.append(state[4].item())
+        return launches, counts
+
+    (got_launches, got), (want_launches, want) = run(True), run(False)
+    assert got == want and want[0] > 0 and want[-1] > want[0], (got, want)
+    assert got_launches == [0, 0, 0] and min(want_launches) > 0, (got_launches, want_launches)
+
+
+@on_gpu
 @pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
                                     "wrong gather", "wrong partition", "wrong keepkv key", "wrong window",
-                                    "wrong keepkv query"])
+                                    "wrong keepkv query", "wrong fused blend"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
     or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or its query
-    0.1% off, a window's mass 1% too large, or whose text does not compile, is switched
+    0.1% off, a window's mass or a fused search's losers' mass 1% too large, or whose text
+    does not compile, is switched
     off for the process with one warning, and compressions then run the MLX operations
     (kernels=None asks the probe)."""
     if defect == "wrong":
-        monkeypatch.setattr(merge_cuda, "_NEAREST", merge_cuda._NEAREST.replace(
-            "const float dot = dots[best > -INFINITY ? best_at : 0];",
-            "const float dot = dots[best > -INFINITY ? best_at : 0] * 1.001f;"))
+        monkeypatch.setattr(merge_cuda, "_HEADER", merge_cuda._HEADER.replace(
+            "out.cosine = dots[best > -INFINITY ? best_at : 0] /", "out.cosine = 1.001f * dots[best > -INFINITY ? best_at : 0] /"))
+    elif defect == "wrong fused blend":
+        monkeypatch.setattr(merge_cuda, "_NEAREST_SPREAD", merge_cuda._NEAREST_SPREAD.replace(
+            "best.cosine, mass[loser]", "best.cosine, 1.01f * mass[loser]"))
     elif defect == "no compile":
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
     elif defect == "wrong blend":

@@ -22,7 +22,7 @@ from .pending import KEY_SCORED, PendingChunk
 
 __all__ = ["CaMKVCache", "QueryScoringWarning", "VotesWarning"]
 
-_MERGE_BATCH = 64  # compressions whose merge counts are summed at once
+_MERGE_BATCH = 64  # compressions whose merge counts may wait unevaluated
 
 
 class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
@@ -79,8 +79,8 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         # row by its votes, section 4.6), and whether attention has not asked for them yet.
         self._fetched_bias: mx.array | None = None
         self._bias_unread = False
-        self._merges = mx.zeros((), mx.int32)
-        self._merge_counts: list[mx.array] = []  # per-compression [rows] counts not yet summed
+        self._merges = mx.array(0, mx.int32)  # the merges so far, each compression's result
+        self._merges_unevaluated = 0  # compressions since the count was last evaluated
         self._evictions = 0
         self.offset = 0
         self._query_scored = 0  # tokens scored with the model's queries
@@ -295,7 +295,6 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
                 setattr(clone, name, mx.array(value))
         clone._rows, clone._pending = self._rows.copy(), self._pending.copy()
         clone._tier = None if self._tier is None else self._tier.copy()
-        clone._merge_counts = list(self._merge_counts)
         clone._warned = set(self._warned)
         clone._row_ids_for = clone._backend_for = None
         memo[id(self)] = clone
@@ -423,7 +422,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         self._evictions += max(0, end - self._config.budget) * B * H
         rest = rows.after(end) if end < rows.held else None
         request = Chunk(end, queries, scale, self._pending.key_scored, self._pending.config(self._config),
-                        self._row_ids(B, H), mass)
+                        self._row_ids(B, H), mass, self._merges)
         merged = compress(self._backend(), work, request, may_defer=defer_launch and end == rows.held and work is rows)
         if isinstance(merged, DropLaunch):
             self._deferred = merged  # camkv.batch runs it with the other rows due at this step
@@ -433,9 +432,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             self._tier.absorb_evicted(before, rows.positions)
         self._pending.settled()
         if merged is not None:
-            self._merge_counts.append(merged)
-            if len(self._merge_counts) >= _MERGE_BATCH:
-                self._total_merges()
+            self._count_merges(merged)
         self._pending.release()
         if rest is not None:
             rows.reappend(rest)
@@ -457,15 +454,16 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             self._backend_for = (key, backends.resolve(self._config.backend))
         return self._backend_for[1]
 
-    def _total_merges(self) -> mx.array:
-        """Merges so far (a scalar), folding in the per-call counts. Folded at every read:
-        mlx-lm reads the state after each prompt chunk, and a sum of all counts since the
-        last fold grew by one copy a chunk (on a GPU a launch, a layer at a time)."""
-        if self._merge_counts:
-            pending = self._merge_counts
-            counts = pending[0] if len(pending) == 1 else mx.concatenate(pending)
-            self._merges, self._merge_counts = self._merges + counts.sum(), []
-        return self._merges
+    def _count_merges(self, so_far: mx.array) -> None:
+        """Take a compression's merges so far as the count. mlx-lm evaluates the state after
+        each prompt chunk: where the merge kernels ran, the count is their own output and
+        reading it costs no launch. Elsewhere each compression adds a sum to it: evaluated
+        every _MERGE_BATCH compressions, so an unread count's graph stays short."""
+        self._merges = so_far
+        self._merges_unevaluated += 1
+        if self._merges_unevaluated >= _MERGE_BATCH:
+            mx.async_eval(so_far)
+            self._merges_unevaluated = 0
 
     # ------------------------------------------------------------------ warnings
     def _queries_can_come(self) -> bool:

@@ -48,5 +48,5 @@ class CacheInspection:
         self.flush_pending()
         rows = 0 if self._layout is None else self._layout[0] * self._layout[1]
         return {"tokens_seen": self.offset, "query_scored": self._query_scored, "evictions": self._evictions,
-                "merges": int(self._total_merges().item()), "rows": rows, "stored": self.size(),
+                "merges": int(self._merges.item()), "rows": rows, "stored": self.size(),
                 "budget": self._config.budget}

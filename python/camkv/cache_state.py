@@ -29,8 +29,9 @@ class CacheState:
         where it keeps only one, or while empty), then, while some are kept, the pending
         rows' queries [B, Hq, k, Dk] (with None for the rule's items where it keeps none).
 
-        Reading it changes nothing but how the merge count is held (mlx-lm evaluates
-        every cache's state after each prompt chunk; docs/algorithm.md section 7): the
+        Reading it changes nothing (mlx-lm evaluates every cache's state after each
+        prompt chunk; docs/algorithm.md section 7; the merge count is each compression's
+        result, so reading it adds no operation): the
         rows held since the last compression are in it unscored (score 0; meta "settled"
         counts the scored ones, "pending" says how the rest will be scored, "waiting" how
         many wait for their queries), so a cache loaded from it goes on exactly as this one. camkv.save_prompt_cache compresses
@@ -46,7 +47,7 @@ class CacheState:
         tail = rule_state if queries is None else (*(rule_state or (None, None)), queries)
         if self._tier is not None:  # the tier's rows after the items above (Nones where absent)
             tail = (*tail, *(None,) * (3 - len(tail)), *self._tier.state(*(self._layout or (0, 0))[:2]))
-        return (*arrays, self._total_merges(), json.dumps(meta)) + tail
+        return (*arrays, self._merges, json.dumps(meta)) + tail
 
     def _rule_state(self) -> tuple:
         """The state items of a merge rule that keeps votes or a threshold (none otherwise)."""

@@ -41,7 +41,9 @@ class Chunk(NamedTuple):
     [R, G, T, Dk] under scale (key queries with key scoring, then key_scored), under cfg
     (the pending tokens' config). row_ids [R] uint32: the rows' global indices. mass
     [R, end] float32 or None: the chunk's mass handed in (camkv.reconstruct's re-read),
-    which then scores it instead of the queries (they still give keepkv its query)."""
+    which then scores it instead of the queries (they still give keepkv its query).
+    merges: the cache's merges so far (an int32 scalar; None: 0), which the
+    compression's add to."""
 
     end: int
     queries: mx.array
@@ -50,6 +52,7 @@ class Chunk(NamedTuple):
     cfg: object
     row_ids: mx.array
     mass: mx.array | None = None
+    merges: mx.array | None = None
 
 
 def one_launch(backend, cfg, end: int) -> bool:
@@ -61,9 +64,11 @@ def one_launch(backend, cfg, end: int) -> bool:
 
 def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
     """Compress rows [settled, chunk.end) of rows in place (its held rows after end stay
-    as they are for the caller to append again). Returns the merges per row [R] int32, or
-    a drop.DropLaunch not run yet when may_defer and the engine is one launch (the
-    caller runs it, maybe with others alike, and hands the outputs to rows.adopt)."""
+    as they are for the caller to append again). Returns the merges so far (chunk.merges
+    plus this compression's, an int32 scalar: where the merge kernels run, their own
+    output, so reading it costs no launch), None where the engine is the one-launch drop
+    (no merges), or a drop.DropLaunch not run yet when may_defer and it is (the caller
+    runs it, maybe with others alike, and hands the outputs to rows.adopt)."""
     next_position = rows.pending_start + chunk.end - rows.settled
     # Here, before the engines part ways, so every engine starts from the same decayed scores.
     rows.scores = policy.decayed(rows.scores, chunk.cfg)
@@ -75,7 +80,8 @@ def compress(backend, rows: RowBuffers, chunk: Chunk, may_defer: bool = False):
         rows.adopt(*drop.compress_drop_buffers(*launch), next_position)
         return None
     B, H = rows.keys.shape[:2]
-    state, merged = _by_operations(backend, rows, chunk) or _by_update(backend, rows, chunk)
+    so_far = mx.array(0, mx.int32) if chunk.merges is None else chunk.merges
+    state, merged = _by_operations(backend, rows, chunk, so_far) or _by_update(backend, rows, chunk, so_far)
     rows.settle(state, next_position, B, H)
     return merged
 
@@ -107,9 +113,10 @@ def by_operations(backend, cfg, end: int, settled: int) -> bool:
     return end - settled > cfg.slack + 1 or rule.kind == merges.DROP or rule.decodes_on_engine
 
 
-def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
+def _by_operations(backend, rows: RowBuffers, chunk: Chunk, so_far: mx.array):
     """The compression as batched MLX operations where by_operations says so, and wherever
-    its mass is handed in (the kernel core scores a chunk itself); None elsewhere."""
+    its mass is handed in (the kernel core scores a chunk itself): its rows and the merges
+    so far; None elsewhere."""
     cfg, end = chunk.cfg, chunk.end
     if chunk.mass is None and not by_operations(backend, cfg, end, rows.settled):
         return None
@@ -118,20 +125,24 @@ def _by_operations(backend, rows: RowBuffers, chunk: Chunk):
     if merges.rule(cfg.merge).kind == merges.DROP:
         kept = drop.compress_drop(keys, values, rows.scores, rows.positions, chunk.queries, rows.pending_start,
                                   chunk.scale, cfg, given=chunk.mass)
-        return kept, mx.zeros((R,), mx.int32)
+        return kept, so_far
     settled = merge_ops.Settled(rows.scores, rows.positions, rows.votes, rows.threshold)
     # The backend's own reduction of a chunk's logits where it has one (the extension's column sums).
-    return merge_ops.compress(keys, values, settled, chunk.queries, rows.pending_start, chunk.scale, cfg,
-                              chunk.row_ids, getattr(backend, "REDUCER", None), given=chunk.mass,
-                              capacity=rows.capacity)
+    state, _, merged = merge_ops.compress(keys, values, settled, chunk.queries, rows.pending_start, chunk.scale, cfg,
+                                          chunk.row_ids, getattr(backend, "REDUCER", None), given=chunk.mass,
+                                          capacity=rows.capacity, merges_so_far=so_far)
+    return state, merged
 
 
-def _by_update(backend, rows: RowBuffers, chunk: Chunk):
+def _by_update(backend, rows: RowBuffers, chunk: Chunk, so_far: mx.array):
     """The backend's update over the settled rows and the pending ones as new tokens
-    (queries in the kernels' layout [R, S, G, Dk], every pending token's)."""
+    (queries in the kernels' layout [R, S, G, Dk], every pending token's): its rows and
+    the merges so far."""
     n, end = rows.settled, chunk.end
     held = rows.rows(end)
     new = [a[:, n:end] for a in held[:2]]
     q = None if chunk.key_scored else every_query(chunk.queries, end - n).transpose(0, 2, 1, 3)
-    return backend.update(held.first(n), *new, rows.pending_start, chunk.cfg, chunk.row_ids, q,
-                          None if chunk.key_scored else chunk.scale)
+    state, per_row = backend.update(held.first(n), *new, rows.pending_start, chunk.cfg, chunk.row_ids, q,
+                                    None if chunk.key_scored else chunk.scale)
+    dropping = merges.rule(chunk.cfg.merge).kind == merges.DROP  # its count is 0: no operations for it
+    return state, so_far if dropping else so_far + per_row.sum()

@@ -56,44 +56,38 @@ _THREADS = 256
 _WARPS = _THREADS // 32
 
 _NEAREST = """
-  // dims: R rows, k losers, m survivors, n_sink. A warp per (row, loser), lanes over the
-  // survivors: a candidate is a non-sink survivor (position >= n_sink) of finite key norm.
+  // dims: R rows, k losers, m survivors, n_sink. A warp per (row, loser): camkv_nearest_of.
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int n_sink = dims[3];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (loser >= rows * k) return;  // the whole warp: loser is the same for its lanes
-  const long r = loser / k;
-  const float* dots = products + loser * m;
-  float best = -INFINITY;
-  int best_at = 0;
-  // Each lane's survivors rise, so a strict comparison keeps the first of equals.
-  for (long s = lane; s < m; s += 32) {
-    const float norm = norm_k[r * m + s];
-    if (positions[r * m + s] < n_sink || !(norm < INFINITY)) continue;
-    float ranked = dots[s] / fmaxf(norm, 1e-12f);
-    if (ranked > best) { best = ranked; best_at = (int)s; }
-  }
-  for (int o = 16; o > 0; o /= 2) {
-    float other = __shfl_xor_sync(0xffffffffu, best, o);
-    int other_at = __shfl_xor_sync(0xffffffffu, best_at, o);
-    if (other > best || (other == best && other != -INFINITY && other_at < best_at)) {
-      best = other;
-      best_at = other_at;
-    }
-  }
+  const CamkvNearest best = camkv_nearest_of(products + loser * m, norm_k, positions, loser / k, m, n_sink,
+                                             norm_l[loser], lane);
   if (lane == 0) {
-    // The dot product read at the ranked best (survivor 0 where none ranked); a loser of
-    // infinite or NaN norm has no target; the cosine with the target kept, or with
-    // survivor 0, as merge_ops._nearest's operations compute it.
-    const float dot = dots[best > -INFINITY ? best_at : 0];
-    const float norm_e = norm_l[loser];
-    const bool has = best > -INFINITY && norm_e < INFINITY;
-    const int t = has ? best_at : 0;
-    target[loser] = t;
-    found[loser] = has;
-    cosine[loser] = dot / fmaxf(__fmul_rn(norm_e, norm_k[r * m + t]), 1e-12f);
+    target[loser] = best.t;
+    found[loser] = best.has;
+    cosine[loser] = best.cosine;
   }
+"""
+
+_NEAREST_SPREAD = """
+  // dims: R rows, k losers, m survivors, n_sink, Dv value and Dk key columns (Dk 0: keys
+  // stay), the rule's code. A nearest rule's search and spread in one launch, where every
+  // loser with a target merges (no gate, no moving threshold): a warp per (row, loser),
+  // camkv_nearest_of, then camkv_spread_loser into the sums [R, m, Dv + Dk + 3] and the
+  // rows' counts after them, as _NEAREST and _SPREAD one after the other.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int n_sink = dims[3], Dv = dims[4], Dk = dims[5], merge = dims[6];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;  // the whole warp
+  const long r = loser / k;
+  const CamkvNearest best = camkv_nearest_of(products + loser * m, norm_k, positions, r, m, n_sink, norm_l[loser],
+                                             lane);
+  if (!best.has) return;  // the whole warp: every lane holds the same result
+  camkv_spread_loser(sums, rows, m, Dv, Dk, merge, r, r * m + best.t, best.cosine, mass[loser], scores,
+                     norm_in[loser], norm_t, values + loser * Dv, keys + loser * Dk, lane);
 """
 
 _NEAREST_DIRECT = """
@@ -232,12 +226,88 @@ __device__ inline float camkv_keep_logit(const float* key, const float* query, c
   return __fmul_rn(scale[0], camkv_warp_dot(key, query, Dk, lane));
 }
 
+// Section 4.1 for one loser from its dot products with the m survivors of row r (dots):
+// a warp's lanes rank each candidate (a non-sink survivor, position >= n_sink, of finite
+// key norm) by dot / |K_t| and keep the largest (ties to the smaller survivor index, as
+// MLX's argmax); every lane ends with the same target t (0 where none), whether there is
+// one (a candidate, and a finite norm_e of the loser's own) and the cosine with t (with
+// survivor 0 where none ranked), as merge_ops._nearest's operations compute them.
+struct CamkvNearest {
+  int t;
+  bool has;
+  float cosine;
+};
+
+__device__ inline CamkvNearest camkv_nearest_of(const float* dots, const float* norm_k, const int* positions, long r,
+                                                long m, int n_sink, float norm_e, int lane) {
+  float best = -INFINITY;
+  int best_at = 0;
+  // Each lane's survivors rise, so a strict comparison keeps the first of equals.
+  for (long s = lane; s < m; s += 32) {
+    const float norm = norm_k[r * m + s];
+    if (positions[r * m + s] < n_sink || !(norm < INFINITY)) continue;
+    const float ranked = dots[s] / fmaxf(norm, 1e-12f);
+    if (ranked > best) { best = ranked; best_at = (int)s; }
+  }
+  for (int o = 16; o > 0; o /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, best, o);
+    const int other_at = __shfl_xor_sync(0xffffffffu, best_at, o);
+    if (other > best || (other == best && other != -INFINITY && other_at < best_at)) {
+      best = other;
+      best_at = other_at;
+    }
+  }
+  CamkvNearest out;
+  out.has = best > -INFINITY && norm_e < INFINITY;
+  out.t = out.has ? best_at : 0;
+  // The dot product read at the ranked best (survivor 0 where none ranked).
+  out.cosine = dots[best > -INFINITY ? best_at : 0] / fmaxf(__fmul_rn(norm_e, norm_k[r * m + out.t]), 1e-12f);
+  return out;
+}
+
+// The merges so far after a compression, by the first warp of its last launch (every
+// lane calls it): prior[0] plus the R rows' merges, counted as floats by atomic additions
+// after the sums (exact below 2^24 a row).
+__device__ inline void camkv_merges_so_far(const float* counts, long rows, const int* prior, int* out_total,
+                                           int lane) {
+  int total = 0;
+  for (long r = lane; r < rows; r += 32) total += (int)counts[r];
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  if (lane == 0) out_total[0] = prior[0] + total;
+}
+
 // weight x a loser's value row [Dv] and key row [Dk] added into its target's sums
 // (columns [0, Dv) and [Dv, Dv + Dk)), a warp's lanes over the columns.
 __device__ inline void camkv_add_rows(float* into, float weight, const float* value, int Dv, const float* key,
                                       int Dk, int lane) {
   for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(weight, value[c]));
   for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(weight, key[c]));
+}
+"""
+
+# After the rules' header (camkv_merges.h): a nearest rule's spread of one loser.
+_SPREAD_HEADER = """
+// One merging loser of row r into its target t (flat: r m + its survivor): its share
+// a_e, the rule's (camkv_merges.h, as the kernel core takes it: from its cosine, its mass
+// s_e, its target's score and, where the rule reads them, its value's norm and its
+// target's), times its value (and key), then a_e, 1 and s_e, added into t's float32
+// sums [R, m, Dv + Dk + 3], and 1 into row r's count after them (R more; the finish
+// writes the merges a row and so far).
+__device__ inline void camkv_spread_loser(float* sums, long rows, long m, int Dv, int Dk, int merge, long r, long t,
+                                          float cosine, float mass_e, const float* scores, float norm_e,
+                                          const float* norm_t, const float* value, const float* key, int lane) {
+  const int C = Dv + Dk;
+  const bool norms = camkv_reads_value_norms(merge);
+  const float share = camkv_loser_share(merge, cosine, mass_e, scores[t], norms ? norm_e : 0.0f,
+                                        norms ? norm_t[t] : 0.0f);
+  float* into = sums + t * (C + 3);
+  camkv_add_rows(into, share, value, Dv, key, Dk, lane);
+  if (lane == 0) {
+    atomicAdd(into + C, share);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, mass_e);
+    atomicAdd(sums + rows * m * (C + 3) + r, 1.0f);
+  }
 }
 """
 
@@ -290,29 +360,16 @@ _GATHER = """
 
 _SPREAD = """
   // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay),
-  // the rule's code (a value, not a template: one build serves every rule).
-  // A warp per (row, loser) that merges: its share a_e, the rule's (camkv_merges.h, as
-  // the kernel core takes it: from its cosine, its mass s_e, its target's score and, where
-  // the rule reads them, its value's norm and its target's), times its value (and key),
-  // then a_e, 1 and s_e, added into its target's float32 sums [R, m, Dv + Dk + 3], and 1
-  // into its row's count after them (R more; the finish writes the merges a row).
+  // the rule's code (a value, not a template: one build serves every rule). A warp per
+  // (row, loser) that merges: camkv_spread_loser into its target's sums.
   const long rows = dims[0], k = dims[1], m = dims[2];
-  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk, merge = dims[5];
+  const int Dv = dims[3], Dk = dims[4], merge = dims[5];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
-  const long t = (loser / k) * m + target[loser];
-  const bool norms = camkv_reads_value_norms(merge);
-  const float share = camkv_loser_share(merge, cosine[loser], mass[loser], scores[t], norms ? norm_in[loser] : 0.0f,
-                                        norms ? norm_t[t] : 0.0f);
-  float* into = sums + t * (C + 3);
-  camkv_add_rows(into, share, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
-  if (lane == 0) {
-    atomicAdd(into + C, share);
-    atomicAdd(into + C + 1, 1.0f);
-    atomicAdd(into + C + 2, mass[loser]);
-    atomicAdd(sums + rows * m * (C + 3) + loser / k, 1.0f);
-  }
+  const long r = loser / k;
+  camkv_spread_loser(sums, rows, m, Dv, Dk, merge, r, r * m + target[loser], cosine[loser], mass[loser], scores,
+                     norm_in[loser], norm_t, values + loser * Dv, keys + loser * Dk, lane);
 """
 
 _FINISH = """
@@ -325,13 +382,15 @@ _FINISH = """
   // OUT_K); a key that does not blend is copied as stored. Survivor jj of row r goes to
   // row jj of r's buffer of cap rows (rows m.. are left for the decode steps to write).
   // Column 0 also writes the survivor's score plus the mass it took in, and a row's first
-  // survivor's column 0 the row's merges (the count after the sums). A: the rule's
+  // survivor's column 0 the row's merges (the count after the sums); the first warp the
+  // merges so far, prior plus every row's (camkv_merges_so_far). A: the rule's
   // target share of the survivor's score (camkv_merges.h), or 1 for a window rule's sums
   // (whose shares stay 0: own + sum).
   const long rows = dims[0], m = dims[1];
   const int Dv = dims[2], Dk = dims[3], Kb = dims[5], C = Dv + Dk, S = Dv + Kb, merge = dims[6];
   const long cap = dims[4];
   const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at < 32) camkv_merges_so_far(sums + rows * m * (S + 3), rows, prior, out_total, (int)at);
   if (at >= rows * m * C) return;
   const long j = at / C;
   const int c = (int)(at % C);
@@ -469,7 +528,7 @@ _KEEP_SPREAD = """
   // dims: R rows, k losers, m survivors, Dv, Dk. A warp per (row, loser) that merges:
   // m_e = votes_e exp(l_e - top_t) (votes_e where the target's mass is not finite), then
   // m_e V_e, m_e K_e, m_e, 1, votes_e and s_e added into its target's float32 sums
-  // [R, m, Dv + Dk + 4].
+  // [R, m, Dv + Dk + 4], and 1 into its row's count after them (R more).
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -486,6 +545,7 @@ _KEEP_SPREAD = """
     atomicAdd(into + C + 1, 1.0f);
     atomicAdd(into + C + 2, votes[loser]);
     atomicAdd(into + C + 3, mass[loser]);
+    atomicAdd(sums + rows * m * (C + 4) + r, 1.0f);
   }
 """
 
@@ -497,12 +557,16 @@ _KEEP_FINISH = """
   // (merges.output_preserving_key), its votes summed; elsewhere its row and votes as they
   // were. Value and key rounded once to their buffers' dtypes (OUT_V, OUT_K), survivor jj
   // of row r into row jj of r's buffer of cap rows (rows m.. left unwritten). Its score
-  // gains the mass s_e of its losers.
+  // gains the mass s_e of its losers. A row's first survivor's warp writes the row's
+  // merges (the count after the sums), the first warp the merges so far (prior plus every
+  // row's).
   const long rows = dims[0], m = dims[1];
   const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
   const long cap = dims[4];
   const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
+  const float* counts = sums + rows * m * (C + 4);
+  if (j == 0) camkv_merges_so_far(counts, rows, prior, out_total, lane);
   if (j >= rows * m) return;
   const long r = j / m, slot = r * cap + j % m;
   const float* sum = sums + j * (C + 4);
@@ -536,6 +600,7 @@ _KEEP_FINISH = """
   if (lane == 0) {
     out_votes[j] = receiving ? total_votes : votes[j];
     out_scores[j] = __fadd_rn(scores[j], sum[C + 3]);
+    if (j % m == 0) out_count[r] = (int)counts[r];
   }
 """
 
@@ -589,7 +654,10 @@ def _specs() -> dict[str, tuple]:
     rules = _rules_header()  # read once for the three kernels that take it
     specs = {
         "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
-                    ["target", "found", "cosine"], ""),
+                    ["target", "found", "cosine"], _HEADER),
+        "nearest_spread": ("camkv_nearest_spread", _NEAREST_SPREAD,
+                           ["products", "norm_k", "positions", "norm_l", "values", "keys", "mass", "scores", "norm_in",
+                            "norm_t", "dims"], ["sums"], _HEADER + rules + _SPREAD_HEADER),
         "nearest_direct": ("camkv_nearest_direct", _NEAREST_DIRECT,
                            ["losers", "kept", "norm_k", "positions", "norm_l", "dims"], ["target", "found", "cosine"],
                            ""),
@@ -600,9 +668,9 @@ def _specs() -> dict[str, tuple]:
                    [f"{side}_{field}" for side in "ls" for field in _GATHERED], ""),
         "spread": ("camkv_blend_spread", _SPREAD,
                    ["values", "keys", "cosine", "mass", "scores", "norm_in", "norm_t", "target", "merging", "dims"],
-                   ["sums"], _HEADER + rules),
-        "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "dims"],
-                   ["out_values", "out_keys", "out_scores", "out_count"], rules),
+                   ["sums"], _HEADER + rules + _SPREAD_HEADER),
+        "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "prior", "dims"],
+                   ["out_values", "out_keys", "out_scores", "out_count", "out_total"], _HEADER + rules),
         "keep_inputs": ("camkv_keep_inputs", _KEEP_INPUTS, ["settled", "queries", "dims"],
                         ["votes", "log_votes", "query"], ""),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
@@ -745,18 +813,21 @@ _KEEP = {
                                    "merging"],
                ["sums"]),
     "keep_finish": (_KEEP_FINISH, ["values", "keys", "votes", "scores", "query", "sums", "mass_t", "top", "finite",
-                              "scale"], ["out_values", "out_keys", "out_votes", "out_scores"]),
+                                   "scale", "prior"],
+                    ["out_values", "out_keys", "out_votes", "out_scores", "out_count", "out_total"]),
 }
 
 
-def keep_merge(losers, kept, target, merging, query, scale: float, value_dtype=mx.float32,
+def keep_merge(losers, kept, target, merging, query, scale: float, merges_so_far: mx.array, value_dtype=mx.float32,
                capacity: int | None = None):
     """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results):
     losers and kept are merge_ops.Rows (float32 keys and values, the keys as stored,
     votes, scores), target [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk]
     float32. Returns the survivors' keys [R, cap, Dk] in the stored keys' dtype and values
     [R, cap, Dv] in value_dtype (each rounded once; cap = capacity, or m; rows past m
-    unwritten, as blend_nearest's), votes and scores plus the mass taken in [R, m]."""
+    unwritten, as blend_nearest's), votes and scores plus the mass taken in [R, m], and
+    the merges: each row's [R] and merges_so_far (int32, one) plus all of them, counted
+    by the same launches as blend_nearest's."""
     rows, k, dk = losers.keys.shape
     m, dv = kept.keys.shape[1], kept.values.shape[2]
     by_loser = _warp_per(rows * k)
@@ -772,27 +843,27 @@ def keep_merge(losers, kept, target, merging, query, scale: float, value_dtype=m
     sums = _kernel("keep_spread")(
         inputs=[losers.values, losers.keys, losers.votes, losers.scores, query, scale_, top, finite, target,
                 merging, ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
-        output_shapes=[(rows, m, dv + dk + 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
+        output_shapes=[_sums_and_counts(rows, m, dv + dk, 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
     cap, key_dtype = m if capacity is None else capacity, kept.stored_keys.dtype
-    values, keys, votes, scores = _kernel("keep_finish")(
+    values, keys, votes, scores, count, total = _kernel("keep_finish")(
         inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, mass_t, top, finite, scale_,
-                ints(rows, m, dv, dk, cap)], template=[("OUT_V", value_dtype), ("OUT_K", key_dtype)],
+                merges_so_far, ints(rows, m, dv, dk, cap)], template=[("OUT_V", value_dtype), ("OUT_K", key_dtype)],
         grid=by_survivor, threadgroup=block,
-        output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows, m)],
-        output_dtypes=[value_dtype, key_dtype, mx.float32, mx.float32])
-    return keys, values, votes, scores
+        output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows, m), (rows,), ()],
+        output_dtypes=[value_dtype, key_dtype, mx.float32, mx.float32, mx.int32, mx.int32])
+    return keys, values, votes, scores, count, total
 
 
 def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, scores, window: int,
-                  value_dtype=mx.float32, capacity: int | None = None):
+                  merges_so_far: mx.array, value_dtype=mx.float32, capacity: int | None = None):
     """The paper's window rule for every loser at once (section 4.2, no gate): losers'
     values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k], survivors at
     kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32, own_keys [R, m, Dk] as
     stored and scores [R, m]. Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every
     loser e whose window W(e) (the first `window` survivors after it) holds it. Returns the
     survivors' values rounded once to value_dtype and keys as stored, in buffers of
-    capacity rows as blend_nearest's, their scores [R, m] and the merges of each row [R]
-    int32 (the losers with a survivor after them)."""
+    capacity rows as blend_nearest's, their scores [R, m] and the merges (the losers with
+    a survivor after them) of each row [R] and so far, as blend_nearest's."""
     rows, k, dv = values.shape
     m = kept_idx.shape[1]
     sums = _kernel("window")(
@@ -800,11 +871,11 @@ def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, score
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[_sums_and_counts(rows, m, dv)], output_dtypes=[mx.float32], init_value=0.0)[0]
     # Survivor t becomes (1 V_t + sum) / (1 + 0): V_t plus its window's sum, exactly.
-    return _finish(sums, own_values, own_keys, scores, 0, value_dtype, capacity, None)
+    return _finish(sums, own_values, own_keys, scores, 0, merges_so_far, value_dtype, capacity, None)
 
 
 def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, cosine, mass, value_norms,
-                  merge: int, value_dtype=mx.float32, capacity: int | None = None):
+                  merge: int, merges_so_far: mx.array, value_dtype=mx.float32, capacity: int | None = None):
     """Section 4.4's blend for every survivor at once, where each merging loser has one
     target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
     the survivors' own_values [R, m, Dv] float32, own_keys [R, m, Dk] as stored (their
@@ -816,8 +887,9 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
     values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk] (blended keys
     rounded once, the others copied), whose first m rows are the survivors (cap =
     capacity, or m; the rest unwritten: buffers with room to decode, as
-    compact_cuda.drop_compact writes them), their scores plus the mass taken in [R, m]
-    and the merging losers of each row [R] int32 (a count no launch of its own makes):
+    compact_cuda.drop_compact writes them), their scores plus the mass taken in [R, m],
+    and the merges (merging losers) of each row [R] int32 and so far: merges_so_far
+    (int32, one) plus all of them (counts no launch of their own makes):
     (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that denominator
     is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums in the
     device's order."""
@@ -830,31 +902,53 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
                 ints(rows, k, m, Dv, blended_keys, merge)],
         grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
         output_shapes=[_sums_and_counts(rows, m, Dv + blended_keys)], output_dtypes=[mx.float32], init_value=0.0)[0]
-    return _finish(sums, own_values, own_keys, scores, blended_keys, value_dtype, capacity, merge)
+    return _finish(sums, own_values, own_keys, scores, blended_keys, merges_so_far, value_dtype, capacity, merge)
 
 
-def _sums_and_counts(rows: int, m: int, columns: int) -> tuple[int]:
-    """The shape of a blend's sums (flat): each survivor's columns then its share, count
-    and mass, [R, m, columns + 3], then each row's count of merging losers [R]; the
-    finish reads the counts after R m (columns + 3)."""
-    return (rows * m * (columns + 3) + rows,)
+def nearest_blend(products, norm_l, norm_k, positions, n_sink: int, values, keys, own_values, own_keys, scores,
+                  mass, value_norms, merge: int, merges_so_far: mx.array, value_dtype=mx.float32,
+                  capacity: int | None = None):
+    """nearest's search and blend_nearest's blend in two launches where every loser with a
+    target merges (no gate, no moving threshold): the first finds each loser's target from
+    the products [R, k, m] (with norm_l, norm_k, positions and n_sink as nearest takes
+    them) and adds it into the sums at once; the second is blend_nearest's finish. The
+    rest of the arguments and the results are blend_nearest's."""
+    rows, k, m = products.shape
+    Dv = values.shape[2]
+    blended_keys = 0 if keys is None else keys.shape[2]
+    norm_in, norm_t = (mass, scores) if value_norms is None else value_norms  # read only where the rule reads them
+    sums = _kernel("nearest_spread")(
+        inputs=[products, norm_k, positions, norm_l, values, values if keys is None else keys, mass, scores, norm_in,
+                norm_t, ints(rows, k, m, n_sink, Dv, blended_keys, merge)],
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[_sums_and_counts(rows, m, Dv + blended_keys)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    return _finish(sums, own_values, own_keys, scores, blended_keys, merges_so_far, value_dtype, capacity, merge)
 
 
-def _finish(sums, own_values, own_keys, scores, blended_keys: int, value_dtype, capacity: int | None,
-            merge: int | None) -> tuple:
+def _sums_and_counts(rows: int, m: int, columns: int, scalars: int = 3) -> tuple[int]:
+    """The shape of a blend's sums (flat): each survivor's columns then its scalars (a
+    nearest rule's share, count and mass; keepkv's a fourth, the votes taken in),
+    [R, m, columns + scalars], then each row's count of merging losers [R]; the finish
+    reads the counts after R m (columns + scalars)."""
+    return (rows * m * (columns + scalars) + rows,)
+
+
+def _finish(sums, own_values, own_keys, scores, blended_keys: int, merges_so_far: mx.array, value_dtype,
+            capacity: int | None, merge: int | None) -> tuple:
     """The blend's second launch (_FINISH) over sums [R, m, Dv + blended_keys + 3] and
     each row's count after them [R] (flat): the survivors' values and keys in buffers of
-    capacity rows (or m), their scores and the merges of each row [R] int32. merge:
-    the blending rule whose target share each survivor keeps; None: a window rule's sums,
-    added to each survivor."""
+    capacity rows (or m), their scores, the merges of each row [R] int32 and
+    merges_so_far plus all of them (int32, one: a cache's running count, so reading it
+    costs no launch). merge: the blending rule whose target share each survivor keeps;
+    None: a window rule's sums, added to each survivor."""
     rows, m, Dv = own_values.shape
     Dk = own_keys.shape[2]
     cap = m if capacity is None else capacity
     threads = rows * m * (Dv + Dk)
     return tuple(_kernel("finish")(
-        inputs=[sums, own_values, own_keys, scores,
+        inputs=[sums, own_values, own_keys, scores, merges_so_far,
                 ints(rows, m, Dv, Dk, cap, blended_keys, -1 if merge is None else merge)],
         template=[("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
         grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m), (rows,)],
-        output_dtypes=[value_dtype, own_keys.dtype, mx.float32, mx.int32]))
+        output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m), (rows,), ()],
+        output_dtypes=[value_dtype, own_keys.dtype, mx.float32, mx.int32, mx.int32]))

@@ -100,11 +100,14 @@ class Settled(NamedTuple):
 
 def compress(keys, values, settled: Settled, queries, first_pending: int, scale: float, cfg, row_ids,
              preferred: mass.Reducer | None = None, kernels: bool | None = None,
-             given: mx.array | None = None, capacity: int | None = None) -> tuple[RowState, mx.array]:
+             given: mx.array | None = None, capacity: int | None = None,
+             merges_so_far: mx.array | None = None) -> tuple[RowState, mx.array, mx.array]:
     """Rows held [R, N, D] whose first n are scored (settled): score the rest, at
     positions first_pending.., as one chunk (queries [R, G, T, Dk], its last T), evict
-    down to the budget and merge every loser (section 4). Returns the survivors and the
-    merges per row. preferred: the backend's reduction of a chunk's logits (see reducer);
+    down to the budget and merge every loser (section 4). Returns the survivors, the
+    merges per row [R] and the merges so far: merges_so_far (a cache's running count, an
+    int32 scalar; None: 0) plus this compression's, which the kernels count in their own
+    launches. preferred: the backend's reduction of a chunk's logits (see reducer);
     kernels: whether the nearest search and the sums run as camkv.backends.merge_cuda's
     kernels (default: on an NVIDIA GPU); given [R, N]: the chunk's mass handed in, used
     instead of the queries' (which still give keepkv its query). capacity: rows of the
@@ -116,6 +119,7 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
     rule = merges.rule(cfg.merge)
     rows, n = settled.scores.shape
     s_len = keys.shape[1] - n
+    so_far = mx.array(0, mx.int32) if merges_so_far is None else merges_so_far
     merging = n + s_len > cfg.budget and rule.kind != merges.DROP
     if merging:
         kernels = (merge_cuda.available() and kernels_pass_probe()) if kernels is None else kernels
@@ -135,24 +139,24 @@ def compress(keys, values, settled: Settled, queries, first_pending: int, scale:
             first_pending + mx.arange(s_len, dtype=mx.int32), (rows, s_len))], axis=1)
         scores = mx.concatenate([settled.scores + chunk[:, :n], chunk[:, n:]], axis=1)
         if n + s_len <= cfg.budget:
-            return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32)
+            return RowState(keys, values, scores, positions, votes, threshold), mx.zeros((rows,), mx.int32), so_far
         # Losers in any order: a compression's merges are simultaneous (section 4).
         loser_idx, kept_idx = drop.losers_and_survivors(policy.eviction_ranks(scores, cfg), positions,
                                                         first_pending + s_len - 1, cfg.budget, cfg.n_sink, cfg.recent,
                                                         losers_sorted=False)
         if rule.kind == merges.DROP:  # nothing merges (the drop engine's result)
             return (RowState(keys, values, scores, positions, votes, threshold).take(kept_idx),
-                    mx.zeros((rows,), mx.int32))
+                    mx.zeros((rows,), mx.int32), so_far)
     losers, kept = Rows.split(keys, values, scores, positions, votes, loser_idx, kept_idx,
                               key_norm=rule.kind == merges.NEAREST, kernels=kernels)
     # Keys stored in half precision are exact in a TF32 product; float32 ones need the split.
     split = drop.on_cuda() and keys.dtype == mx.float32
     merged = merge(losers, loser_idx, kept, kept_idx, threshold, query, scale, cfg, row_ids, split, kernels,
-                   values.dtype, capacity)
+                   values.dtype, capacity, so_far)
     # Survivors no merge changed round back to themselves (they were cast from the storage dtype).
     out_keys = kept.stored_keys if merged.keys is kept.keys else merged.keys.astype(keys.dtype)
     return RowState(out_keys, merged.values.astype(values.dtype), merged.scores, kept.positions, merged.votes,
-                    merged.threshold), merged.count
+                    merged.threshold), merged.count, merged.so_far
 
 
 def keep_inputs(settled, n: int, new: int, queries) -> tuple[mx.array, mx.array, mx.array]:
@@ -213,11 +217,15 @@ def _probe_failure() -> str | None:
 
 # What the first-use check compares, in the order _probe_with_kernels gives it.
 _PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores", "blend's merge counts",
+           "blend's merges so far",
            *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
                                                 "key norms", "value norms")),
            "losers", "survivors", "joined scores", "joined positions",
-           *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores")),
-           *(f"window's merged {field}" for field in ("values", "scores", "counts")), "d2o's merging",
+           *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores", "counts",
+                                                       "counts so far")),
+           *(f"window's merged {field}" for field in ("values", "scores", "counts", "counts so far")),
+           *(f"value_norm's merged {field}" for field in ("values", "scores", "counts", "counts so far")),
+           "d2o's merging",
            "d2o's thresholds", *(f"keepkv's {field}" for field in ("joined votes", "log votes", "query")))
 
 
@@ -243,6 +251,7 @@ def _probe_problem() -> dict:
     p["cosine"] = mx.array(rng.uniform(-1.0, 1.0, (2, 70)).astype(np.float32))
     p["norms"] = (mx.abs(normal(2, 70)), mx.abs(normal(2, 90)))
     p["threshold"] = mx.array([float("nan"), 0.1], mx.float32)
+    p["so_far"] = mx.array(1000, mx.int32)  # a running count the merges add to
     p["votes"], p["queries"] = mx.abs(p["settled"]) * 3.0 + 1.0, normal(2, 3, 5, 64).astype(mx.bfloat16)
     return p
 
@@ -257,8 +266,8 @@ def _probe_keep(p: dict, kernels: bool) -> tuple:
     kept = rows(p["kept"], p["own"], mx.abs(p["scores"]), 90)
     merged = merge(losers, p["order"][:, :70], kept, p["order"][:, 70:], None, p["query"], 0.125,
                    CaMConfig(budget=90, n_sink=1, recent=1, merge="keepkv"), mx.arange(2).astype(mx.uint32), False,
-                   kernels)
-    return merged.keys, merged.values, merged.votes, merged.scores
+                   kernels, merges_so_far=p["so_far"])
+    return merged.keys, merged.values, merged.votes, merged.scores, merged.count, merged.so_far
 
 
 def _probe_window(p: dict, kernels: bool) -> tuple:
@@ -269,8 +278,21 @@ def _probe_window(p: dict, kernels: bool) -> tuple:
                                        keys[:, :scores.shape[1]])
     merged = merge(rows(p["rows"], mx.abs(p["x"])), p["order"][:, :70], rows(p["own"], mx.abs(p["scores"])),
                    mx.sort(p["order"][:, 70:], axis=1), None, None, 1.0, CaMConfig(budget=90, merge="window"),
-                   mx.arange(2).astype(mx.uint32), False, kernels)
-    return merged.values, merged.scores, merged.count
+                   mx.arange(2).astype(mx.uint32), False, kernels, merges_so_far=p["so_far"])
+    return merged.values, merged.scores, merged.count, merged.so_far
+
+
+def _probe_nearest_rule(p: dict, kernels: bool) -> tuple:
+    """value_norm's merges of the probe's losers into its survivors, ungated: with kernels
+    its search and blend in two launches (merge_cuda.nearest_blend)."""
+    def rows(keys, values, scores):
+        return Rows(keys, values, scores, p["positions"][:, :scores.shape[1]], None, keys,
+                    merges.feature_norm(keys), merges.feature_norm(values))
+    merged = merge(rows(p["losers"], p["rows"], mx.abs(p["x"])), p["order"][:, :70],
+                   rows(p["kept"], p["own"], mx.abs(p["scores"])), p["order"][:, 70:], None, None, 1.0,
+                   CaMConfig(budget=90, n_sink=1, recent=1, merge="value_norm"), mx.arange(2).astype(mx.uint32), False,
+                   kernels, merges_so_far=p["so_far"])
+    return merged.values, merged.scores, merged.count, merged.so_far
 
 
 def _probe_taken(p: dict) -> tuple:
@@ -284,13 +306,13 @@ def _probe_with_kernels(p: dict) -> tuple:
     edges = _Edges(p["targets"], p["live"], 90, kernels=True)
     blend = merge_cuda.blend_nearest(p["rows"], None, p["own"], p["own"], p["scores"], p["targets"][:, :, 0],
                                      p["live"][:, :, 0], p["cosine"], mx.abs(p["x"]), p["norms"],
-                                     merges.code("value_norm"))
+                                     merges.code("value_norm"), p["so_far"])
     gathered = Rows.split(*_probe_taken(p), key_norm=True, kernels=True)[1]
     partition = compact_cuda.partition(p["settled"], p["held_positions"][:, :60], p["chunk"], constants.ints(60),
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
-            blend[0], blend[2], blend[3], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
-            *_probe_window(p, True), *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]),
+            blend[0], blend[2], *blend[3:], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
+            *_probe_window(p, True), *_probe_nearest_rule(p, True), *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]),
             *merge_cuda.keep_inputs(p["votes"], 60, 100, p["queries"]))
 
 
@@ -302,10 +324,11 @@ def _probe_with_operations(p: dict) -> tuple:
         [(p["own"], p["rows"])], share_in, rule.target_share(p["scores"]), mx.abs(p["x"]))
     gathered = Rows.split(*_probe_taken(p), key_norm=True)[1]
     joined = mx.concatenate([p["settled"] + p["chunk"][:, :60], p["chunk"][:, 60:]], axis=1)
+    count = p["live"][:, :, 0].sum(axis=1)
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True), *edges.sums(p["rows"]), blend.rows[0],
-            p["scores"] + blend.extra[0], p["live"][:, :, 0].sum(axis=1), *_gathered_fields(gathered),
+            p["scores"] + blend.extra[0], count, p["so_far"] + count.sum(), *_gathered_fields(gathered),
             *drop.losers_and_survivors(joined, p["held_positions"], 159, 90, 2, 5), joined, p["held_positions"],
-            *_probe_keep(p, False), *_probe_window(p, False), *_probe_threshold(p),
+            *_probe_keep(p, False), *_probe_window(p, False), *_probe_nearest_rule(p, False), *_probe_threshold(p),
             *keep_inputs(p["votes"], 60, 100, p["queries"]))
 
 
@@ -328,7 +351,8 @@ def _as_numpy(a: mx.array) -> np.ndarray:
 class Merged(NamedTuple):
     """The survivors after a compression's merges (keys and values float32 [R, m, D], or,
     where the kernels' blend wrote them, buffers [R, capacity, D] in their storage dtypes),
-    the rule's state and the merges per row."""
+    the rule's state, the merges per row [R] and the merges so far (the count handed in
+    plus all of them, an int32 scalar)."""
 
     keys: mx.array
     values: mx.array
@@ -336,6 +360,7 @@ class Merged(NamedTuple):
     votes: mx.array | None
     threshold: mx.array | None
     count: mx.array
+    so_far: mx.array
 
 
 class _Targets(NamedTuple):
@@ -384,37 +409,48 @@ def _merging(targets: _Targets, losers: Rows, threshold, cfg, row_ids, kernels: 
 
 
 def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale: float, cfg, row_ids,
-          split: bool, kernels: bool = False, storage=mx.float32, capacity: int | None = None) -> Merged:
+          split: bool, kernels: bool = False, storage=mx.float32, capacity: int | None = None,
+          merges_so_far: mx.array | None = None) -> Merged:
     """Sections 4.1-4.6: every loser's targets among the survivors (as they stand before
     any merge), the gate and d2o's threshold, then every target's merges at once. split:
     whether the nearest search's product needs float32_product's split (float32 keys on
     an NVIDIA GPU); kernels: the nearest search and the sums by camkv.backends.merge_cuda,
     whose blend of a nearest rule (and keepkv's merge) rounds the values to storage (the
     values' dtype as stored) and the keys to their stored dtype, into buffers of
-    capacity rows (compress's)."""
+    capacity rows (compress's). merges_so_far: the count the merges add to (None: 0);
+    with kernels, their own launches count them (no reduction after them)."""
     rule = merges.rule(cfg.merge)
+    so_far = mx.array(0, mx.int32) if merges_so_far is None else merges_so_far
     if kernels and rule.kind == merges.WINDOW and not rule.blends and not cfg.gate:
         # Every loser with a survivor after it merges, counted by the same launches.
-        values, keys, scores, count = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
-                                                               kept.values, kept.stored_keys, kept.scores,
-                                                               cfg.window, storage, capacity)
-        return Merged(keys, values, scores, kept.votes, threshold, count)
+        values, keys, scores, *counts = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
+                                                                 kept.values, kept.stored_keys, kept.scores,
+                                                                 cfg.window, so_far, storage, capacity)
+        return Merged(keys, values, scores, kept.votes, threshold, *counts)
+    if kernels and _search_and_blend_fused(rule, cfg):  # search, shares, sums and count: two launches
+        products, norm_l, norm_k = _key_products(losers.keys, kept.keys, split, kernels,
+                                                 (losers.key_norm, kept.key_norm))
+        values, keys, scores, *counts = merge_cuda.nearest_blend(
+            products, norm_l, norm_k, kept.positions, cfg.n_sink, losers.values,
+            losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores, losers.scores,
+            (losers.value_norm, kept.value_norm), rule.code, so_far, storage, capacity)
+        return Merged(keys, values, scores, kept.votes, threshold, *counts)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids, kernels)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
         # One target a loser: the whole blend, the rule's shares with it and the count, in two
         # launches (merge_cuda.blend_nearest; the value norms Rows.split took).
-        values, keys, scores, count = merge_cuda.blend_nearest(
+        values, keys, scores, *counts = merge_cuda.blend_nearest(
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores,
             targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
-            storage, capacity)
-        return Merged(keys, values, scores, votes, threshold, count)
-    count = do.sum(axis=1).astype(mx.int32)  # merging losers a row (the blend's launches count their own)
+            so_far, storage, capacity)
+        return Merged(keys, values, scores, votes, threshold, *counts)
     if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
-        keys, values, votes, scores = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale, storage,
-                                                            capacity)
-        return Merged(keys, values, scores, votes, threshold, count)
+        keys, values, votes, scores, *counts = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale,
+                                                                     so_far, storage, capacity)
+        return Merged(keys, values, scores, votes, threshold, *counts)
+    count = do.sum(axis=1).astype(mx.int32)  # merging losers a row (the kernels count their own)
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
     if rule.keeps_votes:
         keys, values, votes, s_in = _keep_output(rule, losers, kept, targets, edges, query, scale)
@@ -428,7 +464,7 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     else:  # additive: each target of W(e) gains V_e / |W(e)|
         added, s_in = edges.sums(losers.values / targets.width[:, :, None], targets.s_in)
         values = kept.values + added
-    return Merged(keys, values, kept.scores + s_in, votes, threshold, count)
+    return Merged(keys, values, kept.scores + s_in, votes, threshold, count, so_far + count.sum())
 
 
 def _loser_share(rule, losers: Rows, kept: Rows, targets: _Targets):
@@ -460,17 +496,10 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     there is one [R, k] and cos_t [R, k] as section 4.1 computes it. kernels: the product's
     ranking and argmax in one pass over it (merge_cuda.nearest). norms: the keys' norms
     (losers', survivors'; Rows.split's) where already computed."""
-    norm_l, norm_k = (merges.feature_norm(keys) if norm is None else norm
-                      for keys, norm in zip((loser_keys, kept_keys), norms))
     if kernels and NEAREST_WITHOUT_PRODUCT:
+        norm_l, norm_k = _key_norms(loser_keys, kept_keys, norms)
         return merge_cuda.nearest_direct(loser_keys, kept_keys, norm_l, norm_k, kept_positions, n_sink)
-    survivors_keys = kept_keys.transpose(0, 2, 1)
-    fenced = kernels and FENCE_NEAREST_PRODUCT  # read once: both evaluations or neither
-    if fenced:
-        mx.async_eval(loser_keys, survivors_keys)
-    products = mass.float32_product(loser_keys, survivors_keys, split)
-    if fenced:
-        mx.async_eval(products)
+    products, norm_l, norm_k = _key_products(loser_keys, kept_keys, split, kernels, norms)
     if kernels:
         return merge_cuda.nearest(products, norm_l, norm_k, kept_positions, n_sink)
     # A NaN or infinite key has no finite cosine: such a survivor is no candidate, such a
@@ -485,6 +514,34 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
     # The target's norm is its row's of norm_k (the same sum of the same row), read, not summed again.
     cos_t = (loser_keys * k_t).sum(axis=-1) / mx.maximum(norm_l * _at(norm_k, t), 1e-12)
     return t, found, cos_t
+
+
+def _key_norms(loser_keys, kept_keys, norms: tuple) -> tuple:
+    """The losers' and the survivors' key norms: norms where given, else taken here."""
+    return tuple(merges.feature_norm(keys) if norm is None else norm for keys, norm in zip((loser_keys, kept_keys), norms))
+
+
+def _key_products(loser_keys, kept_keys, split: bool, kernels: bool, norms: tuple) -> tuple:
+    """The nearest search's dot products of losers [R, k, Dk] and survivors' keys
+    [R, m, Dk], [R, k, m] float32 (split as _nearest says), and the two sides' key norms.
+    With kernels on CUDA the product is fenced (FENCE_NEAREST_PRODUCT)."""
+    norm_l, norm_k = _key_norms(loser_keys, kept_keys, norms)
+    survivors_keys = kept_keys.transpose(0, 2, 1)
+    fenced = kernels and FENCE_NEAREST_PRODUCT  # read once: both evaluations or neither
+    if fenced:
+        mx.async_eval(loser_keys, survivors_keys)
+    products = mass.float32_product(loser_keys, survivors_keys, split)
+    if fenced:
+        mx.async_eval(products)
+    return products, norm_l, norm_k
+
+
+def _search_and_blend_fused(rule, cfg) -> bool:
+    """Whether the kernels find a nearest rule's targets and spread its losers into them in
+    one launch (merge_cuda.nearest_blend): every loser with a target merges (no gate, no
+    moving threshold), and the search takes the product."""
+    return (rule.kind == merges.NEAREST and rule.blends and not rule.keeps_votes and not rule.moving_threshold
+            and not cfg.gate and not NEAREST_WITHOUT_PRODUCT)
 
 
 def _window_targets(loser_idx, kept_idx, window: int):
@@ -609,13 +666,13 @@ def update(state: RowState, new_keys, new_values, offset: int, cfg, row_ids, que
     if cfg.prefill == "chunk":
         keys = mx.concatenate([state.keys, new_keys], axis=1)
         values = mx.concatenate([state.values, new_values], axis=1)
-        return compress(keys, values, _settled(state), q, offset, scale, cfg, row_ids, preferred)
+        return compress(keys, values, _settled(state), q, offset, scale, cfg, row_ids, preferred)[:2]
     total = mx.zeros((new_keys.shape[0],), mx.int32)
     for i in range(new_keys.shape[1]):
         keys = mx.concatenate([state.keys, new_keys[:, i:i + 1]], axis=1)
         values = mx.concatenate([state.values, new_values[:, i:i + 1]], axis=1)
-        state, merged = compress(keys, values, _settled(state), q[:, :, i:i + 1], offset + i, scale, cfg, row_ids,
-                                 preferred)
+        state, merged, _ = compress(keys, values, _settled(state), q[:, :, i:i + 1], offset + i, scale, cfg, row_ids,
+                                    preferred)
         total = total + merged
     return state, total
 
