@@ -19,7 +19,11 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
   more writes each survivor's blended row and score from them, straight into buffers
   with room to decode in the rows' storage dtype (as the one-launch drop writes its
   survivors): two launches where the MLX operations take about twenty, and no casts or
-  copies into buffers after them.
+  copies into buffers after them. The first counts each row's merging losers, the second
+  writes those counts and the count so far it is handed plus them (a cache's merge
+  count, with no launch of its own). Where every loser with a target merges (no gate,
+  no moving threshold), the nearest search's kernel is the first of them
+  (nearest_blend): the warp that finds a loser's target adds it there.
 - **d2o's moving threshold** (section 4.5): a work group a row sums its losers' finite
   cosines, moves the threshold and marks the losers that reach it, one launch where the
   MLX operations take about twenty.
