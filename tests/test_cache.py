@@ -234,6 +234,25 @@ def test_merge_count_adds_up_over_many_calls():
     assert int(cache.state[4].item()) == stats["merges"]
 
 
+def test_an_unread_merge_count_keeps_a_short_graph():
+    # Each compression adds its merges to the count as an operation (where no kernel
+    # counts them); a count nobody reads is evaluated every _MERGE_BATCH compressions,
+    # so its graph never holds more than that many compressions' operations.
+    from camkv import cache as cache_module
+    from test_bench import _load_bench_script
+
+    graph_operations = _load_bench_script("profile_merge_engine").graph_operations
+    cache = CaMKVCache(CaMConfig(budget=8, n_sink=1, recent=2, gate=False, scoring="key", merge="mean", slack=0))
+    rng = np.random.default_rng(0)
+    operations = []
+    for _ in range(8 + 3 * cache_module._MERGE_BATCH + 5):
+        block = mx.array(rng.standard_normal((1, 2, 1, 4)).astype(np.float32))
+        mx.eval(cache.update_and_fetch(block, block))  # the rows, as attention reads them
+        operations.append(sum(graph_operations(cache._merges)[0].values()))
+    assert max(operations) <= 5 * cache_module._MERGE_BATCH, max(operations)  # about 3 a compression
+    assert cache.stats["merges"] == cache.stats["evictions"] > 2 * cache_module._MERGE_BATCH
+
+
 def test_reading_the_state_after_each_prompt_chunk_costs_the_same_few_launches():
     # mlx-lm evaluates every cache's state after each prompt chunk. The merge count in it
     # was the running total plus every chunk's count so far, concatenated anew at each
