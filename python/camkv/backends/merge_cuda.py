@@ -655,7 +655,7 @@ def _named(name: str, source: str) -> str:
 def _specs() -> dict[str, tuple]:
     """Each kernel's (name, text, inputs, outputs, header), read from the module when a
     kernel is built, so a test's patched text is the one compiled."""
-    rules = _rules_header()  # read once for the three kernels that take it
+    rules = _rules_header()  # read once for the kernels that take it
     specs = {
         "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
                     ["target", "found", "cosine"], _HEADER),
