@@ -354,7 +354,8 @@ def _check_blend(c: dict):
     got = merge_ops.merge(*args, kernels=True, merges_so_far=so_far)
     want = merge_ops.merge(*args, kernels=False, merges_so_far=so_far)
     np.testing.assert_array_equal(np.array(got.count), np.array(want.count))
-    assert got.so_far.shape == () and got.so_far.item() == want.so_far.item() == so_far.item() + np.array(want.count).sum()
+    assert got.so_far.shape == ()
+    assert got.so_far.item() == want.so_far.item() == so_far.item() + np.array(want.count).sum()
     for field in ("keys", "values", "votes", "scores"):
         g, w = getattr(got, field), getattr(want, field)
         if w is None:
@@ -554,7 +555,8 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
     (kernels=None asks the probe)."""
     if defect == "wrong":
         monkeypatch.setattr(merge_cuda, "_HEADER", merge_cuda._HEADER.replace(
-            "out.cosine = dots[best > -INFINITY ? best_at : 0] /", "out.cosine = 1.001f * dots[best > -INFINITY ? best_at : 0] /"))
+            "out.cosine = dots[best > -INFINITY ? best_at : 0] /",
+            "out.cosine = 1.001f * dots[best > -INFINITY ? best_at : 0] /"))
     elif defect == "wrong fused blend":
         monkeypatch.setattr(merge_cuda, "_NEAREST_SPREAD", merge_cuda._NEAREST_SPREAD.replace(
             "best.cosine, mass[loser]", "best.cosine, 1.01f * mass[loser]"))

@@ -23,7 +23,7 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
   writes those counts and the count so far it is handed plus them (a cache's merge
   count, with no launch of its own). Where every loser with a target merges (no gate,
   no moving threshold), the nearest search's kernel is the first of them
-  (nearest_blend): the warp that finds a loser's target adds it there.
+  (search_and_blend): the warp that finds a loser's target adds it there.
 - **d2o's moving threshold** (section 4.5): a work group a row sums its losers' finite
   cosines, moves the threshold and marks the losers that reach it, one launch where the
   MLX operations take about twenty.
@@ -909,7 +909,7 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
     return _finish(sums, own_values, own_keys, scores, blended_keys, merges_so_far, value_dtype, capacity, merge)
 
 
-def nearest_blend(products, norm_l, norm_k, positions, n_sink: int, values, keys, own_values, own_keys, scores,
+def search_and_blend(products, norm_l, norm_k, positions, n_sink: int, values, keys, own_values, own_keys, scores,
                   mass, value_norms, merge: int, merges_so_far: mx.array, value_dtype=mx.float32,
                   capacity: int | None = None):
     """nearest's search and blend_nearest's blend in two launches where every loser with a

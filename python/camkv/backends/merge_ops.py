@@ -284,7 +284,7 @@ def _probe_window(p: dict, kernels: bool) -> tuple:
 
 def _probe_nearest_rule(p: dict, kernels: bool) -> tuple:
     """value_norm's merges of the probe's losers into its survivors, ungated: with kernels
-    its search and blend in two launches (merge_cuda.nearest_blend)."""
+    its search and blend in two launches (merge_cuda.search_and_blend)."""
     def rows(keys, values, scores):
         return Rows(keys, values, scores, p["positions"][:, :scores.shape[1]], None, keys,
                     merges.feature_norm(keys), merges.feature_norm(values))
@@ -312,7 +312,8 @@ def _probe_with_kernels(p: dict) -> tuple:
                                        p["cut"])
     return (*_nearest(p["losers"], p["kept"], p["positions"], 1, True, kernels=True), *edges.sums(p["rows"]),
             blend[0], blend[2], *blend[3:], *_gathered_fields(gathered), *partition, *_probe_keep(p, True),
-            *_probe_window(p, True), *_probe_nearest_rule(p, True), *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]),
+            *_probe_window(p, True), *_probe_nearest_rule(p, True),
+            *merge_cuda.moved_threshold(p["cosine"], p["live"][:, :, 0], p["threshold"]),
             *merge_cuda.keep_inputs(p["votes"], 60, 100, p["queries"]))
 
 
@@ -430,7 +431,7 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     if kernels and _search_and_blend_fused(rule, cfg):  # search, shares, sums and count: two launches
         products, norm_l, norm_k = _key_products(losers.keys, kept.keys, split, kernels,
                                                  (losers.key_norm, kept.key_norm))
-        values, keys, scores, *counts = merge_cuda.nearest_blend(
+        values, keys, scores, *counts = merge_cuda.search_and_blend(
             products, norm_l, norm_k, kept.positions, cfg.n_sink, losers.values,
             losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores, losers.scores,
             (losers.value_norm, kept.value_norm), rule.code, so_far, storage, capacity)
@@ -518,7 +519,8 @@ def _nearest(loser_keys, kept_keys, kept_positions, n_sink: int, split: bool, ke
 
 def _key_norms(loser_keys, kept_keys, norms: tuple) -> tuple:
     """The losers' and the survivors' key norms: norms where given, else taken here."""
-    return tuple(merges.feature_norm(keys) if norm is None else norm for keys, norm in zip((loser_keys, kept_keys), norms))
+    return tuple(merges.feature_norm(keys) if norm is None else norm
+                 for keys, norm in zip((loser_keys, kept_keys), norms))
 
 
 def _key_products(loser_keys, kept_keys, split: bool, kernels: bool, norms: tuple) -> tuple:
@@ -538,7 +540,7 @@ def _key_products(loser_keys, kept_keys, split: bool, kernels: bool, norms: tupl
 
 def _search_and_blend_fused(rule, cfg) -> bool:
     """Whether the kernels find a nearest rule's targets and spread its losers into them in
-    one launch (merge_cuda.nearest_blend): every loser with a target merges (no gate, no
+    one launch (merge_cuda.search_and_blend): every loser with a target merges (no gate, no
     moving threshold), and the search takes the product."""
     return (rule.kind == merges.NEAREST and rule.blends and not rule.keeps_votes and not rule.moving_threshold
             and not cfg.gate and not NEAREST_WITHOUT_PRODUCT)
