@@ -393,27 +393,6 @@ _GATHER = """
   }
 """
 
-# The start of a blend's one launch: dims R rows, k losers, m survivors, Dv, Dk, cap rows
-# of the output buffers (then the kernel's own); its last work group counts the merges
-# (camkv_count_rows, @MERGES@ whether loser e of row r merges) and every other warp takes
-# survivor j (flat r m + t; first: its row's first loser).
-_PULL_START = """
-  const long rows = dims[0], k = dims[1], m = dims[2], cap = dims[5];
-  const int Dv = dims[3], Dk = dims[4];
-  const int lane = threadIdx.x & 31;
-  if (blockIdx.x == gridDim.x - 1) {
-    camkv_count_rows(rows, k, [&](long r, long e) -> bool { return @MERGES@; }, prior, out_count, out_total);
-    return;
-  }
-  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (j >= rows * m) return;  // the whole warp
-  const long r = j / m, t = j % m, first = r * k;"""
-
-
-def _pull_start(merges: str) -> str:
-    return _PULL_START.replace("@MERGES@", merges)
-
-
 _PULL_NEAREST = """
   // dims: R rows, k losers, m survivors, Dv value and Dk key columns, cap rows of the
   // output buffers, Kb key columns that blend (Dk or 0), the blending rule's code (a
@@ -423,11 +402,20 @@ _PULL_NEAREST = """
   // mass s_e, the survivor's score and, where the rule reads them, its value's norm and
   // the survivor's), in loser order, then writes the survivor (camkv_write_survivor, A
   // its rule's target share). The last work group counts the merges (camkv_count_rows).
-@START@
-  const int Kb = dims[6], merge = dims[7];
+  const long rows = dims[0], k = dims[1], m = dims[2], cap = dims[5];
+  const int Dv = dims[3], Dk = dims[4], Kb = dims[6], merge = dims[7];
+  const int lane = threadIdx.x & 31;
+  if (blockIdx.x == gridDim.x - 1) {
+    camkv_count_rows(rows, k, [&](long r, long e) { return (bool)merging[r * k + e]; }, prior, out_count, out_total);
+    return;
+  }
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (j >= rows * m) return;  // the whole warp
+  const long r = j / m, t = j % m;
   const bool norms = camkv_reads_value_norms(merge);
   const float score_t = scores[j], norm_target = norms ? norm_t[j] : 0.0f;
   CamkvPulled<P> in = camkv_pulled_none<P>();
+  const long first = r * k;
   camkv_each_giving(k, [&](long e) { return merging[first + e] && target[first + e] == t; }, [&](long e) {
     const long loser = first + e;
     const float share = camkv_loser_share(merge, cosine[loser], mass[loser], score_t, norms ? norm_in[loser] : 0.0f,
@@ -450,11 +438,21 @@ _PULL_WINDOW = """
   // survivor after it). A warp per (row, survivor) pulls them in loser order and writes
   // the survivor (camkv_write_survivor with A = 1 and no shares: V_t plus the sum). The
   // last work group counts the merges: the losers with a survivor after them.
-@START@
-  const int window = dims[6];
+  const long rows = dims[0], k = dims[1], m = dims[2], cap = dims[5];
+  const int Dv = dims[3], Dk = dims[4], window = dims[6];
+  const int lane = threadIdx.x & 31;
+  if (blockIdx.x == gridDim.x - 1) {
+    camkv_count_rows(rows, k, [&](long r, long e) { return loser_idx[r * k + e] < kept_idx[r * m + m - 1]; },
+                     prior, out_count, out_total);
+    return;
+  }
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (j >= rows * m) return;  // the whole warp
+  const long r = j / m, t = j % m;
   const int* kept = kept_idx + r * m;
   const long after = t >= window ? (long)kept[t - window] : -1, before = (long)kept[t];
   CamkvPulled<P> in = camkv_pulled_none<P>();
+  const long first = r * k;
   camkv_each_giving(k, [&](long e) {
     const long at = (long)loser_idx[first + e];
     return at > after && at < before;
@@ -531,8 +529,16 @@ _KEEP_PULL = """
   //    once to their buffers' dtypes (OUT_V, OUT_K), survivor jj of row r into row jj of
   //    r's buffer of cap rows (rows m.. left unwritten). Its score gains its losers' s_e.
   // The last work group counts the merges (camkv_count_rows).
-@START@
-  const long slot = r * cap + t;
+  const long rows = dims[0], k = dims[1], m = dims[2], cap = dims[5];
+  const int Dv = dims[3], Dk = dims[4];
+  const int lane = threadIdx.x & 31;
+  if (blockIdx.x == gridDim.x - 1) {
+    camkv_count_rows(rows, k, [&](long r, long e) { return (bool)merging[r * k + e]; }, prior, out_count, out_total);
+    return;
+  }
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (j >= rows * m) return;  // the whole warp
+  const long r = j / m, t = j % m, first = r * k, slot = r * cap + t;
   const float* q = query + r * Dk;
   auto gives = [&](long e) { return merging[first + e] && target[first + e] == t; };
   auto logit = [&](long e) { return camkv_keep_logit(l_keys + (first + e) * Dk, q, scale, Dk, lane); };
@@ -649,24 +655,22 @@ def _specs() -> dict[str, tuple]:
     """Each kernel's (name, text, inputs, outputs, header), read from the module when a
     kernel is built, so a test's patched text is the one compiled."""
     rules = _rules_header()  # read once for the kernels that take it
-    merging = _pull_start("merging[r * k + e]")  # the blends whose losers merge where `merging` says
     specs = {
         "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
                     ["target", "found", "cosine"], _HEADER),
         "nearest_direct": ("camkv_nearest_direct", _NEAREST_DIRECT,
                            ["losers", "kept", "norm_k", "positions", "norm_l", "dims"], ["target", "found", "cosine"],
                            ""),
-        "pull_nearest": ("camkv_blend_pull", _PULL_NEAREST.replace("@START@", merging),
+        "pull_nearest": ("camkv_blend_pull", _PULL_NEAREST,
                          ["values", "keys", "cosine", "mass", "norm_in", "norm_t", "target", "merging", "own_values",
                           "own_keys", "scores", "prior", "dims"], _PULLED, _HEADER + rules + _PULL_HEADER),
-        "pull_window": ("camkv_window_pull", _PULL_WINDOW.replace(
-            "@START@", _pull_start("loser_idx[r * k + e] < kept_idx[r * m + m - 1]")),
+        "pull_window": ("camkv_window_pull", _PULL_WINDOW,
                         ["values", "mass", "loser_idx", "kept_idx", "own_values", "own_keys", "scores", "prior",
                          "dims"], _PULLED, _PULL_HEADER),
         "gather": ("camkv_merge_gather", _GATHER,
                    ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
                    [f"{side}_{field}" for side in "ls" for field in _GATHERED], ""),
-        "keep_pull": ("camkv_keep_pull", _KEEP_PULL.replace("@START@", merging),
+        "keep_pull": ("camkv_keep_pull", _KEEP_PULL,
                       ["l_values", "l_keys", "l_votes", "l_scores", "values", "keys", "votes", "scores", "query",
                        "scale", "target", "merging", "prior", "dims"],
                       ["out_values", "out_keys", "out_votes", "out_scores", "out_count", "out_total"],
