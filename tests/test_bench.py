@@ -377,10 +377,11 @@ def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_
     own: it stands in for MLX's CUDA kernels) counts each rule's compression as a cache on
     an NVIDIA GPU runs it. A nearest rule's blend and the window rule's write the
     survivors into the cache's buffers and take the rule's shares themselves: beyond
-    dropping's launches, only the merge kernels and the nearest search's product (each
-    survivor sums its own losers: no fill); value_norm's shares add nothing to mean's,
-    d2o's threshold one launch (and its NaN start); keepkv's merge is one launch as the
-    blend's, and its inputs (votes joined, their log, its query) one more;
+    dropping's launches, only the merge kernels, the nearest search's product and the
+    sums' one fill; an ungated nearest rule's search and spread share one launch;
+    value_norm's shares add nothing to mean's, d2o's threshold one launch and its search
+    one of its own (and its NaN start); keepkv's inputs (votes joined, their log, its
+    query) one launch;
     no concatenation (the copies into buffers with room to decode) follows any rule with
     a kernel blend."""
     import subprocess
@@ -407,8 +408,8 @@ def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_
               if op not in views and n != drop.get(op, 0)}
     assert window == {"Depends": 2}, window
     assert graph["value_norm"]["launches"] == graph["mean"]["launches"]
-    # keepkv: its inputs in one launch, its merge in one as the blend
-    assert graph["keepkv"]["launches"] == graph["mean"]["launches"] + 1
+    # keepkv: its inputs in one launch, its merge in four for the blend's one, and two fills
+    assert graph["keepkv"]["launches"] == graph["mean"]["launches"] + 6
     # d2o: its threshold's one launch, and its NaN start at a row's first compression
     assert graph["d2o"]["launches"] == graph["mean"]["launches"] + 2
 
