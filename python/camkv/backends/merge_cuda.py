@@ -25,12 +25,12 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
 - **d2o's moving threshold** (section 4.5): a work group a row sums its losers' finite
   cosines, moves the threshold and marks the losers that reach it, one launch where the
   MLX operations take about twenty.
-- **keepkv's output-preserving merge, whole** (section 4.6), one launch as a nearest
-  rule's blend: a warp per survivor takes in its own losers twice, their logits for the
-  query (the largest finite one sets its top; a non-finite one poisons its mass), then
-  their masses and weighted rows, votes and scores, and writes its blended value, its
-  key moved to keep the query's attention, and its votes, into buffers with room to
-  decode as the blend's, where the MLX operations take about a hundred.
+- **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
+  logits for the query and each target's largest incoming one, by atomic maxima; each
+  survivor's top and mass; the losers' masses and their weighted rows, votes and
+  scores summed into the targets; each survivor's blended value, its key moved to keep
+  the query's attention, and its votes, into buffers with room to decode as the blend's)
+  where the MLX operations take about a hundred.
 - **keepkv's inputs of a compression**: its votes joined with the chunk's, their log (the
   bias its chunk mass adds to each logit) and its query (the mean of the last queries),
   one launch where the MLX operations take seven.
@@ -188,6 +188,14 @@ _SCATTER = """
 """
 
 _HEADER = """
+// An atomic maximum of floats (no NaN among them): a float of sign bit 0 orders as its
+// int bits, one of sign bit 1 (-0.0 too, which >= 0 would let through) reversed as its
+// unsigned bits.
+__device__ inline void camkv_atomic_max(float* at, float value) {
+  if ((__float_as_uint(value) >> 31) == 0u) atomicMax(reinterpret_cast<int*>(at), __float_as_int(value));
+  else atomicMin(reinterpret_cast<unsigned*>(at), __float_as_uint(value));
+}
+
 // a . b over n floats, summed by a warp: each lane's strided products, then the lanes'.
 __device__ inline float camkv_warp_dot(const float* a, const float* b, int n, int lane) {
   float dot = 0.0f;
@@ -239,6 +247,25 @@ __device__ inline CamkvNearest camkv_nearest_of(const float* dots, const float* 
   // The dot product read at the ranked best (survivor 0 where none ranked).
   out.cosine = dots[best > -INFINITY ? best_at : 0] / fmaxf(__fmul_rn(norm_e, norm_k[r * m + out.t]), 1e-12f);
   return out;
+}
+
+// The merges so far after a compression, by the first warp of its last launch (every
+// lane calls it): prior[0] plus the R rows' merges, counted as floats by atomic additions
+// after the sums (exact below 2^24 a row).
+__device__ inline void camkv_merges_so_far(const float* counts, long rows, const int* prior, int* out_total,
+                                           int lane) {
+  int total = 0;
+  for (long r = lane; r < rows; r += 32) total += (int)counts[r];
+  for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
+  if (lane == 0) out_total[0] = prior[0] + total;
+}
+
+// weight x a loser's value row [Dv] and key row [Dk] added into its target's sums
+// (columns [0, Dv) and [Dv, Dv + Dk)), a warp's lanes over the columns.
+__device__ inline void camkv_add_rows(float* into, float weight, const float* value, int Dv, const float* key,
+                                      int Dk, int lane) {
+  for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, __fmul_rn(weight, value[c]));
+  for (int c = lane; c < Dk; c += 32) atomicAdd(into + Dv + c, __fmul_rn(weight, key[c]));
 }
 """
 
@@ -513,97 +540,125 @@ _THRESHOLD = """
   }
 """
 
-_KEEP_PULL = """
-  // dims: R rows, k losers, m survivors, Dv, Dk, cap rows of the output buffers. keepkv
-  // (section 4.6) as each survivor takes in its own losers (merging, target), a warp per
-  // (row, survivor), their logits l = scale q.K a warp's dot product each:
-  // 1. l_t, and the largest finite logit of its losers (a non-finite one poisons its
-  //    mass): top = max(l_t, that) where l_t is finite and none poisons it (else 0), and
-  //    m_t = votes_t exp(l_t - top) there (votes_t elsewhere);
-  // 2. each loser's m_e = votes_e exp(l_e - top) (votes_e where the survivor's mass is not
-  //    finite), summed with m_e V_e, m_e K_e, votes_e and s_e, in loser order;
-  // 3. where a loser gives to it: its value and mean key (m_t row + sum m_e source) /
-  //    (m_t + sum m_e) (unchanged where that is 0), the key then moved along q so that the
-  //    row, standing for all its votes, gets the group's mass (merges.output_preserving_key),
-  //    its votes summed; elsewhere its row and votes as they were. Value and key rounded
-  //    once to their buffers' dtypes (OUT_V, OUT_K), survivor jj of row r into row jj of
-  //    r's buffer of cap rows (rows m.. left unwritten). Its score gains its losers' s_e.
-  // The last work group counts the merges (camkv_count_rows).
-  const long rows = dims[0], k = dims[1], m = dims[2], cap = dims[5];
-  const int Dv = dims[3], Dk = dims[4];
+# keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
+# comes in are atomic maxima into one array [R, m, 2] that starts at -inf (MLX fills every
+# output a kernel starts from a value, a launch each: hence one output).
+_KEEP_LOGITS = """
+  // dims: R rows, k losers, m survivors, Dk. A warp per (row, loser): its logit
+  // l_e = scale q.K_e; a merging loser's finite logit raises its target's top_in[t][0], a
+  // non-finite one sets its target's top_in[t][1] (poisoned) to 1. Its one output starts
+  // at -inf (one fill: keep_spread takes the logit again instead of reading an output).
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dk = dims[3];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
-  if (blockIdx.x == gridDim.x - 1) {
-    camkv_count_rows(rows, k, [&](long r, long e) { return (bool)merging[r * k + e]; }, prior, out_count, out_total);
-    return;
+  if (loser >= rows * k) return;
+  const long r = loser / k;
+  const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
+  if (lane == 0 && merging[loser]) {
+    const long to = r * m + target[loser];
+    if (isfinite(l)) camkv_atomic_max(top_in + 2 * to, l);
+    else camkv_atomic_max(top_in + 2 * to + 1, 1.0f);
   }
+"""
+
+_KEEP_TOPS = """
+  // dims: R rows, m survivors, Dk. A warp per (row, survivor): l_t = scale q.K_t; its
+  // mass is finite where l_t is and no merging loser's logit is not (top_in[j][1]); top:
+  // the larger of l_t and top_in[j][0] there (0 elsewhere); m_t = votes exp(l_t - top)
+  // there (votes elsewhere).
+  const long rows = dims[0], m = dims[1];
+  const int Dk = dims[2];
   const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (j >= rows * m) return;  // the whole warp
-  const long r = j / m, t = j % m, first = r * k, slot = r * cap + t;
-  const float* q = query + r * Dk;
-  auto gives = [&](long e) { return merging[first + e] && target[first + e] == t; };
-  auto logit = [&](long e) { return camkv_keep_logit(l_keys + (first + e) * Dk, q, scale, Dk, lane); };
-  // 1.
-  const float l_t = camkv_keep_logit(keys + j * Dk, q, scale, Dk, lane);
-  float top_in = -INFINITY;
-  bool poisoned = false;
-  camkv_each_giving(k, gives, [&](long e) {
-    const float l = logit(e);
-    if (isfinite(l)) top_in = fmaxf(top_in, l);
-    else poisoned = true;
-  }, lane);
-  const bool finite = isfinite(l_t) && !poisoned;
-  const float top = finite ? fmaxf(l_t, top_in) : 0.0f;
-  const float mass_t = __fmul_rn(votes[j], finite ? expf(l_t - top) : 1.0f);
-  // 2.
-  CamkvPulled<P> in = camkv_pulled_none<P>();
-  float in_votes = 0.0f;
-  camkv_each_giving(k, gives, [&](long e) {
-    const long loser = first + e;
-    const float mass_e = __fmul_rn(l_votes[loser], finite ? expf(logit(e) - top) : 1.0f);
-    camkv_pull_rows(in, mass_e, l_values + loser * Dv, Dv, l_keys + loser * Dk, Dk, lane);
-    in.taken = __fadd_rn(in.taken, mass_e);
-    in.mass_in = __fadd_rn(in.mass_in, l_scores[loser]);
-    in_votes = __fadd_rn(in_votes, l_votes[loser]);
-    in.count += 1;
-  }, lane);
-  // 3. Lane l holds columns l, l + 32, ... of the values then the keys.
-  const bool receiving = in.count > 0;
-  const float total = __fadd_rn(mass_t, in.taken);
+  const int lane = threadIdx.x & 31;
+  if (j >= rows * m) return;
+  const float l = camkv_keep_logit(keys + j * Dk, query + j / m * Dk, scale, Dk, lane);
+  if (lane == 0) {
+    const bool fin = isfinite(l) && !(top_in[2 * j + 1] > 0.0f);
+    const float best = fin ? fmaxf(l, top_in[2 * j]) : 0.0f;
+    top[j] = best;
+    finite[j] = fin;
+    mass_t[j] = __fmul_rn(votes[j], fin ? expf(l - best) : 1.0f);
+  }
+"""
+
+_KEEP_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv, Dk. A warp per (row, loser) that merges:
+  // m_e = votes_e exp(l_e - top_t) (votes_e where the target's mass is not finite), then
+  // m_e V_e, m_e K_e, m_e, 1, votes_e and s_e added into its target's float32 sums
+  // [R, m, Dv + Dk + 4], and 1 into its row's count after them (R more).
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
+  const long r = loser / k, to = r * m + target[loser];
+  // keep_logits' logit, the same warp sum again
+  const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
+  const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(l - top[to]) : 1.0f);
+  float* into = sums + to * (C + 4);
+  camkv_add_rows(into, mass_e, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
+  if (lane == 0) {
+    atomicAdd(into + C, mass_e);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, votes[loser]);
+    atomicAdd(into + C + 3, mass[loser]);
+    atomicAdd(sums + rows * m * (C + 4) + r, 1.0f);
+  }
+"""
+
+_KEEP_FINISH = """
+  // dims: R rows, m survivors, Dv, Dk, cap rows of the output buffers. A warp per (row,
+  // survivor). Where a loser gives to it: its value and mean key
+  // (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where that is 0), the key then
+  // moved along q so that the row, standing for all its votes, gets the group's mass
+  // (merges.output_preserving_key), its votes summed; elsewhere its row and votes as they
+  // were. Value and key rounded once to their buffers' dtypes (OUT_V, OUT_K), survivor jj
+  // of row r into row jj of r's buffer of cap rows (rows m.. left unwritten). Its score
+  // gains the mass s_e of its losers. A row's first survivor's warp writes the row's
+  // merges (the count after the sums), the first warp the merges so far (prior plus every
+  // row's).
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
+  const long cap = dims[4];
+  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  const float* counts = sums + rows * m * (C + 4);
+  if (j == 0) camkv_merges_so_far(counts, rows, prior, out_total, lane);
+  if (j >= rows * m) return;
+  const long r = j / m, slot = r * cap + j % m;
+  const float* sum = sums + j * (C + 4);
+  const float taken = sum[C], in_votes = sum[C + 2];
+  const bool receiving = sum[C + 1] > 0.0f;
+  const float total = __fadd_rn(mass_t[j], taken);
   const bool blending = receiving && total > 0.0f;
   auto blended = [&](float own, float into) {
-    return blending ? __fadd_rn(__fmul_rn(mass_t, own), into) / total : own;
+    return blending ? __fadd_rn(__fmul_rn(mass_t[j], own), into) / total : own;
   };
+  for (int c = lane; c < Dv; c += 32) out_values[slot * Dv + c] = static_cast<OUT_V>(blended(values[j * Dv + c], sum[c]));
   const float total_votes = __fadd_rn(votes[j], in_votes);
   float along = 0.0f, norm_q = 0.0f;  // mean key . q and q . q
-  #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int c = lane + 32 * i - Dv;
-    if (c >= 0 && c < Dk) {
-      along = __fadd_rn(along, __fmul_rn(blended(keys[j * Dk + c], in.sum[i]), q[c]));
-      norm_q = __fadd_rn(norm_q, __fmul_rn(q[c], q[c]));
-    }
+  for (int c = lane; c < Dk; c += 32) {
+    const float q = query[r * Dk + c];
+    along = __fadd_rn(along, __fmul_rn(blended(keys[j * Dk + c], sum[Dv + c]), q));
+    norm_q = __fadd_rn(norm_q, __fmul_rn(q, q));
   }
   for (int o = 16; o > 0; o /= 2) {
     along = __fadd_rn(along, __shfl_xor_sync(0xffffffffu, along, o));
     norm_q = __fadd_rn(norm_q, __shfl_xor_sync(0xffffffffu, norm_q, o));
   }
-  const float want = __fadd_rn(top, logf(total)) - logf(total_votes);
+  const float want = __fadd_rn(top[j], logf(total)) - logf(total_votes);
   const float shift = (want - __fmul_rn(scale[0], along)) / __fmul_rn(scale[0], norm_q);
-  const bool moved = receiving && finite && isfinite(shift);
-  #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int c = lane + 32 * i;
-    if (c < Dv) {
-      out_values[slot * Dv + c] = static_cast<OUT_V>(blended(values[j * Dv + c], in.sum[i]));
-    } else if (c < Dv + Dk) {
-      const float own = keys[j * Dk + c - Dv], mean = blended(own, in.sum[i]);
-      out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(
-          !receiving ? own : moved ? __fadd_rn(mean, __fmul_rn(shift, q[c - Dv])) : mean);
-    }
+  const bool moved = receiving && finite[j] && isfinite(shift);
+  for (int c = lane; c < Dk; c += 32) {
+    const float mean = blended(keys[j * Dk + c], sum[Dv + c]);
+    out_keys[slot * Dk + c] = static_cast<OUT_K>(!receiving ? keys[j * Dk + c]
+                                               : moved ? __fadd_rn(mean, __fmul_rn(shift, query[r * Dk + c])) : mean);
   }
   if (lane == 0) {
     out_votes[j] = receiving ? total_votes : votes[j];
-    out_scores[j] = __fadd_rn(scores[j], in.mass_in);
+    out_scores[j] = __fadd_rn(scores[j], sum[C + 3]);
+    if (j % m == 0) out_count[r] = (int)counts[r];
   }
 """
 
@@ -670,17 +725,14 @@ def _specs() -> dict[str, tuple]:
         "gather": ("camkv_merge_gather", _GATHER,
                    ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
                    [f"{side}_{field}" for side in "ls" for field in _GATHERED], ""),
-        "keep_pull": ("camkv_keep_pull", _KEEP_PULL,
-                      ["l_values", "l_keys", "l_votes", "l_scores", "values", "keys", "votes", "scores", "query",
-                       "scale", "target", "merging", "prior", "dims"],
-                      ["out_values", "out_keys", "out_votes", "out_scores", "out_count", "out_total"],
-                      _HEADER + _PULL_HEADER),
         "keep_inputs": ("camkv_keep_inputs", _KEEP_INPUTS, ["settled", "queries", "dims"],
                         ["votes", "log_votes", "query"], ""),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
         "threshold": ("camkv_moved_threshold", _THRESHOLD, ["cosine", "eligible", "threshold", "dims"],
                       ["merging", "threshold_out"], rules),
     }
+    for name, (source, inputs, outputs) in _KEEP.items():
+        specs[name] = (f"camkv_{name}", source, [*inputs, "dims"], outputs, _HEADER)
     return specs
 
 
@@ -807,26 +859,60 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
     return tuple((*side[:7], None if votes is None else side[7]) for side in (out[:per_side], out[per_side:]))
 
 
+# keepkv's launches: name -> (text, inputs before dims, outputs).
+_KEEP = {
+    "keep_logits": (_KEEP_LOGITS, ["keys", "query", "target", "merging", "scale"], ["top_in"]),
+    "keep_tops": (_KEEP_TOPS, ["keys", "query", "votes", "top_in", "scale"], ["top", "finite", "mass_t"]),
+    "keep_spread": (_KEEP_SPREAD, ["values", "keys", "votes", "mass", "query", "scale", "top", "finite", "target",
+                                   "merging"],
+               ["sums"]),
+    "keep_finish": (_KEEP_FINISH, ["values", "keys", "votes", "scores", "query", "sums", "mass_t", "top", "finite",
+                                   "scale", "prior"],
+                    ["out_values", "out_keys", "out_votes", "out_scores", "out_count", "out_total"]),
+}
+
+
 def keep_merge(losers, kept, target, merging, query, scale: float, merges_so_far: mx.array, value_dtype=mx.float32,
                capacity: int | None = None):
-    """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results) in
-    one launch, each survivor's warp taking in its own losers as blend_nearest's: losers
-    and kept are merge_ops.Rows (float32 keys and values, the keys as stored, votes,
-    scores), target [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk]
+    """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results):
+    losers and kept are merge_ops.Rows (float32 keys and values, the keys as stored,
+    votes, scores), target [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk]
     float32. Returns the survivors' keys [R, cap, Dk] in the stored keys' dtype and values
     [R, cap, Dv] in value_dtype (each rounded once; cap = capacity, or m; rows past m
     unwritten, as blend_nearest's), votes and scores plus the mass taken in [R, m], and
     the merges: each row's [R] and merges_so_far (int32, one) plus all of them, counted
-    by the same launch as blend_nearest's."""
+    by the same launches as blend_nearest's."""
     rows, k, dk = losers.keys.shape
     m, dv = kept.keys.shape[1], kept.values.shape[2]
-    cap, key_dtype = _capacity(m, capacity), kept.stored_keys.dtype
-    values, keys, votes, scores, count, total = _pull(
-        "keep_pull", [losers.values, losers.keys, losers.votes, losers.scores, kept.values, kept.keys, kept.votes,
-                      kept.scores, query, floats(scale), target, merging, merges_so_far, ints(rows, k, m, dv, dk, cap)],
-        rows, m, dv + dk, [((rows, cap, dv), value_dtype), ((rows, cap, dk), key_dtype), ((rows, m), mx.float32),
-                           ((rows, m), mx.float32), ((rows,), mx.int32), ((), mx.int32)])
+    by_loser = _warp_per(rows * k)
+    by_survivor = _warp_per(rows * m)
+    block = (_THREADS, 1, 1)
+    scale_ = floats(scale)
+    top_in = _kernel("keep_logits")(
+        inputs=[losers.keys, query, target, merging, scale_, ints(rows, k, m, dk)], grid=by_loser,
+        threadgroup=block, output_shapes=[(rows, m, 2)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
+    top, finite, mass_t = _kernel("keep_tops")(
+        inputs=[kept.keys, query, kept.votes, top_in, scale_, ints(rows, m, dk)], grid=by_survivor,
+        threadgroup=block, output_shapes=[(rows, m)] * 3, output_dtypes=[mx.float32, mx.bool_, mx.float32])
+    sums = _kernel("keep_spread")(
+        inputs=[losers.values, losers.keys, losers.votes, losers.scores, query, scale_, top, finite, target,
+                merging, ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
+        output_shapes=[_sums_and_counts(rows, m, dv + dk, 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    cap, key_dtype = m if capacity is None else capacity, kept.stored_keys.dtype
+    values, keys, votes, scores, count, total = _kernel("keep_finish")(
+        inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, mass_t, top, finite, scale_,
+                merges_so_far, ints(rows, m, dv, dk, cap)], template=[("OUT_V", value_dtype), ("OUT_K", key_dtype)],
+        grid=by_survivor, threadgroup=block,
+        output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows, m), (rows,), ()],
+        output_dtypes=[value_dtype, key_dtype, mx.float32, mx.float32, mx.int32, mx.int32])
     return keys, values, votes, scores, count, total
+
+
+def _sums_and_counts(rows: int, m: int, columns: int, scalars: int) -> tuple[int]:
+    """The shape of keepkv's sums (flat): each survivor's columns then its scalars,
+    [R, m, columns + scalars], then each row's count of merging losers [R]; keep_finish
+    reads the counts after R m (columns + scalars)."""
+    return (rows * m * (columns + scalars) + rows,)
 
 
 def blend_window(values, mass, loser_idx, kept_idx, own_values, own_keys, scores, window: int,
@@ -844,7 +930,7 @@ def blend_window(values, mass, loser_idx, kept_idx, own_values, own_keys, scores
     m = kept_idx.shape[1]
     dims = ints(rows, k, m, dv, own_keys.shape[2], _capacity(m, capacity), window)
     return _pull("pull_window", [values, mass, loser_idx, kept_idx, own_values, own_keys, scores, merges_so_far, dims],
-                 rows, m, dv, _survivors(own_values, own_keys, value_dtype, capacity))
+                 own_values, own_keys, dv, value_dtype, capacity)
 
 
 def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, cosine, mass, value_norms,
@@ -874,7 +960,7 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
     dims = ints(rows, k, m, dv, dk, _capacity(m, capacity), blended_keys, merge)
     return _pull("pull_nearest", [values, values if keys is None else keys, cosine, mass, norm_in, norm_t, target,
                                   merging, own_values, own_keys, scores, merges_so_far, dims],
-                 rows, m, dv + blended_keys, _survivors(own_values, own_keys, value_dtype, capacity))
+                 own_values, own_keys, dv + blended_keys, value_dtype, capacity)
 
 
 # What a blend's one launch (_PULL_NEAREST, _PULL_WINDOW) writes.
@@ -885,21 +971,17 @@ def _capacity(m: int, capacity: int | None) -> int:
     return m if capacity is None else capacity
 
 
-def _survivors(own_values, own_keys, value_dtype, capacity: int | None) -> list:
-    """A nearest or window blend's outputs (shape, dtype): the survivors' values and keys
-    in buffers of capacity rows (or m), their scores, the merges of each row and so far."""
+def _pull(name: str, inputs: list, own_values, own_keys, columns: int, value_dtype, capacity: int | None) -> tuple:
+    """A blend's one launch (`name`): a warp per survivor taking in `columns` summed
+    columns (a lane holds every 32nd), and a last work group counting the merges. Returns
+    the survivors' values and keys in buffers of capacity rows (or m), their scores, the
+    merges of each row [R] int32 and so far (int32, one)."""
     rows, m, dv = own_values.shape
+    dk = own_keys.shape[2]
     cap = _capacity(m, capacity)
-    return [((rows, cap, dv), value_dtype), ((rows, cap, own_keys.shape[2]), own_keys.dtype), ((rows, m), mx.float32),
-            ((rows,), mx.int32), ((), mx.int32)]
-
-
-def _pull(name: str, inputs: list, rows: int, m: int, columns: int, outputs: list) -> tuple:
-    """A blend's one launch (`name`): a warp per survivor of rows x m taking in `columns`
-    summed columns (a lane holds every 32nd: the template's P), and a last work group
-    counting the merges. outputs: (shape, dtype) of each; the first two are the values'
-    and keys' buffers (the template's OUT_V and OUT_K)."""
+    survivors = _warp_per(rows * m)[0]
     return tuple(_kernel(name)(
-        inputs=inputs, template=[("P", max(1, -(-columns // 32))), ("OUT_V", outputs[0][1]), ("OUT_K", outputs[1][1])],
-        grid=(_warp_per(rows * m)[0] + _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[shape for shape, _ in outputs], output_dtypes=[dtype for _, dtype in outputs]))
+        inputs=inputs, template=[("P", max(1, -(-columns // 32))), ("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
+        grid=(survivors + _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows,), ()],
+        output_dtypes=[value_dtype, own_keys.dtype, mx.float32, mx.int32, mx.int32]))

@@ -439,7 +439,7 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
             targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
             so_far, storage, capacity)
         return Merged(keys, values, scores, votes, threshold, *counts)
-    if rule.keeps_votes and kernels:  # keepkv's whole merge in one launch (merge_cuda.keep_merge)
+    if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
         keys, values, votes, scores, *counts = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale,
                                                                      so_far, storage, capacity)
         return Merged(keys, values, scores, votes, threshold, *counts)
@@ -609,8 +609,8 @@ class _Edges:
     def max(self, x: mx.array) -> mx.array:
         """Each survivor's largest x [R, k] over its merging losers, -inf where none: [R, m].
         A dense masked maximum over (loser, survivor) pairs, as large as the cosines'
-        product (MLX has no scatter of maxima; on CUDA keepkv's kernel takes each survivor's
-        maximum in its own warp, merge_cuda.keep_merge)."""
+        product (MLX has no scatter of maxima; on CUDA keepkv's kernels take atomic maxima
+        instead, merge_cuda.keep_merge)."""
         onehot = (self.targets[:, :, :, None] == mx.arange(self.m)) & self.live[:, :, :, None]  # [R, k, w, m]
         return mx.where(onehot, x[:, :, None, None], -_INF).max(axis=(1, 2))
 
