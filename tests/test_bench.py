@@ -401,17 +401,17 @@ def test_a_merging_compression_on_cuda_launches_its_kernels_and_no_copies_after_
     for rule in ("mean", "mass_weighted", "value_norm"):
         ops = graph[rule]["by_primitive"]
         extra = {op: n - drop.get(op, 0) for op, n in ops.items() if op not in views and n != drop.get(op, 0)}
-        # partition, gather, nearest, blend for drop's one launch; the product; no fill (no atomic sums)
-        assert extra == {"Depends": 3, "Matmul": 1}, (rule, extra)
-    # the window rule: partition, gather and its blend for drop's one launch; no product, no fill
+        # partition, gather, nearest and spread, finish for drop's one launch; the product; the sums' fill
+        assert extra == {"Depends": 3, "Matmul": 1, "Full": 1}, (rule, extra)
+    # the window rule: partition, gather, its spread and the finish; its sums' fill; no product
     window = {op: n - drop.get(op, 0) for op, n in graph["window"]["by_primitive"].items()
               if op not in views and n != drop.get(op, 0)}
-    assert window == {"Depends": 2}, window
+    assert window == {"Depends": 3, "Full": 1}, window
     assert graph["value_norm"]["launches"] == graph["mean"]["launches"]
-    # keepkv: its inputs in one launch, its merge in four for the blend's one, and two fills
-    assert graph["keepkv"]["launches"] == graph["mean"]["launches"] + 6
-    # d2o: its threshold's one launch, and its NaN start at a row's first compression
-    assert graph["d2o"]["launches"] == graph["mean"]["launches"] + 2
+    # keepkv: its inputs in one launch, its search, its merge in four and two fills (the blend's two and one)
+    assert graph["keepkv"]["launches"] == graph["mean"]["launches"] + 5
+    # d2o: its search, its threshold's one launch, and its NaN start at a row's first compression
+    assert graph["d2o"]["launches"] == graph["mean"]["launches"] + 3
 
 
 def test_decode_parts_times_quantized_rows_beside_the_others(tmp_path):

@@ -545,11 +545,11 @@ def test_a_caches_merge_count_is_the_kernels_own_output(merge, monkeypatch):
 @on_gpu
 @pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
                                     "wrong gather", "wrong partition", "wrong keepkv key", "wrong window",
-                                    "wrong keepkv query", "wrong count"])
+                                    "wrong keepkv query", "wrong fused blend"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
     or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or its query
-    0.1% off, a window's mass 1% too large, a merge count one too many, or whose text
+    0.1% off, a window's mass or a fused search's losers' mass 1% too large, or whose text
     does not compile, is switched
     off for the process with one warning, and compressions then run the MLX operations
     (kernels=None asks the probe)."""
@@ -557,14 +557,13 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
         monkeypatch.setattr(merge_cuda, "_HEADER", merge_cuda._HEADER.replace(
             "out.cosine = dots[best > -INFINITY ? best_at : 0] /",
             "out.cosine = 1.001f * dots[best > -INFINITY ? best_at : 0] /"))
-    elif defect == "wrong count":
-        monkeypatch.setattr(merge_cuda, "_PULL_HEADER", merge_cuda._PULL_HEADER.replace(
-            "out_total[0] = prior[0] + total;", "out_total[0] = prior[0] + total + 1;"))
+    elif defect == "wrong fused blend":
+        monkeypatch.setattr(merge_cuda, "_NEAREST_SPREAD", merge_cuda._NEAREST_SPREAD.replace(
+            "best.cosine, mass[loser]", "best.cosine, 1.01f * mass[loser]"))
     elif defect == "no compile":
         monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
     elif defect == "wrong blend":
-        monkeypatch.setattr(merge_cuda, "_PULL_HEADER", merge_cuda._PULL_HEADER.replace(
-            " / total : own;", " / total * 1.001f : own;"))
+        monkeypatch.setattr(merge_cuda, "_FINISH", merge_cuda._FINISH.replace(" / total : own;", " / total * 1.001f : own;"))
     elif defect == "wrong gather":
         monkeypatch.setattr(merge_cuda, "_GATHER", merge_cuda._GATHER.replace(
             "(lost ? l_norm : s_norm)[at] = sqrtf(squares);",
@@ -578,14 +577,13 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
             merge_cuda._KEEP_FINISH.replace("__fmul_rn(shift, query[r * Dk + c])", "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
             *merge_cuda._KEEP["keep_finish"][1:])})
     elif defect == "wrong window":
-        monkeypatch.setattr(merge_cuda, "_PULL_WINDOW", merge_cuda._PULL_WINDOW.replace(
-            "in.mass_in = __fadd_rn(in.mass_in, mass[loser] / width);",
-            "in.mass_in = __fadd_rn(in.mass_in, mass[loser] / width * 1.01f);"))
+        monkeypatch.setattr(merge_cuda, "_WINDOW", merge_cuda._WINDOW.replace(
+            "atomicAdd(into + Dv + 2, mass[loser] / shared);", "atomicAdd(into + Dv + 2, mass[loser] / shared * 1.01f);"))
     elif defect == "wrong keepkv query":
         monkeypatch.setattr(merge_cuda, "_KEEP_INPUTS", merge_cuda._KEEP_INPUTS.replace(
             "__fmul_rn(sum, 1.0f / (float)G)", "__fmul_rn(sum, 1.001f / (float)G)"))
     elif defect == "blend does not compile":
-        monkeypatch.setattr(merge_cuda, "_PULL_NEAREST", merge_cuda._PULL_NEAREST + "\n  this is not C++;")
+        monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})
     monkeypatch.setattr(merge_cuda, "_kernels", {})  # built again from the (patched) text
     if defect == "none":

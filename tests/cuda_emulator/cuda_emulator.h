@@ -156,7 +156,6 @@ inline unsigned __float_as_uint(float x) { return camkv_bit_cast_to<unsigned>(&x
 inline float __int_as_float(int x) { return camkv_bit_cast_to<float>(&x); }
 inline float __uint_as_float(unsigned x) { return camkv_bit_cast_to<float>(&x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
-inline int __ffs(int x) { return __builtin_ffs(x); }
 // Rounded as written (the build does not contract a * b + c: -ffp-contract=off).
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -13,15 +13,17 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
   the target, whether there is one and the cosine. As MLX operations the ranking is a
   division, a mask and an argmax, three more passes over an array of R x k x m floats
   (134 MB for eight rows of 2048 losers and 2048 survivors), and the rest eight more.
-- **A nearest rule's blend, whole** (section 4.4 for every target at once), one launch:
-  a warp per survivor finds the losers of its row that merge into it (32 targets tested
-  at a time), adds their share-weighted values (and keys), shares and masses in loser
-  order, and writes the survivor's blended row and score straight into buffers with room
-  to decode in the rows' storage dtype (as the one-launch drop writes its survivors);
-  the launch's last work group counts each row's merging losers and writes the count so
-  far it is handed plus them (a cache's merge count, with no launch of its own). No
-  atomic sums, so no sums' array filled with zeros first: one launch where the MLX
-  operations take about twenty.
+- **A nearest rule's blend, whole** (section 4.4 for every target at once): one launch
+  adds every merging loser's share-weighted value (and key), its share, a count and its
+  mass into its target's float32 sums (a warp per loser, atomic additions), and one
+  more writes each survivor's blended row and score from them, straight into buffers
+  with room to decode in the rows' storage dtype (as the one-launch drop writes its
+  survivors): two launches where the MLX operations take about twenty, and no casts or
+  copies into buffers after them. The first counts each row's merging losers, the second
+  writes those counts and the count so far it is handed plus them (a cache's merge
+  count, with no launch of its own). Where every loser with a target merges (no gate,
+  no moving threshold), the nearest search's kernel is the first of them
+  (search_and_blend): the warp that finds a loser's target adds it there.
 - **d2o's moving threshold** (section 4.5): a work group a row sums its losers' finite
   cosines, moves the threshold and marks the losers that reach it, one launch where the
   MLX operations take about twenty.
@@ -34,16 +36,15 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
 - **keepkv's inputs of a compression**: its votes joined with the chunk's, their log (the
   bias its chunk mass adds to each logit) and its query (the mean of the last queries),
   one launch where the MLX operations take seven.
-- **The paper's window rule, whole** (section 4.2, no gate), one launch as a nearest
-  rule's blend: a warp per survivor takes in the losers whose window holds it (those
-  between the survivor `window` places before it and itself), each loser's window width
-  by a binary search, where the MLX operations compare every loser with every survivor.
+- **The paper's window rule, whole** (section 4.2, no gate): a warp per loser finds the
+  survivors after it by a binary search and adds its share of value and mass into each,
+  where the MLX operations compare every loser with every survivor; the blend's second
+  launch then writes every survivor into buffers with room to decode.
 - **A window rule's sums otherwise** (with the gate, or `window_mass`): a warp per
   (loser, target slot) adds the loser's row and scalars into the target's float32 sums,
   every loser at once, where MLX's scatter-add first spreads every row over the slots.
 
-keepkv's sums and a window rule's other sums run in the device's order (section 8's
-tolerances), as MLX's scatter-add's do; a blend's one launch sums in loser order.
+The sums run in the device's order (section 8's tolerances), as MLX's scatter-add's do.
 """
 
 from __future__ import annotations
@@ -72,6 +73,25 @@ _NEAREST = """
     found[loser] = best.has;
     cosine[loser] = best.cosine;
   }
+"""
+
+_NEAREST_SPREAD = """
+  // dims: R rows, k losers, m survivors, n_sink, Dv value and Dk key columns (Dk 0: keys
+  // stay), the rule's code. A nearest rule's search and spread in one launch, where every
+  // loser with a target merges (no gate, no moving threshold): a warp per (row, loser),
+  // camkv_nearest_of, then camkv_spread_loser into the sums [R, m, Dv + Dk + 3] and the
+  // rows' counts after them, as _NEAREST and _SPREAD one after the other.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int n_sink = dims[3], Dv = dims[4], Dk = dims[5], merge = dims[6];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;  // the whole warp
+  const long r = loser / k;
+  const CamkvNearest best = camkv_nearest_of(products + loser * m, norm_k, positions, r, m, n_sink, norm_l[loser],
+                                             lane);
+  if (!best.has) return;  // the whole warp: every lane holds the same result
+  camkv_spread_loser(sums, rows, m, Dv, Dk, merge, r, r * m + best.t, best.cosine, mass[loser], scores,
+                     norm_in[loser], norm_t, values + loser * Dv, keys + loser * Dk, lane);
 """
 
 _NEAREST_DIRECT = """
@@ -269,106 +289,28 @@ __device__ inline void camkv_add_rows(float* into, float weight, const float* va
 }
 """
 
-# After the rules' header (camkv_merges.h): a survivor's blend from its own losers.
-_PULL_HEADER = """
-// What one survivor takes in from its losers, held by the warp that pulls them: lane l's
-// columns l, l + 32, ... (P of them) of the weighted sum of their rows, the sum of their
-// shares, of their masses and their number.
-template <int P>
-struct CamkvPulled {
-  float sum[P];
-  float taken, mass_in;
-  int count;
-};
-
-template <int P>
-__device__ inline CamkvPulled<P> camkv_pulled_none() {
-  CamkvPulled<P> in;
-  #pragma unroll
-  for (int i = 0; i < P; ++i) in.sum[i] = 0.0f;
-  in.taken = in.mass_in = 0.0f;
-  in.count = 0;
-  return in;
-}
-
-// One loser into the survivor's sums: weight times its value row [Dv] and, where keys
-// blend (Kb = Dk, else 0), its key row, column c = lane + 32 i of the Dv + Kb.
-template <int P>
-__device__ inline void camkv_pull_rows(CamkvPulled<P>& in, float weight, const float* value, int Dv,
-                                       const float* key, int Kb, int lane) {
-  #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int c = lane + 32 * i;
-    if (c < Dv) in.sum[i] = __fadd_rn(in.sum[i], __fmul_rn(weight, value[c]));
-    else if (c < Dv + Kb) in.sum[i] = __fadd_rn(in.sum[i], __fmul_rn(weight, key[c - Dv]));
-  }
-}
-
-// The losers of row r that give to a survivor, in loser order: visit(e) for each e < k
-// that gives(e), a warp's lanes testing 32 at a time (every lane calls it; visit runs on
-// every lane for each loser, one after another).
-template <typename Gives, typename Visit>
-__device__ inline void camkv_each_giving(long k, Gives gives, Visit visit, int lane) {
-  for (long base = 0; base < k; base += 32) {
-    unsigned giving = __ballot_sync(0xffffffffu, base + lane < k && gives(base + lane));
-    while (giving) {
-      const int b = __ffs((int)giving) - 1;
-      giving &= giving - 1u;
-      visit(base + b);
-    }
-  }
-}
-
-// Survivor j (flat r m + jj) written from what it took in: each value (and key where keys
-// blend) becomes (A own + sum) / (A + taken) where a loser gives to it and that
-// denominator is not 0 (else it stays), rounded once to its buffer's dtype (OUT_V,
-// OUT_K), into row jj of r's buffer of cap rows (rows m.. are left for the decode steps
-// to write); a key that does not blend is copied as stored; its score gains the mass
-// taken in. A: the rule's target share of its score (1 for a window rule: own + sum).
-template <int P, typename OV, typename OK, typename SK>
-__device__ inline void camkv_write_survivor(const CamkvPulled<P>& in, float own_share, long j, long m, long cap,
-                                            int Dv, int Dk, int Kb, const float* own_values, const SK* own_keys,
-                                            const float* scores, OV* out_values, OK* out_keys, float* out_scores,
-                                            int lane) {
-  const long slot = (j / m) * cap + j % m;
-  const float total = __fadd_rn(own_share, in.taken);
-  const bool blending = in.count > 0 && total > 0.0f;
-  auto blended = [&](float own, float into) {
-    return blending ? __fadd_rn(__fmul_rn(own_share, own), into) / total : own;
-  };
-  #pragma unroll
-  for (int i = 0; i < P; ++i) {
-    const int c = lane + 32 * i;
-    if (c < Dv) {
-      out_values[slot * Dv + c] = static_cast<OV>(blended(own_values[j * Dv + c], in.sum[i]));
-    } else if (c < Dv + Kb) {
-      out_keys[slot * Dk + c - Dv] = static_cast<OK>(blended(static_cast<float>(own_keys[j * Dk + c - Dv]),
-                                                             in.sum[i]));
-    }
-  }
-  if (Kb == 0) for (int c = lane; c < Dk; c += 32) out_keys[slot * Dk + c] = static_cast<OK>(own_keys[j * Dk + c]);
-  if (lane == 0) out_scores[j] = __fadd_rn(scores[j], in.mass_in);
-}
-
-// The merges of each of the R rows (its losers e < k that merges(r, e)) and so far, prior
-// plus all of them, by the launch's last work group (every thread calls it): a warp a
-// row at a time, then its first warp sums the rows' counts, read back after the barrier.
-template <typename Merges>
-__device__ inline void camkv_count_rows(long rows, long k, Merges merges, const int* prior, int* out_count,
-                                        int* out_total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (long r = warp; r < rows; r += warps) {
-    int n = 0;
-    for (long e = lane; e < k; e += 32) n += merges(r, e) ? 1 : 0;
-    for (int o = 16; o > 0; o /= 2) n += __shfl_xor_sync(0xffffffffu, n, o);
-    if (lane == 0) out_count[r] = n;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    int total = 0;
-    for (long r = lane; r < rows; r += 32) total += out_count[r];
-    for (int o = 16; o > 0; o /= 2) total += __shfl_xor_sync(0xffffffffu, total, o);
-    if (lane == 0) out_total[0] = prior[0] + total;
+# After the rules' header (camkv_merges.h): a nearest rule's spread of one loser.
+_SPREAD_HEADER = """
+// One merging loser of row r into its target t (flat: r m + its survivor): its share
+// a_e, the rule's (camkv_merges.h, as the kernel core takes it: from its cosine, its mass
+// s_e, its target's score and, where the rule reads them, its value's norm and its
+// target's), times its value (and key), then a_e, 1 and s_e, added into t's float32
+// sums [R, m, Dv + Dk + 3], and 1 into row r's count after them (R more; the finish
+// writes the merges a row and so far).
+__device__ inline void camkv_spread_loser(float* sums, long rows, long m, int Dv, int Dk, int merge, long r, long t,
+                                          float cosine, float mass_e, const float* scores, float norm_e,
+                                          const float* norm_t, const float* value, const float* key, int lane) {
+  const int C = Dv + Dk;
+  const bool norms = camkv_reads_value_norms(merge);
+  const float share = camkv_loser_share(merge, cosine, mass_e, scores[t], norms ? norm_e : 0.0f,
+                                        norms ? norm_t[t] : 0.0f);
+  float* into = sums + t * (C + 3);
+  camkv_add_rows(into, share, value, Dv, key, Dk, lane);
+  if (lane == 0) {
+    atomicAdd(into + C, share);
+    atomicAdd(into + C + 1, 1.0f);
+    atomicAdd(into + C + 2, mass_e);
+    atomicAdd(sums + rows * m * (C + 3) + r, 1.0f);
   }
 }
 """
@@ -420,87 +362,91 @@ _GATHER = """
   }
 """
 
-_PULL_NEAREST = """
-  // dims: R rows, k losers, m survivors, Dv value and Dk key columns, cap rows of the
-  // output buffers, Kb key columns that blend (Dk or 0), the blending rule's code (a
-  // value, not a template: one build serves every rule). A warp per (row, survivor) pulls
-  // the losers of its row that merge into it (merging, target), each weighted by its share
-  // a_e, the rule's (camkv_merges.h, as the kernel core takes it: from its cosine, its
-  // mass s_e, the survivor's score and, where the rule reads them, its value's norm and
-  // the survivor's), in loser order, then writes the survivor (camkv_write_survivor, A
-  // its rule's target share). The last work group counts the merges (camkv_count_rows).
-  const long rows = dims[0], k = dims[1], m = dims[2], cap = dims[5];
-  const int Dv = dims[3], Dk = dims[4], Kb = dims[6], merge = dims[7];
-  const int lane = threadIdx.x & 31;
-  if (blockIdx.x == gridDim.x - 1) {
-    camkv_count_rows(rows, k, [&](long r, long e) { return (bool)merging[r * k + e]; }, prior, out_count, out_total);
-    return;
-  }
-  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (j >= rows * m) return;  // the whole warp
-  const long r = j / m, t = j % m;
-  const bool norms = camkv_reads_value_norms(merge);
-  const float score_t = scores[j], norm_target = norms ? norm_t[j] : 0.0f;
-  CamkvPulled<P> in = camkv_pulled_none<P>();
-  const long first = r * k;
-  camkv_each_giving(k, [&](long e) { return merging[first + e] && target[first + e] == t; }, [&](long e) {
-    const long loser = first + e;
-    const float share = camkv_loser_share(merge, cosine[loser], mass[loser], score_t, norms ? norm_in[loser] : 0.0f,
-                                          norm_target);
-    camkv_pull_rows(in, share, values + loser * Dv, Dv, keys + loser * Dk, Kb, lane);
-    in.taken = __fadd_rn(in.taken, share);
-    in.mass_in = __fadd_rn(in.mass_in, mass[loser]);
-    in.count += 1;
-  }, lane);
-  camkv_write_survivor(in, camkv_target_share(merge, score_t), j, m, cap, Dv, Dk, Kb, own_values, own_keys, scores,
-                       out_values, out_keys, out_scores, lane);
+_SPREAD = """
+  // dims: R rows, k losers, m survivors, Dv value and Dk key columns (Dk 0: keys stay),
+  // the rule's code (a value, not a template: one build serves every rule). A warp per
+  // (row, loser) that merges: camkv_spread_loser into its target's sums.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], Dk = dims[4], merge = dims[5];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
+  const long r = loser / k;
+  camkv_spread_loser(sums, rows, m, Dv, Dk, merge, r, r * m + target[loser], cosine[loser], mass[loser], scores,
+                     norm_in[loser], norm_t, values + loser * Dv, keys + loser * Dk, lane);
 """
 
-_PULL_WINDOW = """
-  // dims: R rows, k losers, m survivors, Dv, Dk, cap rows of the output buffers, window.
-  // Section 4.2 as each survivor takes it in: loser e gives to survivor t where t is
-  // among the first `window` survivors after it, that is where it lies after survivor
-  // t - window (if any) and before t (survivors ascending); it gives V_e / |W| and
-  // s_e / |W|, |W| = min(window, survivors after it) (a binary search for the first
-  // survivor after it). A warp per (row, survivor) pulls them in loser order and writes
-  // the survivor (camkv_write_survivor with A = 1 and no shares: V_t plus the sum). The
-  // last work group counts the merges: the losers with a survivor after them.
-  const long rows = dims[0], k = dims[1], m = dims[2], cap = dims[5];
-  const int Dv = dims[3], Dk = dims[4], window = dims[6];
-  const int lane = threadIdx.x & 31;
-  if (blockIdx.x == gridDim.x - 1) {
-    camkv_count_rows(rows, k, [&](long r, long e) { return loser_idx[r * k + e] < kept_idx[r * m + m - 1]; },
-                     prior, out_count, out_total);
-    return;
+_FINISH = """
+  // dims: R rows, m survivors, Dv value and Dk key columns, cap rows of the output
+  // buffers, Kb key columns in the sums (Dk where keys blend, else 0), the blending rule's
+  // code (-1: a window rule's sums, added; a value: one build serves every rule). A
+  // thread per (row, survivor, column): a value (and a key where keys blend) becomes
+  // (A own + sum share source) / (A + sum share) where a loser gives to the survivor and
+  // that denominator is not 0 (else it stays), rounded once to its buffer's dtype (OUT_V,
+  // OUT_K); a key that does not blend is copied as stored. Survivor jj of row r goes to
+  // row jj of r's buffer of cap rows (rows m.. are left for the decode steps to write).
+  // Column 0 also writes the survivor's score plus the mass it took in, and a row's first
+  // survivor's column 0 the row's merges (the count after the sums); the first warp the
+  // merges so far, prior plus every row's (camkv_merges_so_far). A: the rule's
+  // target share of the survivor's score (camkv_merges.h), or 1 for a window rule's sums
+  // (whose shares stay 0: own + sum).
+  const long rows = dims[0], m = dims[1];
+  const int Dv = dims[2], Dk = dims[3], Kb = dims[5], C = Dv + Dk, S = Dv + Kb, merge = dims[6];
+  const long cap = dims[4];
+  const long at = (long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (at < 32) camkv_merges_so_far(sums + rows * m * (S + 3), rows, prior, out_total, (int)at);
+  if (at >= rows * m * C) return;
+  const long j = at / C;
+  const int c = (int)(at % C);
+  const long slot = (j / m) * cap + j % m;
+  const float* sum = sums + j * (S + 3);
+  const float own_share = merge < 0 ? 1.0f : camkv_target_share(merge, scores[j]);
+  const float total = __fadd_rn(own_share, sum[S]);
+  const bool blending = sum[S + 1] > 0.0f && total > 0.0f;
+  auto blended = [&](float own, float into) {
+    return blending ? __fadd_rn(__fmul_rn(own_share, own), into) / total : own;
+  };
+  if (c < Dv) {
+    out_values[slot * Dv + c] = static_cast<OUT_V>(blended(own_values[j * Dv + c], sum[c]));
+  } else if (Kb > 0) {
+    out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(blended(static_cast<float>(own_keys[j * Dk + c - Dv]), sum[c]));
+  } else {
+    out_keys[slot * Dk + c - Dv] = static_cast<OUT_K>(own_keys[j * Dk + c - Dv]);
   }
-  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  if (j >= rows * m) return;  // the whole warp
-  const long r = j / m, t = j % m;
-  const int* kept = kept_idx + r * m;
-  const long after = t >= window ? (long)kept[t - window] : -1, before = (long)kept[t];
-  CamkvPulled<P> in = camkv_pulled_none<P>();
-  const long first = r * k;
-  camkv_each_giving(k, [&](long e) {
-    const long at = (long)loser_idx[first + e];
-    return at > after && at < before;
-  }, [&](long e) {
-    const long loser = first + e, at = (long)loser_idx[loser];
-    long low = 0, high = m;
-    while (low < high) {
-      const long middle = (low + high) / 2;
-      if ((long)kept[middle] < at) low = middle + 1; else high = middle;
+  if (c == 0) out_scores[j] = __fadd_rn(scores[j], sum[S + 2]);
+  if (c == 0 && j % m == 0) out_count[j / m] = (int)sums[rows * m * (S + 3) + j / m];
+"""
+
+_WINDOW = """
+  // dims: R rows, k losers, m survivors, Dv, window. A warp per (row, loser): the first
+  // survivor after it (survivors ascending: a binary search), then V_e / |W|, a count and
+  // s_e / |W| added into each of the |W| = min(window, survivors after it) survivors
+  // from there: float32 sums [R, m, Dv + 3] laid out as the blend's (values, a share
+  // that stays 0, the count, the mass), which the blend's finish adds to each survivor,
+  // and 1 into its row's count after them (R more) for a loser that merges.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int Dv = dims[3], window = dims[4];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (loser >= rows * k) return;
+  const long r = loser / k, at = (long)loser_idx[loser];
+  long low = 0, high = m;
+  while (low < high) {
+    const long middle = (low + high) / 2;
+    if ((long)kept_idx[r * m + middle] < at) low = middle + 1; else high = middle;
+  }
+  const int width = m - low < window ? (int)(m - low) : window;
+  if (width <= 0) return;
+  if (lane == 0) atomicAdd(sums + rows * m * (Dv + 3) + r, 1.0f);
+  const float shared = (float)width;
+  for (int slot = 0; slot < width; ++slot) {
+    float* into = sums + (r * m + low + slot) * (Dv + 3);
+    for (int c = lane; c < Dv; c += 32) atomicAdd(into + c, values[loser * Dv + c] / shared);
+    if (lane == 0) {
+      atomicAdd(into + Dv + 1, 1.0f);
+      atomicAdd(into + Dv + 2, mass[loser] / shared);
     }
-    const float width = (float)(m - low < window ? m - low : window);
-    #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const int c = lane + 32 * i;
-      if (c < Dv) in.sum[i] = __fadd_rn(in.sum[i], values[loser * Dv + c] / width);
-    }
-    in.mass_in = __fadd_rn(in.mass_in, mass[loser] / width);
-    in.count += 1;
-  }, lane);
-  camkv_write_survivor(in, 1.0f, j, m, cap, Dv, Dk, 0, own_values, own_keys, scores, out_values, out_keys,
-                       out_scores, lane);
+  }
 """
 
 _THRESHOLD = """
@@ -713,18 +659,22 @@ def _specs() -> dict[str, tuple]:
     specs = {
         "nearest": ("camkv_nearest_survivor", _NEAREST, ["products", "norm_k", "positions", "norm_l", "dims"],
                     ["target", "found", "cosine"], _HEADER),
+        "nearest_spread": ("camkv_nearest_spread", _NEAREST_SPREAD,
+                           ["products", "norm_k", "positions", "norm_l", "values", "keys", "mass", "scores", "norm_in",
+                            "norm_t", "dims"], ["sums"], _HEADER + rules + _SPREAD_HEADER),
         "nearest_direct": ("camkv_nearest_direct", _NEAREST_DIRECT,
                            ["losers", "kept", "norm_k", "positions", "norm_l", "dims"], ["target", "found", "cosine"],
                            ""),
-        "pull_nearest": ("camkv_blend_pull", _PULL_NEAREST,
-                         ["values", "keys", "cosine", "mass", "norm_in", "norm_t", "target", "merging", "own_values",
-                          "own_keys", "scores", "prior", "dims"], _PULLED, _HEADER + rules + _PULL_HEADER),
-        "pull_window": ("camkv_window_pull", _PULL_WINDOW,
-                        ["values", "mass", "loser_idx", "kept_idx", "own_values", "own_keys", "scores", "prior",
-                         "dims"], _PULLED, _PULL_HEADER),
+        "window": ("camkv_window_spread", _WINDOW, ["values", "mass", "loser_idx", "kept_idx", "dims"], ["sums"],
+                   ""),
         "gather": ("camkv_merge_gather", _GATHER,
                    ["keys", "values", "scores", "positions", "votes", "loser_idx", "kept_idx", "dims"],
                    [f"{side}_{field}" for side in "ls" for field in _GATHERED], ""),
+        "spread": ("camkv_blend_spread", _SPREAD,
+                   ["values", "keys", "cosine", "mass", "scores", "norm_in", "norm_t", "target", "merging", "dims"],
+                   ["sums"], _HEADER + rules + _SPREAD_HEADER),
+        "finish": ("camkv_blend_finish", _FINISH, ["sums", "own_values", "own_keys", "scores", "prior", "dims"],
+                   ["out_values", "out_keys", "out_scores", "out_count", "out_total"], _HEADER + rules),
         "keep_inputs": ("camkv_keep_inputs", _KEEP_INPUTS, ["settled", "queries", "dims"],
                         ["votes", "log_votes", "query"], ""),
         "scatter": ("camkv_scatter_rows", _SCATTER, ["rows_in", "targets", "live", "dims"], ["sums"], ""),
@@ -908,80 +858,101 @@ def keep_merge(losers, kept, target, merging, query, scale: float, merges_so_far
     return keys, values, votes, scores, count, total
 
 
-def _sums_and_counts(rows: int, m: int, columns: int, scalars: int) -> tuple[int]:
-    """The shape of keepkv's sums (flat): each survivor's columns then its scalars,
-    [R, m, columns + scalars], then each row's count of merging losers [R]; keep_finish
-    reads the counts after R m (columns + scalars)."""
-    return (rows * m * (columns + scalars) + rows,)
-
-
-def blend_window(values, mass, loser_idx, kept_idx, own_values, own_keys, scores, window: int,
-                 merges_so_far: mx.array, value_dtype=mx.float32, capacity: int | None = None):
-    """The paper's window rule for every survivor at once (section 4.2, no gate), in one
-    launch: losers' values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k],
-    survivors at kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32, own_keys
-    [R, m, Dk] as stored and scores [R, m]. Each survivor gains V_e / |W(e)| and
-    s_e / |W(e)| from every loser e whose window W(e) (the first `window` survivors after
-    it) holds it. Returns the survivors' values rounded once to value_dtype and keys as
-    stored, in buffers of capacity rows as blend_nearest's, their scores [R, m] and the
-    merges (the losers with a survivor after them) of each row [R] and so far, as
-    blend_nearest's."""
+def spread_window(values, mass, loser_idx, kept_idx, own_values, own_keys, scores, window: int,
+                  merges_so_far: mx.array, value_dtype=mx.float32, capacity: int | None = None):
+    """The paper's window rule for every loser at once (section 4.2, no gate): losers'
+    values [R, k, Dv] float32 and mass s_e [R, k] at rows loser_idx [R, k], survivors at
+    kept_idx [R, m] (ascending) with own_values [R, m, Dv] float32, own_keys [R, m, Dk] as
+    stored and scores [R, m]. Each survivor gains V_e / |W(e)| and s_e / |W(e)| from every
+    loser e whose window W(e) (the first `window` survivors after it) holds it. Returns the
+    survivors' values rounded once to value_dtype and keys as stored, in buffers of
+    capacity rows as blend_nearest's, their scores [R, m] and the merges (the losers with
+    a survivor after them) of each row [R] and so far, as blend_nearest's."""
     rows, k, dv = values.shape
     m = kept_idx.shape[1]
-    dims = ints(rows, k, m, dv, own_keys.shape[2], _capacity(m, capacity), window)
-    return _pull("pull_window", [values, mass, loser_idx, kept_idx, own_values, own_keys, scores, merges_so_far, dims],
-                 own_values, own_keys, dv, value_dtype, capacity)
+    sums = _kernel("window")(
+        inputs=[values, mass, loser_idx, kept_idx, ints(rows, k, m, dv, window)],
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[_sums_and_counts(rows, m, dv)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    # Survivor t becomes (1 V_t + sum) / (1 + 0): V_t plus its window's sum, exactly.
+    return _finish(sums, own_values, own_keys, scores, 0, merges_so_far, value_dtype, capacity, None)
 
 
 def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, cosine, mass, value_norms,
                   merge: int, merges_so_far: mx.array, value_dtype=mx.float32, capacity: int | None = None):
     """Section 4.4's blend for every survivor at once, where each merging loser has one
-    target, in one launch: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys
-    stay) float32, the survivors' own_values [R, m, Dv] float32, own_keys [R, m, Dk] as
-    stored (their dtype is the keys' out) and scores [R, m], each loser's target [R, k]
-    int32 (indices into the survivors), whether it merges [R, k] bool, its cosine with its
-    target and mass s_e [R, k], and the values' norms (losers' [R, k], survivors' [R, m];
-    None where rule `merge` reads none). Shares are rule merge's (its code: camkv_merges.h's,
-    the kernel core's): a_e of each loser, A of each survivor's score. Each survivor's
-    warp takes in its own losers (no atomic sums, and no sums' array to fill first).
-    Returns the survivors' values [R, cap, Dv] rounded once to value_dtype and keys
-    [R, cap, Dk] (blended keys rounded once, the others copied), whose first m rows are
-    the survivors (cap = capacity, or m; the rest unwritten: buffers with room to decode,
-    as compact_cuda.drop_compact writes them), their scores plus the mass taken in
-    [R, m], and the merges (merging losers) of each row [R] int32 and so far: merges_so_far
+    target: losers' values [R, k, Dv] (and keys [R, k, Dk], or None: keys stay) float32,
+    the survivors' own_values [R, m, Dv] float32, own_keys [R, m, Dk] as stored (their
+    dtype is the keys' out) and scores [R, m], each loser's target [R, k] int32 (indices
+    into the survivors), whether it merges [R, k] bool, its cosine with its target and
+    mass s_e [R, k], and the values' norms (losers' [R, k], survivors' [R, m]; None where
+    rule `merge` reads none). Shares are rule merge's (its code: camkv_merges.h's, the
+    kernel core's): a_e of each loser, A of each survivor's score. Returns the survivors'
+    values [R, cap, Dv] rounded once to value_dtype and keys [R, cap, Dk] (blended keys
+    rounded once, the others copied), whose first m rows are the survivors (cap =
+    capacity, or m; the rest unwritten: buffers with room to decode, as
+    compact_cuda.drop_compact writes them), their scores plus the mass taken in [R, m],
+    and the merges (merging losers) of each row [R] int32 and so far: merges_so_far
     (int32, one) plus all of them (counts no launch of their own makes):
     (A V_t + sum a_e V_e) / (A + sum a_e) where a loser gives to t and that denominator
-    is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums in loser
-    order."""
-    rows, k, dv = values.shape
-    m, dk = own_values.shape[1], own_keys.shape[2]
+    is not 0, V_t elsewhere, as merge_ops._Edges.blend computes it, its sums in the
+    device's order."""
+    rows, k, Dv = values.shape
+    m = own_values.shape[1]
     blended_keys = 0 if keys is None else keys.shape[2]
     norm_in, norm_t = (mass, scores) if value_norms is None else value_norms  # read only where the rule reads them
-    dims = ints(rows, k, m, dv, dk, _capacity(m, capacity), blended_keys, merge)
-    return _pull("pull_nearest", [values, values if keys is None else keys, cosine, mass, norm_in, norm_t, target,
-                                  merging, own_values, own_keys, scores, merges_so_far, dims],
-                 own_values, own_keys, dv + blended_keys, value_dtype, capacity)
+    sums = _kernel("spread")(
+        inputs=[values, values if keys is None else keys, cosine, mass, scores, norm_in, norm_t, target, merging,
+                ints(rows, k, m, Dv, blended_keys, merge)],
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[_sums_and_counts(rows, m, Dv + blended_keys)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    return _finish(sums, own_values, own_keys, scores, blended_keys, merges_so_far, value_dtype, capacity, merge)
 
 
-# What a blend's one launch (_PULL_NEAREST, _PULL_WINDOW) writes.
-_PULLED = ["out_values", "out_keys", "out_scores", "out_count", "out_total"]
+def search_and_blend(products, norm_l, norm_k, positions, n_sink: int, values, keys, own_values, own_keys, scores,
+                  mass, value_norms, merge: int, merges_so_far: mx.array, value_dtype=mx.float32,
+                  capacity: int | None = None):
+    """nearest's search and blend_nearest's blend in two launches where every loser with a
+    target merges (no gate, no moving threshold): the first finds each loser's target from
+    the products [R, k, m] (with norm_l, norm_k, positions and n_sink as nearest takes
+    them) and adds it into the sums at once; the second is blend_nearest's finish. The
+    rest of the arguments and the results are blend_nearest's."""
+    rows, k, m = products.shape
+    Dv = values.shape[2]
+    blended_keys = 0 if keys is None else keys.shape[2]
+    norm_in, norm_t = (mass, scores) if value_norms is None else value_norms  # read only where the rule reads them
+    sums = _kernel("nearest_spread")(
+        inputs=[products, norm_k, positions, norm_l, values, values if keys is None else keys, mass, scores, norm_in,
+                norm_t, ints(rows, k, m, n_sink, Dv, blended_keys, merge)],
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[_sums_and_counts(rows, m, Dv + blended_keys)], output_dtypes=[mx.float32], init_value=0.0)[0]
+    return _finish(sums, own_values, own_keys, scores, blended_keys, merges_so_far, value_dtype, capacity, merge)
 
 
-def _capacity(m: int, capacity: int | None) -> int:
-    return m if capacity is None else capacity
+def _sums_and_counts(rows: int, m: int, columns: int, scalars: int = 3) -> tuple[int]:
+    """The shape of a blend's sums (flat): each survivor's columns then its scalars (a
+    nearest rule's share, count and mass; keepkv's a fourth, the votes taken in),
+    [R, m, columns + scalars], then each row's count of merging losers [R]; the finish
+    reads the counts after R m (columns + scalars)."""
+    return (rows * m * (columns + scalars) + rows,)
 
 
-def _pull(name: str, inputs: list, own_values, own_keys, columns: int, value_dtype, capacity: int | None) -> tuple:
-    """A blend's one launch (`name`): a warp per survivor taking in `columns` summed
-    columns (a lane holds every 32nd), and a last work group counting the merges. Returns
-    the survivors' values and keys in buffers of capacity rows (or m), their scores, the
-    merges of each row [R] int32 and so far (int32, one)."""
-    rows, m, dv = own_values.shape
-    dk = own_keys.shape[2]
-    cap = _capacity(m, capacity)
-    survivors = _warp_per(rows * m)[0]
-    return tuple(_kernel(name)(
-        inputs=inputs, template=[("P", max(1, -(-columns // 32))), ("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
-        grid=(survivors + _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows,), ()],
+def _finish(sums, own_values, own_keys, scores, blended_keys: int, merges_so_far: mx.array, value_dtype,
+            capacity: int | None, merge: int | None) -> tuple:
+    """The blend's second launch (_FINISH) over sums [R, m, Dv + blended_keys + 3] and
+    each row's count after them [R] (flat): the survivors' values and keys in buffers of
+    capacity rows (or m), their scores, the merges of each row [R] int32 and
+    merges_so_far plus all of them (int32, one: a cache's running count, so reading it
+    costs no launch). merge: the blending rule whose target share each survivor keeps;
+    None: a window rule's sums, added to each survivor."""
+    rows, m, Dv = own_values.shape
+    Dk = own_keys.shape[2]
+    cap = m if capacity is None else capacity
+    threads = rows * m * (Dv + Dk)
+    return tuple(_kernel("finish")(
+        inputs=[sums, own_values, own_keys, scores, merges_so_far,
+                ints(rows, m, Dv, Dk, cap, blended_keys, -1 if merge is None else merge)],
+        template=[("OUT_V", value_dtype), ("OUT_K", own_keys.dtype)],
+        grid=(-(-threads // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(rows, cap, Dv), (rows, cap, Dk), (rows, m), (rows,), ()],
         output_dtypes=[value_dtype, own_keys.dtype, mx.float32, mx.int32, mx.int32]))

@@ -284,7 +284,7 @@ def _probe_window(p: dict, kernels: bool) -> tuple:
 
 def _probe_nearest_rule(p: dict, kernels: bool) -> tuple:
     """value_norm's merges of the probe's losers into its survivors, ungated: with kernels
-    the search's launch, then the blend's (every loser with a target merging)."""
+    its search and blend in two launches (merge_cuda.search_and_blend)."""
     def rows(keys, values, scores):
         return Rows(keys, values, scores, p["positions"][:, :scores.shape[1]], None, keys,
                     merges.feature_norm(keys), merges.feature_norm(values))
@@ -423,17 +423,25 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
     rule = merges.rule(cfg.merge)
     so_far = mx.array(0, mx.int32) if merges_so_far is None else merges_so_far
     if kernels and rule.kind == merges.WINDOW and not rule.blends and not cfg.gate:
-        # Every loser with a survivor after it merges, counted by the same launch.
-        values, keys, scores, *counts = merge_cuda.blend_window(losers.values, losers.scores, loser_idx, kept_idx,
-                                                                kept.values, kept.stored_keys, kept.scores,
-                                                                cfg.window, so_far, storage, capacity)
+        # Every loser with a survivor after it merges, counted by the same launches.
+        values, keys, scores, *counts = merge_cuda.spread_window(losers.values, losers.scores, loser_idx, kept_idx,
+                                                                 kept.values, kept.stored_keys, kept.scores,
+                                                                 cfg.window, so_far, storage, capacity)
+        return Merged(keys, values, scores, kept.votes, threshold, *counts)
+    if kernels and _search_and_blend_fused(rule, cfg):  # search, shares, sums and count: two launches
+        products, norm_l, norm_k = _key_products(losers.keys, kept.keys, split, kernels,
+                                                 (losers.key_norm, kept.key_norm))
+        values, keys, scores, *counts = merge_cuda.search_and_blend(
+            products, norm_l, norm_k, kept.positions, cfg.n_sink, losers.values,
+            losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores, losers.scores,
+            (losers.value_norm, kept.value_norm), rule.code, so_far, storage, capacity)
         return Merged(keys, values, scores, kept.votes, threshold, *counts)
     targets = _targets(losers, loser_idx, kept, kept_idx, cfg, split, kernels)
     do, threshold = _merging(targets, losers, threshold, cfg, row_ids, kernels)
     keys, values, votes = kept.keys, kept.values, kept.votes
     if rule.blends and not rule.keeps_votes and rule.kind == merges.NEAREST and kernels:
-        # One target a loser: the whole blend, the rule's shares with it and the count, in one
-        # launch (merge_cuda.blend_nearest; the value norms Rows.split took).
+        # One target a loser: the whole blend, the rule's shares with it and the count, in two
+        # launches (merge_cuda.blend_nearest; the value norms Rows.split took).
         values, keys, scores, *counts = merge_cuda.blend_nearest(
             losers.values, losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores,
             targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
@@ -528,6 +536,14 @@ def _key_products(loser_keys, kept_keys, split: bool, kernels: bool, norms: tupl
     if fenced:
         mx.async_eval(products)
     return products, norm_l, norm_k
+
+
+def _search_and_blend_fused(rule, cfg) -> bool:
+    """Whether the kernels find a nearest rule's targets and spread its losers into them in
+    one launch (merge_cuda.search_and_blend): every loser with a target merges (no gate, no
+    moving threshold), and the search takes the product."""
+    return (rule.kind == merges.NEAREST and rule.blends and not rule.keeps_votes and not rule.moving_threshold
+            and not cfg.gate and not NEAREST_WITHOUT_PRODUCT)
 
 
 def _window_targets(loser_idx, kept_idx, window: int):
