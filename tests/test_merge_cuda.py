@@ -542,10 +542,29 @@ def test_a_caches_merge_count_is_the_kernels_own_output(merge, monkeypatch):
     assert got_launches == [0, 0, 0] and min(want_launches) > 0, (got_launches, want_launches)
 
 
+# Each defect of a kernel's text: (module, the text's name, the part replaced, its
+# replacement); a part None appends the replacement to the text.
+_TEXT_DEFECTS = {
+    "wrong": (merge_cuda, "_HEADER", "out.cosine = dots[best > -INFINITY ? best_at : 0] /",
+              "out.cosine = 1.001f * dots[best > -INFINITY ? best_at : 0] /"),
+    "no compile": (merge_cuda, "_SCATTER", None, "\n  this is not C++;"),
+    "wrong blend": (merge_cuda, "_FINISH", " / total : own;", " / total * 1.001f : own;"),
+    "blend does not compile": (merge_cuda, "_SPREAD", None, "\n  this is not C++;"),
+    "wrong gather": (merge_cuda, "_GATHER", "(lost ? l_norm : s_norm)[at] = sqrtf(squares);",
+                     "(lost ? l_norm : s_norm)[at] = sqrtf(squares) * 1.001f;"),
+    "wrong partition": (compact_cuda, "_SOURCE_SELECT", "positions_out[(long)r * N + j] = position_at(j);",
+                        "positions_out[(long)r * N + j] = position_at(j) + 1;"),
+    "wrong window": (merge_cuda, "_WINDOW", "atomicAdd(into + Dv + 2, mass[loser] / shared);",
+                     "atomicAdd(into + Dv + 2, mass[loser] / shared * 1.01f);"),
+    "wrong keepkv query": (merge_cuda, "_KEEP_INPUTS", "__fmul_rn(sum, 1.0f / (float)G)",
+                           "__fmul_rn(sum, 1.001f / (float)G)"),
+    "wrong fused blend": (merge_cuda, "_NEAREST_SPREAD", "best.cosine, mass[loser]",
+                          "best.cosine, 1.01f * mass[loser]"),
+}
+
+
 @on_gpu
-@pytest.mark.parametrize("defect", ["none", "wrong", "no compile", "wrong blend", "blend does not compile",
-                                    "wrong gather", "wrong partition", "wrong keepkv key", "wrong window",
-                                    "wrong keepkv query", "wrong fused blend"])
+@pytest.mark.parametrize("defect", ["none", *_TEXT_DEFECTS, "wrong keepkv key"])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
     or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or its query
@@ -553,37 +572,17 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
     does not compile, is switched
     off for the process with one warning, and compressions then run the MLX operations
     (kernels=None asks the probe)."""
-    if defect == "wrong":
-        monkeypatch.setattr(merge_cuda, "_HEADER", merge_cuda._HEADER.replace(
-            "out.cosine = dots[best > -INFINITY ? best_at : 0] /",
-            "out.cosine = 1.001f * dots[best > -INFINITY ? best_at : 0] /"))
-    elif defect == "wrong fused blend":
-        monkeypatch.setattr(merge_cuda, "_NEAREST_SPREAD", merge_cuda._NEAREST_SPREAD.replace(
-            "best.cosine, mass[loser]", "best.cosine, 1.01f * mass[loser]"))
-    elif defect == "no compile":
-        monkeypatch.setattr(merge_cuda, "_SCATTER", merge_cuda._SCATTER + "\n  this is not C++;")
-    elif defect == "wrong blend":
-        monkeypatch.setattr(merge_cuda, "_FINISH", merge_cuda._FINISH.replace(" / total : own;", " / total * 1.001f : own;"))
-    elif defect == "wrong gather":
-        monkeypatch.setattr(merge_cuda, "_GATHER", merge_cuda._GATHER.replace(
-            "(lost ? l_norm : s_norm)[at] = sqrtf(squares);",
-            "(lost ? l_norm : s_norm)[at] = sqrtf(squares) * 1.001f;"))
-    elif defect == "wrong partition":
-        monkeypatch.setattr(compact_cuda, "_SOURCE_SELECT", compact_cuda._SOURCE_SELECT.replace(
-            "positions_out[(long)r * N + j] = position_at(j);", "positions_out[(long)r * N + j] = position_at(j) + 1;"))
-        monkeypatch.setattr(compact_cuda, "_kernels", {})
+    if defect in _TEXT_DEFECTS:
+        module, name, part, replacement = _TEXT_DEFECTS[defect]
+        text = getattr(module, name)
+        patched = text + replacement if part is None else text.replace(part, replacement)
+        assert patched != text, defect  # the part is in the text
+        monkeypatch.setattr(module, name, patched)
+        monkeypatch.setattr(module, "_kernels", {})  # built again from the patched text
     elif defect == "wrong keepkv key":
         monkeypatch.setattr(merge_cuda, "_KEEP", {**merge_cuda._KEEP, "keep_finish": (
             merge_cuda._KEEP_FINISH.replace("__fmul_rn(shift, query[r * Dk + c])", "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
             *merge_cuda._KEEP["keep_finish"][1:])})
-    elif defect == "wrong window":
-        monkeypatch.setattr(merge_cuda, "_WINDOW", merge_cuda._WINDOW.replace(
-            "atomicAdd(into + Dv + 2, mass[loser] / shared);", "atomicAdd(into + Dv + 2, mass[loser] / shared * 1.01f);"))
-    elif defect == "wrong keepkv query":
-        monkeypatch.setattr(merge_cuda, "_KEEP_INPUTS", merge_cuda._KEEP_INPUTS.replace(
-            "__fmul_rn(sum, 1.0f / (float)G)", "__fmul_rn(sum, 1.001f / (float)G)"))
-    elif defect == "blend does not compile":
-        monkeypatch.setattr(merge_cuda, "_SPREAD", merge_cuda._SPREAD + "\n  this is not C++;")
     monkeypatch.setattr(merge_ops, "_probe", {})
     monkeypatch.setattr(merge_cuda, "_kernels", {})  # built again from the (patched) text
     if defect == "none":

@@ -910,8 +910,8 @@ def blend_nearest(values, keys, own_values, own_keys, scores, target, merging, c
 
 
 def search_and_blend(products, norm_l, norm_k, positions, n_sink: int, values, keys, own_values, own_keys, scores,
-                  mass, value_norms, merge: int, merges_so_far: mx.array, value_dtype=mx.float32,
-                  capacity: int | None = None):
+                     mass, value_norms, merge: int, merges_so_far: mx.array, value_dtype=mx.float32,
+                     capacity: int | None = None):
     """nearest's search and blend_nearest's blend in two launches where every loser with a
     target merges (no gate, no moving threshold): the first finds each loser's target from
     the products [R, k, m] (with norm_l, norm_k, positions and n_sink as nearest takes
