@@ -13,8 +13,10 @@ import pytest
 
 import camkv
 from camkv import CaMConfig, CaMKVCache, VotesWarning, hook, merges, reference
+from camkv.backends import votes_cuda
 from camkv.batch import BatchCaMKVCache
 from camkv.rows import RowState
+import cuda_emulation
 from test_prompt_cache import _continue, _prefill
 from tiny_models import tiny_llama
 
@@ -127,6 +129,9 @@ def _manual_attention(q, k, v, scale, votes, allowed):
     return (weights / weights.sum(axis=-1, keepdims=True)) @ v
 
 
+on_gpu = pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, and no C++ compiler to emulate one")
+
+
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive"])
 @pytest.mark.parametrize("way, D", [("mask", 8), ("block", 8), ("block", 128)])
 def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind, way, D):
@@ -145,28 +150,37 @@ def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind, way,
         weighed = hook.weighed_by_votes(mask, mx.log(votes), q, k)
         got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=weighed)
     else:
-        got = hook.weighed_block(q, k, v, 0.3, mask, mx.log(votes))
+        if not cuda_emulation.here():
+            pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
+        with cuda_emulation.kernels_here(votes_cuda):
+            got = hook.weighed_block(q, k, v, 0.3, mask, mx.log(votes))
     allowed = causal if mask_kind != "none" else np.ones((S, N), bool)
     np.testing.assert_allclose(np.array(got), _manual_attention(q, k, v, 0.3, votes, allowed), atol=1e-5)
     assert hook.weighed_by_votes(mask, None, q, k) is mask  # no votes: the mask as it was
 
 
+@on_gpu
 def test_a_block_weighed_by_many_votes_stays_finite_in_float16():
     """weighed_block divides the votes by each KV head's largest before they scale the
-    values: rows standing for 10^6 tokens would overflow float16 (65504) otherwise."""
+    values: rows standing for 10^6 tokens would overflow float16 (65504) otherwise. More
+    rows than a work group's threads, the largest votes none of its first warp's rows
+    (so a maximum that missed a warp's rows overflows)."""
     rng = np.random.default_rng(8)
-    B, Hq, H, S, N, D = 1, 4, 2, 3, 9, 64
+    B, Hq, H, S, N, D = 1, 4, 2, 3, 300, 64
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((B, Hq, S, D), (B, H, N, D), (B, H, N, D)))
     v *= 50
-    votes = rng.integers(1, 10**6, (B, H, N)).astype(np.float32)
+    votes = rng.integers(10**5, 10**6, (B, H, N)).astype(np.float32)
+    votes[:, :, np.arange(N) % 256 < 32] = 1.0  # a first warp's rows (threads 0-31 of 256 take j, j + 256)
     half = [mx.array(a).astype(mx.float16) for a in (q, k, v)]
-    got = hook.weighed_block(*half, 0.125, "causal", mx.log(mx.array(votes)))
+    with cuda_emulation.kernels_here(votes_cuda):
+        got = hook.weighed_block(*half, 0.125, "causal", mx.log(mx.array(votes)))
     causal = np.arange(N)[None, :] <= (N - S + np.arange(S))[:, None]
     want = _manual_attention(*(np.array(a.astype(mx.float32)) for a in half), 0.125, votes, causal)
     assert np.isfinite(np.array(got.astype(mx.float32))).all()
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, rtol=0.02, atol=0.1)
 
 
+@on_gpu
 def test_a_prompt_block_weighed_by_votes_goes_through_weighed_block_on_cuda(monkeypatch):
     """On MLX's CUDA build (pretended here) the hook attends a keepkv cache's prompt block
     through weighed_block, not weighed_by_votes' mask; the output is the mask's."""
@@ -188,7 +202,8 @@ def test_a_prompt_block_weighed_by_votes_goes_through_weighed_block_on_cuda(monk
             q, keys, values, scale=0.35, mask=hook.weighed_by_votes("causal", bias, q, keys))
         monkeypatch.setattr(hook.drop, "on_cuda", lambda: True)
         blocks = counted(monkeypatch, hook, "weighed_block")
-        got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.35, "causal")
+        with cuda_emulation.kernels_here(votes_cuda):
+            got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.35, "causal")
         monkeypatch.undo()
     finally:
         hook.uninstall(model)

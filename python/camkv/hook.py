@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.models import base
 
 from . import quantized, quantized_attention
-from .backends import drop, quantized_cuda
+from .backends import drop, quantized_cuda, votes_cuda
 
 _NAME = "scaled_dot_product_attention"
 _ORIGINAL = base.scaled_dot_product_attention
@@ -103,33 +103,23 @@ def block_rows(keys: tuple, values: tuple, queries) -> tuple[mx.array, mx.array]
 # Whether a prompt block whose rows votes weigh attends through weighed_block on MLX's
 # CUDA build (else through weighed_by_votes' mask, as everywhere else).
 WEIGHED_BLOCKS = True
-# cuDNN's attention in MLX's CUDA build reads value rows of up to this many channels, a
-# multiple of 8: the votes' column, padded to 8, joins the values' rows where they fit.
-_FUSED_VALUE_WIDTH = 128
-_VOTES_WIDTH = 8
-
-
 def weighed_block(queries, keys, values, scale: float, mask, bias):
     """softmax(scale q k^T + bias) v for a block of queries [B, Hq, S, D] over rows keys and
     values [B, H, N, D] as arrays, bias [B, H, N] the log of each row's votes (docs/
-    algorithm.md section 4.6), without the [B, Hq, S, N] mask weighed_by_votes builds
-    (at llama-3-8B's shape 512 MiB a layer and chunk, built and read by every prompt
-    chunk): the votes scale the rows' values and fill one more column, MLX's attention
-    with the given mask attends both, and the first divided by the second is the
-    votes-weighed softmax's output (sum_j c_j e^l_j V_j / sum_j c_j e^l_j). The votes are
-    divided by each KV head's largest first (no overflow in float16; the quotient does
-    not change)."""
-    votes = mx.exp(bias - mx.max(bias, axis=-1, keepdims=True))[..., None].astype(values.dtype)
-    column = mx.broadcast_to(votes, (*votes.shape[:3], _VOTES_WIDTH))
+    algorithm.md section 4.6), on MLX's CUDA build, without the [B, Hq, S, N] mask
+    weighed_by_votes builds (at llama-3-8B's shape 512 MiB a layer and chunk, built and
+    read by every prompt chunk): the votes scale the rows' values and fill one more
+    column, MLX's attention with the given mask attends both, and the first divided by
+    the second is the votes-weighed softmax's output (sum_j c_j e^l_j V_j / sum_j c_j
+    e^l_j). The votes are divided by each KV head's largest first (no overflow in
+    float16; the quotient does not change). One launch before the attention and one
+    after it (camkv.backends.votes_cuda)."""
     D = values.shape[3]
+    weighed, column = votes_cuda.weigh(values, bias)
     sdpa = mx.fast.scaled_dot_product_attention
-    if D + _VOTES_WIDTH <= _FUSED_VALUE_WIDTH:
-        both = sdpa(queries, keys, mx.concatenate([values * votes, column], axis=-1), scale=scale, mask=mask)
-        weighed, total = both[..., :D], both[..., D:D + 1]
-    else:
-        weighed = sdpa(queries, keys, values * votes, scale=scale, mask=mask)
-        total = sdpa(queries, keys, column, scale=scale, mask=mask)[..., :1]
-    return (weighed.astype(mx.float32) / total.astype(mx.float32)).astype(queries.dtype)
+    out = sdpa(queries, keys, weighed, scale=scale, mask=mask)
+    total = out if column is None else sdpa(queries, keys, column, scale=scale, mask=mask)
+    return votes_cuda.divide(out, total, D, queries.dtype)
 
 
 def weighed_by_votes(mask, bias, queries, keys):
