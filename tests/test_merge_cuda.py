@@ -560,15 +560,20 @@ _TEXT_DEFECTS = {
                            "__fmul_rn(sum, 1.001f / (float)G)"),
     "wrong fused blend": (merge_cuda, "_NEAREST_SPREAD", "best.cosine, mass[loser]",
                           "best.cosine, 1.01f * mass[loser]"),
+    "wrong keepkv search": (merge_cuda, "_KEEP_SEARCH", "best.t, best.has, l, lane);",
+                            "best.t, best.has && best.t != 1, l, lane);"),
+    "wrong gated keepkv": (merge_cuda, "_KEEP_LOGITS", "loser, target[loser], merges,", "loser, target[loser] / 2, merges,"),
+    "wrong keepkv key": (merge_cuda, "_KEEP_FINISH", "__fmul_rn(shift, query[r * Dk + c])",
+                         "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
 }
 
 
 @on_gpu
-@pytest.mark.parametrize("defect", ["none", *_TEXT_DEFECTS, "wrong keepkv key"])
+@pytest.mark.parametrize("defect", ["none", *_TEXT_DEFECTS])
 def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(defect, monkeypatch):
     """The probe passes the kernels as they are; a kernel that computes a cosine, a blend
-    or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far or its query
-    0.1% off, a window's mass or a fused search's losers' mass 1% too large, or whose text
+    or a key norm 0.1% off, a position one off, keepkv's key moved 1% too far, its query
+    0.1% off or its losers' targets wrong (found with its search or after the gate), a window's mass or a fused search's losers' mass 1% too large, or whose text
     does not compile, is switched
     off for the process with one warning, and compressions then run the MLX operations
     (kernels=None asks the probe)."""
@@ -579,10 +584,6 @@ def test_a_failing_first_use_check_switches_the_kernels_off_with_one_warning(def
         assert patched != text, defect  # the part is in the text
         monkeypatch.setattr(module, name, patched)
         monkeypatch.setattr(module, "_kernels", {})  # built again from the patched text
-    elif defect == "wrong keepkv key":
-        monkeypatch.setattr(merge_cuda, "_KEEP", {**merge_cuda._KEEP, "keep_finish": (
-            merge_cuda._KEEP_FINISH.replace("__fmul_rn(shift, query[r * Dk + c])", "__fmul_rn(1.01f * shift, query[r * Dk + c])"),
-            *merge_cuda._KEEP["keep_finish"][1:])})
     monkeypatch.setattr(merge_ops, "_probe", {})
     monkeypatch.setattr(merge_cuda, "_kernels", {})  # built again from the (patched) text
     if defect == "none":

@@ -486,62 +486,95 @@ _THRESHOLD = """
   }
 """
 
-# keepkv (section 4.6). Each target's largest incoming logit and whether a non-finite one
-# comes in are atomic maxima into one array [R, m, 2] that starts at -inf (MLX fills every
-# output a kernel starts from a value, a launch each: hence one output).
+# keepkv (section 4.6). What its later launches read of each merging loser: its target's
+# largest incoming finite logit and whether a non-finite one comes in (atomic maxima into
+# [R, m, 2] from -inf), then each loser's target as a float (-1: it does not merge), one
+# flat array "incoming" [R m 2 + R k] (MLX fills every output a kernel starts from a value,
+# a launch each: hence one output). A survivor's own logit, top and mass are taken again
+# by each launch that reads them (camkv_keep_survivor) instead of a launch of their own.
+_KEEP_HEADER = """
+// A merging loser of row r (flat index loser of R k) with target t and logit l into
+// incoming: its target slot, and l raises t's largest finite incoming logit, or a
+// non-finite l marks t poisoned; a loser that does not merge writes -1 as its target.
+__device__ inline void camkv_keep_incoming(float* incoming, long rows, long k, long m, long loser, int t,
+                                           bool merges, float l, int lane) {
+  if (lane != 0) return;
+  incoming[2 * rows * m + loser] = merges ? (float)t : -1.0f;
+  if (!merges) return;
+  const long to = (loser / k) * m + t;
+  if (isfinite(l)) camkv_atomic_max(incoming + 2 * to, l);
+  else camkv_atomic_max(incoming + 2 * to + 1, 1.0f);
+}
+
+// A survivor's state in its compression (section 4.6): its logit l_t = scale q.K_t; its
+// mass is finite where l_t is and no merging loser's logit is not; top: the larger of
+// l_t and its largest incoming logit there (0 elsewhere); m_t = votes exp(l_t - top)
+// there (votes elsewhere). Every lane of the warp holds it.
+struct CamkvKeepSurvivor {
+  float top;
+  bool finite;
+  float mass;
+};
+
+__device__ inline CamkvKeepSurvivor camkv_keep_survivor(const float* key, const float* query, const float* scale,
+                                                        int Dk, float votes, const float* incoming_t, int lane) {
+  const float l = camkv_keep_logit(key, query, scale, Dk, lane);
+  CamkvKeepSurvivor out;
+  out.finite = isfinite(l) && !(incoming_t[1] > 0.0f);
+  out.top = out.finite ? fmaxf(l, incoming_t[0]) : 0.0f;
+  out.mass = __fmul_rn(votes, out.finite ? expf(l - out.top) : 1.0f);
+  return out;
+}
+"""
+
 _KEEP_LOGITS = """
   // dims: R rows, k losers, m survivors, Dk. A warp per (row, loser): its logit
-  // l_e = scale q.K_e; a merging loser's finite logit raises its target's top_in[t][0], a
-  // non-finite one sets its target's top_in[t][1] (poisoned) to 1. Its one output starts
-  // at -inf (one fill: keep_spread takes the logit again instead of reading an output).
+  // l_e = scale q.K_e into incoming (camkv_keep_incoming) where it merges.
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dk = dims[3];
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
   if (loser >= rows * k) return;
   const long r = loser / k;
-  const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
-  if (lane == 0 && merging[loser]) {
-    const long to = r * m + target[loser];
-    if (isfinite(l)) camkv_atomic_max(top_in + 2 * to, l);
-    else camkv_atomic_max(top_in + 2 * to + 1, 1.0f);
-  }
+  const bool merges = merging[loser];
+  const float l = merges ? camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane) : 0.0f;
+  camkv_keep_incoming(incoming, rows, k, m, loser, target[loser], merges, l, lane);
 """
 
-_KEEP_TOPS = """
-  // dims: R rows, m survivors, Dk. A warp per (row, survivor): l_t = scale q.K_t; its
-  // mass is finite where l_t is and no merging loser's logit is not (top_in[j][1]); top:
-  // the larger of l_t and top_in[j][0] there (0 elsewhere); m_t = votes exp(l_t - top)
-  // there (votes elsewhere).
-  const long rows = dims[0], m = dims[1];
-  const int Dk = dims[2];
-  const long j = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+_KEEP_SEARCH = """
+  // dims: R rows, k losers, m survivors, n_sink, Dk. keep_logits where every loser with a
+  // target merges (no gate): a warp per (row, loser) finds its target from the products
+  // (camkv_nearest_of, as _NEAREST) and takes its logit into incoming.
+  const long rows = dims[0], k = dims[1], m = dims[2];
+  const int n_sink = dims[3], Dk = dims[4];
+  const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
-  if (j >= rows * m) return;
-  const float l = camkv_keep_logit(keys + j * Dk, query + j / m * Dk, scale, Dk, lane);
-  if (lane == 0) {
-    const bool fin = isfinite(l) && !(top_in[2 * j + 1] > 0.0f);
-    const float best = fin ? fmaxf(l, top_in[2 * j]) : 0.0f;
-    top[j] = best;
-    finite[j] = fin;
-    mass_t[j] = __fmul_rn(votes[j], fin ? expf(l - best) : 1.0f);
-  }
+  if (loser >= rows * k) return;
+  const long r = loser / k;
+  const CamkvNearest best = camkv_nearest_of(products + loser * m, norm_k, positions, r, m, n_sink, norm_l[loser],
+                                             lane);
+  const float l = best.has ? camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane) : 0.0f;
+  camkv_keep_incoming(incoming, rows, k, m, loser, best.t, best.has, l, lane);
 """
 
 _KEEP_SPREAD = """
-  // dims: R rows, k losers, m survivors, Dv, Dk. A warp per (row, loser) that merges:
-  // m_e = votes_e exp(l_e - top_t) (votes_e where the target's mass is not finite), then
-  // m_e V_e, m_e K_e, m_e, 1, votes_e and s_e added into its target's float32 sums
-  // [R, m, Dv + Dk + 4], and 1 into its row's count after them (R more).
+  // dims: R rows, k losers, m survivors, Dv, Dk. A warp per (row, loser) that merges (its
+  // target in incoming): m_e = votes_e exp(l_e - top_t) (votes_e where the target's mass
+  // is not finite), then m_e V_e, m_e K_e, m_e, 1, votes_e and s_e added into its
+  // target's float32 sums [R, m, Dv + Dk + 4], and 1 into its row's count after them (R
+  // more).
   const long rows = dims[0], k = dims[1], m = dims[2];
   const int Dv = dims[3], Dk = dims[4], C = Dv + Dk;
   const long loser = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
-  if (loser >= rows * k || !merging[loser]) return;  // the whole warp: loser is the same for its lanes
-  const long r = loser / k, to = r * m + target[loser];
-  // keep_logits' logit, the same warp sum again
+  if (loser >= rows * k) return;
+  const float target = incoming[2 * rows * m + loser];
+  if (target < 0.0f) return;  // the whole warp: loser is the same for its lanes
+  const long r = loser / k, to = r * m + (long)target;
   const float l = camkv_keep_logit(keys + loser * Dk, query + r * Dk, scale, Dk, lane);
-  const float mass_e = __fmul_rn(votes[loser], finite[to] ? expf(l - top[to]) : 1.0f);
+  const CamkvKeepSurvivor t = camkv_keep_survivor(kept_keys + to * Dk, query + r * Dk, scale, Dk, kept_votes[to],
+                                                  incoming + 2 * to, lane);
+  const float mass_e = __fmul_rn(votes[loser], t.finite ? expf(l - t.top) : 1.0f);
   float* into = sums + to * (C + 4);
   camkv_add_rows(into, mass_e, values + loser * Dv, Dv, keys + loser * Dk, Dk, lane);
   if (lane == 0) {
@@ -555,15 +588,15 @@ _KEEP_SPREAD = """
 
 _KEEP_FINISH = """
   // dims: R rows, m survivors, Dv, Dk, cap rows of the output buffers. A warp per (row,
-  // survivor). Where a loser gives to it: its value and mean key
-  // (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where that is 0), the key then
-  // moved along q so that the row, standing for all its votes, gets the group's mass
-  // (merges.output_preserving_key), its votes summed; elsewhere its row and votes as they
-  // were. Value and key rounded once to their buffers' dtypes (OUT_V, OUT_K), survivor jj
-  // of row r into row jj of r's buffer of cap rows (rows m.. left unwritten). Its score
-  // gains the mass s_e of its losers. A row's first survivor's warp writes the row's
-  // merges (the count after the sums), the first warp the merges so far (prior plus every
-  // row's).
+  // survivor), its state camkv_keep_survivor's. Where a loser gives to it: its value and
+  // mean key (m_t row + sum m_e source) / (m_t + sum m_e) (unchanged where that is 0),
+  // the key then moved along q so that the row, standing for all its votes, gets the
+  // group's mass (merges.output_preserving_key), its votes summed; elsewhere its row and
+  // votes as they were. Value and key rounded once to their buffers' dtypes (OUT_V,
+  // OUT_K), survivor jj of row r into row jj of r's buffer of cap rows (rows m.. left
+  // unwritten). Its score gains the mass s_e of its losers. A row's first survivor's warp
+  // writes the row's merges (the count after the sums), the first warp the merges so far
+  // (prior plus every row's).
   const long rows = dims[0], m = dims[1];
   const int Dv = dims[2], Dk = dims[3], C = Dv + Dk;
   const long cap = dims[4];
@@ -573,13 +606,15 @@ _KEEP_FINISH = """
   if (j == 0) camkv_merges_so_far(counts, rows, prior, out_total, lane);
   if (j >= rows * m) return;
   const long r = j / m, slot = r * cap + j % m;
+  const CamkvKeepSurvivor t = camkv_keep_survivor(keys + j * Dk, query + r * Dk, scale, Dk, votes[j],
+                                                  incoming + 2 * j, lane);
   const float* sum = sums + j * (C + 4);
   const float taken = sum[C], in_votes = sum[C + 2];
   const bool receiving = sum[C + 1] > 0.0f;
-  const float total = __fadd_rn(mass_t[j], taken);
+  const float total = __fadd_rn(t.mass, taken);
   const bool blending = receiving && total > 0.0f;
   auto blended = [&](float own, float into) {
-    return blending ? __fadd_rn(__fmul_rn(mass_t[j], own), into) / total : own;
+    return blending ? __fadd_rn(__fmul_rn(t.mass, own), into) / total : own;
   };
   for (int c = lane; c < Dv; c += 32) out_values[slot * Dv + c] = static_cast<OUT_V>(blended(values[j * Dv + c], sum[c]));
   const float total_votes = __fadd_rn(votes[j], in_votes);
@@ -593,9 +628,9 @@ _KEEP_FINISH = """
     along = __fadd_rn(along, __shfl_xor_sync(0xffffffffu, along, o));
     norm_q = __fadd_rn(norm_q, __shfl_xor_sync(0xffffffffu, norm_q, o));
   }
-  const float want = __fadd_rn(top[j], logf(total)) - logf(total_votes);
+  const float want = __fadd_rn(t.top, logf(total)) - logf(total_votes);
   const float shift = (want - __fmul_rn(scale[0], along)) / __fmul_rn(scale[0], norm_q);
-  const bool moved = receiving && finite[j] && isfinite(shift);
+  const bool moved = receiving && t.finite && isfinite(shift);
   for (int c = lane; c < Dk; c += 32) {
     const float mean = blended(keys[j * Dk + c], sum[Dv + c]);
     out_keys[slot * Dk + c] = static_cast<OUT_K>(!receiving ? keys[j * Dk + c]
@@ -681,8 +716,8 @@ def _specs() -> dict[str, tuple]:
         "threshold": ("camkv_moved_threshold", _THRESHOLD, ["cosine", "eligible", "threshold", "dims"],
                       ["merging", "threshold_out"], rules),
     }
-    for name, (source, inputs, outputs) in _KEEP.items():
-        specs[name] = (f"camkv_{name}", source, [*inputs, "dims"], outputs, _HEADER)
+    for name, (text, inputs, outputs) in _KEEP.items():
+        specs[name] = (f"camkv_{name}", globals()[text], [*inputs, "dims"], outputs, _HEADER + _KEEP_HEADER)
     return specs
 
 
@@ -809,50 +844,71 @@ def gather_rows(keys, values, scores, positions, votes, loser_idx, kept_idx):
     return tuple((*side[:7], None if votes is None else side[7]) for side in (out[:per_side], out[per_side:]))
 
 
-# keepkv's launches: name -> (text, inputs before dims, outputs).
+# keepkv's launches: name -> (the module's name of its text, read when it is built so a
+# test's patched text is the one compiled; inputs before dims; outputs).
 _KEEP = {
-    "keep_logits": (_KEEP_LOGITS, ["keys", "query", "target", "merging", "scale"], ["top_in"]),
-    "keep_tops": (_KEEP_TOPS, ["keys", "query", "votes", "top_in", "scale"], ["top", "finite", "mass_t"]),
-    "keep_spread": (_KEEP_SPREAD, ["values", "keys", "votes", "mass", "query", "scale", "top", "finite", "target",
-                                   "merging"],
-               ["sums"]),
-    "keep_finish": (_KEEP_FINISH, ["values", "keys", "votes", "scores", "query", "sums", "mass_t", "top", "finite",
-                                   "scale", "prior"],
+    "keep_logits": ("_KEEP_LOGITS", ["keys", "query", "target", "merging", "scale"], ["incoming"]),
+    "keep_search": ("_KEEP_SEARCH", ["products", "norm_k", "positions", "norm_l", "keys", "query", "scale"],
+                    ["incoming"]),
+    "keep_spread": ("_KEEP_SPREAD", ["values", "keys", "votes", "mass", "kept_keys", "kept_votes", "query", "scale",
+                                     "incoming"], ["sums"]),
+    "keep_finish": ("_KEEP_FINISH", ["values", "keys", "votes", "scores", "query", "sums", "incoming", "scale",
+                                     "prior"],
                     ["out_values", "out_keys", "out_votes", "out_scores", "out_count", "out_total"]),
 }
 
 
-def keep_merge(losers, kept, target, merging, query, scale: float, merges_so_far: mx.array, value_dtype=mx.float32,
+def _incoming(rows: int, k: int, m: int) -> list[tuple[int]]:
+    """The shape of keepkv's incoming (flat): [R, m, 2] then [R, k] (see _KEEP_HEADER)."""
+    return [(2 * rows * m + rows * k,)]
+
+
+def keep_logits(loser_keys, query, target, merging, scale: float, m: int) -> mx.array:
+    """keepkv's incoming (flat, see _KEEP_HEADER) of losers with float32 keys [R, k, Dk],
+    each loser's survivor target [R, k] int32 and whether it merges [R, k] bool, for
+    query [R, Dk] float32 and m survivors: what keep_merge takes."""
+    rows, k, dk = loser_keys.shape
+    return _kernel("keep_logits")(
+        inputs=[loser_keys, query, target, merging, floats(scale), ints(rows, k, m, dk)], grid=_warp_per(rows * k),
+        threadgroup=(_THREADS, 1, 1), output_shapes=_incoming(rows, k, m), output_dtypes=[mx.float32],
+        init_value=-float("inf"))[0]
+
+
+def keep_search(products, norm_l, norm_k, positions, n_sink: int, loser_keys, query, scale: float) -> mx.array:
+    """keep_logits where every loser with a target merges (no gate): the targets found from
+    the products [R, k, m] (with norm_l, norm_k, positions and n_sink as nearest takes
+    them) in the same launch."""
+    rows, k, m = products.shape
+    dk = loser_keys.shape[2]
+    return _kernel("keep_search")(
+        inputs=[products, norm_k, positions, norm_l, loser_keys, query, floats(scale), ints(rows, k, m, n_sink, dk)],
+        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1), output_shapes=_incoming(rows, k, m),
+        output_dtypes=[mx.float32], init_value=-float("inf"))[0]
+
+
+def keep_merge(losers, kept, incoming, query, scale: float, merges_so_far: mx.array, value_dtype=mx.float32,
                capacity: int | None = None):
     """keepkv's merges of a compression (section 4.6, merge_ops._keep_output's results):
     losers and kept are merge_ops.Rows (float32 keys and values, the keys as stored,
-    votes, scores), target [R, k] each loser's survivor, merging [R, k] bool, query [R, Dk]
-    float32. Returns the survivors' keys [R, cap, Dk] in the stored keys' dtype and values
-    [R, cap, Dv] in value_dtype (each rounded once; cap = capacity, or m; rows past m
-    unwritten, as blend_nearest's), votes and scores plus the mass taken in [R, m], and
-    the merges: each row's [R] and merges_so_far (int32, one) plus all of them, counted
-    by the same launches as blend_nearest's."""
+    votes, scores), incoming keep_logits' or keep_search's (the targets and their largest
+    logits), query [R, Dk] float32. Returns the survivors' keys [R, cap, Dk] in the stored
+    keys' dtype and values [R, cap, Dv] in value_dtype (each rounded once; cap =
+    capacity, or m; rows past m unwritten, as blend_nearest's), votes and scores plus the
+    mass taken in [R, m], and the merges: each row's [R] and merges_so_far (int32, one)
+    plus all of them, counted by the same launches as blend_nearest's."""
     rows, k, dk = losers.keys.shape
     m, dv = kept.keys.shape[1], kept.values.shape[2]
-    by_loser = _warp_per(rows * k)
-    by_survivor = _warp_per(rows * m)
     block = (_THREADS, 1, 1)
     scale_ = floats(scale)
-    top_in = _kernel("keep_logits")(
-        inputs=[losers.keys, query, target, merging, scale_, ints(rows, k, m, dk)], grid=by_loser,
-        threadgroup=block, output_shapes=[(rows, m, 2)], output_dtypes=[mx.float32], init_value=-float("inf"))[0]
-    top, finite, mass_t = _kernel("keep_tops")(
-        inputs=[kept.keys, query, kept.votes, top_in, scale_, ints(rows, m, dk)], grid=by_survivor,
-        threadgroup=block, output_shapes=[(rows, m)] * 3, output_dtypes=[mx.float32, mx.bool_, mx.float32])
     sums = _kernel("keep_spread")(
-        inputs=[losers.values, losers.keys, losers.votes, losers.scores, query, scale_, top, finite, target,
-                merging, ints(rows, k, m, dv, dk)], grid=by_loser, threadgroup=block,
+        inputs=[losers.values, losers.keys, losers.votes, losers.scores, kept.keys, kept.votes, query, scale_,
+                incoming, ints(rows, k, m, dv, dk)], grid=_warp_per(rows * k), threadgroup=block,
         output_shapes=[_sums_and_counts(rows, m, dv + dk, 4)], output_dtypes=[mx.float32], init_value=0.0)[0]
     cap, key_dtype = m if capacity is None else capacity, kept.stored_keys.dtype
     values, keys, votes, scores, count, total = _kernel("keep_finish")(
-        inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, mass_t, top, finite, scale_,
-                merges_so_far, ints(rows, m, dv, dk, cap)], template=[("OUT_V", value_dtype), ("OUT_K", key_dtype)],
-        grid=by_survivor, threadgroup=block,
+        inputs=[kept.values, kept.keys, kept.votes, kept.scores, query, sums, incoming, scale_, merges_so_far,
+                ints(rows, m, dv, dk, cap)], template=[("OUT_V", value_dtype), ("OUT_K", key_dtype)],
+        grid=_warp_per(rows * m), threadgroup=block,
         output_shapes=[(rows, cap, dv), (rows, cap, dk), (rows, m), (rows, m), (rows,), ()],
         output_dtypes=[value_dtype, key_dtype, mx.float32, mx.float32, mx.int32, mx.int32])
     return keys, values, votes, scores, count, total

@@ -208,7 +208,7 @@ def _probe_failure() -> str | None:
         mx.eval([a for a in got if a is not None])
     except Exception as error:  # a compile or launch error, whatever MLX raises it as
         return f"their first-use check raised: {error}"
-    for name, g, w in zip(_PROBED, got, _probe_with_operations(p)):
+    for name, g, w in zip(_PROBED, got, _probe_with_operations(p), strict=True):
         same = g is w if g is None or w is None else np.allclose(_as_numpy(g), _as_numpy(w), rtol=1e-4, atol=1e-4)
         if not same:
             return f"their first-use check's {name} differ from the MLX operations'"
@@ -221,8 +221,8 @@ _PROBED = ("targets", "found", "cosines", "sums", "blends", "blended scores", "b
            *(f"gathered {field}" for field in ("keys", "values", "scores", "positions", "votes", "stored keys",
                                                 "key norms", "value norms")),
            "losers", "survivors", "joined scores", "joined positions",
-           *(f"keepkv's merged {field}" for field in ("keys", "values", "votes", "scores", "counts",
-                                                       "counts so far")),
+           *(f"keepkv's {way} merged {field}" for way in ("ungated", "gated")
+             for field in ("keys", "values", "votes", "scores", "counts", "counts so far")),
            *(f"window's merged {field}" for field in ("values", "scores", "counts", "counts so far")),
            *(f"value_norm's merged {field}" for field in ("values", "scores", "counts", "counts so far")),
            "d2o's merging",
@@ -257,17 +257,21 @@ def _probe_problem() -> dict:
 
 
 def _probe_keep(p: dict, kernels: bool) -> tuple:
-    """keepkv's merges of the probe's losers into its survivors (targets found by the
-    nearest search, every loser merging)."""
+    """keepkv's merges of the probe's losers into its survivors, ungated (with kernels the
+    search in the merge's first launch, merge_cuda.keep_search) and gated (the search,
+    the gate's draws, then merge_cuda.keep_logits)."""
     def rows(keys, values, scores, n):
         return Rows(keys, values, scores, mx.broadcast_to(mx.arange(n, dtype=mx.int32), scores.shape),
                     mx.abs(scores) + 1.0, keys, merges.feature_norm(keys))
     losers = rows(p["losers"], p["rows"], mx.abs(p["x"]), 70)
     kept = rows(p["kept"], p["own"], mx.abs(p["scores"]), 90)
-    merged = merge(losers, p["order"][:, :70], kept, p["order"][:, 70:], None, p["query"], 0.125,
-                   CaMConfig(budget=90, n_sink=1, recent=1, merge="keepkv"), mx.arange(2).astype(mx.uint32), False,
-                   kernels, merges_so_far=p["so_far"])
-    return merged.keys, merged.values, merged.votes, merged.scores, merged.count, merged.so_far
+    out = ()
+    for gated in (False, True):
+        merged = merge(losers, p["order"][:, :70], kept, p["order"][:, 70:], None, p["query"], 0.125,
+                       CaMConfig(budget=90, n_sink=1, recent=1, merge="keepkv", gate=gated),
+                       mx.arange(2).astype(mx.uint32), False, kernels, merges_so_far=p["so_far"])
+        out += (merged.keys, merged.values, merged.votes, merged.scores, merged.count, merged.so_far)
+    return out
 
 
 def _probe_window(p: dict, kernels: bool) -> tuple:
@@ -428,9 +432,16 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
                                                                  kept.values, kept.stored_keys, kept.scores,
                                                                  cfg.window, so_far, storage, capacity)
         return Merged(keys, values, scores, kept.votes, threshold, *counts)
-    if kernels and _search_and_blend_fused(rule, cfg):  # search, shares, sums and count: two launches
+    if kernels and _search_fused(rule, cfg):  # the search in the merge's first launch
         products, norm_l, norm_k = _key_products(losers.keys, kept.keys, split, kernels,
                                                  (losers.key_norm, kept.key_norm))
+        if rule.keeps_votes:  # keepkv's whole merge in three launches
+            incoming = merge_cuda.keep_search(products, norm_l, norm_k, kept.positions, cfg.n_sink, losers.keys,
+                                              query, scale)
+            keys, values, votes, scores, *counts = merge_cuda.keep_merge(losers, kept, incoming, query, scale,
+                                                                         so_far, storage, capacity)
+            return Merged(keys, values, scores, votes, threshold, *counts)
+        # search, shares, sums and count: two launches
         values, keys, scores, *counts = merge_cuda.search_and_blend(
             products, norm_l, norm_k, kept.positions, cfg.n_sink, losers.values,
             losers.keys if cfg.merge_keys else None, kept.values, kept.stored_keys, kept.scores, losers.scores,
@@ -447,9 +458,10 @@ def merge(losers: Rows, loser_idx, kept: Rows, kept_idx, threshold, query, scale
             targets.nearest, do, targets.cosine, targets.s_in, (losers.value_norm, kept.value_norm), rule.code,
             so_far, storage, capacity)
         return Merged(keys, values, scores, votes, threshold, *counts)
-    if rule.keeps_votes and kernels:  # keepkv's whole merge in four launches (merge_cuda.keep_merge)
-        keys, values, votes, scores, *counts = merge_cuda.keep_merge(losers, kept, targets.nearest, do, query, scale,
-                                                                     so_far, storage, capacity)
+    if rule.keeps_votes and kernels:  # keepkv's whole merge, the gate's draws taken, in three launches
+        incoming = merge_cuda.keep_logits(losers.keys, query, targets.nearest, do, scale, kept.keys.shape[1])
+        keys, values, votes, scores, *counts = merge_cuda.keep_merge(losers, kept, incoming, query, scale, so_far,
+                                                                     storage, capacity)
         return Merged(keys, values, scores, votes, threshold, *counts)
     count = do.sum(axis=1).astype(mx.int32)  # merging losers a row (the kernels count their own)
     edges = _Edges(targets.index, targets.valid & do[:, :, None], kept.scores.shape[1], kernels)
@@ -538,12 +550,12 @@ def _key_products(loser_keys, kept_keys, split: bool, kernels: bool, norms: tupl
     return products, norm_l, norm_k
 
 
-def _search_and_blend_fused(rule, cfg) -> bool:
-    """Whether the kernels find a nearest rule's targets and spread its losers into them in
-    one launch (merge_cuda.search_and_blend): every loser with a target merges (no gate, no
-    moving threshold), and the search takes the product."""
-    return (rule.kind == merges.NEAREST and rule.blends and not rule.keeps_votes and not rule.moving_threshold
-            and not cfg.gate and not NEAREST_WITHOUT_PRODUCT)
+def _search_fused(rule, cfg) -> bool:
+    """Whether the kernels find a nearest rule's targets in the first launch of its merge
+    (merge_cuda.search_and_blend, or keepkv's merge_cuda.keep_search): every loser with a
+    target merges (no gate, no moving threshold), and the search takes the product."""
+    return (rule.kind == merges.NEAREST and rule.blends and not rule.moving_threshold and not cfg.gate
+            and not NEAREST_WITHOUT_PRODUCT)
 
 
 def _window_targets(loser_idx, kept_idx, window: int):
