@@ -27,12 +27,13 @@ camkv.backends.compact_cuda.partition has chosen the survivors).
 - **d2o's moving threshold** (section 4.5): a work group a row sums its losers' finite
   cosines, moves the threshold and marks the losers that reach it, one launch where the
   MLX operations take about twenty.
-- **keepkv's output-preserving merge, whole** (section 4.6): four launches (the losers'
-  logits for the query and each target's largest incoming one, by atomic maxima; each
-  survivor's top and mass; the losers' masses and their weighted rows, votes and
-  scores summed into the targets; each survivor's blended value, its key moved to keep
-  the query's attention, and its votes, into buffers with room to decode as the blend's)
-  where the MLX operations take about a hundred.
+- **keepkv's output-preserving merge, whole** (section 4.6): three launches (the
+  losers' logits for the query and each target's largest incoming one, by atomic maxima,
+  in the nearest search's launch where no gate draws; the losers' masses and their
+  weighted rows, votes and scores summed into the targets; each survivor's blended
+  value, its key moved to keep the query's attention, and its votes, into buffers with
+  room to decode as the blend's; a survivor's own logit, top and mass taken again by
+  each launch that reads them) where the MLX operations take about a hundred.
 - **keepkv's inputs of a compression**: its votes joined with the chunk's, their log (the
   bias its chunk mass adds to each logit) and its query (the mean of the last queries),
   one launch where the MLX operations take seven.
