@@ -163,11 +163,33 @@ def test_plain_rows_match_float64_attention(case):
         mask = mx.array(bias)
     assert quantized_cuda.takes_rows(queries, keys, values)
     with pytest.MonkeyPatch.context() as patch:  # one launch a head, or stretches and a combine
+        patch.setattr(quantized_cuda, "PLAIN_STRETCHES", False)
         patch.setattr(quantized_cuda, "WHOLE_ROWS", quantized_cuda.WHOLE_ROWS if c["whole"] else 0)
         got = np.array(quantized_cuda.attend_rows(queries, keys, values, c["scale"], mask).astype(mx.float32))
     expected = _plain_reference(queries, keys, values, c["scale"], mask)
     tolerance = 4 * EPS[c["dtype"]] * np.abs(expected).max() + 2e-4 * max(1.0, c["scale"])
     np.testing.assert_allclose(got, expected, atol=tolerance, rtol=0)
+
+
+@on_gpu
+@pytest.mark.parametrize("rows, stretched", [(577, True), (20, False)])
+def test_plain_rows_past_one_stretch_are_read_in_stretches(rows, stretched, monkeypatch):
+    """A keepkv decode step's rows (PLAIN_STRETCHES): past one stretch a head they are read
+    in stretches and combined, many work groups a head where one a head would leave the
+    device idle; within one stretch one launch reads them. Either way the float64
+    attention's output."""
+    from tiny_models import counted
+
+    rng = np.random.default_rng(rows)
+    queries = mx.array(rng.standard_normal((1, 16, 1, 128)).astype(np.float32)).astype(mx.bfloat16)
+    keys, values = (mx.array(rng.standard_normal((1, 8, rows, 128)).astype(np.float32)).astype(mx.bfloat16)
+                    for _ in range(2))
+    mask = mx.array(rng.standard_normal((1, 8, 1, rows)).astype(np.float32))
+    combined = counted(monkeypatch, quantized_cuda, "combine")
+    got = np.array(quantized_cuda.attend_rows(queries, keys, values, 0.088, mask).astype(mx.float32))
+    assert len(combined) == int(stretched)
+    expected = _plain_reference(queries, keys, values, 0.088, mask)
+    np.testing.assert_allclose(got, expected, atol=4 * EPS["bfloat16"] * np.abs(expected).max() + 2e-4, rtol=0)
 
 
 def test_plain_rows_refusals():

@@ -306,20 +306,28 @@ def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bi
                    [("BITS", bits), ("GS", group_size)])
 
 
+# Rows as the model's dtype are read in stretches (partials, then the combine launch)
+# past one stretch a head (True), not by one work group a head up to WHOLE_ROWS: a keepkv
+# decode step's heads are few (8 at a 1B model's shape), and 8 work groups reading 577
+# rows each took 80 us of an H100 a layer (Nsight Compute), more than the step's host work.
+PLAIN_STRETCHES = True
+
+
 def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """attend over rows held as the model's dtype, keys and values [B, H, N, D] (views
     read through their strides): a decode step that needs a mask per KV head, which MLX's
     CUDA attention does not take (its fallback is a chain of launches). The caller checks
     takes_rows() first."""
-    return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [])
+    whole_rows = rows_per_stretch(queries.shape[3]) if PLAIN_STRETCHES else WHOLE_ROWS
+    return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [], whole_rows)
 
 
-def layout(N: int, G: int, D: int) -> tuple[bool, int, int, int]:
+def layout(N: int, G: int, D: int, whole_rows: int = WHOLE_ROWS) -> tuple[bool, int, int, int]:
     """How a step over N rows a head is launched: (whole, warps a work group, rows a
-    stretch, stretches a head). Up to WHOLE_ROWS rows one work group of whole_warps a
+    stretch, stretches a head). Up to whole_rows rows one work group of whole_warps a
     head reads them all and writes the output; more are read in stretches by WARPS-warp
     groups, whose partials a combine launch merges."""
-    if N <= WHOLE_ROWS:
+    if N <= whole_rows:
         return True, whole_warps(G, D), WHOLE_ROWS, 1
     per_stretch = rows_per_stretch(D)
     return False, WARPS, per_stretch, max(1, -(-N // per_stretch))
@@ -347,14 +355,15 @@ def combine(top: mx.array, total: mx.array, out: mx.array, queries: mx.array) ->
         output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
 
 
-def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float, mask, extra) -> mx.array:
+def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float, mask, extra,
+            whole_rows: int = WHOLE_ROWS) -> mx.array:
     B, Hq, _, D = queries.shape
     H, N = rows_shape[1], rows_shape[2]
     G = Hq // H
     has_mask = mask is not None
     heads = B * H
     inputs = [queries, *rows, mask if has_mask else no_mask(), constants.floats(float(scale))]
-    whole, warps, per_stretch, splits = layout(N, G, D)
+    whole, warps, per_stretch, splits = layout(N, G, D, whole_rows)
     launch = dict(inputs=inputs, template=template(queries, G, extra, warps, per_stretch, has_mask),
                   grid=(heads * splits * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1))
     if whole:  # one work group a KV head reads all its rows and writes the output: one launch
