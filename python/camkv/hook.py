@@ -103,6 +103,8 @@ def block_rows(keys: tuple, values: tuple, queries) -> tuple[mx.array, mx.array]
 # Whether a prompt block whose rows votes weigh attends through weighed_block on MLX's
 # CUDA build (else through weighed_by_votes' mask, as everywhere else).
 WEIGHED_BLOCKS = True
+
+
 def weighed_block(queries, keys, values, scale: float, mask, bias):
     """softmax(scale q k^T + bias) v for a block of queries [B, Hq, S, D] over rows keys and
     values [B, H, N, D] as arrays, bias [B, H, N] the log of each row's votes (docs/
