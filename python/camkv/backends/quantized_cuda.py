@@ -322,12 +322,12 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
     return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [], whole_rows)
 
 
-def layout(N: int, G: int, D: int, whole_rows: int = WHOLE_ROWS) -> tuple[bool, int, int, int]:
+def layout(N: int, G: int, D: int, whole_rows: int | None = None) -> tuple[bool, int, int, int]:
     """How a step over N rows a head is launched: (whole, warps a work group, rows a
-    stretch, stretches a head). Up to whole_rows rows one work group of whole_warps a
-    head reads them all and writes the output; more are read in stretches by WARPS-warp
-    groups, whose partials a combine launch merges."""
-    if N <= whole_rows:
+    stretch, stretches a head). Up to whole_rows (None: WHOLE_ROWS) rows one work group
+    of whole_warps a head reads them all and writes the output; more are read in
+    stretches by WARPS-warp groups, whose partials a combine launch merges."""
+    if N <= (WHOLE_ROWS if whole_rows is None else whole_rows):
         return True, whole_warps(G, D), WHOLE_ROWS, 1
     per_stretch = rows_per_stretch(D)
     return False, WARPS, per_stretch, max(1, -(-N // per_stretch))
@@ -356,7 +356,7 @@ def combine(top: mx.array, total: mx.array, out: mx.array, queries: mx.array) ->
 
 
 def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float, mask, extra,
-            whole_rows: int = WHOLE_ROWS) -> mx.array:
+            whole_rows: int | None = None) -> mx.array:
     B, Hq, _, D = queries.shape
     H, N = rows_shape[1], rows_shape[2]
     G = Hq // H
