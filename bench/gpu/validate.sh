@@ -15,6 +15,8 @@
 #   bash bench/gpu/validate.sh quantized  quantized rows: camkv's CUDA attention over them
 #                                      against the reference, and the cache and hook
 #                                      tests of quantized rows on the GPU (about 2 minutes)
+#   bash bench/gpu/validate.sh votes   rows weighed by their votes (keepkv): the prompt
+#                                      chunks' weighing and the rule state's tests
 #   bash bench/gpu/validate.sh bench   the end-to-end run (defaults), more prefill
 #                                      trials at 8k-32k, and the batch run
 #   bash bench/gpu/validate.sh decode  a decode step against RotatingKVCache's, paired
@@ -54,6 +56,8 @@ elif [ "$part" = cache ]; then
   cache_tests
 elif [ "$part" = quantized ]; then
   cuda_tests quantized tests/test_quantized_cuda.py tests/test_quantized.py tests/test_tier.py tests/test_byte_budget.py
+elif [ "$part" = votes ]; then
+  cuda_tests votes tests/test_rule_state.py
 elif [ "$part" = tests ]; then
   kernel_tests; cache_tests
 elif [ "$part" = bench ]; then
@@ -68,5 +72,5 @@ elif [ "$part" = decode ]; then
   timeout 330 python3 bench/e2e.py --model random-1b --prompt-lengths 1024 4096 8192 16384 32768 --gen-tokens 256 \
     --trials 7 --budgets 512 --out $OUT --tag e2e-h200-random-1b 2>&1 | grep -v "it/s\]" | tail -6
 else
-  echo "usage: bash bench/gpu/validate.sh kernels|equivalence|engine|rules|cache|quantized|tests|bench|decode" >&2; exit 2
+  echo "usage: bash bench/gpu/validate.sh kernels|equivalence|engine|rules|cache|quantized|votes|tests|bench|decode" >&2; exit 2
 fi
