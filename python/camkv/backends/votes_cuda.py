@@ -35,8 +35,7 @@ _WEIGH = """
   // rows a work group. Work group (head, tile): the largest of the head's N log votes
   // (each group reads them all: a few kB, where a launch of its own would cost more),
   // then for each of its ROWS rows the weight w = exp(bias - largest) rounded to T, its
-  // values times w (each rounded to T) and w in COLUMN columns.
-  constexpr int COLUMN = 8;
+  // values times w (each rounded to T) and w in COLUMN columns (the launch's template).
   const long N = dims[0];
   const int D = dims[1], W = dims[2], ROWS = dims[3];
   const long tiles = (N + ROWS - 1) / ROWS;
@@ -103,7 +102,8 @@ def weigh(values: mx.array, bias: mx.array) -> tuple[mx.array, mx.array | None]:
     B, H, N, D = values.shape
     width = D + COLUMN if joined(D) else D
     rows, column = _kernel("weigh")(
-        inputs=[values, bias.astype(mx.float32), ints(N, D, width, _ROWS)], template=[("T", values.dtype)],
+        inputs=[values, bias.astype(mx.float32), ints(N, D, width, _ROWS)],
+        template=[("T", values.dtype), ("COLUMN", COLUMN)],
         grid=(B * H * -(-N // _ROWS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(B, H, N, width), (B, H, N, COLUMN) if width == D else (1,)],
         output_dtypes=[values.dtype] * 2)
