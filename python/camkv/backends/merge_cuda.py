@@ -859,9 +859,12 @@ _KEEP = {
 }
 
 
-def _incoming(rows: int, k: int, m: int) -> list[tuple[int]]:
-    """The shape of keepkv's incoming (flat): [R, m, 2] then [R, k] (see _KEEP_HEADER)."""
-    return [(2 * rows * m + rows * k,)]
+def _incoming(name: str, inputs: list, rows: int, k: int, m: int) -> mx.array:
+    """keepkv's incoming (flat: [R, m, 2] then [R, k], see _KEEP_HEADER) by launch name,
+    a warp per (row, loser), its maxima starting at -inf."""
+    return _kernel(name)(inputs=inputs, grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1),
+                         output_shapes=[(2 * rows * m + rows * k,)], output_dtypes=[mx.float32],
+                         init_value=-float("inf"))[0]
 
 
 def keep_logits(loser_keys, query, target, merging, scale: float, m: int) -> mx.array:
@@ -869,10 +872,8 @@ def keep_logits(loser_keys, query, target, merging, scale: float, m: int) -> mx.
     each loser's survivor target [R, k] int32 and whether it merges [R, k] bool, for
     query [R, Dk] float32 and m survivors: what keep_merge takes."""
     rows, k, dk = loser_keys.shape
-    return _kernel("keep_logits")(
-        inputs=[loser_keys, query, target, merging, floats(scale), ints(rows, k, m, dk)], grid=_warp_per(rows * k),
-        threadgroup=(_THREADS, 1, 1), output_shapes=_incoming(rows, k, m), output_dtypes=[mx.float32],
-        init_value=-float("inf"))[0]
+    return _incoming("keep_logits", [loser_keys, query, target, merging, floats(scale), ints(rows, k, m, dk)],
+                     rows, k, m)
 
 
 def keep_search(products, norm_l, norm_k, positions, n_sink: int, loser_keys, query, scale: float) -> mx.array:
@@ -881,10 +882,8 @@ def keep_search(products, norm_l, norm_k, positions, n_sink: int, loser_keys, qu
     them) in the same launch."""
     rows, k, m = products.shape
     dk = loser_keys.shape[2]
-    return _kernel("keep_search")(
-        inputs=[products, norm_k, positions, norm_l, loser_keys, query, floats(scale), ints(rows, k, m, n_sink, dk)],
-        grid=_warp_per(rows * k), threadgroup=(_THREADS, 1, 1), output_shapes=_incoming(rows, k, m),
-        output_dtypes=[mx.float32], init_value=-float("inf"))[0]
+    return _incoming("keep_search", [products, norm_k, positions, norm_l, loser_keys, query, floats(scale),
+                                     ints(rows, k, m, n_sink, dk)], rows, k, m)
 
 
 def keep_merge(losers, kept, incoming, query, scale: float, merges_so_far: mx.array, value_dtype=mx.float32,

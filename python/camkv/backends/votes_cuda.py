@@ -14,6 +14,8 @@ two outputs in float32 rounded once to the output dtype.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from . import kernel_text
@@ -115,9 +117,7 @@ def divide(weighed: mx.array, total: mx.array, channels: int, dtype) -> mx.array
     t0 = channels if total is weighed (the weights' column joined), else 0: the attention
     outputs [B, Hq, S, *] of weigh's rows."""
     *lead, width = weighed.shape
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     t0 = channels if total is weighed else 0
     threads = rows * channels
     return _kernel("divide")(
