@@ -4,7 +4,9 @@ dropping and mlx-lm's RotatingKVCache, side by side in one process.
 Each arm is tried as a new user would: `camkv.make_prompt_cache(model, budget=B,
 merge=RULE)` (every other setting its default), the prompt run through mlx-lm's
 generate_step in chunks of --chunk tokens, then --steps greedy tokens. prefill: the time
-to the first token; decode step: the mean time of the tokens after it. Arms take turns
+to the first token; decode step: the mean time of the tokens after it (and each round's
+median and slowest step: a step that compresses, once every slack + 1 tokens, shows as
+the slowest where it costs more than the others). Arms take turns
 round by round (the first arm moves one place each round) and the first round is a warm
 round, discarded. Each arm's prefill and decode step are reported against dropping's of
 the same round (the median of the paired ratios), with the goals they are held to
@@ -170,9 +172,13 @@ def make_cache(model, arm: str, budget: int) -> list:
     return camkv.make_prompt_cache(model, budget=budget, merge=arm.split("/")[0])
 
 
-def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float, int]:
+def run_arm(model, arm: str, prompt: mx.array, opts, around_steps=None, step_seconds: list | None = None
+            ) -> tuple[float, float, int]:
     """(seconds to the first token, mean seconds of each decode step after it, the most
-    bytes MLX held meanwhile: the model's, the caches' and the work's)."""
+    bytes MLX held meanwhile: the model's, the caches' and the work's). around_steps: a
+    pair of callables, the first called after the first token, the second after the last
+    (bench/prompt_kernels.py profiles the decode steps between them); step_seconds: a list
+    that takes each decode step's seconds (from one token to the next)."""
     cache = make_cache(model, arm, opts.budget)
     if merge_cuda.available():
         # The kernels' first-use check, once a process as a user's process runs it, before any
@@ -205,9 +211,17 @@ def run_arm(model, arm: str, prompt: mx.array, opts) -> tuple[float, float, int]
                                sampler=lambda logprobs: mx.argmax(logprobs, axis=-1), prefill_step_size=opts.chunk)
         next(tokens)
         prefilled = time.perf_counter()
+        if around_steps:
+            around_steps[0]()
+        ends = [prefilled]
         for _ in tokens:
-            pass
+            ends.append(time.perf_counter())
+        if around_steps:
+            mx.synchronize()
+            around_steps[1]()
         done = time.perf_counter()
+        if step_seconds is not None:
+            step_seconds += [b - a for a, b in zip(ends, ends[1:])]
     finally:
         merge_ops._probe.clear()
         merge_ops._probe.update(verdict)
@@ -274,16 +288,20 @@ def measure(model, prompt: mx.array, opts, arms: list[str] | None = None) -> dic
     """arm -> {"prefill_s": [...], "decode_step_s": [...], "peak_bytes": [...]}, one entry a
     timed round (arms: arms_of(opts) by default)."""
     arms = arms_of(opts) if arms is None else arms
-    times = {arm: {"prefill_s": [], "decode_step_s": [], "peak_bytes": []} for arm in arms}
+    times = {arm: {"prefill_s": [], "decode_step_s": [], "peak_bytes": [], "step_median_s": [], "step_slowest_s": []}
+             for arm in arms}
     for round_index in range(opts.rounds + 1):
         for arm in in_turn(arms, round_index):
-            prefill, step, peak = run_arm(model, arm, prompt, opts)
+            steps = []
+            prefill, step, peak = run_arm(model, arm, prompt, opts, step_seconds=steps)
             print(f"round {round_index}{' (warm)' if round_index == 0 else ''} {arm}: prefill "
                   f"{1e3 * prefill:.1f} ms, decode step {1e3 * step:.2f} ms", flush=True)
             if round_index:
                 times[arm]["prefill_s"].append(prefill)
                 times[arm]["decode_step_s"].append(step)
                 times[arm]["peak_bytes"].append(peak)
+                times[arm]["step_median_s"].append(statistics.median(steps))
+                times[arm]["step_slowest_s"].append(max(steps))
     return times
 
 
@@ -297,6 +315,10 @@ def summarize(times: dict) -> dict:
         out[arm] = {"prefill_ms": 1e3 * statistics.median(t["prefill_s"]),
                     "decode_step_ms": 1e3 * statistics.median(t["decode_step_s"]),
                     "peak_mb": statistics.median(t["peak_bytes"]) / 2**20,
+                    # A step's own spread: the median step and the slowest (a compression's
+                    # step stands out where it costs more than the steps around it).
+                    "step_median_ms": 1e3 * statistics.median(t["step_median_s"]),
+                    "step_slowest_ms": 1e3 * statistics.median(t["step_slowest_s"]),
                     "prefill_vs_drop": prefill, "decode_vs_drop": decode,
                     "prefill_goal_met": prefill <= PREFILL_GOAL, "decode_goal_met": decode <= DECODE_GOAL,
                     "rounds": t}
@@ -305,15 +327,18 @@ def summarize(times: dict) -> dict:
 
 def table(summary: dict) -> str:
     width = max(len("arm"), *map(len, summary))  # the longest arm's name sets the first column
-    header = f"{'arm':{width}s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s} {'peak MB':>9s}"
+    header = (f"{'arm':{width}s} {'prefill ms':>11s} {'x drop':>7s} {'decode ms':>10s} {'x drop':>7s} "
+              f"{'median':>7s} {'slowest':>8s} {'peak MB':>9s}")
     lines = [header, "-" * len(header)]
     for arm, r in summary.items():
         marks = ("" if arm in (ROTATING, DROP) else
                  f"  prefill {'ok' if r['prefill_goal_met'] else 'over'}, decode "
                  f"{'ok' if r['decode_goal_met'] else 'over'}")
         lines.append(f"{arm:{width}s} {r['prefill_ms']:11.1f} {r['prefill_vs_drop']:7.2f} {r['decode_step_ms']:10.2f} "
-                     f"{r['decode_vs_drop']:7.3f} {r['peak_mb']:9.1f}{marks}")
-    lines.append(f"goals against drop: prefill <= {PREFILL_GOAL}x, decode step <= {DECODE_GOAL}x")
+                     f"{r['decode_vs_drop']:7.3f} {r['step_median_ms']:7.2f} {r['step_slowest_ms']:8.2f} "
+                     f"{r['peak_mb']:9.1f}{marks}")
+    lines.append(f"goals against drop: prefill <= {PREFILL_GOAL}x, decode step <= {DECODE_GOAL}x "
+                 "(decode ms: the mean step; median, slowest: a round's median and slowest step, ms)")
     return "\n".join(lines)
 
 

@@ -11,6 +11,9 @@ arms and their settings; the prompt and budget as merge_speed's):
         python3 bench/prompt_kernels.py run --arm drop --model random-1b --prompt-length 8192 --budget 512
     python3 bench/prompt_kernels.py sum drop.csv mean.csv
 
+With --decode-steps N the N decode steps after the prompt are profiled instead (the prompt
+unprofiled): their kernels against the wall time of a step under the profiler.
+
 `sum` prints, for each CSV, the kernels' count and summed duration (the device's busy
 time, kernels one after another as ncu runs them) and the kernels of most time; with two
 or more, the first is the base and each other's kernels are listed by how many more
@@ -41,6 +44,8 @@ def parse_args(argv=None):
     run.add_argument("--prompt-length", type=int, default=8192, help="prompt tokens (default 8192)")
     run.add_argument("--budget", type=int, default=512, help="rows kept per KV head (default 512)")
     run.add_argument("--chunk", type=int, default=2048, help="prefill chunk (default 2048)")
+    run.add_argument("--decode-steps", type=int, default=0,
+                     help="profile this many decode steps after the prompt instead of the prompt (default 0: the prompt)")
     total = sub.add_parser("sum", help="sum ncu CSV logs by kernel name")
     total.add_argument("logs", nargs="+", type=Path, help="ncu --csv --print-units base logs; the first is the base")
     return parser.parse_args(argv)
@@ -89,10 +94,16 @@ def run(opts) -> None:
 
     model = merge_speed.load_model(opts.model)
     prompt = merge_speed.random_prompt(model, opts.prompt_length)
-    one = argparse.Namespace(budget=opts.budget, chunk=opts.chunk, steps=1)
+    one = argparse.Namespace(budget=opts.budget, chunk=opts.chunk, steps=max(1, opts.decode_steps))
     merge_speed.run_arm(model, opts.arm, prompt, one)  # warm: kernels compiled, first-use check done
     cuda = ctypes.CDLL("libcuda.so.1")
     mx.synchronize()
+    if opts.decode_steps:
+        # The steps' kernels only; mlx-lm queues each step before it yields the one before,
+        # so the first step's kernels may fall before the start.
+        step = merge_speed.run_arm(model, opts.arm, prompt, one, (cuda.cuProfilerStart, cuda.cuProfilerStop))[1]
+        print(f"{opts.arm}: {opts.decode_steps} decode steps of {1e3 * step:.3f} ms each under the profiler")
+        return
     tick = time.perf_counter()
     cuda.cuProfilerStart()
     prefill = merge_speed.run_arm(model, opts.arm, prompt, one)[0]

@@ -519,10 +519,11 @@ def test_a_decode_step_that_only_joins_the_kept_queries_skips_the_checks_and_cha
 def test_decode_steps_of_plain_rows_take_a_short_way_that_stores_and_returns_what_the_full_way_does(
         monkeypatch, merge):
     """update_and_fetch takes a short way for a decode step of plain rows after one scored
-    with its queries (no quantization, tier or votes): through a model and camkv's
-    attention hook, the logits of every step and the rows, scores and positions held
-    after a prompt, decode steps and their compressions are those of the full way, which
-    the short way skips for most steps (and never where a rule keeps votes)."""
+    with its queries (no quantization or tier; rows that votes weigh too, their log votes
+    then read by the hook): through a model and camkv's attention hook, the logits of
+    every step and the rows, scores and positions held after a prompt, decode steps and
+    their compressions are those of the full way, which the short way skips for most
+    steps."""
     from tiny_models import tiny_llama
 
     from camkv import remove
@@ -549,15 +550,33 @@ def test_decode_steps_of_plain_rows_take_a_short_way_that_stores_and_returns_wha
 
     plain_rows = CaMKVCache._short_way_rows
     (full, full_logits, _), (short, short_logits, calls) = run(lambda self, queries: False), run(plain_rows)
-    # Decode steps (of two layers) that took the full way: all 50 where the rule keeps
-    # votes, else each layer's first two (the second's queries are the first to continue).
+    # Decode steps (of two layers) that took the full way: each layer's first two (the
+    # second's queries are the first to continue).
     full_steps = sum(1 for s in calls if s == 1)
-    assert full_steps == 2 * 50 if merge == "keepkv" else full_steps <= 2 * 2
+    assert full_steps <= 2 * 2
     assert mx.array_equal(full_logits, short_logits).item()
     for got_layer, want_layer in zip(short, full):
         assert got_layer.offset == want_layer.offset and got_layer.size() == want_layer.size()
         for got, want in zip(got_layer.stored(), want_layer.stored()):
             assert mx.array_equal(got, want).item()
+
+
+def test_quantized_rows_that_votes_weigh_take_no_short_way_on_cuda(monkeypatch):
+    """On MLX's CUDA build the short way hands quantized rows to camkv's pass as stored,
+    which reads no bias: rows that votes weigh (keepkv) keep the full way there, so the
+    hook adds their log votes; the same rows without votes take it."""
+    from camkv.backends import quantized_cuda
+
+    monkeypatch.setattr(quantized_cuda, "here", lambda: True)
+    monkeypatch.setattr(quantized_cuda, "takes", lambda *args: True)
+    rng = np.random.default_rng(5)
+    ways = {}
+    for merge in ("keepkv", "mass_weighted"):
+        cache = CaMKVCache(CaMConfig(budget=16, slack=4, bits=8, group_size=32, merge=merge, scoring="key"))
+        keys, values = (mx.array(rng.standard_normal((1, 2, 30, 64)).astype(np.float32)) for _ in range(2))
+        cache.update_and_fetch(keys, values)
+        ways[merge] = cache._short_way_rows(mx.zeros((1, 4, 1, 64)))
+    assert ways == {"keepkv": False, "mass_weighted": True}
 
 
 def camkv_cache(model, merge: str) -> list:

@@ -155,9 +155,29 @@ def test_merge_speed_times_every_arm_in_turn_against_dropping(tmp_path, capsys):
     for arm in arms.values():
         assert len(arm["rounds"]["prefill_s"]) == len(arm["rounds"]["decode_step_s"]) == 2
         assert arm["prefill_ms"] > 0 and arm["decode_step_ms"] > 0 and arm["peak_mb"] > 0
+        for mean, median, slowest in zip(*(arm["rounds"][k] for k in ("decode_step_s", "step_median_s",
+                                                                      "step_slowest_s"))):
+            assert 0 < median <= slowest and mean <= slowest and slowest <= 3 * mean  # three steps a round
     printed = capsys.readouterr().out
     assert "round 0 (warm)" in printed and "goals against drop" in printed
     assert json.loads(out.read_text())["setup"]["rounds"] == 2
+    assert not hook.installed_modules()
+
+
+def test_merge_speed_takes_each_decode_steps_seconds_from_token_to_token():
+    """run_arm's step_seconds: one entry a decode step (the prompt's time to the first token
+    not among them), which add up to the steps' mean times their count."""
+    import argparse
+
+    from camkv import hook
+
+    script = _load_bench_script("merge_speed")
+    model = script.load_model("random-tiny")
+    steps = []
+    opts = argparse.Namespace(budget=40, chunk=48, steps=4)
+    prefill, mean, _ = script.run_arm(model, "drop", script.random_prompt(model, 120), opts, step_seconds=steps)
+    assert len(steps) == 4 and min(steps) > 0
+    assert sum(steps) == pytest.approx(4 * mean, rel=0.05)
     assert not hook.installed_modules()
 
 
@@ -588,10 +608,11 @@ def test_merge_speed_table_aligns_its_columns_under_the_longest_arm():
     as wide as the longest arm's name (mass_weighted/unfenced is 22 characters)."""
     script = _load_bench_script("merge_speed")
     row = dict(prefill_ms=12.5, prefill_vs_drop=1.0, decode_step_ms=2.0, decode_vs_drop=1.0, peak_mb=3.5,
-               prefill_goal_met=True, decode_goal_met=True)
+               step_median_ms=1.75, step_slowest_ms=9.25, prefill_goal_met=True, decode_goal_met=True)
     lines = script.table({"drop": row, "mass_weighted/unfenced": row}).splitlines()
     header, rows = lines[0], lines[2:4]
-    assert all(line.index("12.5") + len("12.5") == header.index("prefill ms") + len("prefill ms") for line in rows)
+    for value, column in (("12.5", "prefill ms"), ("1.75", "median"), ("9.25", "slowest"), ("3.5", "peak MB")):
+        assert all(line.index(value) + len(value) == header.index(column) + len(column) for line in rows)
     assert rows[1].startswith("mass_weighted/unfenced ")
 
 

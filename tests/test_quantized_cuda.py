@@ -192,6 +192,22 @@ def test_plain_rows_past_one_stretch_are_read_in_stretches(rows, stretched, monk
     np.testing.assert_allclose(got, expected, atol=4 * EPS["bfloat16"] * np.abs(expected).max() + 2e-4, rtol=0)
 
 
+def test_a_step_shapes_launch_plan_is_made_once_and_follows_the_layout_settings(monkeypatch):
+    """A decode step repeats its layers' shapes, so its launch plan is made once per shape
+    (host time every layer and step), yet a setting that changes the layout (WHOLE_ROWS,
+    WARPS) gives a plan of its own."""
+    args = ("plain", (1, 16, 1, 128), mx.bfloat16, 8, 577, True, ())
+    first = quantized_cuda._plan(*args, 1024)
+    assert quantized_cuda._plan(*args, 1024) is first
+    assert first[0] and first[2] == [(1, 16, 1, 128)]
+    stretched = quantized_cuda._plan(*args, 0)
+    splits = -(-577 // quantized_cuda.rows_per_stretch(128))
+    assert not stretched[0] and stretched[2] == quantized_cuda.partial_shapes(8, splits, 2, 128)
+    monkeypatch.setattr(quantized_cuda, "WARPS", 2 * quantized_cuda.WARPS)
+    wider = quantized_cuda._plan(*args, 0)
+    assert wider[1]["threadgroup"] == (2 * stretched[1]["threadgroup"][0], 1, 1)
+
+
 def test_plain_rows_refusals():
     q = mx.zeros((1, 4, 1, 64))
     rows = mx.zeros((1, 2, 10, 64))

@@ -132,7 +132,11 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             # update_stored's work, unchecked.
             self.offset += 1
             self._waiting = 1
-            return rows.write_in_place(keys, values)
+            fetched = rows.write_in_place(keys, values)
+            if rows.votes is not None:  # the log votes of the rows fetched, as _took takes them
+                self._warn_if_votes_unread()
+                self._take_bias()
+            return fetched
         fetched = self.update_stored(keys, values)
         # Plain rows (no quantization, no tier) go to attention as held.
         return fetched if self._config.bits is None and self._tier is None else self._for_attention(fetched)
@@ -173,8 +177,7 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
     def _took(self, S: int) -> None:
         """What follows the write of S new tokens after the held rows."""
         if self._rows.votes is not None or self._fetched_bias is not None:
-            self._fetched_bias = self.votes_bias()  # before a compression this call may run
-            self._bias_unread = self._fetched_bias is not None
+            self._take_bias()  # before a compression this call may run
         # The model computed RoPE from offset before this call; it advances now, even
         # when scoring waits for the queries.
         self.offset += S
@@ -206,7 +209,8 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
             self._pending.add_step(queries)
             if self._rows.held >= self._rows.capacity:  # steps_before_compression() < 0
                 self._compress(defer_launch=defer_launch)
-            return self._plain_step is not None
+            # Rows that votes weigh go through the hook's bias (attention_bias), not straight on.
+            return self._plain_step is not None and self._rows.votes is None
         if not self._waiting:
             return False  # nothing waits: a model without camkv scoring, or a repeated call
         B, H, Dk = self._layout[:3]
@@ -230,16 +234,17 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
                 and self._pending.takes_step(scale, rows.held - rows.settled - 1))
 
     def _short_way_rows(self, queries: mx.array) -> bool:
-        """Whether a decode step's rows go to attention as held, each standing for one
-        token (update_and_fetch's and the hook's short way): no tier, no votes, and the
-        rows plain or, on MLX's CUDA build, quantized rows that camkv's pass reads as
-        stored (camkv.backends.quantized_cuda takes these queries and rows)."""
+        """Whether a decode step's rows are written and go to attention as held
+        (update_and_fetch's and the hook's short way; rows that votes weigh take the
+        write's short way, then the hook's bias): no tier, and the rows plain or, on MLX's
+        CUDA build, quantized rows without votes that camkv's pass reads as stored
+        (camkv.backends.quantized_cuda takes these queries and rows)."""
         cfg, rows = self._config, self._rows
-        if self._tier is not None or rows.votes is not None:
+        if self._tier is not None:
             return False
         if cfg.bits is None:
             return True
-        return (attention_rows.hook_reads_stored(cfg)
+        return (rows.votes is None and attention_rows.hook_reads_stored(cfg)
                 and quantized_cuda.takes(queries, *rows.quantized_views(), cfg.bits, cfg.group_size))
 
     def _fuses_steps(self, queries: mx.array) -> bool:
@@ -250,6 +255,11 @@ class CaMKVCache(BatchRow, CacheState, CacheInspection, _BaseCache):
         return (step_cuda.FUSED_STEPS and cfg.bits is not None and quantized_cuda.here()
                 and step_cuda.takes(queries, rows.keys, rows.values, self._layout[4], cfg.bits, cfg.group_size,
                                     rows.capacity))
+
+    def _take_bias(self) -> None:
+        """The log votes of the rows just fetched, for attention_bias (None without votes)."""
+        self._fetched_bias = self.votes_bias()
+        self._bias_unread = self._fetched_bias is not None
 
     def attention_bias(self) -> mx.array | None:
         """What attention adds to each logit of the rows the last call returned [B, H, n]:

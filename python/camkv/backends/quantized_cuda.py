@@ -333,9 +333,8 @@ def layout(N: int, G: int, D: int, whole_rows: int | None = None) -> tuple[bool,
     return False, WARPS, per_stretch, max(1, -(-N // per_stretch))
 
 
-def template(queries: mx.array, G: int, extra, warps: int, rows: int, has_mask: bool) -> list:
-    return [("T", queries.dtype), ("D", queries.shape[3]), ("G", G), *extra, ("WARPS", warps), ("ROWS", rows),
-            ("HAS_MASK", has_mask)]
+def template(dtype, D: int, G: int, extra, warps: int, rows: int, has_mask: bool) -> list:
+    return [("T", dtype), ("D", D), ("G", G), *extra, ("WARPS", warps), ("ROWS", rows), ("HAS_MASK", has_mask)]
 
 
 def partial_shapes(heads: int, splits: int, G: int, D: int) -> list:
@@ -357,17 +356,39 @@ def combine(top: mx.array, total: mx.array, out: mx.array, queries: mx.array) ->
 
 def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float, mask, extra,
             whole_rows: int | None = None) -> mx.array:
-    B, Hq, _, D = queries.shape
-    H, N = rows_shape[1], rows_shape[2]
-    G = Hq // H
     has_mask = mask is not None
-    heads = B * H
+    whole, launch, output_shapes = _plan(kind, queries.shape, queries.dtype, rows_shape[1], rows_shape[2], has_mask,
+                                         tuple(extra), WHOLE_ROWS if whole_rows is None else whole_rows)
     inputs = [queries, *rows, mask if has_mask else no_mask(), constants.floats(float(scale))]
-    whole, warps, per_stretch, splits = layout(N, G, D, whole_rows)
-    launch = dict(inputs=inputs, template=template(queries, G, extra, warps, per_stretch, has_mask),
-                  grid=(heads * splits * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1))
     if whole:  # one work group a KV head reads all its rows and writes the output: one launch
-        return _kernel(kind, whole=True)(**launch, output_shapes=[(B, Hq, 1, D)], output_dtypes=[queries.dtype])[0]
-    top, total, out = _kernel(kind)(**launch, output_shapes=partial_shapes(heads, splits, G, D),
+        return _kernel(kind, whole=True)(inputs=inputs, **launch, output_shapes=output_shapes,
+                                         output_dtypes=[queries.dtype])[0]
+    top, total, out = _kernel(kind)(inputs=inputs, **launch, output_shapes=output_shapes,
                                     output_dtypes=[mx.float32] * 3)
     return combine(top, total, out, queries)
+
+
+def _plan(kind: str, queries_shape, dtype, H: int, N: int, has_mask: bool, extra: tuple, whole_rows: int
+          ) -> tuple[bool, dict, list]:
+    """(whole, the launch's template, grid and threadgroup, its output shapes) of a step,
+    made once per step shape and held: every layer of a decode step has the same shape,
+    and the host builds the launch at every layer and step."""
+    key = (kind, queries_shape, dtype, H, N, has_mask, extra, whole_rows, WARPS, STEPS)
+    plan = _plans.get(key)
+    if plan is None:
+        B, Hq, _, D = queries_shape
+        G, heads = Hq // H, B * H
+        whole, warps, per_stretch, splits = layout(N, G, D, whole_rows)
+        launch = dict(template=template(dtype, D, G, extra, warps, per_stretch, has_mask),
+                      grid=(heads * splits * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1))
+        shapes = [(B, Hq, 1, D)] if whole else partial_shapes(heads, splits, G, D)
+        if len(_plans) >= MAX_PLANS:
+            _plans.clear()
+        plan = _plans[key] = (whole, launch, shapes)
+    return plan
+
+
+# Step shapes whose launch plan is held (a decode step's rows grow by one a step between
+# compressions: budget + slack shapes a model, so a few hundred at most).
+MAX_PLANS = 4096
+_plans: dict = {}

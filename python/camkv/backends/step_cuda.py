@@ -122,7 +122,8 @@ def write_and_attend(queries: mx.array, key_buffers: tuple, value_buffers: tuple
     out = _kernel(whole)(
         inputs=[queries, *buffers, keys, values, quantized_cuda.no_mask(), constants.floats(float(scale)),
                 constants.ints(at, splits)],
-        template=quantized_cuda.template(queries, G, [("BITS", bits), ("GS", group_size)], warps, per_stretch, False),
+        template=quantized_cuda.template(queries.dtype, D, G, [("BITS", bits), ("GS", group_size)], warps,
+                                         per_stretch, False),
         grid=((B * H * splits + copy_groups) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[*(a.shape for a in buffers), *attention_shapes],
         output_dtypes=[*(a.dtype for a in buffers), *([queries.dtype] if whole else [mx.float32] * 3)])
