@@ -1,5 +1,5 @@
 """Prefill time and decode step of every merge rule the command line lists, beside
-dropping and mlx-lm's RotatingKVCache, side by side in one process.
+dropping and mlx-lm's KVCache (full) and RotatingKVCache, side by side in one process.
 
 Each arm is tried as a new user would: `camkv.make_prompt_cache(model, budget=B,
 merge=RULE)` (every other setting its default), the prompt run through mlx-lm's
@@ -67,7 +67,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 import camkv
 from camkv import CaMConfig, merges
@@ -80,8 +80,10 @@ from camkv.models import RANDOM_LLAMAS
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_parts import in_turn  # noqa: E402  (the arms' rotating order, one rule for both scripts)
 
+FULL = "full"
 ROTATING = "rotating"
 DROP = "drop"
+MLX_LM_ARMS = (FULL, ROTATING)  # mlx-lm's own caches: no camkv hook to take out after them
 OPS = "/ops"  # an arm's suffix: the rule without the merge engine's kernels, nor camkv's weighed attention
 SDPA = "/sdpa"  # an arm's suffix: the rule without camkv's weighed attention (mlx-lm's, with a mask)
 CORE = "/core"  # an arm's suffix: the rule with its decode compressions in the kernel core
@@ -150,8 +152,8 @@ def _positive(text: str) -> int:
 
 
 def arms_of(opts) -> list[str]:
-    """RotatingKVCache, dropping, the merge rules asked for, each once, then their arms
-    without kernels (where the kernels run)."""
+    """mlx-lm's KVCache and RotatingKVCache, dropping, the merge rules asked for, each once,
+    then their arms without kernels (where the kernels run)."""
     rules = [rule for rule in dict.fromkeys(opts.rules) if rule != DROP]
     rules_before = [rule for rule in dict.fromkeys(opts.ops_arms) if rule != DROP] if merge_cuda.available() else []
     without = [rule + OPS for rule in rules_before]
@@ -163,10 +165,12 @@ def arms_of(opts) -> list[str]:
     if merge_cuda.available():
         without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
                     if merges.rule(rule).kind == merges.NEAREST]
-    return [ROTATING, DROP] + rules + without
+    return [FULL, ROTATING, DROP] + rules + without
 
 
 def make_cache(model, arm: str, budget: int) -> list:
+    if arm == FULL:  # mlx-lm's own cache for the model, unbounded (KVCache)
+        return make_prompt_cache(model)
     if arm == ROTATING:  # StreamingLLM as mlx-lm has it, with camkv's default sinks
         return [RotatingKVCache(max_size=budget, keep=CaMConfig(budget=budget).n_sink) for _ in model.layers]
     return camkv.make_prompt_cache(model, budget=budget, merge=arm.split("/")[0])
@@ -231,7 +235,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts, around_steps=None, step_sec
         merge_ops.FENCE_NEAREST_PRODUCT = fence
         merge_ops.NEAREST_WITHOUT_PRODUCT = direct
         hook.WEIGHED_BLOCKS = blocks
-        if arm != ROTATING:
+        if arm not in MLX_LM_ARMS:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps, mx.get_peak_memory()
 
@@ -331,7 +335,7 @@ def table(summary: dict) -> str:
               f"{'median':>7s} {'slowest':>8s} {'peak MB':>9s}")
     lines = [header, "-" * len(header)]
     for arm, r in summary.items():
-        marks = ("" if arm in (ROTATING, DROP) else
+        marks = ("" if arm in (*MLX_LM_ARMS, DROP) else
                  f"  prefill {'ok' if r['prefill_goal_met'] else 'over'}, decode "
                  f"{'ok' if r['decode_goal_met'] else 'over'}")
         lines.append(f"{arm:{width}s} {r['prefill_ms']:11.1f} {r['prefill_vs_drop']:7.2f} {r['decode_step_ms']:10.2f} "

@@ -38,7 +38,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="one warm prompt, then one prompt between cuProfilerStart and cuProfilerStop")
-    run.add_argument("--arm", default="drop", help="a merge_speed arm: rotating, drop, a rule, RULE/ops ... "
+    run.add_argument("--arm", default="drop", help="a merge_speed arm: full, rotating, drop, a rule, RULE/ops ... "
                                                     "(default drop)")
     run.add_argument("--model", default="random-1b", help="model (default random-1b)")
     run.add_argument("--prompt-length", type=int, default=8192, help="prompt tokens (default 8192)")

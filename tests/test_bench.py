@@ -150,7 +150,9 @@ def test_merge_speed_times_every_arm_in_turn_against_dropping(tmp_path, capsys):
     result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
                           "--steps", "3", "--rounds", "2", "--rules", "mass_weighted", "keepkv", "--out", str(out)])
     arms = result["arms"]
-    assert list(arms) == ["rotating", "drop", "mass_weighted", "keepkv"]
+    assert list(arms) == ["full", "rotating", "drop", "mass_weighted", "keepkv"]
+    model = script.load_model("random-tiny")
+    assert {type(c).__name__ for c in script.make_cache(model, "full", 40)} == {"KVCache"}
     assert arms["drop"]["prefill_vs_drop"] == arms["drop"]["decode_vs_drop"] == 1.0
     for arm in arms.values():
         assert len(arm["rounds"]["prefill_s"]) == len(arm["rounds"]["decode_step_s"]) == 2
@@ -198,7 +200,7 @@ def test_merge_speed_profile_lists_each_named_arms_calls_by_own_time(capsys):
     with pytest.raises(SystemExit) as stop:
         script.main([*base, "--profile", "keepkv"])
     assert stop.value.code == 2
-    assert "--profile keepkv: not an arm of this run; arms: rotating, drop, mean" in capsys.readouterr().err
+    assert "--profile keepkv: not an arm of this run; arms: full, rotating, drop, mean" in capsys.readouterr().err
 
 
 def test_merge_speed_core_arm_runs_decode_compressions_below_the_engine_threshold(monkeypatch):
@@ -215,7 +217,7 @@ def test_merge_speed_core_arm_runs_decode_compressions_below_the_engine_threshol
                         lambda *a: seen.add(compress.OPERATIONS_FROM_TOKENS) or real(*a))
     result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
                           "--steps", "12", "--rounds", "1", "--rules", "mean", "--core-arms", "mean"])
-    assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/core"]
+    assert list(result["arms"]) == ["full", "rotating", "drop", "mean", "mean/core"]
     assert seen == {2, CaMConfig(budget=40).slack + 2}
     assert compress.OPERATIONS_FROM_TOKENS == 2
 
@@ -237,7 +239,7 @@ def test_merge_speed_engine_arm_runs_decode_compressions_on_the_engine(monkeypat
                         or real_step(*a, **k))
     result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
                           "--steps", "12", "--rounds", "1", "--rules", "mean", "--engine-arms", "mean"])
-    assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/engine"]
+    assert list(result["arms"]) == ["full", "rotating", "drop", "mean", "mean/engine"]
     assert True in routed and False in routed  # mean/engine's caches on the engine, mean's in the core
     assert compress.by_operations is real
 
@@ -281,8 +283,8 @@ def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatc
                         seen.append(getattr(switched, setting)) or real_step(*a, **k))
     result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
                           "--steps", "4", "--rounds", "1", "--rules", rule, flag, rule, other])
-    assert list(result["arms"]) == ["rotating", "drop", rule, rule + "/" + flag[2:].split("-")[0]]
-    assert seen.count(False) == 2 and seen.count(True) == 6 and getattr(switched, setting) is True
+    assert list(result["arms"]) == ["full", "rotating", "drop", rule, rule + "/" + flag[2:].split("-")[0]]
+    assert seen.count(False) == 2 and seen.count(True) == 8 and getattr(switched, setting) is True
 
 
 def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
@@ -305,11 +307,11 @@ def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_i
                         seen.append(merge_ops.NEAREST_WITHOUT_PRODUCT) or real_step(*a, **k))
     with cuda_emulation.kernels_here(merge_cuda):
         result = script.main(argv)
-        assert list(result["arms"]) == ["rotating", "drop", "mean", "mean/direct"] and result["left_out"] == {}
+        assert list(result["arms"]) == ["full", "rotating", "drop", "mean", "mean/direct"] and result["left_out"] == {}
         assert seen.count(True) == 2 and merge_ops.NEAREST_WITHOUT_PRODUCT is False  # warm and timed rounds
         monkeypatch.setattr(merge_cuda, "nearest_direct", lambda *a: (a[0][..., 0].astype(mx.int32),) * 3)
         result = script.main(argv)
-    assert list(result["arms"]) == ["rotating", "drop", "mean"]
+    assert list(result["arms"]) == ["full", "rotating", "drop", "mean"]
     assert "differ" in result["left_out"]["mean/direct"] or "Error" in result["left_out"]["mean/direct"]
 
 

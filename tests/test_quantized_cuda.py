@@ -195,7 +195,7 @@ def test_plain_rows_past_one_stretch_are_read_in_stretches(rows, stretched, monk
 def test_a_step_shapes_launch_plan_is_made_once_and_follows_the_layout_settings(monkeypatch):
     """A decode step repeats its layers' shapes, so its launch plan is made once per shape
     (host time every layer and step), yet a setting that changes the layout (WHOLE_ROWS,
-    WARPS) gives a plan of its own."""
+    WARPS, MAX_WHOLE_WARPS, WARPS_SHARED_BYTES) gives a plan of its own."""
     args = ("plain", (1, 16, 1, 128), mx.bfloat16, 8, 577, True, ())
     first = quantized_cuda._plan(*args, 1024)
     assert quantized_cuda._plan(*args, 1024) is first
@@ -203,9 +203,14 @@ def test_a_step_shapes_launch_plan_is_made_once_and_follows_the_layout_settings(
     stretched = quantized_cuda._plan(*args, 0)
     splits = -(-577 // quantized_cuda.rows_per_stretch(128))
     assert not stretched[0] and stretched[2] == quantized_cuda.partial_shapes(8, splits, 2, 128)
-    monkeypatch.setattr(quantized_cuda, "WARPS", 2 * quantized_cuda.WARPS)
-    wider = quantized_cuda._plan(*args, 0)
-    assert wider[1]["threadgroup"] == (2 * stretched[1]["threadgroup"][0], 1, 1)
+    with monkeypatch.context() as patch:
+        patch.setattr(quantized_cuda, "WARPS", 2 * quantized_cuda.WARPS)
+        assert quantized_cuda._plan(*args, 0)[1]["threadgroup"] == (2 * stretched[1]["threadgroup"][0], 1, 1)
+    for setting, value in (("MAX_WHOLE_WARPS", 1), ("WARPS_SHARED_BYTES", 4 * 2 * 128)):  # a whole head's warps
+        with monkeypatch.context() as patch:
+            patch.setattr(quantized_cuda, setting, value)
+            assert quantized_cuda._plan(*args, 1024)[1]["threadgroup"] == (32, 1, 1)
+    assert quantized_cuda._plan(*args, 1024) is first
 
 
 def test_plain_rows_refusals():

@@ -373,7 +373,9 @@ def _plan(kind: str, queries_shape, dtype, H: int, N: int, has_mask: bool, extra
     """(whole, the launch's template, grid and threadgroup, its output shapes) of a step,
     made once per step shape and held: every layer of a decode step has the same shape,
     and the host builds the launch at every layer and step."""
-    key = (kind, queries_shape, dtype, H, N, has_mask, extra, whole_rows, WARPS, STEPS)
+    # Every setting layout() reads is in the key (tests and benchmarks change them).
+    key = (kind, queries_shape, dtype, H, N, has_mask, extra, whole_rows, WARPS, STEPS, MAX_WHOLE_WARPS,
+           WARPS_SHARED_BYTES)
     plan = _plans.get(key)
     if plan is None:
         B, Hq, _, D = queries_shape
