@@ -289,8 +289,9 @@ def runnable_arms(opts) -> tuple[list[str], dict[str, str]]:
 
 
 def measure(model, prompt: mx.array, opts, arms: list[str] | None = None) -> dict[str, dict[str, list[float]]]:
-    """arm -> {"prefill_s": [...], "decode_step_s": [...], "peak_bytes": [...]}, one entry a
-    timed round (arms: arms_of(opts) by default)."""
+    """arm -> {"prefill_s": [...], "decode_step_s": [...], "peak_bytes": [...],
+    "step_median_s": [...], "step_slowest_s": [...]}, one entry a timed round (arms:
+    arms_of(opts) by default)."""
     arms = arms_of(opts) if arms is None else arms
     times = {arm: {"prefill_s": [], "decode_step_s": [], "peak_bytes": [], "step_median_s": [], "step_slowest_s": []}
              for arm in arms}
