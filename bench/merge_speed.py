@@ -38,8 +38,8 @@ the product's kernel on a small problem (an arm whose check fails is left out, w
 reason, under "left_out" in the JSON).
 --masked-arms RULE ... adds RULE/masked for a rule with votes: its prompt chunks attend
 with the votes' log in an additive mask [B, query heads, chunk, rows]
-(camkv.hook.weighed_by_votes), as before camkv.hook.weighed_block weighed the values
-instead on MLX's CUDA build (camkv.hook.WEIGHED_BLOCKS off).
+(camkv.hook.weighed_by_votes), as before camkv.hook.weighed_block (MLX's CUDA build) and
+camkv.hook.joined_block (the CPU) weighed the values instead (camkv.hook.WEIGHED_BLOCKS off).
 --profile ARM ... runs, after the timed rounds, one prompt of each arm named (any arm
 of the run) under cProfile: the host's calls by their own time, where a prompt's time
 goes when the device waits for the host or the host for the device (MLX's evaluations

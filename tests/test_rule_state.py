@@ -133,11 +133,12 @@ on_gpu = pytest.mark.skipif(not cuda_emulation.here(), reason="no NVIDIA GPU, an
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "causal", "boolean", "additive"])
-@pytest.mark.parametrize("way, D", [("mask", 8), ("block", 8), ("block", 128)])
+@pytest.mark.parametrize("way, D", [("mask", 8), ("block", 8), ("block", 128), ("joined", 8), ("joined", 128)])
 def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind, way, D):
-    """weighed_by_votes' mask, and weighed_block (the votes weighing the values and one
-    more column: one attention where the two fit 128 channels, D = 8, else two, D = 128),
-    each against the float64 attention with log(votes) added to the logits."""
+    """weighed_by_votes' mask, weighed_block (the votes weighing the values and one more
+    column: one attention where the two fit 128 channels, D = 8, else two, D = 128) and
+    joined_block (the CPU's: the column joined to the values, one attention), each
+    against the float64 attention with log(votes) added to the logits."""
     rng = np.random.default_rng(6)
     B, Hq, H, S, N = 2, 4, 2, 3 if mask_kind != "none" else 1, 7
     q = mx.array(rng.standard_normal((B, Hq, S, D)).astype(np.float32) * (8 / D) ** 0.5)
@@ -149,6 +150,8 @@ def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind, way,
     if way == "mask":
         weighed = hook.weighed_by_votes(mask, mx.log(votes), q, k)
         got = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=weighed)
+    elif way == "joined":
+        got = hook.joined_block(q, k, v, 0.3, mask, mx.log(votes))
     else:
         if not cuda_emulation.here():
             pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
@@ -159,12 +162,14 @@ def test_the_hook_weighs_each_key_by_its_votes_whatever_the_mask(mask_kind, way,
     assert hook.weighed_by_votes(mask, None, q, k) is mask  # no votes: the mask as it was
 
 
-@on_gpu
-def test_a_block_weighed_by_many_votes_stays_finite_in_float16():
-    """weighed_block divides the votes by each KV head's largest before they scale the
-    values: rows standing for 10^6 tokens would overflow float16 (65504) otherwise. More
-    rows than a work group's threads, the largest votes none of its first warp's rows
-    (so a maximum that missed a warp's rows overflows)."""
+@pytest.mark.parametrize("block", ["weighed", "joined"])
+def test_a_block_weighed_by_many_votes_stays_finite_in_float16(block):
+    """weighed_block and joined_block divide the votes by each KV head's largest before they
+    scale the values: rows standing for 10^6 tokens would overflow float16 (65504)
+    otherwise. More rows than a work group's threads, the largest votes none of its first
+    warp's rows (so a maximum that missed a warp's rows overflows)."""
+    if block == "weighed" and not cuda_emulation.here():
+        pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
     rng = np.random.default_rng(8)
     B, Hq, H, S, N, D = 1, 4, 2, 3, 300, 64
     q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((B, Hq, S, D), (B, H, N, D), (B, H, N, D)))
@@ -172,8 +177,11 @@ def test_a_block_weighed_by_many_votes_stays_finite_in_float16():
     votes = rng.integers(10**5, 10**6, (B, H, N)).astype(np.float32)
     votes[:, :, np.arange(N) % 256 < 32] = 1.0  # a first warp's rows (threads 0-31 of 256 take j, j + 256)
     half = [mx.array(a).astype(mx.float16) for a in (q, k, v)]
-    with cuda_emulation.kernels_here(votes_cuda):
-        got = hook.weighed_block(*half, 0.125, "causal", mx.log(mx.array(votes)))
+    if block == "joined":
+        got = hook.joined_block(*half, 0.125, "causal", mx.log(mx.array(votes)))
+    else:
+        with cuda_emulation.kernels_here(votes_cuda):
+            got = hook.weighed_block(*half, 0.125, "causal", mx.log(mx.array(votes)))
     causal = np.arange(N)[None, :] <= (N - S + np.arange(S))[:, None]
     want = _manual_attention(*(np.array(a.astype(mx.float32)) for a in half), 0.125, votes, causal)
     assert np.isfinite(np.array(got.astype(mx.float32))).all()
@@ -181,9 +189,11 @@ def test_a_block_weighed_by_many_votes_stays_finite_in_float16():
 
 
 @on_gpu
-def test_a_prompt_block_weighed_by_votes_goes_through_weighed_block_on_cuda(monkeypatch):
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_prompt_block_weighed_by_votes_goes_through_a_block_of_its_device(monkeypatch, device):
     """On MLX's CUDA build (pretended here) the hook attends a keepkv cache's prompt block
-    through weighed_block, not weighed_by_votes' mask; the output is the mask's."""
+    through weighed_block, on the CPU through joined_block, neither through weighed_by_votes'
+    mask; the output is the mask's."""
     from tiny_models import counted
 
     rng = np.random.default_rng(13)
@@ -191,6 +201,7 @@ def test_a_prompt_block_weighed_by_votes_goes_through_weighed_block_on_cuda(monk
     hook.install(model)
     cache = CaMKVCache(budget=8, n_sink=1, recent=2, slack=2, merge="keepkv")
     query = lambda s_len: mx.array(rng.standard_normal((1, 4, s_len, 8)).astype(np.float32))  # noqa: E731
+    device_before = mx.default_device()
     try:
         keys, values = cache.update_and_fetch(*_block(rng, S=12))
         hook.scaled_dot_product_attention(query(12), keys, values, cache, 0.35, "causal")
@@ -200,14 +211,21 @@ def test_a_prompt_block_weighed_by_votes_goes_through_weighed_block_on_cuda(monk
         q = query(5)
         want = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=0.35, mask=hook.weighed_by_votes("causal", bias, q, keys))
-        monkeypatch.setattr(hook.drop, "on_cuda", lambda: True)
-        blocks = counted(monkeypatch, hook, "weighed_block")
-        with cuda_emulation.kernels_here(votes_cuda):
+        masks = counted(monkeypatch, hook, "weighed_by_votes")
+        if device == "cuda":
+            monkeypatch.setattr(hook.drop, "on_cuda", lambda: True)
+            blocks = counted(monkeypatch, hook, "weighed_block")
+            with cuda_emulation.kernels_here(votes_cuda):
+                got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.35, "causal")
+        else:
+            mx.set_default_device(mx.cpu)
+            blocks = counted(monkeypatch, hook, "joined_block")
             got = hook.scaled_dot_product_attention(q, keys, values, cache, 0.35, "causal")
         monkeypatch.undo()
     finally:
+        mx.set_default_device(device_before)
         hook.uninstall(model)
-    assert len(blocks) == 1
+    assert len(blocks) == 1 and not masks
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-6)
 
 

@@ -13,7 +13,9 @@ A cache whose merge rule keeps votes (camkv.merges, keeps_votes) also has attent
 weigh each row by the tokens it stands for: the hook adds the log of each row's votes
 to its logits (docs/algorithm.md section 4.6), which only the hook can do; a decode step
 on an NVIDIA GPU goes to camkv's attention with the votes' log as its mask per KV head
-(camkv.quantized_attention.attend_weighed: MLX's CUDA attention takes no mask there).
+(camkv.quantized_attention.attend_weighed: MLX's CUDA attention takes no mask there), and
+a prompt block on an NVIDIA GPU or the CPU to an attention over the values the votes weigh
+(weighed_block, joined_block) instead of a mask of a logit per query and row.
 
 Quantized rows (CaMConfig.bits): a prompt block attends them dequantized once; a decode
 step on the CPU or an NVIDIA GPU goes to camkv's attention over the rows as stored
@@ -72,8 +74,10 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
         if bias is not None:
             if not stored and camkvs_pass:
                 out = quantized_attention.attend_weighed(queries, keys, values, scale, mask, bias)
-                if out is None and queries.shape[2] > 1 and WEIGHED_BLOCKS and drop.on_cuda():
-                    out = weighed_block(queries, keys, values, scale, mask, bias)
+                if out is None and queries.shape[2] > 1 and WEIGHED_BLOCKS:
+                    out = (weighed_block(queries, keys, values, scale, mask, bias) if drop.on_cuda() else
+                           joined_block(queries, keys, values, scale, mask, bias)
+                           if mx.default_device() == mx.cpu else None)
                 if out is not None:
                     return out
             mask = weighed_by_votes(mask, bias, queries, keys)
@@ -101,7 +105,8 @@ def block_rows(keys: tuple, values: tuple, queries) -> tuple[mx.array, mx.array]
 
 
 # Whether a prompt block whose rows votes weigh attends through weighed_block on MLX's
-# CUDA build (else through weighed_by_votes' mask, as everywhere else).
+# CUDA build and joined_block on the CPU (else through weighed_by_votes' mask, as on Metal,
+# whose fused attention takes the mask and not a value width other than the keys').
 WEIGHED_BLOCKS = True
 
 
@@ -122,6 +127,21 @@ def weighed_block(queries, keys, values, scale: float, mask, bias):
     out = sdpa(queries, keys, weighed, scale=scale, mask=mask)
     total = out if column is None else sdpa(queries, keys, column, scale=scale, mask=mask)
     return votes_cuda.divide(out, total, D, queries.dtype)
+
+
+def joined_block(queries, keys, values, scale: float, mask, bias):
+    """weighed_block's output on the CPU, by MLX operations: the weights' column joined to
+    the weighed values (Dv + 1 channels, which the CPU's attention takes) and one attention
+    with the given mask, then the quotient. The CPU's attention holds a block's logits
+    [B, Hq, S, N] in float32 while it runs; weighed_by_votes' mask of that size beside
+    them doubled a keepkv prompt chunk's peak (bench/results/README.md). The same
+    arithmetic as weighed_block (docs/algorithm.md section 4.6)."""
+    D = values.shape[3]
+    bias = bias.astype(mx.float32)
+    weights = mx.exp(bias - bias.max(axis=-1, keepdims=True)).astype(values.dtype)[..., None]
+    joined = mx.concatenate([values * weights, weights], axis=-1)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, joined, scale=scale, mask=mask)
+    return (out[..., :D].astype(mx.float32) / out[..., D:].astype(mx.float32)).astype(queries.dtype)
 
 
 def weighed_by_votes(mask, bias, queries, keys):
