@@ -75,9 +75,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, *arg
             if not stored and camkvs_pass:
                 out = quantized_attention.attend_weighed(queries, keys, values, scale, mask, bias)
                 if out is None and queries.shape[2] > 1 and WEIGHED_BLOCKS:
-                    out = (weighed_block(queries, keys, values, scale, mask, bias) if drop.on_cuda() else
-                           joined_block(queries, keys, values, scale, mask, bias)
-                           if mx.default_device() == mx.cpu else None)
+                    out = block_weighed_here(queries, keys, values, scale, mask, bias)
                 if out is not None:
                     return out
             mask = weighed_by_votes(mask, bias, queries, keys)
@@ -108,6 +106,16 @@ def block_rows(keys: tuple, values: tuple, queries) -> tuple[mx.array, mx.array]
 # CUDA build and joined_block on the CPU (else through weighed_by_votes' mask, as on Metal,
 # whose fused attention takes the mask and not a value width other than the keys').
 WEIGHED_BLOCKS = True
+
+
+def block_weighed_here(queries, keys, values, scale: float, mask, bias):
+    """A prompt block's votes-weighed attention without the votes' mask: weighed_block on
+    MLX's CUDA build, joined_block on the CPU; None elsewhere (Metal attends with the mask)."""
+    if drop.on_cuda():
+        return weighed_block(queries, keys, values, scale, mask, bias)
+    if mx.default_device() == mx.cpu:
+        return joined_block(queries, keys, values, scale, mask, bias)
+    return None
 
 
 def weighed_block(queries, keys, values, scale: float, mask, bias):
