@@ -6,6 +6,9 @@ synchronous step (built, then evaluated). Arms in turn in one process (ARMS, def
 calls by own time appended). Run from the repository root on MLX's CUDA build:
 
     ARMS="drop keepkv drop keepkv" N=160 python3 bench/results/h100-1207d/host_build.py OUT.txt
+
+bench/decode_parts.py is the maintained tool for the same two times (its arms camkv and
+camkv-keepkv); this script is kept because these records came from it.
 """
 import argparse
 import cProfile
