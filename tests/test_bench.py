@@ -658,3 +658,32 @@ def test_prompt_kernels_sums_ncu_logs_by_kernel_and_lists_extra_launches(tmp_pat
     assert "drop.csv: 2 kernels, 0.00 ms" in out and "mean.csv: 3 kernels" in out
     assert "   +2   +0.004 ms  copy" in out and "   -1   -0.003 ms  compact" in out
     assert "gemm" not in out.split("more launches")[1]
+
+
+def test_decode_attention_layouts_compute_the_default_layouts_output_and_restore_the_settings(monkeypatch):
+    """bench/decode_attention.py's layouts (their kernels' text emulated off a GPU): each
+    computes the default layout's output over the biased rows, and the settings it sets
+    hold for its call only; a malformed layout is refused with what is allowed."""
+    import cuda_emulation
+    from camkv.backends import quantized_cuda
+
+    if not cuda_emulation.here():
+        pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
+    script = _load_bench_script("decode_attention")
+    opts = script.parse_args(["--rows", "150", "--kv-heads", "2", "--queries-per-kv", "3"])
+    before = {name: getattr(quantized_cuda, name) for name in ("PLAIN_STRETCHES", "WARPS", "STEPS", "MAX_WHOLE_WARPS")}
+    with cuda_emulation.kernels_here(quantized_cuda):
+        arrays = script.inputs(opts)
+        default = script.call_of({}, *arrays)()
+        for layout in ("stretches:2:1", "stretches:1:3", "whole:2"):
+            plans = len(quantized_cuda._plans)
+            got = script.call_of(script.layout_settings(layout), *arrays)()
+            assert len(quantized_cuda._plans) == plans + 1, layout  # a launch of its own layout
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(default.astype(mx.float32)),
+                                       atol=2e-2, err_msg=layout)
+            assert {name: getattr(quantized_cuda, name) for name in before} == before, layout
+    assert script.layout_settings("sdpa") is None
+    assert script.layout_settings("whole:8")["MAX_WHOLE_WARPS"] == 8
+    for bad in ("stretches:4", "whole:0", "sdpa:1", "rows:4:4", "stretches:a:b"):
+        with pytest.raises(ValueError, match="stretches:WARPS:STEPS"):
+            script.layout_settings(bad)

@@ -1,0 +1,131 @@
+"""A keepkv decode step's attention on an NVIDIA GPU, one layer's call at a time, in each
+launch layout camkv's pass can take, beside MLX's own attention over the same rows.
+
+keepkv's rows are weighed by their votes: a decode step attends with the log votes added
+to each row's logit, a bias per KV head that MLX's CUDA attention does not take, so camkv
+reads the rows itself (camkv.backends.quantized_cuda.attend_rows). How it is launched:
+
+- `stretches:W:S`: work groups of W warps each read a stretch of W * (32 / (D / 8)) * S
+  rows of one KV head and write partial sums, and a second launch combines them
+  (quantized_cuda.WARPS = W, STEPS = S; the default layout is stretches:4:4);
+- `whole:W`: one work group of W warps a KV head reads all its rows and writes the output,
+  one launch (quantized_cuda.PLAIN_STRETCHES off, MAX_WHOLE_WARPS = W);
+- `sdpa`: MLX's mx.fast.scaled_dot_product_attention over the same rows without the bias
+  (what dropping's decode step runs: the time to reach).
+
+The rows are a view of a buffer with room to decode (as a cache holds them), the bias a
+float32 [1, H, 1, N]. --calls calls run between cuProfilerStart and cuProfilerStop, each
+evaluated, so Nsight Compute started with --profile-from-start off times those kernels
+only; the wall time of a call (evaluated alone: launch and wait included) is printed too,
+and the largest difference of the layout's output from the default layout's.
+
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
+        --csv --print-units base --log-file s44.csv \\
+        python3 bench/decode_attention.py --rows 577 --layout stretches:4:4
+    python3 bench/prompt_kernels.py sum sdpa.csv s44.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+
+import mlx.core as mx
+
+from camkv.backends import quantized_cuda
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=577, help="rows held per KV head (default 577: budget 512 "
+                                                               "and a full slack of 64, and one more)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--queries-per-kv", type=int, default=4, help="query heads per KV head (default 4)")
+    parser.add_argument("--head-dim", type=int, default=64, choices=quantized_cuda.HEAD_DIMS,
+                        help="key and value dim (default 64)")
+    parser.add_argument("--layout", default="stretches:4:4",
+                        help="stretches:WARPS:STEPS, whole:WARPS or sdpa (default stretches:4:4)")
+    parser.add_argument("--calls", type=int, default=32, help="profiled calls (default 32)")
+    opts = parser.parse_args(argv)
+    try:
+        opts.settings = layout_settings(opts.layout)
+    except ValueError as error:
+        parser.error(str(error))
+    return opts
+
+
+def layout_settings(layout: str) -> dict | None:
+    """quantized_cuda's settings for a layout (None: sdpa); ValueError naming what is allowed."""
+    kind, *numbers = layout.split(":")
+    allowed = "stretches:WARPS:STEPS, whole:WARPS or sdpa, WARPS 1-32, STEPS 1-64"
+    try:
+        values = [int(n) for n in numbers]
+    except ValueError:
+        raise ValueError(f"--layout {layout!r}: expected {allowed}") from None
+    if kind == "sdpa" and not values:
+        return None
+    if kind == "stretches" and len(values) == 2 and 1 <= values[0] <= 32 and 1 <= values[1] <= 64:
+        return {"PLAIN_STRETCHES": True, "WARPS": values[0], "STEPS": values[1]}
+    if kind == "whole" and len(values) == 1 and 1 <= values[0] <= 32:
+        return {"PLAIN_STRETCHES": False, "MAX_WHOLE_WARPS": values[0], "WARPS_SHARED_BYTES": 1 << 30}
+    raise ValueError(f"--layout {layout!r}: expected {allowed}")
+
+
+def inputs(opts) -> tuple:
+    """Queries [1, Hq, 1, D], keys and values [1, H, rows, D] (views of buffers 64 rows
+    longer), the bias [1, H, 1, rows] float32 (log votes of 1-8 tokens a row)."""
+    H, D, N = opts.kv_heads, opts.head_dim, opts.rows
+    queries = mx.random.normal((1, H * opts.queries_per_kv, 1, D)).astype(mx.bfloat16)
+    keys, values = (mx.random.normal((1, H, N + 64, D)).astype(mx.bfloat16)[:, :, :N] for _ in range(2))
+    bias = mx.log(mx.random.randint(1, 9, (1, H, 1, N)).astype(mx.float32))
+    mx.eval(queries, keys, values, bias)
+    return queries, keys, values, bias
+
+
+def call_of(settings: dict | None, queries, keys, values, bias):
+    """One call of the layout (settings applied for its duration)."""
+    scale = queries.shape[-1] ** -0.5
+    if settings is None:
+        return lambda: mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+
+    def call():
+        saved = {name: getattr(quantized_cuda, name) for name in settings}
+        for name, value in settings.items():
+            setattr(quantized_cuda, name, value)
+        try:
+            return quantized_cuda.attend_rows(queries, keys, values, scale, bias)
+        finally:
+            for name, value in saved.items():
+                setattr(quantized_cuda, name, value)
+    return call
+
+
+def main(argv=None) -> None:
+    opts = parse_args(argv)
+    if not quantized_cuda.here():
+        print("decode_attention: needs MLX's CUDA build on an NVIDIA GPU", file=sys.stderr)
+        raise SystemExit(2)
+    queries, keys, values, bias = inputs(opts)
+    call = call_of(opts.settings, queries, keys, values, bias)
+    if opts.settings is not None:
+        default = call_of({}, queries, keys, values, bias)()
+        difference = mx.abs(call().astype(mx.float32) - default.astype(mx.float32)).max().item()
+        print(f"{opts.layout}: largest difference from the default layout {difference:.3g}")
+    for _ in range(8):  # warm: the kernel built, the launch plan made
+        mx.eval(call())
+    cuda = ctypes.CDLL("libcuda.so.1")
+    mx.synchronize()
+    cuda.cuProfilerStart()
+    tick = time.perf_counter()
+    for _ in range(opts.calls):
+        mx.eval(call())
+    seconds = (time.perf_counter() - tick) / opts.calls
+    cuda.cuProfilerStop()
+    print(f"{opts.layout}: {opts.calls} calls, {1e6 * seconds:.1f} us each evaluated alone "
+          f"(rows {opts.rows}, {opts.kv_heads} KV heads of {opts.queries_per_kv} queries, D {opts.head_dim})")
+
+
+if __name__ == "__main__":
+    main()
