@@ -10,27 +10,37 @@ reads the rows itself (camkv.backends.quantized_cuda.attend_rows). How it is lau
   (quantized_cuda.WARPS = W, STEPS = S; the default layout is stretches:4:4);
 - `whole:W`: one work group of W warps a KV head reads all its rows and writes the output,
   one launch (quantized_cuda.PLAIN_STRETCHES off, MAX_WHOLE_WARPS = W);
+- `heads:W`: one work group of W warps a query head reads all its KV head's rows and
+  writes its output, one launch (quantized_cuda.PLAIN_QUERY_HEADS on, QUERY_HEAD_WARPS = W);
+  `heads:W:S`: a query head's rows in stretches of W * (32 / (D / 8)) * S rows, combined
+  (QUERY_HEAD_STEPS = S);
 - `sdpa`: MLX's mx.fast.scaled_dot_product_attention over the same rows without the bias
   (what dropping's decode step runs: the time to reach).
 
 The rows are a view of a buffer with room to decode (as a cache holds them), the bias a
-float32 [1, H, 1, N]. --calls calls run between cuProfilerStart and cuProfilerStop, each
-evaluated, so Nsight Compute started with --profile-from-start off times those kernels
-only; the wall time of a call (evaluated alone: launch and wait included) is printed too,
-and the largest difference of the layout's output from the default layout's.
+float32 [1, H, 1, N]. Each layout named is checked against the default layout (the
+largest difference of its output is printed) and warmed; then --calls calls of each, in
+the order named, run between cuProfilerStart and cuProfilerStop, each evaluated, so
+Nsight Compute started with --profile-from-start off times those kernels only, and the
+wall time of a call (evaluated alone: launch and wait included) is printed. --sum reads
+that log in launch order: each layout's first kernel (sdpa's, or camkv's partials, whose
+name holds the layout's template) with the combine launches after it, a call's device
+time each.
 
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
-        --csv --print-units base --log-file s44.csv \\
-        python3 bench/decode_attention.py --rows 577 --layout stretches:4:4
-    python3 bench/prompt_kernels.py sum sdpa.csv s44.csv
+        --csv --print-units base --log-file layouts.csv \\
+        python3 bench/decode_attention.py --rows 577 --layouts sdpa stretches:4:4 heads:16
+    python3 bench/decode_attention.py --sum layouts.csv
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import ctypes
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -45,12 +55,15 @@ def parse_args(argv=None):
     parser.add_argument("--queries-per-kv", type=int, default=4, help="query heads per KV head (default 4)")
     parser.add_argument("--head-dim", type=int, default=64, choices=quantized_cuda.HEAD_DIMS,
                         help="key and value dim (default 64)")
-    parser.add_argument("--layout", default="stretches:4:4",
-                        help="stretches:WARPS:STEPS, whole:WARPS or sdpa (default stretches:4:4)")
-    parser.add_argument("--calls", type=int, default=32, help="profiled calls (default 32)")
+    parser.add_argument("--layouts", nargs="+", default=["sdpa", "stretches:4:4"],
+                        help="each stretches:WARPS:STEPS, whole:WARPS, heads:WARPS[:STEPS] or sdpa "
+                             "(default sdpa stretches:4:4)")
+    parser.add_argument("--calls", type=int, default=32, help="profiled calls of each layout (default 32)")
+    parser.add_argument("--sum", type=Path, metavar="CSV",
+                        help="summarize this ncu log (--csv --print-units base) by layout instead of running")
     opts = parser.parse_args(argv)
     try:
-        opts.settings = layout_settings(opts.layout)
+        opts.settings = {layout: layout_settings(layout) for layout in opts.layouts}
     except ValueError as error:
         parser.error(str(error))
     return opts
@@ -59,7 +72,7 @@ def parse_args(argv=None):
 def layout_settings(layout: str) -> dict | None:
     """quantized_cuda's settings for a layout (None: sdpa); ValueError naming what is allowed."""
     kind, *numbers = layout.split(":")
-    allowed = "stretches:WARPS:STEPS, whole:WARPS or sdpa, WARPS 1-32, STEPS 1-64"
+    allowed = "stretches:WARPS:STEPS, whole:WARPS, heads:WARPS[:STEPS] or sdpa, WARPS 1-32, STEPS 1-64"
     try:
         values = [int(n) for n in numbers]
     except ValueError:
@@ -67,9 +80,13 @@ def layout_settings(layout: str) -> dict | None:
     if kind == "sdpa" and not values:
         return None
     if kind == "stretches" and len(values) == 2 and 1 <= values[0] <= 32 and 1 <= values[1] <= 64:
-        return {"PLAIN_STRETCHES": True, "WARPS": values[0], "STEPS": values[1]}
+        return {"PLAIN_STRETCHES": True, "WARPS": values[0], "STEPS": values[1], "PLAIN_QUERY_HEADS": False}
     if kind == "whole" and len(values) == 1 and 1 <= values[0] <= 32:
-        return {"PLAIN_STRETCHES": False, "MAX_WHOLE_WARPS": values[0], "WARPS_SHARED_BYTES": 1 << 30}
+        return {"PLAIN_STRETCHES": False, "MAX_WHOLE_WARPS": values[0], "WARPS_SHARED_BYTES": 1 << 30,
+                "PLAIN_QUERY_HEADS": False}
+    if kind == "heads" and len(values) in (1, 2) and 1 <= values[0] <= 32 and 1 <= values[-1] <= 64:
+        return {"PLAIN_QUERY_HEADS": True, "QUERY_HEAD_WARPS": values[0],
+                "QUERY_HEAD_STEPS": values[1] if len(values) == 2 else None}
     raise ValueError(f"--layout {layout!r}: expected {allowed}")
 
 
@@ -102,29 +119,70 @@ def call_of(settings: dict | None, queries, keys, values, bias):
     return call
 
 
+# Kernels that finish a call another kernel started: camkv's combine, the second pass of
+# MLX's attention over many rows.
+CONTINUES = ("combine", "2pass_2")
+
+
+def by_layout(log: Path) -> list[tuple[str, int, float]]:
+    """(a layout's first kernel name, its calls, nanoseconds a call) from an ncu log, in
+    launch order: each kernel but those that continue a call (CONTINUES) starts a call;
+    calls of the same first kernel one after another are one layout's."""
+    rows = [r for r in csv.reader(log.read_text().splitlines()) if len(r) > 5]
+    if not rows or "Kernel Name" not in rows[0]:
+        print(f"decode_attention: {log} has no ncu CSV header (run ncu with --csv --log-file)", file=sys.stderr)
+        raise SystemExit(2)
+    head = rows[0]
+    name_at, metric_at, value_at = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
+    layouts: list[list] = []  # [first kernel, calls, nanoseconds]
+    for row in rows[1:]:
+        if row[metric_at] != "gpu__time_duration.sum":
+            continue
+        name, nanoseconds = row[name_at].split("(")[0], float(row[value_at].replace(",", ""))
+        if not any(part in name for part in CONTINUES):
+            if not layouts or layouts[-1][0] != name:
+                layouts.append([name, 0, 0.0])
+            layouts[-1][1] += 1
+        elif not layouts:
+            continue  # the end of a call that started before the log
+        layouts[-1][2] += nanoseconds
+    return [(name, calls, total / calls) for name, calls, total in layouts]
+
+
 def main(argv=None) -> None:
     opts = parse_args(argv)
+    if opts.sum is not None:
+        for name, calls, nanoseconds in by_layout(opts.sum):
+            print(f"{nanoseconds / 1e3:8.2f} us a call  {calls:4d} calls  {name}")
+        return
     if not quantized_cuda.here():
         print("decode_attention: needs MLX's CUDA build on an NVIDIA GPU", file=sys.stderr)
         raise SystemExit(2)
     queries, keys, values, bias = inputs(opts)
-    call = call_of(opts.settings, queries, keys, values, bias)
-    if opts.settings is not None:
-        default = call_of({}, queries, keys, values, bias)()
-        difference = mx.abs(call().astype(mx.float32) - default.astype(mx.float32)).max().item()
-        print(f"{opts.layout}: largest difference from the default layout {difference:.3g}")
-    for _ in range(8):  # warm: the kernel built, the launch plan made
-        mx.eval(call())
+    default = call_of({}, queries, keys, values, bias)()
+    calls = {}
+    for layout, settings in opts.settings.items():
+        call = call_of(settings, queries, keys, values, bias)
+        try:  # a layout the device cannot launch (registers, shared memory) is left out
+            difference = mx.abs(call().astype(mx.float32) - default.astype(mx.float32)).max().item()
+            for _ in range(8):  # warm: the kernel built, the launch plan made
+                mx.eval(call())
+        except (RuntimeError, ValueError) as error:
+            print(f"{layout}: left out: {str(error).splitlines()[0]}")
+            continue
+        calls[layout] = call
+        print(f"{layout}: largest difference from the default layout {difference:.3g}")
     cuda = ctypes.CDLL("libcuda.so.1")
     mx.synchronize()
     cuda.cuProfilerStart()
-    tick = time.perf_counter()
-    for _ in range(opts.calls):
-        mx.eval(call())
-    seconds = (time.perf_counter() - tick) / opts.calls
+    for layout, call in calls.items():
+        tick = time.perf_counter()
+        for _ in range(opts.calls):
+            mx.eval(call())
+        seconds = (time.perf_counter() - tick) / opts.calls
+        print(f"{layout}: {opts.calls} calls, {1e6 * seconds:.1f} us each evaluated alone (rows {opts.rows}, "
+              f"{opts.kv_heads} KV heads of {opts.queries_per_kv} queries, D {opts.head_dim})")
     cuda.cuProfilerStop()
-    print(f"{opts.layout}: {opts.calls} calls, {1e6 * seconds:.1f} us each evaluated alone "
-          f"(rows {opts.rows}, {opts.kv_heads} KV heads of {opts.queries_per_kv} queries, D {opts.head_dim})")
 
 
 if __name__ == "__main__":

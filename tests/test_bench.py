@@ -670,12 +670,14 @@ def test_decode_attention_layouts_compute_the_default_layouts_output_and_restore
     if not cuda_emulation.here():
         pytest.skip("no NVIDIA GPU, and no C++ compiler to emulate one")
     script = _load_bench_script("decode_attention")
-    opts = script.parse_args(["--rows", "150", "--kv-heads", "2", "--queries-per-kv", "3"])
-    before = {name: getattr(quantized_cuda, name) for name in ("PLAIN_STRETCHES", "WARPS", "STEPS", "MAX_WHOLE_WARPS")}
+    opts = script.parse_args(["--rows", "150", "--kv-heads", "2", "--queries-per-kv", "3", "--layouts", "heads:4"])
+    assert list(opts.settings) == ["heads:4"]
+    before = {name: getattr(quantized_cuda, name) for name in ("PLAIN_STRETCHES", "WARPS", "STEPS", "MAX_WHOLE_WARPS",
+                                                                "PLAIN_QUERY_HEADS", "QUERY_HEAD_STEPS")}
     with cuda_emulation.kernels_here(quantized_cuda):
         arrays = script.inputs(opts)
         default = script.call_of({}, *arrays)()
-        for layout in ("stretches:2:1", "stretches:1:3", "whole:2"):
+        for layout in ("stretches:2:1", "stretches:1:3", "whole:2", "heads:4", "heads:2:1"):
             plans = len(quantized_cuda._plans)
             got = script.call_of(script.layout_settings(layout), *arrays)()
             assert len(quantized_cuda._plans) == plans + 1, layout  # a launch of its own layout
@@ -684,6 +686,33 @@ def test_decode_attention_layouts_compute_the_default_layouts_output_and_restore
             assert {name: getattr(quantized_cuda, name) for name in before} == before, layout
     assert script.layout_settings("sdpa") is None
     assert script.layout_settings("whole:8")["MAX_WHOLE_WARPS"] == 8
-    for bad in ("stretches:4", "whole:0", "sdpa:1", "rows:4:4", "stretches:a:b"):
+    assert script.layout_settings("heads:16")["QUERY_HEAD_STEPS"] is None
+    for bad in ("stretches:4", "whole:0", "sdpa:1", "rows:4:4", "stretches:a:b", "heads:4:2:1", "heads:64"):
         with pytest.raises(ValueError, match="stretches:WARPS:STEPS"):
             script.layout_settings(bad)
+
+
+def test_decode_attention_sums_each_layouts_calls_in_launch_order(tmp_path, capsys):
+    """decode_attention --sum: a call is its first kernel and the launches that continue it
+    (camkv's combine, MLX's second attention pass), layouts one after another; other
+    metrics and a combine before any call are left out; a log without ncu's header is
+    refused with status 2."""
+    script = _load_bench_script("decode_attention")
+    header = '"ID","Kernel Name","Block Size","Grid Size","Metric Name","Metric Unit","Metric Value"'
+    kernels = [("attention_combine", 50), ("kernel_sdpav_2pass_1", 1000), ("kernel_sdpav_2pass_2", 200),
+               ("kernel_sdpav_2pass_1", 1100), ("kernel_sdpav_2pass_2", 300),
+               ("partials_64", 2000), ("quantized_attention_combine", 500), ("partials_64", 2100),
+               ("quantized_attention_combine", 400), ("partials_whole", 1500)]
+    lines = ["==PROF== Connected to process 1", header]
+    lines += [f'"{i}","{name}(float*)","(256,1,1)","(8,1,1)","gpu__time_duration.sum","ns","{ns:,}"'
+              for i, (name, ns) in enumerate(kernels)]
+    lines.append(f'"99","partials_whole(float*)","(256,1,1)","(8,1,1)","other","ns","7"')
+    (tmp_path / "l.csv").write_text("\n".join(lines) + "\n")
+    assert script.by_layout(tmp_path / "l.csv") == [("kernel_sdpav_2pass_1", 2, 1300.0), ("partials_64", 2, 2500.0),
+                                                   ("partials_whole", 1, 1500.0)]
+    script.main(["--sum", str(tmp_path / "l.csv")])
+    assert "    2.50 us a call     2 calls  partials_64" in capsys.readouterr().out
+    (tmp_path / "bad.csv").write_text("no header\n")
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--sum", str(tmp_path / "bad.csv")])
+    assert exit_info.value.code == 2

@@ -36,7 +36,7 @@ def cases(draw):
         dtype=draw(st.sampled_from(sorted(DTYPES))), mask=draw(st.sampled_from(["none", "shared", "per_head"])),
         spare=draw(st.sampled_from([0, 5])), lead=draw(st.sampled_from([0, 3])), strided_queries=draw(st.booleans()),
         scale=draw(st.sampled_from([0.125, 1.0, 40.0])), seed=draw(st.integers(0, 2**31 - 1)),
-        whole=draw(st.booleans()))
+        whole=draw(st.booleans()), query_heads=draw(st.booleans()))
 
 
 def _queries(rng, B, Hq, D, dtype, strided):
@@ -165,6 +165,10 @@ def test_plain_rows_match_float64_attention(case):
     with pytest.MonkeyPatch.context() as patch:  # one launch a head, or stretches and a combine
         patch.setattr(quantized_cuda, "PLAIN_STRETCHES", False)
         patch.setattr(quantized_cuda, "WHOLE_ROWS", quantized_cuda.WHOLE_ROWS if c["whole"] else 0)
+        # A work group a query head (its rows whole, or in stretches of 2 warps' 3 steps).
+        patch.setattr(quantized_cuda, "PLAIN_QUERY_HEADS", c["query_heads"])
+        patch.setattr(quantized_cuda, "QUERY_HEAD_WARPS", 4 if c["whole"] else 2)
+        patch.setattr(quantized_cuda, "QUERY_HEAD_STEPS", None if c["whole"] else 3)
         got = np.array(quantized_cuda.attend_rows(queries, keys, values, c["scale"], mask).astype(mx.float32))
     expected = _plain_reference(queries, keys, values, c["scale"], mask)
     tolerance = 4 * EPS[c["dtype"]] * np.abs(expected).max() + 2e-4 * max(1.0, c["scale"])

@@ -84,7 +84,9 @@ _PARTIALS = """
   constexpr int LPR = D / 8;          // lanes a row
   constexpr int RPW = 32 / LPR;       // rows a warp reads at once
   const int H = @ROWS@_shape[1];
-@EXTENT@  const int bh = blockIdx.x / splits, stretch = blockIdx.x % splits;
+@EXTENT@  // A work group takes G of a KV head's G * SLICES query heads (slice g0 / G) and one stretch.
+  const int item = blockIdx.x / splits, stretch = blockIdx.x % splits;
+  const int bh = item / SLICES, g0 = (item % SLICES) * G;
   const int b = bh / H, h = bh % H;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slot = lane / LPR, c0 = (lane % LPR) * 8;
@@ -93,7 +95,7 @@ _PARTIALS = """
   float q[G][8], top[G], total[G], acc[G][8];
   #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const T* qrow = queries + b * queries_strides[0] + (h * G + g) * queries_strides[1];
+    const T* qrow = queries + b * queries_strides[0] + (h * G * SLICES + g0 + g) * queries_strides[1];
     #pragma unroll
     for (int i = 0; i < 8; ++i) {
       q[g][i] = static_cast<float>(qrow[(c0 + i) * queries_strides[3]]) * scale;
@@ -212,7 +214,7 @@ _COMBINE = """
 # How many rows a head has and how many stretches they are read in: the rows' shape and the
 # grid, or (camkv.backends.step_cuda) a launch's data.
 EXTENT = """  const int N = @ROWS@_shape[2];
-  const int splits = gridDim.x / (@ROWS@_shape[0] * H);
+  const int splits = gridDim.x / (@ROWS@_shape[0] * H * SLICES);
 """
 
 _kernels: dict[tuple, object] = {}  # kernel_text.key((kind, whole)) -> its launch
@@ -313,13 +315,35 @@ def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bi
 PLAIN_STRETCHES = True
 
 
+# Rows as the model's dtype read by a work group a query head (QUERY_HEAD_WARPS warps
+# reading all its rows, one launch), not a KV head's query heads together in stretches:
+# as many work groups as query heads (32 at a 1B model's shape), each with few registers
+# (one query head's sums), so many warps each; the rows of a KV head are read once a query
+# head, from the device's cache after the first.
+PLAIN_QUERY_HEADS = False
+QUERY_HEAD_WARPS = 16
+# With QUERY_HEAD_STEPS set, a query head's rows are read in stretches of QUERY_HEAD_WARPS
+# warps of 32 / (D / 8) row slots, QUERY_HEAD_STEPS times, and combined (two launches).
+QUERY_HEAD_STEPS: int | None = None
+# A work group that reads every row of its head: its stretch holds any row count.
+ALL_ROWS = 1 << 30
+
+
 def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """attend over rows held as the model's dtype, keys and values [B, H, N, D] (views
     read through their strides): a decode step that needs a mask per KV head, which MLX's
     CUDA attention does not take (its fallback is a chain of launches). The caller checks
     takes_rows() first."""
     whole_rows = rows_per_stretch(queries.shape[3]) if PLAIN_STRETCHES else WHOLE_ROWS
-    return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [], whole_rows)
+    return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [], whole_rows, PLAIN_QUERY_HEADS)
+
+
+def query_head_layout(N: int, D: int) -> tuple[bool, int, int, int]:
+    """layout() of a work group a query head: (whole, warps, rows a stretch, stretches)."""
+    if QUERY_HEAD_STEPS is None:
+        return True, QUERY_HEAD_WARPS, ALL_ROWS, 1
+    per_stretch = QUERY_HEAD_WARPS * (32 // (D // 8)) * QUERY_HEAD_STEPS
+    return False, QUERY_HEAD_WARPS, per_stretch, max(1, -(-N // per_stretch))
 
 
 def layout(N: int, G: int, D: int, whole_rows: int | None = None) -> tuple[bool, int, int, int]:
@@ -333,8 +357,10 @@ def layout(N: int, G: int, D: int, whole_rows: int | None = None) -> tuple[bool,
     return False, WARPS, per_stretch, max(1, -(-N // per_stretch))
 
 
-def template(dtype, D: int, G: int, extra, warps: int, rows: int, has_mask: bool) -> list:
-    return [("T", dtype), ("D", D), ("G", G), *extra, ("WARPS", warps), ("ROWS", rows), ("HAS_MASK", has_mask)]
+def template(dtype, D: int, G: int, extra, warps: int, rows: int, has_mask: bool, slices: int = 1) -> list:
+    """The partials' template: G query heads a work group, of a KV head's G * slices."""
+    return [("T", dtype), ("D", D), ("G", G), *extra, ("WARPS", warps), ("ROWS", rows), ("HAS_MASK", has_mask),
+            ("SLICES", slices)]
 
 
 def partial_shapes(heads: int, splits: int, G: int, D: int) -> list:
@@ -355,10 +381,11 @@ def combine(top: mx.array, total: mx.array, out: mx.array, queries: mx.array) ->
 
 
 def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float, mask, extra,
-            whole_rows: int | None = None) -> mx.array:
+            whole_rows: int | None = None, per_query_head: bool = False) -> mx.array:
     has_mask = mask is not None
     whole, launch, output_shapes = _plan(kind, queries.shape, queries.dtype, rows_shape[1], rows_shape[2], has_mask,
-                                         tuple(extra), WHOLE_ROWS if whole_rows is None else whole_rows)
+                                         tuple(extra), WHOLE_ROWS if whole_rows is None else whole_rows,
+                                         per_query_head)
     inputs = [queries, *rows, mask if has_mask else no_mask(), constants.floats(float(scale))]
     if whole:  # one work group a KV head reads all its rows and writes the output: one launch
         return _kernel(kind, whole=True)(inputs=inputs, **launch, output_shapes=output_shapes,
@@ -368,22 +395,24 @@ def _attend(kind: str, queries: mx.array, rows: tuple, rows_shape, scale: float,
     return combine(top, total, out, queries)
 
 
-def _plan(kind: str, queries_shape, dtype, H: int, N: int, has_mask: bool, extra: tuple, whole_rows: int
-          ) -> tuple[bool, dict, list]:
+def _plan(kind: str, queries_shape, dtype, H: int, N: int, has_mask: bool, extra: tuple, whole_rows: int,
+          per_query_head: bool = False) -> tuple[bool, dict, list]:
     """(whole, the launch's template, grid and threadgroup, its output shapes) of a step,
     made once per step shape and held: every layer of a decode step has the same shape,
-    and the host builds the launch at every layer and step."""
-    # Every setting layout() reads is in the key (tests and benchmarks change them).
+    and the host builds the launch at every layer and step. per_query_head: a work group
+    a query head (query_head_layout), else a KV head's query heads together (layout)."""
+    # Every setting the layouts read is in the key (tests and benchmarks change them).
     key = (kind, queries_shape, dtype, H, N, has_mask, extra, whole_rows, WARPS, STEPS, MAX_WHOLE_WARPS,
-           WARPS_SHARED_BYTES)
+           WARPS_SHARED_BYTES, per_query_head, QUERY_HEAD_WARPS, QUERY_HEAD_STEPS)
     plan = _plans.get(key)
     if plan is None:
         B, Hq, _, D = queries_shape
         G, heads = Hq // H, B * H
-        whole, warps, per_stretch, splits = layout(N, G, D, whole_rows)
-        launch = dict(template=template(dtype, D, G, extra, warps, per_stretch, has_mask),
-                      grid=(heads * splits * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1))
-        shapes = [(B, Hq, 1, D)] if whole else partial_shapes(heads, splits, G, D)
+        slices = G if per_query_head else 1  # work groups a KV head's query heads are split over
+        whole, warps, per_stretch, splits = query_head_layout(N, D) if per_query_head else layout(N, G, D, whole_rows)
+        launch = dict(template=template(dtype, D, G // slices, extra, warps, per_stretch, has_mask, slices),
+                      grid=(heads * slices * splits * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1))
+        shapes = [(B, Hq, 1, D)] if whole else partial_shapes(heads * slices, splits, G // slices, D)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         plan = _plans[key] = (whole, launch, shapes)
