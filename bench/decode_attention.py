@@ -22,7 +22,8 @@ float32 [1, H, 1, N]. Each layout named is checked against the default layout (t
 largest difference of its output is printed) and warmed; then --calls calls of each, in
 the order named, run between cuProfilerStart and cuProfilerStop, each evaluated, so
 Nsight Compute started with --profile-from-start off times those kernels only, and the
-wall time of a call (evaluated alone: launch and wait included) is printed. --sum reads
+wall time of a call (evaluated alone: launch and wait included; under the profiler, the
+profiler's) is printed. --sum reads
 that log in launch order: each layout's first kernel (sdpa's, or camkv's partials, whose
 name holds the layout's template) with the combine launches after it, a call's device
 time each.
@@ -52,9 +53,9 @@ def parse_args(argv=None):
     parser.add_argument("--rows", type=int, default=577, help="rows held per KV head (default 577: budget 512 "
                                                                "and a full slack of 64, and one more)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    parser.add_argument("--queries-per-kv", type=int, default=4, help="query heads per KV head (default 4)")
-    parser.add_argument("--head-dim", type=int, default=64, choices=quantized_cuda.HEAD_DIMS,
-                        help="key and value dim (default 64)")
+    parser.add_argument("--queries-per-kv", type=int, default=2, help="query heads per KV head (default 2)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=quantized_cuda.HEAD_DIMS,
+                        help="key and value dim (default 128: with the defaults above, random-1b's attention)")
     parser.add_argument("--layouts", nargs="+", default=["sdpa", "stretches:4:4"],
                         help="each stretches:WARPS:STEPS, whole:WARPS, heads:WARPS[:STEPS] or sdpa "
                              "(default sdpa stretches:4:4)")
