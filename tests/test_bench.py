@@ -263,16 +263,18 @@ def test_merge_speed_runs_the_kernels_first_use_check_once_and_before_any_timed_
     assert checks == [0]
 
 
-@pytest.mark.parametrize("flag, rule, other, module, setting", [
-    ("--unfenced-arms", "mean", "drop", "camkv.backends.merge_ops", "FENCE_NEAREST_PRODUCT"),
-    ("--masked-arms", "keepkv", "mean", "camkv.hook", "WEIGHED_BLOCKS"),
+@pytest.mark.parametrize("flag, rule, other, module, setting, during", [
+    ("--unfenced-arms", "mean", "drop", "camkv.backends.merge_ops", "FENCE_NEAREST_PRODUCT", False),
+    ("--masked-arms", "keepkv", "mean", "camkv.hook", "WEIGHED_BLOCKS", False),
+    ("--heads-arms", "keepkv", "mean", "camkv.backends.quantized_cuda", "PLAIN_QUERY_HEADS", True),
 ])
 def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatch, flag, rule, other, module,
-                                                                      setting):
+                                                                      setting, during):
     """--unfenced-arms mean adds mean/unfenced (merge_ops.FENCE_NEAREST_PRODUCT off for its
-    run), --masked-arms keepkv adds keepkv/masked (hook.WEIGHED_BLOCKS off): the setting is
-    off during the arm's warm and timed round and on again after, the other arms run with
-    it on, and a rule it does not apply to gets no arm (drop: no nearest search; mean: no
+    run), --masked-arms keepkv adds keepkv/masked (hook.WEIGHED_BLOCKS off), --heads-arms
+    keepkv adds keepkv/heads (quantized_cuda.PLAIN_QUERY_HEADS on): the setting is switched
+    during the arm's warm and timed round and back after, the other arms run with it as
+    it was, and a rule it does not apply to gets no arm (drop: no nearest search; mean: no
     votes)."""
     import importlib
 
@@ -284,7 +286,7 @@ def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatc
     result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
                           "--steps", "4", "--rounds", "1", "--rules", rule, flag, rule, other])
     assert list(result["arms"]) == ["full", "rotating", "drop", rule, rule + "/" + flag[2:].split("-")[0]]
-    assert seen.count(False) == 2 and seen.count(True) == 8 and getattr(switched, setting) is True
+    assert seen.count(during) == 2 and seen.count(not during) == 8 and getattr(switched, setting) is (not during)
 
 
 def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
