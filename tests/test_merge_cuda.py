@@ -114,13 +114,15 @@ def test_nearest_survivor_kernel_matches_the_operations(nearest_search, case):
 
 
 @on_gpu
-@pytest.mark.parametrize("fence", [True, False])
-def test_the_nearest_search_evaluates_its_product_alone_with_the_kernels(fence, monkeypatch):
+@pytest.mark.parametrize("fence, from_pairs, fenced", [(True, 0, True), (True, 9 * 12, True),
+                                                       (True, 9 * 12 + 1, False), (False, 0, False)])
+def test_the_nearest_search_evaluates_its_product_alone_with_the_kernels(fence, from_pairs, fenced, monkeypatch):
     """With the kernels (CUDA), the nearest search's product of losers [R, k, D] by
     survivors [R, D, m] is evaluated as work of its own: its inputs before it, the product
     [R, k, m] after (merge_ops.FENCE_NEAREST_PRODUCT), so MLX's CUDA build records it in a
-    graph by itself. Unfenced, or by the MLX operations, the search evaluates nothing.
-    Same survivors either way."""
+    graph by itself, where it has FENCE_FROM_PAIRS loser-survivor pairs (k m) or more (a
+    prompt chunk's; a decode compression's fewer). Unfenced, or by the MLX operations, the
+    search evaluates nothing. Same survivors either way."""
     rng = np.random.default_rng(1)
     losers, kept = (mx.array(rng.standard_normal((2, n, 16)).astype(np.float32)) for n in (9, 12))
     positions = mx.broadcast_to(mx.arange(12, dtype=mx.int32), (2, 12))
@@ -129,9 +131,10 @@ def test_the_nearest_search_evaluates_its_product_alone_with_the_kernels(fence, 
     monkeypatch.setattr(merge_ops.mx, "async_eval",
                         lambda *arrays: evaluated.append([a.shape for a in arrays]) or real_eval(*arrays))
     monkeypatch.setattr(merge_ops, "FENCE_NEAREST_PRODUCT", fence)
+    monkeypatch.setattr(merge_ops, "FENCE_FROM_PAIRS", from_pairs)
     assert merge_ops._nearest(losers, kept, positions, 2, False, kernels=False) and evaluated == []
     got = merge_ops._nearest(losers, kept, positions, 2, False, kernels=True)
-    assert evaluated == ([[(2, 9, 16), (2, 16, 12)], [(2, 9, 12)]] if fence else [])
+    assert evaluated == ([[(2, 9, 16), (2, 16, 12)], [(2, 9, 12)]] if fenced else [])
     for g, w in zip(got[:2], want[:2]):
         np.testing.assert_array_equal(np.array(g), np.array(w))
 

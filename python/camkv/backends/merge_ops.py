@@ -181,6 +181,13 @@ NEAREST_WITHOUT_PRODUCT = False
 # nearest search's product in a graph of its own"). Timed off as bench/merge_speed.py's
 # RULE/unfenced arms.
 FENCE_NEAREST_PRODUCT = True
+# Products of fewer loser-survivor pairs than this are not fenced: a decode compression's
+# (at most slack + 1 losers a row; 65 x 512 at a 1B model's budget) cost keepkv's compressing
+# decode steps 21.3 ms fenced against 13.4 ms unfenced (H200, bench/results/README.md,
+# "keepkv's decode steps on CUDA: where their time goes"), while a prompt chunk's (2048 x 512
+# at 1B, 2048 x 2048 at llama-3-8B's shape) keeps the fence that took mean's 16k prompt from
+# 1.49x to 1.08x dropping's.
+FENCE_FROM_PAIRS = 1 << 19
 
 _probe: dict[str, str | None] = {}  # "failure": None once the kernels passed, else why they did not
 
@@ -538,10 +545,12 @@ def _key_norms(loser_keys, kept_keys, norms: tuple) -> tuple:
 def _key_products(loser_keys, kept_keys, split: bool, kernels: bool, norms: tuple) -> tuple:
     """The nearest search's dot products of losers [R, k, Dk] and survivors' keys
     [R, m, Dk], [R, k, m] float32 (split as _nearest says), and the two sides' key norms.
-    With kernels on CUDA the product is fenced (FENCE_NEAREST_PRODUCT)."""
+    With kernels on CUDA a product of FENCE_FROM_PAIRS pairs or more is fenced
+    (FENCE_NEAREST_PRODUCT)."""
     norm_l, norm_k = _key_norms(loser_keys, kept_keys, norms)
     survivors_keys = kept_keys.transpose(0, 2, 1)
-    fenced = kernels and FENCE_NEAREST_PRODUCT  # read once: both evaluations or neither
+    # Read once: both evaluations or neither.
+    fenced = kernels and FENCE_NEAREST_PRODUCT and loser_keys.shape[1] * kept_keys.shape[1] >= FENCE_FROM_PAIRS
     if fenced:
         mx.async_eval(loser_keys, survivors_keys)
     products = mass.float32_product(loser_keys, survivors_keys, split)
