@@ -37,7 +37,6 @@ time each.
 from __future__ import annotations
 
 import argparse
-import csv
 import ctypes
 import sys
 import time
@@ -46,6 +45,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from camkv.backends import quantized_cuda
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import prompt_kernels  # noqa: E402  (the ncu log's reading, beside this script)
 
 
 def parse_args(argv=None):
@@ -129,17 +131,8 @@ def by_layout(log: Path) -> list[tuple[str, int, float]]:
     """(a layout's first kernel name, its calls, nanoseconds a call) from an ncu log, in
     launch order: each kernel but those that continue a call (CONTINUES) starts a call;
     calls of the same first kernel one after another are one layout's."""
-    rows = [r for r in csv.reader(log.read_text().splitlines()) if len(r) > 5]
-    if not rows or "Kernel Name" not in rows[0]:
-        print(f"decode_attention: {log} has no ncu CSV header (run ncu with --csv --log-file)", file=sys.stderr)
-        raise SystemExit(2)
-    head = rows[0]
-    name_at, metric_at, value_at = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
     layouts: list[list] = []  # [first kernel, calls, nanoseconds]
-    for row in rows[1:]:
-        if row[metric_at] != "gpu__time_duration.sum":
-            continue
-        name, nanoseconds = row[name_at].split("(")[0], float(row[value_at].replace(",", ""))
+    for name, nanoseconds in prompt_kernels.launches_in_order(log, "decode_attention"):
         if not any(part in name for part in CONTINUES):
             if not layouts or layouts[-1][0] != name:
                 layouts.append([name, 0, 0.0])

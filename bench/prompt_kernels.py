@@ -51,21 +51,27 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def kernel_times(log: Path) -> tuple[collections.Counter, collections.Counter]:
-    """Launches and nanoseconds per kernel name (its text before the first parenthesis)
-    from an ncu CSV log (lines before its header are ncu's own messages)."""
+def launches_in_order(log: Path, program: str = "prompt_kernels") -> list[tuple[str, float]]:
+    """(kernel name: its text before the first parenthesis, nanoseconds) of each launch of
+    an ncu CSV log, in launch order (lines before its header are ncu's own messages, other
+    metrics are left out); a log without the header exits with status 2, program naming
+    the script that read it."""
     rows = [r for r in csv.reader(log.read_text().splitlines()) if len(r) > 5]
     if not rows or "Kernel Name" not in rows[0]:
-        print(f"prompt_kernels: {log} has no ncu CSV header (run ncu with --csv --log-file)", file=sys.stderr)
+        print(f"{program}: {log} has no ncu CSV header (run ncu with --csv --log-file)", file=sys.stderr)
         raise SystemExit(2)
     head = rows[0]
     name_at, metric_at, value_at = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
+    return [(row[name_at].split("(")[0], float(row[value_at].replace(",", ""))) for row in rows[1:]
+            if row[metric_at] == METRIC]
+
+
+def kernel_times(log: Path) -> tuple[collections.Counter, collections.Counter]:
+    """Launches and nanoseconds per kernel name from an ncu CSV log."""
     launches, nanoseconds = collections.Counter(), collections.Counter()
-    for row in rows[1:]:
-        if row[metric_at] == METRIC:
-            name = row[name_at].split("(")[0]
-            launches[name] += 1
-            nanoseconds[name] += float(row[value_at].replace(",", ""))
+    for name, spent in launches_in_order(log):
+        launches[name] += 1
+        nanoseconds[name] += spent
     return launches, nanoseconds
 
 
