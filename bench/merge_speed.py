@@ -30,7 +30,8 @@ merge engine's MLX operations, as every rule ran them before that routing.
 evaluated as work of its own (camkv.backends.merge_ops.FENCE_NEAREST_PRODUCT: its inputs
 before it, it after, so that MLX's CUDA build records that cuBLAS product in a CUDA graph
 by itself; bench/results/README.md, "The nearest search's product in a graph of its
-own"): the fence's before and after in one process.
+own"; only for products of merge_ops.FENCE_FROM_PAIRS pairs or more, a prompt chunk's):
+the fence's before and after in one process.
 --direct-arms RULE ... adds RULE/direct: the rule with its nearest search on CUDA by
 camkv.backends.merge_cuda.nearest_direct (the dot products taken in one kernel, no
 matrix product; camkv.backends.merge_ops.NEAREST_WITHOUT_PRODUCT), checked first against
