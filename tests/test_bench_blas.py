@@ -10,7 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 # The scripts that only read records or time kernels without a model's matrix products.
 NO_MODEL = {"kernels.py", "kernels_gpu.py", "merge_verdict.py", "recent_window.py", "server_ttft.py",
-            "ablate_chunk.py", "profile_compress.py", "profile_prefill.py", "step_calls.py"}
+            "ablate_chunk.py", "profile_compress.py", "profile_prefill.py", "step_calls.py", "decode_attention.py"}
 
 
 def test_every_model_script_reexecs_with_openblas():
