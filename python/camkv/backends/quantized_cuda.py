@@ -20,7 +20,10 @@ them (views into its buffers, read through their strides: nothing copied):
 
 Up to WHOLE_ROWS rows a head (a small model's bounded rows), one work group a KV head
 reads every row and writes the output itself: one launch, whose host work (MLX builds a
-custom kernel's call on the host each time) a decode step pays per layer.
+custom kernel's call on the host each time) a decode step pays per layer. Rows as the
+model's dtype can instead be read by one work group a query head (PLAIN_QUERY_HEADS: the
+text's SLICES splits a KV head's query heads over work groups), all its rows in one
+launch.
 
 Sums are float32; a row whose logit is -inf (masked) adds nothing, and a query head that
 sees no row gets zeros. The additive mask is read per KV head, [B, 1 or H, 1, N] (zero
