@@ -37,10 +37,12 @@ time each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 
@@ -111,14 +113,10 @@ def call_of(settings: dict | None, queries, keys, values, bias):
         return lambda: mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
 
     def call():
-        saved = {name: getattr(quantized_cuda, name) for name in settings}
-        for name, value in settings.items():
-            setattr(quantized_cuda, name, value)
-        try:
+        with contextlib.ExitStack() as held:
+            for name, value in settings.items():
+                held.enter_context(mock.patch.object(quantized_cuda, name, value))
             return quantized_cuda.attend_rows(queries, keys, values, scale, bias)
-        finally:
-            for name, value in saved.items():
-                setattr(quantized_cuda, name, value)
     return call
 
 

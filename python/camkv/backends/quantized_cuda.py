@@ -288,9 +288,15 @@ def _fits(queries: mx.array, H: int, v_dim: int, key_dtype, value_dtype) -> bool
             and key_dtype == value_dtype == queries.dtype)
 
 
-def rows_per_stretch(head_dim: int) -> int:
-    """Rows one work group reads: WARPS warps of 32 / (D / 8) row slots, STEPS times."""
-    return WARPS * (32 // (head_dim // 8)) * STEPS
+def rows_per_stretch(head_dim: int, warps: int | None = None, steps: int | None = None) -> int:
+    """Rows one work group reads: warps (None: WARPS) of 32 / (D / 8) row slots, steps
+    (None: STEPS) times."""
+    return (WARPS if warps is None else warps) * (32 // (head_dim // 8)) * (STEPS if steps is None else steps)
+
+
+def _stretch_count(N: int, per_stretch: int) -> int:
+    """Stretches of per_stretch rows that N rows a head are read in (at least one)."""
+    return max(1, -(-N // per_stretch))
 
 
 def takes_rows(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -345,8 +351,8 @@ def query_head_layout(N: int, D: int) -> tuple[bool, int, int, int]:
     """layout() of a work group a query head: (whole, warps, rows a stretch, stretches)."""
     if QUERY_HEAD_STEPS is None:
         return True, QUERY_HEAD_WARPS, ALL_ROWS, 1
-    per_stretch = QUERY_HEAD_WARPS * (32 // (D // 8)) * QUERY_HEAD_STEPS
-    return False, QUERY_HEAD_WARPS, per_stretch, max(1, -(-N // per_stretch))
+    per_stretch = rows_per_stretch(D, QUERY_HEAD_WARPS, QUERY_HEAD_STEPS)
+    return False, QUERY_HEAD_WARPS, per_stretch, _stretch_count(N, per_stretch)
 
 
 def layout(N: int, G: int, D: int, whole_rows: int | None = None) -> tuple[bool, int, int, int]:
@@ -357,7 +363,7 @@ def layout(N: int, G: int, D: int, whole_rows: int | None = None) -> tuple[bool,
     if N <= (WHOLE_ROWS if whole_rows is None else whole_rows):
         return True, whole_warps(G, D), WHOLE_ROWS, 1
     per_stretch = rows_per_stretch(D)
-    return False, WARPS, per_stretch, max(1, -(-N // per_stretch))
+    return False, WARPS, per_stretch, _stretch_count(N, per_stretch)
 
 
 def template(dtype, D: int, G: int, extra, warps: int, rows: int, has_mask: bool, slices: int = 1) -> list:
@@ -412,10 +418,11 @@ def _plan(kind: str, queries_shape, dtype, H: int, N: int, has_mask: bool, extra
         B, Hq, _, D = queries_shape
         G, heads = Hq // H, B * H
         slices = G if per_query_head else 1  # work groups a KV head's query heads are split over
+        per_group = G // slices  # query heads a work group takes
         whole, warps, per_stretch, splits = query_head_layout(N, D) if per_query_head else layout(N, G, D, whole_rows)
-        launch = dict(template=template(dtype, D, G // slices, extra, warps, per_stretch, has_mask, slices),
+        launch = dict(template=template(dtype, D, per_group, extra, warps, per_stretch, has_mask, slices),
                       grid=(heads * slices * splits * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1))
-        shapes = [(B, Hq, 1, D)] if whole else partial_shapes(heads * slices, splits, G // slices, D)
+        shapes = [(B, Hq, 1, D)] if whole else partial_shapes(heads * slices, splits, per_group, D)
         if len(_plans) >= MAX_PLANS:
             _plans.clear()
         plan = _plans[key] = (whole, launch, shapes)
