@@ -7,15 +7,18 @@ reads the rows itself (camkv.backends.quantized_cuda.attend_rows). How it is lau
 
 - `stretches:W:S`: work groups of W warps each read a stretch of W * (32 / (D / 8)) * S
   rows of one KV head and write partial sums, and a second launch combines them
-  (quantized_cuda.WARPS = W, STEPS = S; the default layout is stretches:4:4);
+  (quantized_cuda.WARPS = W, STEPS = S; QUERY_HEAD_ROWS = 0);
 - `whole:W`: one work group of W warps a KV head reads all its rows and writes the output,
-  one launch (quantized_cuda.PLAIN_STRETCHES off, MAX_WHOLE_WARPS = W);
+  one launch (quantized_cuda.PLAIN_STRETCHES off, MAX_WHOLE_WARPS = W; QUERY_HEAD_ROWS = 0);
 - `heads:W`: one work group of W warps a query head reads all its KV head's rows and
-  writes its output, one launch (quantized_cuda.PLAIN_QUERY_HEADS on, QUERY_HEAD_WARPS = W);
-  `heads:W:S`: a query head's rows in stretches of W * (32 / (D / 8)) * S rows, combined
-  (QUERY_HEAD_STEPS = S);
+  writes its output, one launch (quantized_cuda.QUERY_HEAD_ROWS past any row count,
+  QUERY_HEAD_WARPS = W); `heads:W:S`: a query head's rows in stretches of
+  W * (32 / (D / 8)) * S rows, combined (QUERY_HEAD_STEPS = S);
 - `sdpa`: MLX's mx.fast.scaled_dot_product_attention over the same rows without the bias
   (what dropping's decode step runs: the time to reach).
+
+The default layout (camkv's, no setting changed) is heads:32 up to QUERY_HEAD_ROWS (1280)
+rows a head of dim 64 or 128, stretches:4:4 past them.
 
 The rows are a view of a buffer with room to decode (as a cache holds them), the bias a
 float32 [1, H, 1, N]. Each layout named is checked against the default layout (the
@@ -30,7 +33,7 @@ time each.
 
     ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
         --csv --print-units base --log-file layouts.csv \\
-        python3 bench/decode_attention.py --rows 577 --layouts sdpa stretches:4:4 heads:16
+        python3 bench/decode_attention.py --rows 577 --layouts sdpa stretches:4:4 heads:32
     python3 bench/decode_attention.py --sum layouts.csv
 """
 
@@ -60,9 +63,9 @@ def parse_args(argv=None):
     parser.add_argument("--queries-per-kv", type=int, default=2, help="query heads per KV head (default 2)")
     parser.add_argument("--head-dim", type=int, default=128, choices=quantized_cuda.HEAD_DIMS,
                         help="key and value dim (default 128: with the defaults above, random-1b's attention)")
-    parser.add_argument("--layouts", nargs="+", default=["sdpa", "stretches:4:4"],
+    parser.add_argument("--layouts", nargs="+", default=["sdpa", "stretches:4:4", "heads:32"],
                         help="each stretches:WARPS:STEPS, whole:WARPS, heads:WARPS[:STEPS] or sdpa "
-                             "(default sdpa stretches:4:4)")
+                             "(default sdpa stretches:4:4 heads:32)")
     parser.add_argument("--calls", type=int, default=32, help="profiled calls of each layout (default 32)")
     parser.add_argument("--sum", type=Path, metavar="CSV",
                         help="summarize this ncu log (--csv --print-units base) by layout instead of running")
@@ -85,12 +88,13 @@ def layout_settings(layout: str) -> dict | None:
     if kind == "sdpa" and not values:
         return None
     if kind == "stretches" and len(values) == 2 and 1 <= values[0] <= 32 and 1 <= values[1] <= 64:
-        return {"PLAIN_STRETCHES": True, "WARPS": values[0], "STEPS": values[1], "PLAIN_QUERY_HEADS": False}
+        return {"PLAIN_STRETCHES": True, "WARPS": values[0], "STEPS": values[1], "QUERY_HEAD_ROWS": 0}
     if kind == "whole" and len(values) == 1 and 1 <= values[0] <= 32:
         return {"PLAIN_STRETCHES": False, "MAX_WHOLE_WARPS": values[0], "WARPS_SHARED_BYTES": 1 << 30,
-                "PLAIN_QUERY_HEADS": False}
+                "QUERY_HEAD_ROWS": 0}
     if kind == "heads" and len(values) in (1, 2) and 1 <= values[0] <= 32 and 1 <= values[-1] <= 64:
-        return {"PLAIN_QUERY_HEADS": True, "QUERY_HEAD_WARPS": values[0],
+        return {"QUERY_HEAD_ROWS": quantized_cuda.ALL_ROWS, "QUERY_HEAD_DIMS": quantized_cuda.HEAD_DIMS,
+                "QUERY_HEAD_WARPS": values[0],
                 "QUERY_HEAD_STEPS": values[1] if len(values) == 2 else None}
     raise ValueError(f"--layout {layout!r}: expected {allowed}")
 

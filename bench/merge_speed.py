@@ -42,8 +42,10 @@ with the votes' log in an additive mask [B, query heads, chunk, rows]
 (camkv.hook.weighed_by_votes), as before camkv.hook.weighed_block (MLX's CUDA build) and
 camkv.hook.joined_block (the CPU) weighed the values instead (camkv.hook.WEIGHED_BLOCKS off).
 --heads-arms RULE ... adds RULE/heads for a rule with votes: its decode steps' attention
-read by a work group a query head (camkv.backends.quantized_cuda.PLAIN_QUERY_HEADS, with
-QUERY_HEAD_WARPS warps), not a KV head's query heads together in stretches and a combine.
+read by a work group a query head at any row count (camkv.backends.quantized_cuda.
+QUERY_HEAD_ROWS past any, QUERY_HEAD_WARPS warps); --stretches-arms RULE ... adds
+RULE/stretches: read by a KV head's query heads together in stretches and a combine at any
+row count (QUERY_HEAD_ROWS 0), camkv's layout past QUERY_HEAD_ROWS rows.
 --profile ARM ... runs, after the timed rounds, one prompt of each arm named (any arm
 of the run) under cProfile: the host's calls by their own time, where a prompt's time
 goes when the device waits for the host or the host for the device (MLX's evaluations
@@ -96,6 +98,7 @@ UNFENCED = "/unfenced"  # an arm's suffix: the rule with its nearest search's pr
 DIRECT = "/direct"  # an arm's suffix: the rule with its nearest search's dot products in one kernel (CUDA)
 MASKED = "/masked"  # an arm's suffix: the rule's prompt chunks weighed by votes through a mask (hook.weighed_by_votes)
 HEADS = "/heads"  # an arm's suffix: the rule's votes-weighed decode attention a work group a query head
+STRETCHES = "/stretches"  # an arm's suffix: that attention in stretches of a KV head's query heads
 PREFILL_GOAL, DECODE_GOAL = 1.25, 1.05  # most an arm may take against dropping
 
 
@@ -136,8 +139,12 @@ def parse_args(argv=None):
                              "(arms RULE/masked) (default: none)")
     parser.add_argument("--heads-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
                         help="rules with votes (keepkv) to run also with their decode steps' attention read by a "
-                             "work group a query head (quantized_cuda.PLAIN_QUERY_HEADS on; arms RULE/heads) "
-                             "(default: none)")
+                             "work group a query head at any row count (quantized_cuda.QUERY_HEAD_ROWS past "
+                             "any; arms RULE/heads) (default: none)")
+    parser.add_argument("--stretches-arms", nargs="*", default=[], choices=merges.names(), metavar="RULE",
+                        help="rules with votes (keepkv) to run also with their decode steps' attention read in "
+                             "stretches of a KV head's query heads at any row count (quantized_cuda."
+                             "QUERY_HEAD_ROWS 0; arms RULE/stretches) (default: none)")
     parser.add_argument("--profile", nargs="*", default=[], metavar="ARM",
                         help="after the timed rounds, one prompt of each of these arms under cProfile, its "
                              "calls by own time (default: none)")
@@ -172,6 +179,7 @@ def arms_of(opts) -> list[str]:
     without += [rule + UNFENCED for rule in dict.fromkeys(opts.unfenced_arms) if rule != DROP]
     without += [rule + MASKED for rule in dict.fromkeys(opts.masked_arms) if merges.rule(rule).keeps_votes]
     without += [rule + HEADS for rule in dict.fromkeys(opts.heads_arms) if merges.rule(rule).keeps_votes]
+    without += [rule + STRETCHES for rule in dict.fromkeys(opts.stretches_arms) if merges.rule(rule).keeps_votes]
     if merge_cuda.available():
         without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
                     if merges.rule(rule).kind == merges.NEAREST]
@@ -203,11 +211,13 @@ def run_arm(model, arm: str, prompt: mx.array, opts, around_steps=None, step_sec
     verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
         compress.OPERATIONS_FROM_TOKENS
     routing, fence, direct = compress.by_operations, merge_ops.FENCE_NEAREST_PRODUCT, merge_ops.NEAREST_WITHOUT_PRODUCT
-    blocks, query_heads = hook.WEIGHED_BLOCKS, quantized_cuda.PLAIN_QUERY_HEADS
+    blocks, query_head_rows = hook.WEIGHED_BLOCKS, quantized_cuda.QUERY_HEAD_ROWS
     if arm.endswith(MASKED):
         hook.WEIGHED_BLOCKS = False
     if arm.endswith(HEADS):
-        quantized_cuda.PLAIN_QUERY_HEADS = True
+        quantized_cuda.QUERY_HEAD_ROWS = quantized_cuda.ALL_ROWS
+    if arm.endswith(STRETCHES):
+        quantized_cuda.QUERY_HEAD_ROWS = 0
     if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
         compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
     if arm.endswith(ENGINE):  # the routing before decode compressions moved to the kernel core
@@ -247,7 +257,7 @@ def run_arm(model, arm: str, prompt: mx.array, opts, around_steps=None, step_sec
         merge_ops.FENCE_NEAREST_PRODUCT = fence
         merge_ops.NEAREST_WITHOUT_PRODUCT = direct
         hook.WEIGHED_BLOCKS = blocks
-        quantized_cuda.PLAIN_QUERY_HEADS = query_heads
+        quantized_cuda.QUERY_HEAD_ROWS = query_head_rows
         if arm not in MLX_LM_ARMS:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps, mx.get_peak_memory()

@@ -266,19 +266,23 @@ def test_merge_speed_runs_the_kernels_first_use_check_once_and_before_any_timed_
 @pytest.mark.parametrize("flag, rule, other, module, setting, during", [
     ("--unfenced-arms", "mean", "drop", "camkv.backends.merge_ops", "FENCE_NEAREST_PRODUCT", False),
     ("--masked-arms", "keepkv", "mean", "camkv.hook", "WEIGHED_BLOCKS", False),
-    ("--heads-arms", "keepkv", "mean", "camkv.backends.quantized_cuda", "PLAIN_QUERY_HEADS", True),
+    ("--heads-arms", "keepkv", "mean", "camkv.backends.quantized_cuda", "QUERY_HEAD_ROWS", 1 << 30),
+    ("--stretches-arms", "keepkv", "mean", "camkv.backends.quantized_cuda", "QUERY_HEAD_ROWS", 0),
 ])
 def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatch, flag, rule, other, module,
                                                                       setting, during):
     """--unfenced-arms mean adds mean/unfenced (merge_ops.FENCE_NEAREST_PRODUCT off for its
     run), --masked-arms keepkv adds keepkv/masked (hook.WEIGHED_BLOCKS off), --heads-arms
-    keepkv adds keepkv/heads (quantized_cuda.PLAIN_QUERY_HEADS on): the setting is switched
-    during the arm's warm and timed round and back after, the other arms run with it as
-    it was, and a rule it does not apply to gets no arm (drop: no nearest search; mean: no
-    votes)."""
+    keepkv adds keepkv/heads (quantized_cuda.QUERY_HEAD_ROWS past any row count),
+    --stretches-arms keepkv adds keepkv/stretches (QUERY_HEAD_ROWS 0): the setting is
+    switched during the arm's warm and timed round and back after, the other arms run with
+    it as it was, and a rule it does not apply to gets no arm (drop: no nearest search;
+    mean: no votes)."""
     import importlib
 
     switched = importlib.import_module(module)
+    otherwise = getattr(switched, setting)
+    assert otherwise != during
     script = _load_bench_script("merge_speed")
     seen = []
     monkeypatch.setattr(script, "generate_step", lambda *a, real_step=script.generate_step, **k:
@@ -286,7 +290,7 @@ def test_merge_speed_switch_arms_turn_their_setting_off_for_their_run(monkeypatc
     result = script.main(["--model", "random-tiny", "--prompt-length", "120", "--budget", "40", "--chunk", "48",
                           "--steps", "4", "--rounds", "1", "--rules", rule, flag, rule, other])
     assert list(result["arms"]) == ["full", "rotating", "drop", rule, rule + "/" + flag[2:].split("-")[0]]
-    assert seen.count(during) == 2 and seen.count(not during) == 8 and getattr(switched, setting) is (not during)
+    assert seen.count(during) == 2 and seen.count(otherwise) == 8 and getattr(switched, setting) == otherwise
 
 
 def test_merge_speed_direct_arm_turns_the_dot_product_kernel_on_for_its_run_or_is_left_out(monkeypatch):
@@ -675,7 +679,8 @@ def test_decode_attention_layouts_compute_the_default_layouts_output_and_restore
     opts = script.parse_args(["--rows", "150", "--kv-heads", "2", "--queries-per-kv", "3", "--layouts", "heads:4"])
     assert list(opts.settings) == ["heads:4"]
     before = {name: getattr(quantized_cuda, name) for name in ("PLAIN_STRETCHES", "WARPS", "STEPS", "MAX_WHOLE_WARPS",
-                                                                "PLAIN_QUERY_HEADS", "QUERY_HEAD_STEPS")}
+                                                                "QUERY_HEAD_ROWS", "QUERY_HEAD_DIMS",
+                                                                "QUERY_HEAD_STEPS")}
     with cuda_emulation.kernels_here(quantized_cuda):
         arrays = script.inputs(opts)
         default = script.call_of({}, *arrays)()

@@ -166,7 +166,8 @@ def test_plain_rows_match_float64_attention(case):
         patch.setattr(quantized_cuda, "PLAIN_STRETCHES", False)
         patch.setattr(quantized_cuda, "WHOLE_ROWS", quantized_cuda.WHOLE_ROWS if c["whole"] else 0)
         # A work group a query head (its rows whole, or in stretches of 2 warps' 3 steps).
-        patch.setattr(quantized_cuda, "PLAIN_QUERY_HEADS", c["query_heads"])
+        patch.setattr(quantized_cuda, "QUERY_HEAD_ROWS", quantized_cuda.ALL_ROWS if c["query_heads"] else 0)
+        patch.setattr(quantized_cuda, "QUERY_HEAD_DIMS", quantized_cuda.HEAD_DIMS)
         patch.setattr(quantized_cuda, "QUERY_HEAD_WARPS", 4 if c["whole"] else 2)
         patch.setattr(quantized_cuda, "QUERY_HEAD_STEPS", None if c["whole"] else 3)
         got = np.array(quantized_cuda.attend_rows(queries, keys, values, c["scale"], mask).astype(mx.float32))
@@ -189,6 +190,7 @@ def test_plain_rows_past_one_stretch_are_read_in_stretches(rows, stretched, monk
     keys, values = (mx.array(rng.standard_normal((1, 8, rows, 128)).astype(np.float32)).astype(mx.bfloat16)
                     for _ in range(2))
     mask = mx.array(rng.standard_normal((1, 8, 1, rows)).astype(np.float32))
+    monkeypatch.setattr(quantized_cuda, "QUERY_HEAD_ROWS", 0)  # a KV head's query heads together
     combined = counted(monkeypatch, quantized_cuda, "combine")
     got = np.array(quantized_cuda.attend_rows(queries, keys, values, 0.088, mask).astype(mx.float32))
     assert len(combined) == int(stretched)
@@ -215,6 +217,31 @@ def test_a_step_shapes_launch_plan_is_made_once_and_follows_the_layout_settings(
             patch.setattr(quantized_cuda, setting, value)
             assert quantized_cuda._plan(*args, 1024)[1]["threadgroup"] == (32, 1, 1)
     assert quantized_cuda._plan(*args, 1024) is first
+
+
+@pytest.mark.parametrize("rows, dim, by_query_head", [
+    (1, 128, True), (577, 128, True), (577, 64, True), (quantized_cuda.QUERY_HEAD_ROWS, 128, True),
+    (quantized_cuda.QUERY_HEAD_ROWS + 1, 128, False), (2112, 128, False), (577, 256, False)])
+def test_plain_rows_up_to_query_head_rows_are_read_by_a_work_group_a_query_head(rows, dim, by_query_head,
+                                                                                 monkeypatch):
+    """A decode step over rows as the model's dtype: up to QUERY_HEAD_ROWS rows a head of a
+    dim in QUERY_HEAD_DIMS, one launch of a work group a query head (as many work groups as
+    query heads, QUERY_HEAD_WARPS warps each, one query head's sums); past them, or at head
+    dim 256, a KV head's query heads together (its stretches and a combine past one stretch)."""
+    plans = []
+    monkeypatch.setattr(quantized_cuda, "_attend", lambda *args: plans.append(quantized_cuda._plan(
+        args[0], args[1].shape, args[1].dtype, args[3][1], args[3][2], True, (), args[7], args[8])))
+    queries, rows_of = mx.zeros((1, 16, 1, dim), mx.bfloat16), mx.zeros((1, 8, rows, dim), mx.bfloat16)
+    quantized_cuda.attend_rows(queries, rows_of, rows_of, 0.1, mx.zeros((1, 8, 1, rows)))
+    whole, launch, shapes = plans[0]
+    template = dict(launch["template"])
+    if by_query_head:
+        warps = quantized_cuda.QUERY_HEAD_WARPS
+        assert whole and shapes == [(1, 16, 1, dim)] and template["G"] == 1 and template["SLICES"] == 2
+        assert launch["grid"] == (16 * warps * 32, 1, 1) and launch["threadgroup"] == (warps * 32, 1, 1)
+    else:
+        assert template["G"] == 2 and template["SLICES"] == 1
+        assert launch["threadgroup"][0] < quantized_cuda.QUERY_HEAD_WARPS * 32
 
 
 def test_plain_rows_refusals():

@@ -21,7 +21,7 @@ them (views into its buffers, read through their strides: nothing copied):
 Up to WHOLE_ROWS rows a head (a small model's bounded rows), one work group a KV head
 reads every row and writes the output itself: one launch, whose host work (MLX builds a
 custom kernel's call on the host each time) a decode step pays per layer. Rows as the
-model's dtype can instead be read by one work group a query head (PLAIN_QUERY_HEADS: the
+model's dtype, up to QUERY_HEAD_ROWS a head, are read by one work group a query head (the
 text's SLICES splits a KV head's query heads over work groups), all its rows in one
 launch.
 
@@ -324,13 +324,19 @@ def attend(queries: mx.array, keys: tuple, values: tuple, scale: float, mask, bi
 PLAIN_STRETCHES = True
 
 
-# Rows as the model's dtype read by a work group a query head (QUERY_HEAD_WARPS warps
-# reading all its rows, one launch), not a KV head's query heads together in stretches:
-# as many work groups as query heads (32 at a 1B model's shape), each with few registers
-# (one query head's sums), so many warps each; the rows of a KV head are read once a query
-# head, from the device's cache after the first.
-PLAIN_QUERY_HEADS = False
-QUERY_HEAD_WARPS = 16
+# Rows as the model's dtype, up to QUERY_HEAD_ROWS a head of a dim in QUERY_HEAD_DIMS, are
+# read by a work group a query head (QUERY_HEAD_WARPS warps reading all its rows, one
+# launch), past that by a KV head's query heads together in stretches and a combine: as
+# many work groups as query heads (16 at a 1B model's shape), each with few registers (one
+# query head's sums), so many warps each; a KV head's rows are read once a query head,
+# from the device's cache after the first. On an H100 (Nsight Compute, bench/results/
+# README.md, "keepkv's decode attention by a work group a query head") 32 warps a query
+# head took 24.0 us a call over 577 rows of dim 128 against the stretches' 35.4 (their
+# combine included), 36.5 against 40.4 over 1089 rows and 61.9 against 53.0 over 2112:
+# the two cross near 1400 rows. Head dim 256 was not timed, so its rows keep the stretches.
+QUERY_HEAD_ROWS = 1280
+QUERY_HEAD_DIMS = (64, 128)
+QUERY_HEAD_WARPS = 32
 # With QUERY_HEAD_STEPS set, a query head's rows are read in stretches of QUERY_HEAD_WARPS
 # warps of 32 / (D / 8) row slots, QUERY_HEAD_STEPS times, and combined (two launches).
 QUERY_HEAD_STEPS: int | None = None
@@ -344,7 +350,13 @@ def attend_rows(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
     CUDA attention does not take (its fallback is a chain of launches). The caller checks
     takes_rows() first."""
     whole_rows = rows_per_stretch(queries.shape[3]) if PLAIN_STRETCHES else WHOLE_ROWS
-    return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [], whole_rows, PLAIN_QUERY_HEADS)
+    return _attend("plain", queries, (keys, values), keys.shape, scale, mask, [], whole_rows,
+                   by_query_head(keys.shape[2], queries.shape[3]))
+
+
+def by_query_head(N: int, D: int) -> bool:
+    """Whether N rows a head of dim D are read by a work group a query head (QUERY_HEAD_ROWS)."""
+    return N <= QUERY_HEAD_ROWS and D in QUERY_HEAD_DIMS
 
 
 def query_head_layout(N: int, D: int) -> tuple[bool, int, int, int]:
