@@ -60,6 +60,7 @@ show as the calls that wait).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -69,6 +70,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
@@ -177,9 +179,8 @@ def arms_of(opts) -> list[str]:
     without += [rule + CORE for rule in dict.fromkeys(opts.core_arms) if rule != DROP]
     without += [rule + ENGINE for rule in dict.fromkeys(opts.engine_arms) if rule != DROP]
     without += [rule + UNFENCED for rule in dict.fromkeys(opts.unfenced_arms) if rule != DROP]
-    without += [rule + MASKED for rule in dict.fromkeys(opts.masked_arms) if merges.rule(rule).keeps_votes]
-    without += [rule + HEADS for rule in dict.fromkeys(opts.heads_arms) if merges.rule(rule).keeps_votes]
-    without += [rule + STRETCHES for rule in dict.fromkeys(opts.stretches_arms) if merges.rule(rule).keeps_votes]
+    for suffix, chosen in ((MASKED, opts.masked_arms), (HEADS, opts.heads_arms), (STRETCHES, opts.stretches_arms)):
+        without += [rule + suffix for rule in dict.fromkeys(chosen) if merges.rule(rule).keeps_votes]
     if merge_cuda.available():
         without += [rule + DIRECT for rule in dict.fromkeys(opts.direct_arms)
                     if merges.rule(rule).kind == merges.NEAREST]
@@ -207,29 +208,13 @@ def run_arm(model, arm: str, prompt: mx.array, opts, around_steps=None, step_sec
         # arm is timed: restored to "not yet" after each arm, it ran inside every merging
         # arm's timed prompt (about 20 ms at 1B on an H100, none in dropping's).
         merge_ops.kernels_pass_probe()
+    switched = contextlib.ExitStack()
     # The kernels' first-use verdict stands for the process; an /ops arm sets it to "off" for its run.
-    verdict, weighed, from_tokens = merge_ops._probe.copy(), quantized_attention.attend_weighed, \
-        compress.OPERATIONS_FROM_TOKENS
-    routing, fence, direct = compress.by_operations, merge_ops.FENCE_NEAREST_PRODUCT, merge_ops.NEAREST_WITHOUT_PRODUCT
-    blocks, query_head_rows = hook.WEIGHED_BLOCKS, quantized_cuda.QUERY_HEAD_ROWS
-    if arm.endswith(MASKED):
-        hook.WEIGHED_BLOCKS = False
-    if arm.endswith(HEADS):
-        quantized_cuda.QUERY_HEAD_ROWS = quantized_cuda.ALL_ROWS
-    if arm.endswith(STRETCHES):
-        quantized_cuda.QUERY_HEAD_ROWS = 0
-    if arm.endswith(CORE):  # a decode compression holds slack + 1 pending tokens; a prompt chunk more
-        compress.OPERATIONS_FROM_TOKENS = CaMConfig(budget=opts.budget).slack + 2
-    if arm.endswith(ENGINE):  # the routing before decode compressions moved to the kernel core
-        compress.by_operations = compress.gpu_chunk
-    if arm.endswith(UNFENCED):
-        merge_ops.FENCE_NEAREST_PRODUCT = False
-    if arm.endswith(DIRECT):
-        merge_ops.NEAREST_WITHOUT_PRODUCT = True
+    switched.enter_context(mock.patch.dict(merge_ops._probe))
     if arm.endswith(OPS):
         merge_ops._probe["failure"] = "switched off for this arm"
-    if arm.endswith((OPS, SDPA)):
-        quantized_attention.attend_weighed = lambda *args: None
+    for module, name, value in arm_switches(arm, opts):
+        switched.enter_context(mock.patch.object(module, name, value))
     try:
         mx.reset_peak_memory()
         tick = time.perf_counter()
@@ -249,18 +234,29 @@ def run_arm(model, arm: str, prompt: mx.array, opts, around_steps=None, step_sec
         if step_seconds is not None:
             step_seconds += [b - a for a, b in zip(ends, ends[1:])]
     finally:
-        merge_ops._probe.clear()
-        merge_ops._probe.update(verdict)
-        quantized_attention.attend_weighed = weighed
-        compress.OPERATIONS_FROM_TOKENS = from_tokens
-        compress.by_operations = routing
-        merge_ops.FENCE_NEAREST_PRODUCT = fence
-        merge_ops.NEAREST_WITHOUT_PRODUCT = direct
-        hook.WEIGHED_BLOCKS = blocks
-        quantized_cuda.QUERY_HEAD_ROWS = query_head_rows
+        switched.close()
         if arm not in MLX_LM_ARMS:
             camkv.remove(model)
     return prefilled - tick, (done - prefilled) / opts.steps, mx.get_peak_memory()
+
+
+def arm_switches(arm: str, opts) -> list[tuple[object, str, object]]:
+    """(module, name, value) of each setting an arm's suffix switches for its run (none for
+    an arm without one)."""
+    without_weighed = (quantized_attention, "attend_weighed", lambda *args: None)
+    by_suffix = {
+        OPS: [without_weighed], SDPA: [without_weighed],
+        # A decode compression holds slack + 1 pending tokens; a prompt chunk more.
+        CORE: [(compress, "OPERATIONS_FROM_TOKENS", CaMConfig(budget=opts.budget).slack + 2)],
+        # The routing before decode compressions moved to the kernel core.
+        ENGINE: [(compress, "by_operations", compress.gpu_chunk)],
+        UNFENCED: [(merge_ops, "FENCE_NEAREST_PRODUCT", False)],
+        DIRECT: [(merge_ops, "NEAREST_WITHOUT_PRODUCT", True)],
+        MASKED: [(hook, "WEIGHED_BLOCKS", False)],
+        HEADS: [(quantized_cuda, "QUERY_HEAD_ROWS", quantized_cuda.ALL_ROWS)],
+        STRETCHES: [(quantized_cuda, "QUERY_HEAD_ROWS", 0)],
+    }
+    return next((switches for suffix, switches in by_suffix.items() if arm.endswith(suffix)), [])
 
 
 PROFILED_CALLS = 15  # the calls a profile lists, by own time
